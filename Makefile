@@ -1,0 +1,30 @@
+# The two commands of the README's quick start, and the checks CI runs.
+# Each target builds .venv first if needed (scripts/setup-env.sh; a second run is fast).
+PY := .venv/bin
+
+.PHONY: env demo test lint unit integration bench clean
+
+env:
+	@bash scripts/setup-env.sh
+
+demo: env
+	$(PY)/hsx demo
+
+test: env lint
+	$(PY)/pytest
+
+lint: env
+	$(PY)/ruff check .
+	$(PY)/mypy
+
+unit: env
+	$(PY)/pytest tests/unit
+
+integration: env
+	$(PY)/pytest tests/integration
+
+bench: env
+	$(PY)/python benchmarks/run_all.py
+
+clean:
+	rm -rf demo-output .pytest_cache .mypy_cache .ruff_cache

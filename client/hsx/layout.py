@@ -1,0 +1,45 @@
+"""Names of the objects in a job's output location (see docs/FORMAT.md).
+
+```
+<output>/
+  manifest.json                    job description: model, layer ids, dtype, units
+  inputs.arrow                     every good sample: sample_index, input_ids, loss_mask, length
+  errors.arrow                     every bad row from ingestion: sample_index, reason
+  shards/unit-000042-<attempt>.safetensors   one shard per work unit
+  commits/unit-000042.json         the commit record that makes that shard visible
+  complete.json                    written once every unit is committed
+  .tmp/                            in-progress files; never read by readers
+```
+"""
+
+from __future__ import annotations
+
+FORMAT_NAME = "hsx-hidden-states"
+FORMAT_VERSION = 1
+SHARD_FORMAT_NAME = "hsx-shard"
+
+MANIFEST = "manifest.json"
+INPUTS = "inputs.arrow"
+ERRORS = "errors.arrow"
+COMPLETE = "complete.json"
+SHARDS_DIR = "shards"
+COMMITS_DIR = "commits"
+TMP_DIR = ".tmp"
+
+# Layer-id convention recorded in the manifest (DESIGN.md, "Layer ids").
+LAYER_CONVENTION = (
+    "id k < N: residual stream entering decoder layer k (= HF output_hidden_states[k]); "
+    "id N: last decoder layer output before the final norm"
+)
+
+
+def unit_name(unit: int) -> str:
+    return f"unit-{unit:06d}"
+
+
+def commit_path(unit: int) -> str:
+    return f"{COMMITS_DIR}/{unit_name(unit)}.json"
+
+
+def shard_path(unit: int, attempt: str) -> str:
+    return f"{SHARDS_DIR}/{unit_name(unit)}-{attempt}.safetensors"

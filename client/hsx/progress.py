@@ -1,0 +1,120 @@
+"""Job progress: the numbers a driver reports, and the terminal bar that shows them."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+
+@dataclass
+class JobProgress:
+    samples_total: int
+    tokens_total: int
+    samples_done: int = 0
+    tokens_done: int = 0
+    samples_failed: int = 0
+    shards: int = 0
+    bytes: int = 0
+    units_total: int = 0
+    units_done: int = 0
+    workers: dict[str, str] = field(default_factory=dict)  # name -> state
+    restarts: int = 0
+    started_at: float = field(default_factory=time.time)
+    # tokens/s over the run so far, counted from the first token of this run
+    rate_tokens: int = 0
+    rate_since: float | None = None
+
+    def tokens_per_s(self) -> float:
+        if self.rate_since is None:
+            return 0.0
+        elapsed = time.time() - self.rate_since
+        return self.rate_tokens / elapsed if elapsed > 0 else 0.0
+
+    def eta_s(self) -> float | None:
+        rate = self.tokens_per_s()
+        if rate <= 0:
+            return None
+        return max(self.tokens_total - self.tokens_done, 0) / rate
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "samples_total": self.samples_total,
+            "samples_done": self.samples_done,
+            "samples_failed": self.samples_failed,
+            "tokens_total": self.tokens_total,
+            "tokens_done": self.tokens_done,
+            "shards": self.shards,
+            "bytes": self.bytes,
+            "units_total": self.units_total,
+            "units_done": self.units_done,
+            "tokens_per_s": round(self.tokens_per_s(), 1),
+            "eta_s": self.eta_s(),
+            "workers": dict(self.workers),
+            "restarts": self.restarts,
+        }
+
+
+class ProgressBar:
+    """A live bar on a terminal (samples, tokens/s, ETA); a line per update otherwise."""
+
+    def __init__(self, title: str, *, enabled: bool | None = None):
+        self.title = title
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._progress: Any = None
+        self._task: Any = None
+        self._last_line = 0.0
+
+    def __enter__(self) -> ProgressBar:
+        if self.enabled:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("samples"),
+                TextColumn("{task.fields[rate]} tok/s"),
+                TextColumn("{task.fields[extra]}"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self._progress.__enter__()
+            self._task = self._progress.add_task(self.title, total=None, rate="-", extra="")
+        return self
+
+    def update(self, p: JobProgress) -> None:
+        rate = f"{p.tokens_per_s():,.0f}"
+        extra = f"{p.shards} shards"
+        if p.samples_failed:
+            extra += f", {p.samples_failed} bad"
+        if p.restarts:
+            extra += f", {p.restarts} restarts"
+        if self._progress is not None:
+            self._progress.update(
+                self._task, total=p.samples_total, completed=p.samples_done, rate=rate, extra=extra
+            )
+        elif time.monotonic() - self._last_line > 5 or p.samples_done >= p.samples_total:
+            self._last_line = time.monotonic()
+            from rich.console import Console
+
+            Console(stderr=True, highlight=False).print(
+                f"{self.title}: {p.samples_done}/{p.samples_total} samples, {rate} tok/s, {extra}"
+            )
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(exc_type, exc, tb)

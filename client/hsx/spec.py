@@ -1,0 +1,197 @@
+"""The job file: what to extract, from which model and dataset, into which output.
+
+`JobSpec` is the one schema a job is written in — the YAML/JSON file that `hsx extract`
+reads and (later) the body of `POST /v1/jobs`. Compatibility rule: new fields get
+defaults; a breaking change gets a new `version`.
+
+Checks that need only the spec live here (unknown fields, duplicate layer ids, value
+ranges). Checks that need the model (layer ids within `0..N`) or the output location
+(writable) run in `hsx.preflight` before any engine starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+EngineName = Literal["vllm", "hf"]
+StorageDtype = Literal["bf16", "fp8"]
+
+
+class SpecError(ValueError):
+    """A job file that cannot be used; the message names the field and the problem."""
+
+
+class VllmOptions(BaseModel):
+    """Engine settings passed through to vLLM's `LLM(...)` for the `vllm` engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: str = Field("auto", description="Model dtype for vLLM (auto, bfloat16, float16).")
+    max_num_batched_tokens: int | None = Field(
+        None, gt=0, description="vLLM scheduler token budget per step; None lets vLLM choose."
+    )
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may take (GPU only)."
+    )
+    cpu_kvcache_gib: int = Field(
+        1, ge=1, description="KV cache size in GiB for vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs / torch.compile.")
+
+
+class JobSpec(BaseModel):
+    """One extraction job: model x dataset -> per-layer hidden states in `output`."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    version: Literal[1] = Field(1, description="Version of this job-file schema.")
+    name: str | None = Field(None, description="Optional human name for the job.")
+    model: str = Field(
+        ..., min_length=1, description="Target model: a local directory or a hub id."
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer directory or hub id when it differs from `model`."
+    )
+    dataset: str = Field(
+        ...,
+        min_length=1,
+        description=(
+            "Dataset path: a .jsonl file, a .parquet file (or a directory of them), or a "
+            "Hugging Face `save_to_disk` folder. Rows carry `messages`, `prompt`/`text`, "
+            "or `input_ids` (optionally `loss_mask`)."
+        ),
+    )
+    output: str = Field(..., min_length=1, description="Output directory path or file:// URI.")
+    layers: list[int] | None = Field(
+        None,
+        description=(
+            "Layer ids to capture (see docs/FORMAT.md: id k < N is the input of decoder "
+            "layer k, id N the last layer's output before the final norm). Default for "
+            "EAGLE-3: [2, N//2, N-3, N]."
+        ),
+    )
+    engine: EngineName = Field("vllm", description="Capture engine: `vllm` (default) or `hf`.")
+    max_seq_len: int = Field(
+        4096, gt=1, description="Samples are truncated to this many tokens."
+    )
+    replicas: int = Field(1, ge=1, description="Number of engines (Ray actors) running at once.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs (or CPU ranks) per engine for tensor parallelism."
+    )
+    storage_dtype: StorageDtype = Field(
+        "bf16", description="How states are stored: `bf16`, or `fp8` (e4m3, per-token scales)."
+    )
+    unit_tokens: int = Field(
+        65536,
+        gt=0,
+        description="Target tokens per work unit; one unit becomes one shard.",
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster address; None starts (or joins) a local Ray."
+    )
+    trust_remote_code: bool = Field(False, description="Allow the model's own Python code.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments for the tokenizer's chat template.",
+    )
+    vllm: VllmOptions = Field(default_factory=VllmOptions, description="vLLM engine settings.")
+
+    @field_validator("layers")
+    @classmethod
+    def _layers_unique(cls, layers: list[int] | None) -> list[int] | None:
+        if layers is None:
+            return None
+        if not layers:
+            raise ValueError("layers must not be empty (omit it for the default)")
+        negative = [k for k in layers if k < 0]
+        if negative:
+            raise ValueError(f"layer ids must be >= 0, got {negative}")
+        dupes = sorted({k for k in layers if layers.count(k) > 1})
+        if dupes:
+            raise ValueError(f"duplicate layer ids {dupes}")
+        # Stored in ascending order whatever order is asked: vLLM emits them sorted.
+        return sorted(layers)
+
+    def data_fingerprint(self) -> str:
+        """Hash of the fields that decide the output's content.
+
+        Two specs with the same fingerprint produce the same bytes; `replicas`,
+        `ray_address` and engine tuning do not enter it, so a rerun with more replicas
+        resumes the same output.
+        """
+        keys = (
+            "model", "tokenizer", "dataset", "layers", "engine", "max_seq_len",
+            "storage_dtype", "unit_tokens", "chat_template_kwargs",
+        )
+        payload = {k: getattr(self, k) for k in keys}
+        blob = json.dumps(payload, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(job)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see `hsx extract --help`)"
+        lines.append(f"{field}: {msg}")
+    return "; ".join(lines)
+
+
+def parse_job(data: dict[str, Any], *, source: str = "job") -> JobSpec:
+    """Validate a job mapping; raise SpecError naming every bad field."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: a job must be a mapping of fields, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(f"{source}: {_format_validation_error(err)}") from None
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read a YAML or JSON job file. Relative paths inside it resolve against its folder."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise SpecError(f"cannot read job file {p}: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise SpecError(f"{p}: not valid YAML/JSON: {err}") from None
+    spec = parse_job(data, source=str(p))
+    return _resolve_relative(spec, p.parent)
+
+
+def _resolve_relative(spec: JobSpec, base: Path) -> JobSpec:
+    def resolve(value: str) -> str:
+        if "://" in value:
+            return value
+        candidate = Path(value).expanduser()
+        if candidate.is_absolute():
+            return str(candidate)
+        local = base / candidate
+        # A bare hub id ("org/name") stays as it is unless it exists relative to the file.
+        if local.exists() or value.startswith((".", "~")) or value.endswith(
+            (".jsonl", ".json", ".parquet")
+        ):
+            return str(local.resolve())
+        return value
+
+    updates = {
+        "model": resolve(spec.model),
+        "dataset": resolve(spec.dataset),
+        "output": str((base / spec.output).resolve())
+        if "://" not in spec.output and not Path(spec.output).expanduser().is_absolute()
+        else spec.output,
+    }
+    if spec.tokenizer:
+        updates["tokenizer"] = resolve(spec.tokenizer)
+    return spec.model_copy(update=updates)

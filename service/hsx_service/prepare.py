@@ -1,0 +1,196 @@
+"""Everything a job does before any engine starts: check it, ingest it, plan it.
+
+A job is refused here (`JobRefused`, with a message that names the problem) when its
+model has no usable config, a layer id is out of range, the dataset is missing, the
+output cannot be written, or the output already holds a different job. Only then does
+anything heavy start. The output location is the truth: a manifest found there is
+reused, committed units are skipped, so running the same job twice does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hsx import __version__
+from hsx.layout import (
+    COMPLETE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LAYER_CONVENTION,
+    MANIFEST,
+    TMP_DIR,
+)
+from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
+from hsx.plan import WorkUnit, plan_units
+from hsx.shards import committed_units
+from hsx.spec import JobSpec
+
+
+class JobRefused(ValueError):
+    """The job cannot run; nothing was started. The message says why."""
+
+
+@dataclass
+class PreparedJob:
+    spec: JobSpec
+    model: ModelInfo
+    layers: list[int]
+    output: Path
+    manifest: dict[str, Any]
+    units: list[WorkUnit]
+    pending: list[WorkUnit]
+    complete: bool
+
+    @property
+    def samples_total(self) -> int:
+        return int(self.manifest["num_samples"])
+
+    @property
+    def tokens_total(self) -> int:
+        return sum(u.tokens for u in self.units)
+
+
+def output_path(output: str) -> Path:
+    """Local path of an output URI; other schemes are refused with the reason."""
+    if output.startswith("file://"):
+        return Path(output[len("file://"):])
+    if "://" in output:
+        scheme = output.split("://", 1)[0]
+        raise JobRefused(f"output: {scheme}:// outputs are not supported yet; use a local path")
+    return Path(output).expanduser()
+
+
+def _check_writable(root: Path) -> None:
+    try:
+        (root / TMP_DIR).mkdir(parents=True, exist_ok=True)
+        probe = root / TMP_DIR / f"probe-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"hsx")
+        probe.unlink()
+    except OSError as err:
+        raise JobRefused(f"output: {root} is not writable: {err.strerror or err}") from None
+
+
+def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Path]:
+    """The checks that need no engine; raise JobRefused on the first problem."""
+    try:
+        info = read_model_info(spec.model)
+    except ModelConfigError as err:
+        raise JobRefused(str(err)) from None
+    layers = spec.layers if spec.layers is not None else info.default_layers()
+    try:
+        info.check_layers(layers)
+    except ModelConfigError as err:
+        raise JobRefused(str(err)) from None
+    if not Path(spec.dataset).exists():
+        raise JobRefused(f"dataset: {spec.dataset} does not exist")
+    if spec.engine == "hf" and spec.tensor_parallel_size > 1:
+        raise JobRefused(
+            "tensor_parallel_size: the hf engine runs on one device; use engine: vllm for "
+            "tensor parallelism"
+        )
+    root = output_path(spec.output)
+    _check_writable(root)
+    return info, layers, root
+
+
+def _publish_once(path: Path, payload: dict[str, Any]) -> bool:
+    """Write JSON to `path` only if absent (atomic). False when it already existed."""
+    tmp = path.parent / TMP_DIR / f"{path.name}.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+
+
+def prepare(spec: JobSpec) -> PreparedJob:
+    """Preflight, then make (or find) the output's manifest, inputs and plan."""
+    info, layers, root = preflight(spec)
+    manifest_file = root / MANIFEST
+    from hsx.ingest import dataset_fingerprint, ingest
+
+    if manifest_file.exists():
+        manifest = json.loads(manifest_file.read_text())
+        _check_same_job(manifest, spec, root, dataset_fingerprint(spec.dataset))
+    else:
+        result = ingest(
+            spec.dataset,
+            spec.tokenizer or spec.model,
+            spec.max_seq_len,
+            root,
+            chat_template_kwargs=spec.chat_template_kwargs,
+            trust_remote_code=spec.trust_remote_code,
+        )
+        from hsx.ingest import read_inputs
+
+        lengths = read_inputs(root).column("length").to_numpy()
+        units = plan_units(lengths.tolist(), spec.unit_tokens)
+        manifest = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "hsx_version": __version__,
+            "job_fingerprint": spec.data_fingerprint(),
+            "dataset_fingerprint": result.dataset_fingerprint,
+            "model": spec.model,
+            "architecture": info.architecture,
+            "num_layers": info.num_layers,
+            "hidden_size": info.hidden_size,
+            "layers": layers,
+            "layer_convention": LAYER_CONVENTION,
+            "storage_dtype": spec.storage_dtype,
+            "engine": spec.engine,
+            "tokenizer_fingerprint": result.tokenizer_fingerprint,
+            "max_seq_len": spec.max_seq_len,
+            "num_samples": result.num_samples,
+            "num_errors": result.num_errors,
+            "num_tokens": result.num_tokens,
+            "units": [u.to_json() for u in units],
+            "created_at": time.time(),
+            "spec": spec.model_dump(mode="json"),
+        }
+        if not _publish_once(manifest_file, manifest):
+            # Another driver prepared the same output at the same moment.
+            manifest = json.loads(manifest_file.read_text())
+            _check_same_job(manifest, spec, root, result.dataset_fingerprint)
+
+    units = [WorkUnit.from_json(u) for u in manifest["units"]]
+    done = committed_units(root)
+    return PreparedJob(
+        spec=spec,
+        model=info,
+        layers=list(manifest["layers"]),
+        output=root,
+        manifest=manifest,
+        units=units,
+        pending=[u for u in units if u.unit not in done],
+        complete=(root / COMPLETE).exists(),
+    )
+
+
+def _check_same_job(manifest: dict[str, Any], spec: JobSpec, root: Path, data_fp: str) -> None:
+    if manifest.get("job_fingerprint") != spec.data_fingerprint():
+        raise JobRefused(
+            f"output: {root} already holds a different job (model, dataset, layers, "
+            "engine, max_seq_len, storage_dtype or unit_tokens differ); choose another "
+            "output or remove that one"
+        )
+    if manifest.get("dataset_fingerprint") != data_fp:
+        raise JobRefused(
+            f"dataset: {spec.dataset} changed since {root} was started (size or time "
+            "differ); choose another output to extract the new version"
+        )
+
+
+def mark_complete(job: PreparedJob, summary: dict[str, Any]) -> None:
+    _publish_once(job.output / COMPLETE, summary)

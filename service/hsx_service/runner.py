@@ -1,0 +1,371 @@
+"""The job driver: prepared work units, fed to ExtractionWorker actors on Ray.
+
+`run_job` is what `hsx extract` calls, in one process tree: it starts (or joins) Ray,
+gets `replicas` workers from an `EnginePool`, and hands each idle worker the next
+pending unit — workers pull, so a slow engine never holds up the others. A worker that
+dies (its process killed, its engine dead) is restarted by Ray and its unit goes back
+to the queue; a unit that fails `max_attempts` times fails the job. Whatever happens,
+the output stays consistent: a unit is done exactly when its commit record exists.
+
+The `EnginePool` keeps actors by engine configuration, so several jobs on the same
+model in one process (tests, a service) reuse warm engines instead of starting new ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hsx import __version__
+from hsx.plan import WorkUnit
+from hsx.progress import JobProgress
+from hsx.shards import clean_orphans, read_commits
+from hsx.spec import JobSpec
+from hsx_service.prepare import JobRefused, PreparedJob, mark_complete, prepare
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+POLL_S = 0.5
+
+
+class JobFailed(RuntimeError):
+    """The job stopped; committed units stay valid and a rerun resumes the rest."""
+
+
+@dataclass
+class JobSummary:
+    output: str
+    samples: int
+    errors: int
+    tokens: int
+    bytes: int
+    shards: int
+    seconds: float
+    nothing_to_do: bool = False
+    restarts: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def engine_config_for(job: PreparedJob) -> Any:
+    from hsx_workers.engines.base import EngineConfig
+
+    spec = job.spec
+    options: dict[str, Any] = {"cpu_kvcache_gib": spec.vllm.cpu_kvcache_gib}
+    if spec.vllm.max_num_batched_tokens is not None:
+        options["max_num_batched_tokens"] = spec.vllm.max_num_batched_tokens
+    if spec.vllm.enforce_eager:
+        options["enforce_eager"] = True
+    options["gpu_memory_utilization"] = spec.vllm.gpu_memory_utilization
+    return EngineConfig(
+        model=spec.model,
+        layers=job.layers,
+        num_layers=job.model.num_layers,
+        hidden_size=job.model.hidden_size,
+        max_seq_len=spec.max_seq_len,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        trust_remote_code=spec.trust_remote_code,
+        dtype=spec.vllm.dtype,
+        options=options,
+    )
+
+
+def ensure_ray(address: str | None, cpus_needed: int) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {
+        "ignore_reinit_error": True,
+        "include_dashboard": False,
+        "logging_level": logging.WARNING,
+        "log_to_driver": os.environ.get("HSX_RAY_LOG_TO_DRIVER", "0") == "1",
+    }
+    if address:
+        kwargs["address"] = address
+    elif not os.environ.get("RAY_ADDRESS"):
+        # A local Ray sized so the job fits even on a small machine: engines share cores.
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, cpus_needed)
+    ray.init(**kwargs)
+
+
+def _cpu_binding(replica: int, replicas: int, tp: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND giving each engine rank its own cores, when there are enough.
+
+    vLLM's CPU build refuses TP>1 on a small machine unless threads are bound by hand.
+    """
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per_rank = len(cores) // (replicas * tp)
+    if per_rank < 1:
+        return None
+    ranks = []
+    for rank in range(tp):
+        first = (replica * tp + rank) * per_rank
+        chosen = cores[first : first + per_rank]
+        ranks.append(f"{chosen[0]}-{chosen[-1]}" if len(chosen) > 1 else str(chosen[0]))
+    return "|".join(ranks)
+
+
+@dataclass
+class _Slot:
+    name: str
+    actor: Any
+    state: str = "starting"  # starting | idle | busy
+    ready_ref: Any = None
+    unit: WorkUnit | None = None
+    ref: Any = None
+    units_run: int = 0
+
+
+@dataclass
+class EnginePool:
+    """Ray actors that each own one engine, kept by engine configuration."""
+
+    actors: dict[tuple[Any, ...], list[_Slot]] = field(default_factory=dict)
+    restarts: int = 0
+
+    def slots(self, engine: str, config: Any, replicas: int, spec: JobSpec) -> list[_Slot]:
+        import ray
+
+        from hsx_workers.worker import ExtractionWorker
+
+        key = (engine, repr(config))
+        have = self.actors.setdefault(key, [])
+        gpus = ray.cluster_resources().get("GPU", 0)
+        tp = config.tensor_parallel_size
+        while len(have) < replicas:
+            index = len(have)
+            env = {
+                "VLLM_CPU_KVCACHE_SPACE": str(config.options.get("cpu_kvcache_gib", 1)),
+                "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            }
+            if not gpus:
+                binding = _cpu_binding(index, replicas, tp)
+                if binding:
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+            options: dict[str, Any] = {
+                "max_restarts": -1,
+                "max_task_retries": 0,
+                "max_concurrency": 2,  # progress() answers while run_unit runs
+                "runtime_env": {"env_vars": env},
+            }
+            if gpus:
+                # One actor reserves its TP GPUs; vLLM's multiprocessing executor uses them.
+                options["num_gpus"] = tp
+                options["num_cpus"] = 1
+            else:
+                options["num_cpus"] = tp
+            name = f"engine-{index}"
+            actor_cls: Any = ray.remote(ExtractionWorker)
+            actor = actor_cls.options(**options).remote(engine, config, name)
+            have.append(_Slot(name=name, actor=actor, ready_ref=actor.ready.remote()))
+        return have[:replicas]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for slots in self.actors.values():
+            for slot in slots:
+                ray.kill(slot.actor, no_restart=True)
+        self.actors.clear()
+
+
+def _first_line(err: BaseException) -> str:
+    """The remote error's own message, without Ray's traceback around it."""
+    cause = getattr(err, "cause", None)
+    if cause is not None:
+        return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    text = str(err)
+    # An actor that died in its constructor: Ray's message embeds the error line.
+    for line in reversed(text.splitlines()):
+        stripped = line.strip()
+        if re.match(r"^[\w.]*(Error|Exception|Failed|Dead)\b.*: ", stripped):
+            return stripped
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def run_job(
+    spec: JobSpec,
+    *,
+    pool: EnginePool | None = None,
+    on_progress: Callable[[JobProgress], None] | None = None,
+    on_prepared: Callable[[PreparedJob], None] | None = None,
+) -> JobSummary:
+    """Run a job to completion. Raises JobRefused before starting anything, JobFailed after."""
+    started = time.time()
+    job = prepare(spec)
+    if on_prepared is not None:
+        on_prepared(job)
+    if job.complete and not job.pending:
+        return _summary(job, started, nothing_to_do=True)
+    if job.pending:
+        clean_orphans(job.output)
+        owned = pool is None
+        pool = pool or EnginePool()
+        try:
+            _dispatch(job, pool, on_progress)
+        finally:
+            if owned:
+                pool.shutdown()
+    summary = _summary(job, started)
+    mark_complete(
+        job, {**summary.as_dict(), "hsx_version": __version__, "completed_at": time.time()}
+    )
+    return summary
+
+
+def _summary(job: PreparedJob, started: float, nothing_to_do: bool = False) -> JobSummary:
+    commits = read_commits(job.output)
+    unit_errors = sum(len(c.get("errors", [])) for c in commits)
+    return JobSummary(
+        output=str(job.output),
+        samples=sum(int(c["samples"]) for c in commits),
+        errors=int(job.manifest.get("num_errors", 0)) + unit_errors,
+        tokens=sum(int(c["tokens"]) for c in commits),
+        bytes=sum(int(c["bytes"]) for c in commits),
+        shards=len(commits),
+        seconds=time.time() - started,
+        nothing_to_do=nothing_to_do,
+    )
+
+
+def _dispatch(
+    job: PreparedJob, pool: EnginePool, on_progress: Callable[[JobProgress], None] | None
+) -> None:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    spec = job.spec
+    config = engine_config_for(job)
+    ensure_ray(spec.ray_address, spec.replicas * spec.tensor_parallel_size)
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus and spec.replicas * spec.tensor_parallel_size > gpus:
+        raise JobRefused(
+            f"replicas x tensor_parallel_size = {spec.replicas * spec.tensor_parallel_size} "
+            f"GPUs, but the Ray cluster has {gpus:g}"
+        )
+    slots = pool.slots(spec.engine, config, spec.replicas, spec)
+
+    commits = read_commits(job.output)
+    progress = JobProgress(
+        samples_total=job.samples_total,
+        tokens_total=job.tokens_total,
+        samples_done=sum(int(c["samples"]) + len(c.get("errors", [])) for c in commits),
+        tokens_done=sum(int(c["tokens"]) for c in commits),
+        samples_failed=sum(len(c.get("errors", [])) for c in commits),
+        shards=len(commits),
+        bytes=sum(int(c["bytes"]) for c in commits),
+        units_total=len(job.units),
+        units_done=len(commits),
+    )
+    queue: deque[WorkUnit] = deque(job.pending)
+    attempts: dict[int, int] = {}
+    live: dict[str, tuple[int, int]] = {}  # slot -> (samples, tokens) of its running unit
+    last_poll = 0.0
+
+    def report() -> None:
+        for slot in slots:
+            progress.workers[slot.name] = slot.state
+        if on_progress is not None:
+            on_progress(progress)
+
+    def fail_unit(slot: _Slot, err: BaseException) -> None:
+        unit = slot.unit
+        if unit is None:
+            raise JobFailed(f"{slot.name}: {_first_line(err)}") from err
+        attempts[unit.unit] = attempts.get(unit.unit, 0) + 1
+        logger.warning("unit %d failed on %s (attempt %d): %s",
+                       unit.unit, slot.name, attempts[unit.unit], _first_line(err))
+        if attempts[unit.unit] >= MAX_ATTEMPTS:
+            raise JobFailed(
+                f"unit {unit.unit} failed {MAX_ATTEMPTS} times; last error: {_first_line(err)}"
+            ) from err
+        queue.appendleft(unit)
+        slot.unit, slot.ref = None, None
+        live.pop(slot.name, None)
+
+    def restart(slot: _Slot, kill: bool) -> None:
+        pool.restarts += 1
+        progress.restarts += 1
+        if kill:
+            ray.kill(slot.actor, no_restart=False)
+        slot.state = "starting"
+        slot.ready_ref = slot.actor.ready.remote()
+
+    report()
+    while queue or any(s.state == "busy" for s in slots):
+        for slot in slots:
+            if slot.state == "idle" and queue:
+                unit = queue.popleft()
+                slot.unit, slot.state = unit, "busy"
+                slot.ref = slot.actor.run_unit.remote(str(job.output), spec.storage_dtype, unit)
+        waiting = {s.ref if s.state == "busy" else s.ready_ref: s for s in slots
+                   if s.state in ("busy", "starting")}
+        if not waiting:
+            raise JobFailed("no engine is running and work remains")
+        done, _ = ray.wait(list(waiting), num_returns=1, timeout=POLL_S)
+        for ref in done:
+            slot = waiting[ref]
+            if slot.state == "starting":
+                try:
+                    ray.get(ref)
+                    slot.state = "idle"
+                except RayActorError as err:
+                    if slot.units_run == 0:
+                        # It never ran a unit: the engine cannot start (bad model, no memory).
+                        raise JobFailed(f"{slot.name} could not start: {_first_line(err)}") from err
+                    restart(slot, kill=False)
+                    continue
+                if progress.rate_since is None:
+                    progress.rate_since = time.time()
+                continue
+            try:
+                result = ray.get(ref)
+            except RayActorError as err:  # the actor process died mid-unit
+                fail_unit(slot, err)
+                restart(slot, kill=False)
+                continue
+            except RayTaskError as err:  # the unit raised: restart the engine, retry
+                fail_unit(slot, err)
+                restart(slot, kill=True)
+                continue
+            slot.state, slot.unit, slot.ref = "idle", None, None
+            slot.units_run += 1
+            live.pop(slot.name, None)
+            progress.units_done += 1
+            progress.shards += 1
+            progress.samples_done += result.samples + len(result.errors)
+            progress.samples_failed += len(result.errors)
+            progress.tokens_done += result.tokens
+            progress.bytes += result.bytes
+            progress.rate_tokens += result.tokens
+        if time.monotonic() - last_poll >= POLL_S:
+            last_poll = time.monotonic()
+            busy = [s for s in slots if s.state == "busy"]
+            refs = [s.actor.progress.remote() for s in busy]
+            try:
+                for slot, live_now in zip(busy, ray.get(refs, timeout=POLL_S), strict=True):
+                    if slot.unit is not None and live_now["unit"] == slot.unit.unit:
+                        live[slot.name] = (live_now["samples"], live_now["tokens"])
+            except (GetTimeoutError, RayActorError, RayTaskError):
+                pass
+            # What is shown includes the units still running, as far as they got.
+            shown = JobProgress(**{**progress.__dict__, "workers": {}})
+            shown.samples_done += sum(s for s, _ in live.values())
+            shown.tokens_done += sum(t for _, t in live.values())
+            shown.rate_tokens += sum(t for _, t in live.values())
+            for slot in slots:
+                shown.workers[slot.name] = slot.state
+            if on_progress is not None:
+                on_progress(shown)
+    report()

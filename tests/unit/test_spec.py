@@ -1,0 +1,135 @@
+"""The job file: unknown fields, bad values and layer ids are refused with the field named."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from hsx.modelinfo import ModelConfigError, default_layers, read_model_info
+from hsx.plan import plan_units
+from hsx.spec import JobSpec, SpecError, load_job, parse_job
+
+BASE = {"model": "/m", "dataset": "/d.jsonl", "output": "/o"}
+
+
+def test_minimal_job_gets_defaults() -> None:
+    spec = parse_job(dict(BASE))
+    assert spec.engine == "vllm"
+    assert spec.storage_dtype == "bf16"
+    assert spec.replicas == 1
+    assert spec.layers is None
+
+
+def test_unknown_field_is_named() -> None:
+    with pytest.raises(SpecError, match=r"replica: unknown field"):
+        parse_job({**BASE, "replica": 2})
+
+
+def test_nested_unknown_field_is_named() -> None:
+    with pytest.raises(SpecError, match=r"vllm\.dtyp: unknown field"):
+        parse_job({**BASE, "vllm": {"dtyp": "bf16"}})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("engine", "sglang", "engine"),
+        ("storage_dtype", "fp4", "storage_dtype"),
+        ("replicas", 0, "replicas"),
+        ("max_seq_len", 0, "max_seq_len"),
+        ("layers", [1, 1, 3], "duplicate layer ids"),
+        ("layers", [-1, 2], "must be >= 0"),
+        ("layers", [], "must not be empty"),
+    ],
+)
+def test_bad_values_are_named(field: str, value: object, message: str) -> None:
+    with pytest.raises(SpecError, match=message) as info:
+        parse_job({**BASE, field: value})
+    assert field in str(info.value)
+
+
+def test_missing_model_is_named() -> None:
+    with pytest.raises(SpecError, match="model: Field required"):
+        parse_job({"dataset": "/d", "output": "/o"})
+
+
+def test_layers_are_sorted() -> None:
+    assert parse_job({**BASE, "layers": [4, 1, 2]}).layers == [1, 2, 4]
+
+
+def test_every_field_has_a_description() -> None:
+    for name, field in JobSpec.model_fields.items():
+        assert field.description, name
+
+
+def test_fingerprint_ignores_replicas_but_not_layers() -> None:
+    a = parse_job({**BASE, "layers": [1, 2]})
+    same = parse_job({**BASE, "layers": [1, 2], "replicas": 4})
+    assert a.data_fingerprint() == same.data_fingerprint()
+    assert a.data_fingerprint() != parse_job({**BASE, "layers": [1, 3]}).data_fingerprint()
+
+
+def test_load_job_resolves_paths_relative_to_the_file(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data.jsonl").write_text("")
+    job = tmp_path / "job.yaml"
+    job.write_text("model: model\ndataset: data.jsonl\noutput: out\nlayers: [3, 1]\n")
+    spec = load_job(job)
+    assert spec.model == str(tmp_path / "model")
+    assert spec.dataset == str(tmp_path / "data.jsonl")
+    assert spec.output == str(tmp_path / "out")
+    assert spec.layers == [1, 3]
+
+
+def test_load_job_reports_yaml_errors(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("model: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_job(job)
+    with pytest.raises(SpecError, match="cannot read job file"):
+        load_job(tmp_path / "missing.yaml")
+
+
+def test_default_layers() -> None:
+    assert default_layers(32) == [2, 16, 29, 32]
+    assert default_layers(61) == [2, 30, 58, 61]
+    assert default_layers(4) == [1, 2, 4]
+
+
+def test_model_info_reads_text_config_of_wrappers(tmp_path: Path) -> None:
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840},
+        "vision_config": {"hidden_size": 1152},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    info = read_model_info(str(tmp_path))
+    assert info.wrapper
+    assert (info.num_layers, info.hidden_size) == (61, 7168)
+    assert info.default_layers() == [2, 30, 58, 61]
+    with pytest.raises(ModelConfigError, match=r"ids \[62\] are outside 0\.\.61"):
+        info.check_layers([2, 62])
+
+
+def test_model_info_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(ModelConfigError, match="does not exist"):
+        read_model_info(str(tmp_path / "nope"))
+    with pytest.raises(ModelConfigError, match=r"no config\.json"):
+        read_model_info(str(tmp_path))
+
+
+def test_plan_units_is_contiguous_and_bounded() -> None:
+    lengths = [100, 300, 50, 700, 10, 10, 2000, 5]
+    units = plan_units(lengths, 500)
+    assert units[0].row_start == 0 and units[-1].row_end == len(lengths)
+    for a, b in itertools.pairwise(units):
+        assert a.row_end == b.row_start
+    for u in units:
+        assert u.tokens == sum(lengths[u.row_start : u.row_end])
+        assert u.samples == 1 or u.tokens <= 500
+    assert plan_units(lengths, 500) == units
+    assert plan_units([], 500) == []

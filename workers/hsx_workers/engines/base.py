@@ -1,0 +1,105 @@
+"""The one interface every capture engine implements.
+
+Variants:
+- `VllmEngine` (engines/vllm_engine.py): vLLM's `extract_hidden_states` method with
+  hsx's connector. The default.
+- `HfEngine` (engines/hf_engine.py): a transformers forward. The reference the vLLM
+  engine is tested against, and the fallback for architectures vLLM cannot capture.
+
+Who calls what: `ExtractionWorker` (worker.py) builds one engine per actor with
+`create_engine`, then calls `capture` once per work unit. Per-sample problems come back
+as `CaptureResult.error`; anything that means the engine itself is gone raises
+`EngineDead`, and the worker's owner restarts the actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class EngineDead(RuntimeError):
+    """The engine cannot go on; the actor that owns it must be restarted."""
+
+
+class EngineStartFailed(RuntimeError):
+    """The engine could not be built (bad model, no memory, version mismatch)."""
+
+
+def describe_error(err: BaseException, max_lines: int = 2) -> str:
+    """`Type: message`, cut to its first lines: errors cross Ray as plain text.
+
+    Some library exceptions (pydantic's among them) cannot be pickled, and their
+    messages run to pages; the first lines say what went wrong.
+    """
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith("For further information")]
+    return f"{type(err).__name__}: {' '.join(lines[:max_lines])}" if lines else type(err).__name__
+
+
+@dataclass
+class CaptureRequest:
+    sample_index: int
+    input_ids: list[int]
+
+
+@dataclass
+class CaptureResult:
+    sample_index: int
+    input_ids: list[int]
+    # [T, L, H], layers in ascending id order; None when `error` is set.
+    hidden_states: torch.Tensor | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineConfig:
+    """What an engine needs to start; built by the worker from the JobSpec."""
+
+    model: str
+    layers: list[int]
+    num_layers: int
+    hidden_size: int
+    max_seq_len: int
+    tensor_parallel_size: int = 1
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class CaptureEngine(Protocol):
+    config: EngineConfig
+
+    def capture(self, requests: Iterable[CaptureRequest]) -> Iterator[CaptureResult]:
+        """Yield one result per request, in request order."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def create_engine(name: str, config: EngineConfig) -> CaptureEngine:
+    """The engine factory: engines are imported lazily, by name.
+
+    Any failure to start becomes `EngineStartFailed` with a one-line reason.
+    """
+    engine: Any
+    try:
+        if name == "vllm":
+            from hsx_workers.engines.vllm_engine import VllmEngine
+
+            engine = VllmEngine(config)
+        elif name == "hf":
+            from hsx_workers.engines.hf_engine import HfEngine
+
+            engine = HfEngine(config)
+        else:
+            raise ValueError(f"unknown engine {name!r} (expected 'vllm' or 'hf')")
+    except Exception as err:
+        raise EngineStartFailed(
+            f"{name} engine could not start on {config.model}: {describe_error(err)}"
+        ) from None
+    return engine  # type: ignore[no-any-return]

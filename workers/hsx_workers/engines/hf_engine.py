@@ -1,0 +1,121 @@
+"""Capture with a Hugging Face transformers forward.
+
+Layer ids follow DESIGN.md: id k < N is `output_hidden_states[k]` (the residual stream
+entering decoder layer k). Id N must be the last decoder layer's output *before* the
+final norm, but transformers' `output_hidden_states[N]` is already normed — so id N is
+taken from a forward pre-hook on the final norm instead. Storing the normed one would
+make a trainer apply the norm twice.
+
+Samples are batched by length with right padding: under a causal mask, padding after a
+sequence cannot change the states of its real tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from hsx_workers.engines.base import CaptureRequest, CaptureResult, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+def _final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The final norm of the (inner) language model."""
+    get_decoder: Any = getattr(model, "get_decoder", None)
+    base = get_decoder() if callable(get_decoder) else model
+    for name in ("norm", "final_layernorm", "ln_f"):
+        norm = getattr(base, name, None)
+        if isinstance(norm, torch.nn.Module):
+            return norm
+    raise RuntimeError(
+        f"hf engine: cannot find the final norm of {type(model).__name__}; "
+        "id N (pre-norm last layer) cannot be captured"
+    )
+
+
+class HfEngine:
+    """transformers forward with `output_hidden_states`, batched by a token budget."""
+
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.device = torch.device(
+            config.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        dtype: Any = _DTYPES.get(config.dtype, "auto")
+        self.batch_tokens = int(config.options.get("batch_tokens", 16384))
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            config.model, dtype=dtype, trust_remote_code=config.trust_remote_code
+        )
+        self.model = model.to(self.device)
+        self.model.eval()
+        self._pre_norm: torch.Tensor | None = None
+        _final_norm(self.model).register_forward_pre_hook(self._keep_pre_norm)
+
+    def _keep_pre_norm(self, _module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        self._pre_norm = args[0]
+
+    def capture(self, requests: Iterable[CaptureRequest]) -> Iterator[CaptureResult]:
+        batch: list[CaptureRequest] = []
+        longest = 0
+        for req in requests:
+            longest_if_added = max(longest, len(req.input_ids))
+            if batch and longest_if_added * (len(batch) + 1) > self.batch_tokens:
+                yield from self._forward(batch)
+                batch, longest_if_added = [], len(req.input_ids)
+            batch.append(req)
+            longest = longest_if_added
+        if batch:
+            yield from self._forward(batch)
+
+    @torch.inference_mode()
+    def _forward(self, batch: list[CaptureRequest]) -> Iterator[CaptureResult]:
+        lengths = [len(r.input_ids) for r in batch]
+        width = max(lengths)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, req in enumerate(batch):
+            ids[row, : lengths[row]] = torch.tensor(req.input_ids)
+            mask[row, : lengths[row]] = 1
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        n = self.config.num_layers
+        hidden = out.hidden_states
+        if len(hidden) != n + 1:
+            raise RuntimeError(
+                f"hf engine: model returned {len(hidden)} hidden states, expected {n + 1}"
+            )
+        if self._pre_norm is None:
+            raise RuntimeError("hf engine: the final-norm hook did not fire")
+        picked = [self._pre_norm if k == n else hidden[k] for k in self.config.layers]
+        stacked = torch.stack(picked, dim=2)  # [B, T, L, H]
+        self._pre_norm = None
+        for row, req in enumerate(batch):
+            yield CaptureResult(
+                sample_index=req.sample_index,
+                input_ids=req.input_ids,
+                hidden_states=stacked[row, : lengths[row]],
+            )
+
+    def close(self) -> None:
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

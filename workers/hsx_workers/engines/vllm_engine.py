@@ -1,0 +1,209 @@
+"""Capture with vLLM: the `extract_hidden_states` speculative method plus hsx's connector.
+
+Each sample becomes one request with `max_tokens=1`; vLLM writes the asked layers into
+a cache-only attention layer during prefill, and `HsxHiddenStatesConnector` (loaded by
+module path) copies them out into this engine's spool directory when the request ends.
+`capture` drives vLLM's `LLMEngine` step by step instead of `LLM.generate`, so states
+stream out while later requests still compute, and the number of requests in flight
+(hence spool space) stays bounded.
+
+The CPU build of vLLM runs the same code: create the engine in a process that is not
+`__main__`'s import (Ray actors are fine), keep `VLLM_CPU_KVCACHE_SPACE` small.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from hsx_workers.connector import ERROR_SUFFIX
+from hsx_workers.engines.base import CaptureRequest, CaptureResult, EngineConfig, EngineDead
+
+logger = logging.getLogger(__name__)
+
+SPOOL_TIMEOUT_S = 120.0
+
+
+def _spool_root(min_free_bytes: int) -> Path:
+    """tmpfs when it has room (no disk I/O for a hand-off), else the temp dir."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > min_free_bytes:
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+class VllmEngine:
+    """One vLLM engine (TP ranks included) capturing hidden states for hsx."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        opts = config.options
+        if opts.get("cpu_kvcache_gib") is not None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts["cpu_kvcache_gib"]))
+        self.max_inflight_tokens = int(opts.get("max_inflight_tokens", 262144))
+        bytes_per_token = 2 * len(config.layers) * config.hidden_size
+        self.spool = _spool_root(2 * self.max_inflight_tokens * bytes_per_token) / (
+            f"hsx-spool-{uuid.uuid4().hex[:12]}"
+        )
+        self.spool.mkdir(parents=True)
+
+        from vllm import LLM
+
+        engine_args: dict[str, Any] = dict(
+            model=config.model,
+            tensor_parallel_size=config.tensor_parallel_size,
+            # +1 for the one generated token, +1 for the speculative slot.
+            max_model_len=config.max_seq_len + 2,
+            dtype=config.dtype,
+            trust_remote_code=config.trust_remote_code,
+            enable_prefix_caching=False,
+            disable_log_stats=True,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {
+                    "hf_config": {"eagle_aux_hidden_state_layer_ids": list(config.layers)}
+                },
+            },
+            kv_transfer_config={
+                "kv_connector": "HsxHiddenStatesConnector",
+                "kv_connector_module_path": "hsx_workers.connector",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(self.spool)},
+            },
+        )
+        for key in ("max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager"):
+            if opts.get(key) is not None:
+                engine_args[key] = opts[key]
+        started = time.monotonic()
+        self.llm = LLM(**engine_args)
+        logger.info("vLLM engine ready in %.1fs (spool %s)", time.monotonic() - started, self.spool)
+        self._next_id = 0
+
+    def capture(self, requests: Iterable[CaptureRequest]) -> Iterator[CaptureResult]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        params = SamplingParams(max_tokens=1, detokenize=False)
+        pending = iter(requests)
+        order: list[int] = []  # sample indexes in request order
+        running: dict[str, CaptureRequest] = {}  # request id -> request, inside vLLM
+        arriving: dict[str, tuple[CaptureRequest, float]] = {}  # spool path -> (request, since)
+        ready: dict[int, CaptureResult] = {}
+        inflight_tokens = 0
+        exhausted = False
+        emitted = 0
+
+        while True:
+            while not exhausted and inflight_tokens < self.max_inflight_tokens:
+                req = next(pending, None)
+                if req is None:
+                    exhausted = True
+                    break
+                order.append(req.sample_index)
+                request_id = f"s{req.sample_index}-{self._next_id}"
+                self._next_id += 1
+                try:
+                    engine.add_request(
+                        request_id, TokensPrompt(prompt_token_ids=list(req.input_ids)), params
+                    )
+                except ValueError as err:  # vLLM refuses this prompt (too long, bad ids)
+                    ready[req.sample_index] = CaptureResult(
+                        req.sample_index, req.input_ids, error=f"vLLM refused the prompt: {err}"
+                    )
+                    continue
+                running[request_id] = req
+                inflight_tokens += len(req.input_ids)
+
+            # Emit in request order as results become ready.
+            while emitted < len(order) and order[emitted] in ready:
+                yield ready.pop(order[emitted])
+                emitted += 1
+            if exhausted and emitted == len(order):
+                return
+
+            if running:
+                try:
+                    outputs = engine.step()
+                except Exception as err:
+                    raise EngineDead(f"vLLM engine failed: {type(err).__name__}: {err}") from err
+                for out in outputs:
+                    if not out.finished:
+                        continue
+                    req = running.pop(self._base_request_id(out.request_id, running))
+                    path = (getattr(out, "kv_transfer_params", None) or {}).get(
+                        "hidden_states_path"
+                    )
+                    if not path:
+                        inflight_tokens -= len(req.input_ids)
+                        ready[req.sample_index] = CaptureResult(
+                            req.sample_index, req.input_ids,
+                            error="vLLM returned no hidden states for this request",
+                        )
+                    else:
+                        arriving[path] = (req, time.monotonic())
+            elif arriving:
+                # The engine core publishes the last files on its own, a step or two
+                # after the outputs; wait for them without busy-spinning.
+                time.sleep(0.001)
+
+            for path, (req, since) in list(arriving.items()):
+                if not (os.path.exists(path) or os.path.exists(path + ERROR_SUFFIX)):
+                    if time.monotonic() - since > SPOOL_TIMEOUT_S:
+                        raise EngineDead(
+                            f"hidden states of sample {req.sample_index} never arrived at {path}"
+                        )
+                    continue
+                del arriving[path]
+                inflight_tokens -= len(req.input_ids)
+                ready[req.sample_index] = self._collect(req, path)
+
+    @staticmethod
+    def _base_request_id(request_id: str, running: dict[str, CaptureRequest]) -> str:
+        # vLLM may append a suffix to the id it was given.
+        if request_id in running:
+            return request_id
+        for known in running:
+            if request_id.startswith(known + "-"):
+                return known
+        raise EngineDead(f"vLLM returned an unknown request id {request_id!r}")
+
+    def _collect(self, req: CaptureRequest, path: str) -> CaptureResult:
+        import torch
+        from safetensors.torch import load_file
+
+        error_file = path + ERROR_SUFFIX
+        if os.path.exists(error_file):
+            reason = Path(error_file).read_text()
+            os.unlink(error_file)
+            return CaptureResult(req.sample_index, req.input_ids, error=f"capture failed: {reason}")
+        tensors = load_file(path)
+        os.unlink(path)
+        token_ids = tensors["token_ids"]
+        expected = torch.tensor(req.input_ids, dtype=token_ids.dtype)
+        if token_ids.shape != expected.shape or not torch.equal(token_ids, expected):
+            return CaptureResult(
+                req.sample_index, req.input_ids,
+                error="vLLM processed other token ids than were sent (prompt mismatch)",
+            )
+        states = tensors["hidden_states"]
+        return CaptureResult(req.sample_index, req.input_ids, hidden_states=states)
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            shutdown = getattr(llm.llm_engine, "shutdown", None) or getattr(
+                llm.llm_engine.engine_core, "shutdown", None
+            )
+            if callable(shutdown):
+                shutdown()
+            del self.llm
+        shutil.rmtree(self.spool, ignore_errors=True)
