@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hsx import __version__
+from hsx.modelinfo import ModelInfo
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
 from hsx.shards import clean_orphans, read_commits
 from hsx.spec import JobSpec
-from hsx_service.prepare import JobRefused, PreparedJob, mark_complete, prepare
+from hsx_service.prepare import JobRefused, PreparedJob, mark_complete, prepare, preflight
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,9 @@ class JobSummary:
         return dict(self.__dict__)
 
 
-def engine_config_for(job: PreparedJob) -> Any:
+def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int]) -> Any:
     from hsx_workers.engines.base import EngineConfig
 
-    spec = job.spec
     options: dict[str, Any] = {"cpu_kvcache_gib": spec.vllm.cpu_kvcache_gib}
     if spec.vllm.max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = spec.vllm.max_num_batched_tokens
@@ -67,9 +67,9 @@ def engine_config_for(job: PreparedJob) -> Any:
     options["gpu_memory_utilization"] = spec.vllm.gpu_memory_utilization
     return EngineConfig(
         model=spec.model,
-        layers=job.layers,
-        num_layers=job.model.num_layers,
-        hidden_size=job.model.hidden_size,
+        layers=layers,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
         max_seq_len=spec.max_seq_len,
         tensor_parallel_size=spec.tensor_parallel_size,
         trust_remote_code=spec.trust_remote_code,
@@ -170,6 +170,19 @@ class EnginePool:
             have.append(_Slot(name=name, actor=actor, ready_ref=actor.ready.remote()))
         return have[:replicas]
 
+    def start(self, spec: JobSpec, timeout: float = 600.0) -> None:
+        """Start the engines a job will use and wait until they serve (warm-up)."""
+        import ray
+
+        info, layers, _ = preflight(spec)
+        ensure_ray(spec.ray_address, spec.replicas * spec.tensor_parallel_size)
+        config = engine_config_for(spec, info, layers)
+        slots = self.slots(spec.engine, config, spec.replicas, spec)
+        starting = [s for s in slots if s.state == "starting"]
+        ray.get([s.ready_ref for s in starting], timeout=timeout)
+        for slot in starting:
+            slot.state = "idle"
+
     def shutdown(self) -> None:
         import ray
 
@@ -212,12 +225,17 @@ def run_job(
         clean_orphans(job.output)
         owned = pool is None
         pool = pool or EnginePool()
+        restarts_before = pool.restarts
         try:
             _dispatch(job, pool, on_progress)
         finally:
             if owned:
                 pool.shutdown()
+        restarts = pool.restarts - restarts_before
+    else:
+        restarts = 0
     summary = _summary(job, started)
+    summary.restarts = restarts
     mark_complete(
         job, {**summary.as_dict(), "hsx_version": __version__, "completed_at": time.time()}
     )
@@ -246,7 +264,7 @@ def _dispatch(
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     spec = job.spec
-    config = engine_config_for(job)
+    config = engine_config_for(spec, job.model, job.layers)
     ensure_ray(spec.ray_address, spec.replicas * spec.tensor_parallel_size)
     gpus = ray.cluster_resources().get("GPU", 0)
     if gpus and spec.replicas * spec.tensor_parallel_size > gpus:
@@ -304,11 +322,15 @@ def _dispatch(
 
     report()
     while queue or any(s.state == "busy" for s in slots):
+        dispatched = False
         for slot in slots:
             if slot.state == "idle" and queue:
                 unit = queue.popleft()
                 slot.unit, slot.state = unit, "busy"
                 slot.ref = slot.actor.run_unit.remote(str(job.output), spec.storage_dtype, unit)
+                dispatched = True
+        if dispatched:
+            report()
         waiting = {s.ref if s.state == "busy" else s.ready_ref: s for s in slots
                    if s.state in ("busy", "starting")}
         if not waiting:

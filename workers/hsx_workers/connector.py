@@ -6,10 +6,8 @@ out when a request finishes. This one is loaded by module path
 (`kv_connector_module_path="hsx_workers.connector"`), and it differs from vLLM's
 `ExampleHiddenStatesConnector` where that one cannot serve hsx:
 
-- It runs on CPU as well as CUDA. On CPU the gathered tensor is already a fresh host
-  copy; nothing is pinned (pinning needs an accelerator). On CUDA the gather and the
-  device-to-host copy run on a side stream into pinned host memory (pageable copies
-  were measured 40x slower on an H200).
+- It runs on CPU as well as CUDA (hostcopy.py): on CUDA a side stream and pinned host
+  memory, on CPU a plain gather, nothing pinned.
 - It writes into a spool directory private to one engine (tmpfs when there is room),
   publishing each request's file by atomic rename, so a reader never sees half a file
   and needs no lock files. The spool is a hand-off, not the output: the hsx engine
@@ -36,24 +34,15 @@ from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
-    extract_from_kv_cache,
 )
+
+from hsx_workers.hostcopy import gather_to_host, slots_of_blocks
 
 logger = logging.getLogger(__name__)
 
 SPOOL_SUFFIX = ".safetensors"
 PARTIAL_SUFFIX = ".partial"
 ERROR_SUFFIX = ".error"
-
-
-class _DoneEvent:
-    """Stands in for a CUDA event on CPU, where the gather is synchronous."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
 
 
 def _write_spool_file(tensors: dict[str, torch.Tensor], event: Any, filename: str) -> None:
@@ -88,18 +77,11 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         if pending.req_id in self._req_futures:
             raise RuntimeError(f"hsx connector: request {pending.req_id} saved twice")
 
-        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
-        offsets = torch.arange(self._block_size, dtype=torch.long)
-        slot_mapping = (offsets[None, :] + block_ids[:, None] * self._block_size).flatten()
-        num_tokens = int(pending.token_ids.shape[0])
-
-        event: Any
-        if self._kv_cache.is_cuda:
-            event, host_states = self._copy_from_cuda(slot_mapping, num_tokens)
-        else:
-            # Fancy indexing returns a new tensor: the host copy is already made.
-            host_states = extract_from_kv_cache(self._kv_cache, slot_mapping, num_tokens)
-            event = _DoneEvent()
+        slot_mapping = slots_of_blocks(pending.block_ids, self._block_size)
+        stream = self._get_copy_stream() if self._kv_cache.is_cuda else None
+        event, host_states = gather_to_host(
+            self._kv_cache, slot_mapping, int(pending.token_ids.shape[0]), stream
+        )
 
         tensors = {"hidden_states": host_states, "token_ids": pending.token_ids.clone()}
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
@@ -109,23 +91,3 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = event
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
-
-    def _copy_from_cuda(
-        self, slot_mapping: torch.Tensor, num_tokens: int
-    ) -> tuple[torch.cuda.Event, torch.Tensor]:
-        """Gather on a side stream and copy into pinned host memory, asynchronously."""
-        if self._kv_cache is None:
-            raise RuntimeError("hsx connector: KV caches were never registered")
-        stream = self._get_copy_stream()
-        ready = torch.cuda.Event()
-        ready.record()
-        stream.wait_event(ready)
-        with torch.cuda.stream(stream):
-            slots = slot_mapping.to(self._kv_cache.device, non_blocking=True)
-            states = extract_from_kv_cache(self._kv_cache, slots, num_tokens)
-            # torch's caching host allocator reuses pinned blocks across requests.
-            host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
-            host.copy_(states, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-        return done, host
