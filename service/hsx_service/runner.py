@@ -28,7 +28,7 @@ from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
 from hsx.shards import clean_orphans, read_commits
 from hsx.spec import JobSpec
-from hsx_service.prepare import JobRefused, PreparedJob, mark_complete, prepare, preflight
+from hsx_service.prepare import JobRefused, PreparedJob, mark_complete, preflight, prepare
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -93,10 +94,8 @@ def _kill_tree(proc: subprocess.Popen[str]) -> None:
     parent = psutil.Process(proc.pid)
     family = [*parent.children(recursive=True), parent]
     for p in family:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(family, timeout=30)
     proc.wait(timeout=30)
 
