@@ -18,15 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from hsx import __version__
+from hsx.progress import console
 
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
 
 
 def _error(message: str, code: int) -> int:
-    from rich.console import Console
-
-    Console(stderr=True, highlight=False).print(f"[bold red]hsx: error:[/] {message}")
+    console().print(f"[bold red]hsx: error:[/] {message}")
     return code
 
 
@@ -48,13 +47,10 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 
 
 def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
-    from rich.console import Console
-
     from hsx.progress import ProgressBar
     from hsx_service.prepare import JobRefused
     from hsx_service.runner import JobFailed, run_job
 
-    console = Console(stderr=True, highlight=False)
     try:
         with ProgressBar(spec.name or "extract", enabled=None if progress else False) as bar:
             summary = run_job(spec, on_progress=bar.update)
@@ -67,11 +63,11 @@ def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
     if as_json:
         sys.stdout.write(json.dumps(summary.as_dict()) + "\n")
     elif summary.nothing_to_do:
-        console.print(f"nothing to do: {summary.output} is complete "
+        console().print(f"nothing to do: {summary.output} is complete "
                       f"({summary.samples} samples in {summary.shards} shards)")
     else:
         rate = summary.tokens / summary.seconds if summary.seconds else 0.0
-        console.print(
+        console().print(
             f"[green]done[/]: {summary.samples} samples, {summary.tokens:,} tokens, "
             f"{summary.shards} shards, {summary.bytes / 2**20:,.1f} MiB, "
             f"{summary.errors} bad rows, {summary.seconds:.1f}s ({rate:,.0f} tok/s overall) "
@@ -98,20 +94,17 @@ def _cmd_make_dataset(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Tiny model + synthetic chats -> hidden states, all local."""
-    from rich.console import Console
-
     from hsx.spec import JobSpec
     from hsx_workers.tiny_models import make_chat_dataset, make_tiny_model
 
-    console = Console(stderr=True, highlight=False)
     root = Path(args.dir).resolve()
     model = root / "tiny-llama"
     if not (model / "config.json").exists():
-        console.print(f"making a tiny random Llama in {model}")
+        console().print(f"making a tiny random Llama in {model}")
         make_tiny_model(model, arch="llama")
     dataset = root / "chats.jsonl"
     if not dataset.exists():
-        console.print(f"making {args.samples} synthetic conversations in {dataset}")
+        console().print(f"making {args.samples} synthetic conversations in {dataset}")
         make_chat_dataset(dataset, n=args.samples, seed=0, bad_rows=3)
     spec = JobSpec(
         name="demo",
@@ -126,7 +119,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     (root / "job.yaml").write_text(_yaml(spec.model_dump(mode="json", exclude_defaults=True)))
     code = _run_extract(spec, progress=True)
     if code == 0:
-        console.print(
+        console().print(
             f"\nshards: {spec.output}/shards  (job file: {root / 'job.yaml'})\n"
             "read them:\n"
             f"  python -c \"import hsx; ds = hsx.HiddenStatesDataset('{spec.output}'); "

@@ -57,6 +57,13 @@ class JobProgress:
         }
 
 
+def console() -> Any:
+    """The console for people: stderr, no syntax colouring, long lines kept whole."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
 class ProgressBar:
     """A live bar on a terminal (samples, tokens/s, ETA); a line per update otherwise."""
 
@@ -93,7 +100,10 @@ class ProgressBar:
 
     def update(self, p: JobProgress) -> None:
         rate = f"{p.tokens_per_s():,.0f}"
+        starting = sum(state == "starting" for state in p.workers.values())
         extra = f"{p.shards} shards"
+        if starting:
+            extra += f", {starting} engine{'s' if starting > 1 else ''} starting"
         if p.samples_failed:
             extra += f", {p.samples_failed} bad"
         if p.restarts:
@@ -104,9 +114,7 @@ class ProgressBar:
             )
         elif time.monotonic() - self._last_line > 5 or p.samples_done >= p.samples_total:
             self._last_line = time.monotonic()
-            from rich.console import Console
-
-            Console(stderr=True, highlight=False).print(
+            console().print(
                 f"{self.title}: {p.samples_done}/{p.samples_total} samples, {rate} tok/s, {extra}"
             )
 

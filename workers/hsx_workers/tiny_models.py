@@ -305,6 +305,10 @@ def make_tiny_model(
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOT_ID, pad_token_id=PAD_ID, do_sample=False
     )
+    from transformers.utils import logging as hf_logging
+
+    # A model of a few MB needs no progress bar on the terminal.
+    hf_logging.disable_progress_bar()
     model.save_pretrained(str(out), safe_serialization=True)
     logger.info("wrote tiny %s model (%d layers, hidden %d) to %s", arch, num_layers,
                 hidden_size, out)
