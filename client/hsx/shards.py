@@ -76,6 +76,7 @@ writer rewrite the file with a larger region instead of failing."""
 
 _HEADER_PREFIX = 8  # little-endian u64 header length, as safetensors defines
 _QUEUE_DEPTH = 4  # samples in flight between add() and the writer thread
+_SYNC_EVERY = 256 * 2**20  # bytes written between background fdatasyncs
 _HASH_CHUNK = 16 * 1024 * 1024
 _COMMIT_NAME = re.compile(r"^unit-(\d{6,})\.json$")
 
@@ -139,6 +140,22 @@ def _as_numpy_1d(x: Any, name: str) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
     return arr
+
+
+def _to_host(t: Any) -> Any:
+    """A device tensor copied into pinned host memory (a CPU tensor as it is).
+
+    `.cpu()` copies into freshly allocated pageable memory: 1.1-1.6 GB/s on an H200
+    node, against 50-55 GB/s into pinned memory (torch's caching host allocator keeps
+    pinned blocks for reuse).
+    """
+    if t.device.type == "cpu":
+        return t
+    import torch
+
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host
 
 
 def _torch_bf16_to_numpy(t: Any) -> np.ndarray:
@@ -211,36 +228,63 @@ def shard_file(root: str | Path, record: Mapping[str, Any]) -> Path:
 
 
 class _DataStream:
-    """Appends sample buffers to the shard file and hashes them on a background thread.
+    """Appends sample buffers to the shard file, hashing and syncing beside the writes.
 
-    Writing and sha256 both release the GIL on large buffers, so the caller (the engine
-    thread) can produce the next sample while this one reaches the disk. The bounded
-    queue keeps at most `_QUEUE_DEPTH` samples in memory. A write error is kept and
-    re-raised to the caller at its next call.
+    Three threads, so the caller (the engine thread) produces the next sample while
+    this one reaches the disk: one writes, one hashes (sha256 runs at about the disk's
+    speed, so in series with the writes it halved the writer's rate on an H200 node),
+    and one starts `fdatasync` every `_SYNC_EVERY` bytes, so the fsync at commit has
+    little left to flush. Write, hash and sync all release the GIL. The bounded queues
+    keep at most `_QUEUE_DEPTH` samples in memory. An error is kept and re-raised to the
+    caller at its next call.
     """
 
     def __init__(self, f: IO[bytes], name: str) -> None:
         self._f = f
         self.sha = hashlib.sha256()
         self.nbytes = 0
-        self._queue: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._unsynced = 0
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"hsx-shard-{name}", daemon=True)
-        self._thread.start()
+        self._writes: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._hashes: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._syncs: queue.Queue[bool | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._run, args=(q, fn), name=f"hsx-shard-{name}-{what}",
+                             daemon=True)
+            for q, fn, what in (
+                (self._writes, self._write, "write"),
+                (self._hashes, self._hash, "hash"),
+                (self._syncs, self._sync, "sync"),
+            )
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def _run(self) -> None:
+    def _write(self, item: np.ndarray) -> None:
+        self._f.write(item.data)
+        self._unsynced += item.nbytes
+        if self._unsynced >= _SYNC_EVERY:
+            self._unsynced = 0
+            self._syncs.put(True)
+
+    def _hash(self, item: np.ndarray) -> None:
+        self.sha.update(item.data)
+
+    def _sync(self, _item: bool) -> None:
+        os.fdatasync(self._f.fileno())
+
+    def _run(self, items: queue.Queue[Any], handle: Any) -> None:
         while True:
-            item = self._queue.get()
+            item = items.get()
             try:
                 if item is None:
                     return
                 if self._error is None:
-                    self._f.write(item.data)
-                    self.sha.update(item.data)
+                    handle(item)
             except BaseException as err:  # re-raised in the caller's thread
                 self._error = err
             finally:
-                self._queue.task_done()
+                items.task_done()
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -251,17 +295,22 @@ class _DataStream:
         if not buf.flags.c_contiguous:
             raise ValueError("internal: shard buffers must be C-contiguous")
         # Raw bytes: the buffer protocol cannot describe ml_dtypes' bf16/fp8.
-        self._queue.put(buf.reshape(-1).view(np.uint8))
+        raw = buf.reshape(-1).view(np.uint8)
+        self._writes.put(raw)
+        self._hashes.put(raw)
         self.nbytes += buf.nbytes
 
     def flush(self) -> None:
-        self._queue.join()
+        self._writes.join()
+        self._hashes.join()
         self._raise_pending()
 
     def close(self, *, check: bool = True) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        queues: list[queue.Queue[Any]] = [self._writes, self._hashes, self._syncs]
+        for items, thread in zip(queues, self._threads, strict=True):
+            if thread.is_alive():
+                items.put(None)
+                thread.join()
         if check:
             self._raise_pending()
 
@@ -514,11 +563,11 @@ class ShardWriter:
                 raise ValueError(f"{where}: hidden_states dtype {hs.dtype} is not bf16/fp16/fp32")
             if self.storage_dtype == "fp8":
                 q, scales = quantize_fp8(hs)
-                q_np = q.contiguous().cpu().view(torch.uint8).numpy()
-                return np.ascontiguousarray(q_np), scales.cpu().numpy()
+                q_np = _to_host(q.contiguous()).view(torch.uint8).numpy()
+                return np.ascontiguousarray(q_np), _to_host(scales).numpy()
             t = hs.detach().to(torch.bfloat16).contiguous()
             if t.device.type != "cpu":
-                t = t.cpu()
+                t = _to_host(t)
             elif t.data_ptr() == hs.data_ptr():
                 # Still the caller's memory; the writer thread reads it later.
                 t = t.clone()

@@ -96,6 +96,8 @@ class HfEngine:
             attention_mask=mask.to(self.device),
             output_hidden_states=True,
             use_cache=False,
+            # Capture needs no logits; all of them cost a [tokens, vocab] matmul (~5%).
+            logits_to_keep=1,
         )
         n = self.config.num_layers
         hidden = out.hidden_states
