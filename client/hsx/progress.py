@@ -21,6 +21,8 @@ class JobProgress:
     units_total: int = 0
     units_done: int = 0
     workers: dict[str, str] = field(default_factory=dict)  # name -> state
+    worker_units: dict[str, int] = field(default_factory=dict)  # name -> unit it runs
+    units_failed: int = 0
     restarts: int = 0
     started_at: float = field(default_factory=time.time)
     # tokens/s over the run so far, counted from the first token of this run
@@ -53,6 +55,8 @@ class JobProgress:
             "tokens_per_s": round(self.tokens_per_s(), 1),
             "eta_s": self.eta_s(),
             "workers": dict(self.workers),
+            "worker_units": dict(self.worker_units),
+            "units_failed": self.units_failed,
             "restarts": self.restarts,
         }
 

@@ -183,6 +183,14 @@ class EnginePool:
         for slot in starting:
             slot.state = "idle"
 
+    def keep_only(self, key: tuple[Any, ...] | None) -> None:
+        """Stop every engine but those of `key` (engines hold GPUs and memory)."""
+        import ray
+
+        for other in [k for k in self.actors if k != key]:
+            for slot in self.actors.pop(other):
+                ray.kill(slot.actor, no_restart=True)
+
     def shutdown(self) -> None:
         import ray
 
@@ -207,12 +215,32 @@ def _first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
+@dataclass
+class DispatchHooks:
+    """What a driver wants to hear while units run (the CLI: progress; the service: all)."""
+
+    on_progress: Callable[[JobProgress], None] | None = None
+    on_unit_done: Callable[[Any], None] | None = None  # UnitReport
+    # (unit, attempt, message, gave_up): an attempt failed; gave_up after the last one.
+    on_unit_error: Callable[[WorkUnit, int, str, bool], None] | None = None
+    on_restart: Callable[[str], None] | None = None
+    cancelled: Callable[[], bool] | None = None
+
+
+@dataclass
+class DispatchResult:
+    failed_units: dict[int, str] = field(default_factory=dict)  # unit -> last error
+    cancelled: bool = False
+    restarts: int = 0
+
+
 def run_job(
     spec: JobSpec,
     *,
     pool: EnginePool | None = None,
     on_progress: Callable[[JobProgress], None] | None = None,
     on_prepared: Callable[[PreparedJob], None] | None = None,
+    max_attempts: int = MAX_ATTEMPTS,
 ) -> JobSummary:
     """Run a job to completion. Raises JobRefused before starting anything, JobFailed after."""
     started = time.time()
@@ -220,29 +248,40 @@ def run_job(
     if on_prepared is not None:
         on_prepared(job)
     if job.complete and not job.pending:
-        return _summary(job, started, nothing_to_do=True)
+        return summarize(job, started, nothing_to_do=True)
+    result = DispatchResult()
     if job.pending:
-        clean_orphans(job.output)
         owned = pool is None
         pool = pool or EnginePool()
-        restarts_before = pool.restarts
         try:
-            _dispatch(job, pool, on_progress)
+            result = execute(job, pool, DispatchHooks(on_progress=on_progress), max_attempts)
         finally:
             if owned:
                 pool.shutdown()
-        restarts = pool.restarts - restarts_before
-    else:
-        restarts = 0
-    summary = _summary(job, started)
-    summary.restarts = restarts
-    mark_complete(
-        job, {**summary.as_dict(), "hsx_version": __version__, "completed_at": time.time()}
-    )
+    summary = summarize(job, started)
+    summary.restarts = result.restarts
+    if result.failed_units:
+        raise JobFailed(failed_units_message(result.failed_units, len(job.units), max_attempts))
+    finish(job, summary)
     return summary
 
 
-def _summary(job: PreparedJob, started: float, nothing_to_do: bool = False) -> JobSummary:
+def finish(job: PreparedJob, summary: JobSummary) -> None:
+    """Publish complete.json: every unit is committed."""
+    mark_complete(
+        job, {**summary.as_dict(), "hsx_version": __version__, "completed_at": time.time()}
+    )
+
+
+def failed_units_message(failed: dict[int, str], total: int, max_attempts: int) -> str:
+    last = failed[max(failed)]
+    return (
+        f"{len(failed)} of {total} units failed {max_attempts} times and were given up "
+        f"(units {sorted(failed)[:10]}); last error: {last}"
+    )
+
+
+def summarize(job: PreparedJob, started: float, nothing_to_do: bool = False) -> JobSummary:
     commits = read_commits(job.output)
     unit_errors = sum(len(c.get("errors", [])) for c in commits)
     return JobSummary(
@@ -257,71 +296,100 @@ def _summary(job: PreparedJob, started: float, nothing_to_do: bool = False) -> J
     )
 
 
-def _dispatch(
-    job: PreparedJob, pool: EnginePool, on_progress: Callable[[JobProgress], None] | None
-) -> None:
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-    spec = job.spec
-    config = engine_config_for(spec, job.model, job.layers)
-    ensure_ray(spec.ray_address, spec.replicas * spec.tensor_parallel_size)
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if gpus and spec.replicas * spec.tensor_parallel_size > gpus:
-        raise JobRefused(
-            f"replicas x tensor_parallel_size = {spec.replicas * spec.tensor_parallel_size} "
-            f"GPUs, but the Ray cluster has {gpus:g}"
-        )
-    slots = pool.slots(spec.engine, config, spec.replicas, spec)
-
+def initial_progress(job: PreparedJob) -> JobProgress:
+    """Progress of an output as found: what earlier runs already committed counts."""
     commits = read_commits(job.output)
-    progress = JobProgress(
+    ingest_errors = int(job.manifest.get("num_errors", 0))
+    unit_errors = sum(len(c.get("errors", [])) for c in commits)
+    return JobProgress(
         samples_total=job.samples_total,
         tokens_total=job.tokens_total,
-        samples_done=sum(int(c["samples"]) + len(c.get("errors", [])) for c in commits),
+        samples_done=sum(int(c["samples"]) for c in commits) + unit_errors,
         tokens_done=sum(int(c["tokens"]) for c in commits),
-        samples_failed=sum(len(c.get("errors", [])) for c in commits),
+        samples_failed=unit_errors + ingest_errors,
         shards=len(commits),
         bytes=sum(int(c["bytes"]) for c in commits),
         units_total=len(job.units),
         units_done=len(commits),
     )
+
+
+def execute(
+    job: PreparedJob, pool: EnginePool, hooks: DispatchHooks, max_attempts: int = MAX_ATTEMPTS
+) -> DispatchResult:
+    """Feed the job's pending units to its workers until none is left (or cancelled).
+
+    A unit that fails `max_attempts` times is given up: it stays uncommitted (a rerun
+    retries it) and the others go on. On cancel, dispatch stops and running units end
+    by committing; nothing half-written becomes visible either way.
+    """
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    spec = job.spec
+    clean_orphans(job.output)
+    config = engine_config_for(spec, job.model, job.layers)
+    ensure_ray(spec.ray_address, spec.replicas * spec.tensor_parallel_size)
+    check_capacity(spec)
+    slots = pool.slots(spec.engine, config, spec.replicas, spec)
+    result = DispatchResult()
+    progress = initial_progress(job)
     queue: deque[WorkUnit] = deque(job.pending)
     attempts: dict[int, int] = {}
     live: dict[str, tuple[int, int]] = {}  # slot -> (samples, tokens) of its running unit
     last_poll = 0.0
 
-    def report() -> None:
+    def emit(extra_live: bool) -> None:
+        shown = JobProgress(**{**progress.__dict__, "workers": {}})
+        if extra_live:
+            # What is shown includes the units still running, as far as they got.
+            shown.samples_done += sum(s for s, _ in live.values())
+            shown.tokens_done += sum(t for _, t in live.values())
+            shown.rate_tokens += sum(t for _, t in live.values())
         for slot in slots:
-            progress.workers[slot.name] = slot.state
-        if on_progress is not None:
-            on_progress(progress)
+            shown.workers[slot.name] = slot.state
+            if slot.unit is not None:
+                shown.worker_units[slot.name] = slot.unit.unit
+        if hooks.on_progress is not None:
+            hooks.on_progress(shown)
 
     def fail_unit(slot: _Slot, err: BaseException) -> None:
         unit = slot.unit
         if unit is None:
             raise JobFailed(f"{slot.name}: {_first_line(err)}") from err
+        message = _first_line(err)
         attempts[unit.unit] = attempts.get(unit.unit, 0) + 1
+        gave_up = attempts[unit.unit] >= max_attempts
         logger.warning("unit %d failed on %s (attempt %d): %s",
-                       unit.unit, slot.name, attempts[unit.unit], _first_line(err))
-        if attempts[unit.unit] >= MAX_ATTEMPTS:
-            raise JobFailed(
-                f"unit {unit.unit} failed {MAX_ATTEMPTS} times; last error: {_first_line(err)}"
-            ) from err
-        queue.appendleft(unit)
+                       unit.unit, slot.name, attempts[unit.unit], message)
+        if hooks.on_unit_error is not None:
+            hooks.on_unit_error(unit, attempts[unit.unit], message, gave_up)
+        if gave_up:
+            result.failed_units[unit.unit] = message
+            progress.units_failed += 1
+        else:
+            queue.appendleft(unit)
         slot.unit, slot.ref = None, None
         live.pop(slot.name, None)
 
     def restart(slot: _Slot, kill: bool) -> None:
         pool.restarts += 1
+        result.restarts += 1
         progress.restarts += 1
         if kill:
             ray.kill(slot.actor, no_restart=False)
         slot.state = "starting"
         slot.ready_ref = slot.actor.ready.remote()
+        if hooks.on_restart is not None:
+            hooks.on_restart(slot.name)
 
-    report()
-    while queue or any(s.state == "busy" for s in slots):
+    emit(False)
+    while any(s.state == "busy" for s in slots) or (queue and not result.cancelled):
+        if hooks.cancelled is not None and hooks.cancelled() and not result.cancelled:
+            result.cancelled = True
+            queue.clear()
+            emit(False)
+            continue
         dispatched = False
         for slot in slots:
             if slot.state == "idle" and queue:
@@ -330,7 +398,7 @@ def _dispatch(
                 slot.ref = slot.actor.run_unit.remote(str(job.output), spec.storage_dtype, unit)
                 dispatched = True
         if dispatched:
-            report()
+            emit(False)
         waiting = {s.ref if s.state == "busy" else s.ready_ref: s for s in slots
                    if s.state in ("busy", "starting")}
         if not waiting:
@@ -352,7 +420,7 @@ def _dispatch(
                     progress.rate_since = time.time()
                 continue
             try:
-                result = ray.get(ref)
+                report = ray.get(ref)
             except RayActorError as err:  # the actor process died mid-unit
                 fail_unit(slot, err)
                 restart(slot, kill=False)
@@ -366,11 +434,13 @@ def _dispatch(
             live.pop(slot.name, None)
             progress.units_done += 1
             progress.shards += 1
-            progress.samples_done += result.samples + len(result.errors)
-            progress.samples_failed += len(result.errors)
-            progress.tokens_done += result.tokens
-            progress.bytes += result.bytes
-            progress.rate_tokens += result.tokens
+            progress.samples_done += report.samples + len(report.errors)
+            progress.samples_failed += len(report.errors)
+            progress.tokens_done += report.tokens
+            progress.bytes += report.bytes
+            progress.rate_tokens += report.tokens
+            if hooks.on_unit_done is not None:
+                hooks.on_unit_done(report)
         if time.monotonic() - last_poll >= POLL_S:
             last_poll = time.monotonic()
             busy = [s for s in slots if s.state == "busy"]
@@ -381,13 +451,19 @@ def _dispatch(
                         live[slot.name] = (live_now["samples"], live_now["tokens"])
             except (GetTimeoutError, RayActorError, RayTaskError):
                 pass
-            # What is shown includes the units still running, as far as they got.
-            shown = JobProgress(**{**progress.__dict__, "workers": {}})
-            shown.samples_done += sum(s for s, _ in live.values())
-            shown.tokens_done += sum(t for _, t in live.values())
-            shown.rate_tokens += sum(t for _, t in live.values())
-            for slot in slots:
-                shown.workers[slot.name] = slot.state
-            if on_progress is not None:
-                on_progress(shown)
-    report()
+            emit(True)
+    emit(False)
+    return result
+
+
+def check_capacity(spec: JobSpec) -> None:
+    """A job that needs more GPUs than the cluster has is refused, with the numbers."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    needed = spec.replicas * spec.tensor_parallel_size
+    if gpus and needed > gpus:
+        raise JobRefused(
+            f"replicas: {spec.replicas} replicas x tensor_parallel_size "
+            f"{spec.tensor_parallel_size} = {needed} GPUs, but the Ray cluster has {gpus:g}"
+        )

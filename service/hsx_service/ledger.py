@@ -1,0 +1,274 @@
+"""The coordinator's durable memory: jobs, units, attempts and commits, in SQLite (WAL).
+
+The output location is the truth about what is done (its commit records); the ledger is
+what the coordinator needs to answer quickly and to resume: which jobs exist, in which
+order they queue, their specs and states, and the history of attempts. After a crash it
+is reconciled from the outputs (`Scheduler.start`).
+
+One connection per thread (sqlite3 objects are not shared across threads); every write
+is one short transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hsx.spec import JobSpec
+from hsx.wire import JobState
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    spec TEXT NOT NULL,
+    output TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    last_error TEXT,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    restarts INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS units (
+    job_id TEXT NOT NULL,
+    unit INTEGER NOT NULL,
+    row_start INTEGER NOT NULL,
+    row_end INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    state TEXT NOT NULL,             -- pending | running | committed | failed
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    PRIMARY KEY (job_id, unit)
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    job_id TEXT NOT NULL,
+    unit INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    at REAL NOT NULL,
+    outcome TEXT NOT NULL,           -- committed | duplicate | failed
+    error TEXT
+);
+CREATE TABLE IF NOT EXISTS commits (
+    job_id TEXT NOT NULL,
+    unit INTEGER NOT NULL,
+    samples INTEGER NOT NULL,
+    failed INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    seconds REAL NOT NULL,
+    PRIMARY KEY (job_id, unit)
+);
+"""
+
+
+@dataclass
+class JobRow:
+    seq: int
+    id: str
+    spec: JobSpec
+    output: str
+    state: JobState
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    last_error: str | None
+    cancel_requested: bool
+    restarts: int
+
+
+class Ledger:
+    def __init__(self, path: str | Path):
+        self.path = Path(path).expanduser()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        with self._tx() as db:
+            db.executescript(SCHEMA)
+
+    def _conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            self._local.conn = conn
+        return conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    # ---------------------------------------------------------------- jobs
+
+    def insert_job(self, job_id: str, spec: JobSpec, output: str) -> JobRow | None:
+        """Add a queued job; None if the id exists (the caller compares specs)."""
+        with self._tx() as db:
+            exists = db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if exists:
+                return None
+            db.execute(
+                "INSERT INTO jobs (id, spec, output, state, created_at) VALUES (?, ?, ?, ?, ?)",
+                (job_id, spec.model_dump_json(), output, JobState.queued.value, time.time()),
+            )
+        row = self.job(job_id)
+        if row is None:
+            raise RuntimeError(f"ledger: job {job_id} vanished after insert")
+        return row
+
+    def job(self, job_id: str) -> JobRow | None:
+        row = self._conn().execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _job_row(row) if row else None
+
+    def jobs(self, state: JobState | None = None) -> list[JobRow]:
+        if state is None:
+            rows = self._conn().execute("SELECT * FROM jobs ORDER BY seq").fetchall()
+        else:
+            rows = self._conn().execute(
+                "SELECT * FROM jobs WHERE state = ? ORDER BY seq", (state.value,)
+            ).fetchall()
+        return [_job_row(r) for r in rows]
+
+    def next_queued(self) -> JobRow | None:
+        row = self._conn().execute(
+            "SELECT * FROM jobs WHERE state = ? ORDER BY seq LIMIT 1", (JobState.queued.value,)
+        ).fetchone()
+        return _job_row(row) if row else None
+
+    def set_state(self, job_id: str, state: JobState, error: str | None = None) -> None:
+        now = time.time()
+        with self._tx() as db:
+            if state == JobState.running:
+                db.execute(
+                    "UPDATE jobs SET state = ?, started_at = COALESCE(started_at, ?), "
+                    "last_error = COALESCE(?, last_error) WHERE id = ?",
+                    (state.value, now, error, job_id),
+                )
+            elif state.finished:
+                db.execute(
+                    "UPDATE jobs SET state = ?, finished_at = ?, "
+                    "last_error = COALESCE(?, last_error) WHERE id = ?",
+                    (state.value, now, error, job_id),
+                )
+            else:
+                db.execute(
+                    "UPDATE jobs SET state = ?, last_error = COALESCE(?, last_error) WHERE id = ?",
+                    (state.value, error, job_id),
+                )
+
+    def set_error(self, job_id: str, error: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET last_error = ? WHERE id = ?", (error, job_id))
+
+    def request_cancel(self, job_id: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
+
+    def add_restart(self, job_id: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET restarts = restarts + 1 WHERE id = ?", (job_id,))
+
+    # ---------------------------------------------------------------- units
+
+    def plan(self, job_id: str, units: list[tuple[int, int, int, int]]) -> None:
+        """Record a job's units (unit, row_start, row_end, tokens), once."""
+        with self._tx() as db:
+            db.executemany(
+                "INSERT OR IGNORE INTO units (job_id, unit, row_start, row_end, tokens, state) "
+                "VALUES (?, ?, ?, ?, ?, 'pending')",
+                [(job_id, *u) for u in units],
+            )
+
+    def reconcile_units(self, job_id: str, committed: set[int]) -> None:
+        """Make units agree with the output: committed there means committed here;
+        anything that was running when the coordinator died is pending again."""
+        with self._tx() as db:
+            for unit in committed:
+                db.execute(
+                    "UPDATE units SET state = 'committed' WHERE job_id = ? AND unit = ?",
+                    (job_id, unit),
+                )
+            db.execute(
+                "UPDATE units SET state = 'pending' WHERE job_id = ? AND state = 'running'",
+                (job_id,),
+            )
+
+    def unit_committed(self, job_id: str, report: Any) -> None:
+        outcome = "committed" if report.won else "duplicate"
+        with self._tx() as db:
+            db.execute(
+                "UPDATE units SET state = 'committed', attempts = attempts + 1 "
+                "WHERE job_id = ? AND unit = ?",
+                (job_id, report.unit),
+            )
+            db.execute(
+                "INSERT INTO attempts (job_id, unit, attempt, at, outcome) "
+                "SELECT ?, ?, attempts, ?, ? FROM units WHERE job_id = ? AND unit = ?",
+                (job_id, report.unit, time.time(), outcome, job_id, report.unit),
+            )
+            db.execute(
+                "INSERT OR REPLACE INTO commits "
+                "(job_id, unit, samples, failed, tokens, bytes, seconds) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (job_id, report.unit, report.samples, len(report.errors), report.tokens,
+                 report.bytes, report.seconds),
+            )
+
+    def unit_failed(self, job_id: str, unit: int, attempt: int, error: str, gave_up: bool) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE units SET state = ?, attempts = ?, last_error = ? "
+                "WHERE job_id = ? AND unit = ?",
+                ("failed" if gave_up else "pending", attempt, error, job_id, unit),
+            )
+            db.execute(
+                "INSERT INTO attempts (job_id, unit, attempt, at, outcome, error) "
+                "VALUES (?, ?, ?, ?, 'failed', ?)",
+                (job_id, unit, attempt, time.time(), error),
+            )
+
+    def failed_units(self, job_id: str) -> list[tuple[int, int, int, str]]:
+        """(unit, row_start, row_end, last_error) of units given up."""
+        rows = self._conn().execute(
+            "SELECT unit, row_start, row_end, last_error FROM units "
+            "WHERE job_id = ? AND state = 'failed' ORDER BY unit",
+            (job_id,),
+        ).fetchall()
+        return [(r["unit"], r["row_start"], r["row_end"], r["last_error"] or "") for r in rows]
+
+    def unit_seconds(self) -> tuple[float, int]:
+        """Sum and count of unit durations, over every job (for /metrics)."""
+        row = self._conn().execute("SELECT COALESCE(SUM(seconds), 0), COUNT(*) FROM commits")
+        total, count = row.fetchone()
+        return float(total), int(count)
+
+
+def _job_row(row: sqlite3.Row) -> JobRow:
+    return JobRow(
+        seq=row["seq"],
+        id=row["id"],
+        spec=JobSpec.model_validate(json.loads(row["spec"])),
+        output=row["output"],
+        state=JobState(row["state"]),
+        created_at=row["created_at"],
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+        last_error=row["last_error"],
+        cancel_requested=bool(row["cancel_requested"]),
+        restarts=row["restarts"],
+    )

@@ -1,0 +1,396 @@
+"""The coordinator's scheduler: jobs from the ledger, run one after another on Ray.
+
+Routes call `submit`, `get`, `list`, `cancel`, `errors`, `subscribe` — all quick: they
+validate, read the ledger and enqueue. One background thread takes the oldest queued
+job and runs it to the end with the same `execute` the CLI uses (runner.py): prepare
+(ingest, plan), then units fed to `replicas` engine actors, restarts and retries
+included. Progress goes to the ledger (units, attempts, commits) and to subscribers
+(the SSE streams).
+
+On `start` the ledger is reconciled with the outputs — the outputs' commit records are
+the truth — and every job that was running when the coordinator stopped is queued
+again, ahead of newer ones, so a `kill -9` costs only the units that were in flight.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from hsx.plan import WorkUnit
+from hsx.progress import JobProgress
+from hsx.shards import committed_units, read_commits
+from hsx.spec import JobSpec
+from hsx.wire import ErrorPage, ErrorRecord, JobState, JobStatus, WorkerStatus
+from hsx_service.errors import JobConflict, JobNotFound, NotReady
+from hsx_service.ledger import JobRow, Ledger
+from hsx_service.prepare import JobRefused, PreparedJob, output_path, preflight, prepare
+from hsx_service.runner import (
+    MAX_ATTEMPTS,
+    DispatchHooks,
+    EnginePool,
+    JobFailed,
+    check_capacity,
+    ensure_ray,
+    execute,
+    failed_units_message,
+    finish,
+    initial_progress,
+    summarize,
+)
+
+logger = logging.getLogger(__name__)
+
+PUBLISH_INTERVAL_S = 0.25  # at most this often per job, for progress (not state) changes
+
+
+class Scheduler:
+    """Runs queued jobs in order; see the module docstring for who calls what."""
+
+    def __init__(self, settings: Any):
+        self.settings = settings
+        self.ledger = Ledger(settings.ledger_path)
+        self.max_attempts = int(getattr(settings, "max_unit_attempts", MAX_ATTEMPTS))
+        self.pool = EnginePool()
+        self._ready = False
+        self._stop = threading.Event()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._live: dict[str, JobProgress] = {}  # running (or last run) job's progress
+        self._finished: dict[str, JobProgress] = {}  # numbers of ended jobs, read once
+        self._cancel: set[str] = set()
+        self._subscribers: dict[str, builtins.list[queue.Queue[JobStatus | None]]] = defaultdict(list)
+        self._last_publish: dict[str, float] = {}
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def start(self) -> None:
+        ensure_ray(getattr(self.settings, "ray_address", None), cpus_needed=1)
+        self._reconcile()
+        self._ready = True
+        self._thread = threading.Thread(target=self._loop, name="hsx-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.pool.shutdown()
+
+    def _reconcile(self) -> None:
+        """After a restart: running jobs go back to the queue, units agree with outputs."""
+        for row in self.ledger.jobs():
+            if row.state == JobState.running:
+                logger.info("resuming job %s after a coordinator restart", row.id)
+                self.ledger.set_state(row.id, JobState.queued)
+            if not row.state.finished:
+                root = output_path(row.output)
+                if root.exists():
+                    self.ledger.reconcile_units(row.id, committed_units(root))
+
+    # ------------------------------------------------------------ routes' API
+
+    def submit(self, spec: JobSpec, job_id: str | None) -> tuple[JobStatus, bool]:
+        if not self._ready:
+            raise NotReady("the coordinator is still starting")
+        job_id = job_id or f"job-{uuid.uuid4().hex[:10]}"
+        existing = self.ledger.job(job_id)
+        if existing is not None:
+            return self._same_or_conflict(existing, spec), False
+        preflight(spec)
+        check_capacity(spec)
+        root = str(output_path(spec.output).resolve())
+        for other in self.ledger.jobs():
+            if not other.state.finished and str(output_path(other.output).resolve()) == root:
+                raise JobConflict(f"output {spec.output} is in use by job {other.id}")
+        row = self.ledger.insert_job(job_id, spec, spec.output)
+        if row is None:  # another request inserted the same id just now
+            raced = self.ledger.job(job_id)
+            if raced is None:
+                raise RuntimeError(f"ledger lost job {job_id}")
+            return self._same_or_conflict(raced, spec), False
+        with self._wake:
+            self._wake.notify_all()
+        self._publish(job_id, force=True)
+        return self._status(row), True
+
+    def _same_or_conflict(self, row: JobRow, spec: JobSpec) -> JobStatus:
+        if row.spec.model_dump() != spec.model_dump():
+            raise JobConflict(f"job {row.id} already exists with a different spec")
+        return self._status(row)
+
+    def get(self, job_id: str) -> JobStatus:
+        return self._status(self._row(job_id))
+
+    def list(self, state: JobState | None = None) -> builtins.list[JobStatus]:
+        return [self._status(row) for row in self.ledger.jobs(state)]
+
+    def cancel(self, job_id: str) -> JobStatus:
+        row = self._row(job_id)
+        if row.state == JobState.queued:
+            self.ledger.set_state(job_id, JobState.cancelled)
+            self._publish(job_id, force=True, final=True)
+        elif row.state == JobState.running:
+            self.ledger.request_cancel(job_id)
+            with self._lock:
+                self._cancel.add(job_id)
+        return self.get(job_id)
+
+    def errors(self, job_id: str, offset: int, limit: int) -> ErrorPage:
+        records = self._error_records(self._row(job_id))
+        page = records[offset : offset + limit]
+        return ErrorPage(items=page, total=len(records), offset=offset, limit=limit)
+
+    def subscribe(self, job_id: str) -> queue.Queue[JobStatus | None]:
+        row = self._row(job_id)
+        q: queue.Queue[JobStatus | None] = queue.Queue()
+        with self._lock:
+            self._subscribers[job_id].append(q)
+        q.put(self._status(row))
+        if row.state.finished:
+            q.put(None)
+        return q
+
+    def unsubscribe(self, job_id: str, q: queue.Queue[JobStatus | None]) -> None:
+        with self._lock:
+            subs = self._subscribers.get(job_id, [])
+            if q in subs:
+                subs.remove(q)
+
+    def metrics(self) -> dict[str, float]:
+        db = self.ledger
+        rows = db._conn().execute(
+            "SELECT COALESCE(SUM(samples),0), COALESCE(SUM(failed),0), COALESCE(SUM(tokens),0), "
+            "COALESCE(SUM(bytes),0), COUNT(*) FROM commits"
+        ).fetchone()
+        seconds, count = db.unit_seconds()
+        jobs = db.jobs()
+        out: dict[str, float] = {
+            "hsx_samples_total": rows[0],
+            "hsx_samples_failed_total": rows[1],
+            "hsx_tokens_total": rows[2],
+            "hsx_bytes_total": rows[3],
+            "hsx_shards_total": rows[4],
+            "hsx_unit_seconds_sum": seconds,
+            "hsx_unit_seconds_count": count,
+            "hsx_queue_depth": sum(j.state == JobState.queued for j in jobs),
+            "hsx_worker_restarts_total": sum(j.restarts for j in jobs),
+        }
+        for state in JobState:
+            out[f'hsx_jobs{{state="{state.value}"}}'] = sum(j.state == state for j in jobs)
+        return out
+
+    # ------------------------------------------------------------ status
+
+    def _row(self, job_id: str) -> JobRow:
+        row = self.ledger.job(job_id)
+        if row is None:
+            raise JobNotFound(job_id)
+        return row
+
+    def _status(self, row: JobRow) -> JobStatus:
+        live = self._live.get(row.id)
+        status = JobStatus(
+            id=row.id, name=row.spec.name, state=row.state, output=row.output,
+            created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
+            restarts=row.restarts, last_error=row.last_error, spec=row.spec,
+        )
+        if live is None:
+            live = self._progress_from_output(row)
+        if live is not None:
+            status.samples_total = live.samples_total
+            status.samples_done = live.samples_done
+            status.samples_failed = live.samples_failed
+            status.tokens_total = live.tokens_total
+            status.tokens_done = live.tokens_done
+            status.bytes = live.bytes
+            status.shards = live.shards
+            status.units_total = live.units_total
+            status.units_done = live.units_done
+            status.units_failed = live.units_failed
+            if row.state == JobState.running:
+                status.tokens_per_s = round(live.tokens_per_s(), 1)
+                status.eta_s = live.eta_s()
+                status.workers = [
+                    WorkerStatus(name=name, state=state, unit=live.worker_units.get(name))
+                    for name, state in sorted(live.workers.items())
+                ]
+        return status
+
+    def _progress_from_output(self, row: JobRow) -> JobProgress | None:
+        """Numbers of a job that is not running now, read back from its output."""
+        if row.id in self._finished:
+            return self._finished[row.id]
+        root = output_path(row.output)
+        if not (root / "manifest.json").exists():
+            return None
+        try:
+            progress = initial_progress(prepare_readonly(row.spec, root))
+        except (OSError, ValueError):
+            return None
+        progress.units_failed = len(self.ledger.failed_units(row.id))
+        if row.state.finished:
+            self._finished[row.id] = progress
+        return progress
+
+    def _error_records(self, row: JobRow) -> builtins.list[ErrorRecord]:
+        root = output_path(row.output)
+        records: dict[int, str] = {}
+        if (root / "errors.arrow").exists():
+            from hsx.ingest import read_errors
+
+            table = read_errors(root)
+            for index, reason in zip(table.column("sample_index").to_pylist(),
+                                     table.column("reason").to_pylist(), strict=True):
+                records[int(index)] = str(reason)
+        if root.exists():
+            for commit in read_commits(root):
+                for err in commit.get("errors", []):
+                    records[int(err["sample_index"])] = str(err["reason"])
+        failed = self.ledger.failed_units(row.id)
+        if failed:
+            from hsx.ingest import read_inputs
+
+            indices = read_inputs(root).column("sample_index")
+            for unit, start, end, error in failed:
+                for index in indices.slice(start, end - start).to_pylist():
+                    records[int(index)] = f"unit {unit} was given up: {error}"
+        return [ErrorRecord(sample_index=i, reason=r) for i, r in sorted(records.items())]
+
+    def _publish(self, job_id: str, *, force: bool = False, final: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_publish.get(job_id, 0.0) < PUBLISH_INTERVAL_S:
+            return
+        self._last_publish[job_id] = now
+        with self._lock:
+            subs = list(self._subscribers.get(job_id, []))
+        if not subs:
+            return
+        status = self.get(job_id)
+        for q in subs:
+            q.put(status)
+            if final:
+                q.put(None)
+
+    # ------------------------------------------------------------ the job thread
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            row = self.ledger.next_queued()
+            if row is None:
+                with self._wake:
+                    self._wake.wait(timeout=1.0)
+                continue
+            try:
+                self._run(row)
+            except Exception:  # never let one job's bug stop the scheduler
+                logger.exception("job %s: unexpected error", row.id)
+                self.ledger.set_state(row.id, JobState.failed, "internal error; see the logs")
+                self._publish(row.id, force=True, final=True)
+
+    def _run(self, row: JobRow) -> None:
+        job_id = row.id
+        self.ledger.set_state(job_id, JobState.running)
+        self._publish(job_id, force=True)
+        started = time.time()
+        try:
+            job = prepare(row.spec)
+        except JobRefused as err:
+            self._end(job_id, JobState.failed, str(err))
+            return
+        self.ledger.plan(job_id, [(u.unit, u.row_start, u.row_end, u.tokens) for u in job.units])
+        self.ledger.reconcile_units(job_id, {u.unit for u in job.units} - {
+            u.unit for u in job.pending})
+        self._live[job_id] = initial_progress(job)
+
+        hooks = DispatchHooks(
+            on_progress=lambda p: self._on_progress(job_id, p),
+            on_unit_done=lambda report: self.ledger.unit_committed(job_id, report),
+            on_unit_error=lambda unit, attempt, msg, gave_up: self._on_unit_error(
+                job_id, unit, attempt, msg, gave_up),
+            on_restart=lambda _name: self.ledger.add_restart(job_id),
+            cancelled=lambda: job_id in self._cancel,
+        )
+        try:
+            result = execute(job, self.pool, hooks, self.max_attempts) if job.pending else None
+        except JobRefused as err:
+            self._end(job_id, JobState.failed, str(err))
+            return
+        except JobFailed as err:
+            self._end(job_id, JobState.failed, str(err))
+            return
+        finally:
+            self._release_engines()
+        if result is not None and result.cancelled:
+            self._end(job_id, JobState.cancelled, "cancelled")
+        elif result is not None and result.failed_units:
+            message = failed_units_message(result.failed_units, len(job.units), self.max_attempts)
+            self._end(job_id, JobState.failed, message)
+        else:
+            finish(job, summarize(job, started))
+            self._end(job_id, JobState.succeeded, None)
+
+    def _on_progress(self, job_id: str, progress: JobProgress) -> None:
+        self._live[job_id] = progress
+        self._publish(job_id)
+
+    def _on_unit_error(
+        self, job_id: str, unit: WorkUnit, attempt: int, message: str, gave_up: bool
+    ) -> None:
+        self.ledger.unit_failed(job_id, unit.unit, attempt, message, gave_up)
+        self.ledger.set_error(job_id, f"unit {unit.unit} attempt {attempt}: {message}")
+
+    def _end(self, job_id: str, state: JobState, error: str | None) -> None:
+        live = self._live.get(job_id)
+        if live is not None:
+            live.workers.clear()
+        with self._lock:
+            self._cancel.discard(job_id)
+        self.ledger.set_state(job_id, state, error)
+        self._publish(job_id, force=True, final=True)
+
+    def _release_engines(self) -> None:
+        """Keep engines only for the next queued job if it runs on the same config."""
+        upcoming = self.ledger.next_queued()
+        keep = None
+        if upcoming is not None:
+            try:
+                from hsx_service.runner import engine_config_for
+
+                info, layers, _ = preflight(upcoming.spec)
+                keep = (upcoming.spec.engine,
+                        repr(engine_config_for(upcoming.spec, info, layers)))
+            except JobRefused:
+                keep = None
+        self.pool.keep_only(keep)
+
+
+def prepare_readonly(spec: JobSpec, root: Path) -> PreparedJob:
+    """A PreparedJob for an output that exists, without ingesting or writing anything."""
+    import json
+
+    from hsx.layout import COMPLETE, MANIFEST
+    from hsx.modelinfo import read_model_info
+
+    manifest = json.loads((root / MANIFEST).read_text())
+    units = [WorkUnit.from_json(u) for u in manifest["units"]]
+    done = committed_units(root)
+    return PreparedJob(
+        spec=spec, model=read_model_info(spec.model), layers=list(manifest["layers"]),
+        output=root, manifest=manifest, units=units,
+        pending=[u for u in units if u.unit not in done], complete=(root / COMPLETE).exists(),
+    )
