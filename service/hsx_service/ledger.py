@@ -90,8 +90,8 @@ class Ledger:
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
-        with self._tx() as db:
-            db.executescript(SCHEMA)
+        # executescript manages its own transaction.
+        self._conn().executescript(SCHEMA)
 
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)

@@ -78,6 +78,11 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int]) -> Any
     )
 
 
+def engine_key(spec: JobSpec, model: ModelInfo, layers: list[int]) -> tuple[Any, ...]:
+    """Jobs with equal keys can share engines (EnginePool keeps actors by this key)."""
+    return (spec.engine, repr(engine_config_for(spec, model, layers)))
+
+
 def ensure_ray(address: str | None, cpus_needed: int) -> None:
     import ray
 

@@ -38,6 +38,7 @@ from hsx_service.runner import (
     EnginePool,
     JobFailed,
     check_capacity,
+    engine_key,
     ensure_ray,
     execute,
     failed_units_message,
@@ -67,7 +68,9 @@ class Scheduler:
         self._live: dict[str, JobProgress] = {}  # running (or last run) job's progress
         self._finished: dict[str, JobProgress] = {}  # numbers of ended jobs, read once
         self._cancel: set[str] = set()
-        self._subscribers: dict[str, builtins.list[queue.Queue[JobStatus | None]]] = defaultdict(list)
+        self._subscribers: dict[str, builtins.list[queue.Queue[JobStatus | None]]] = (
+            defaultdict(list)
+        )
         self._last_publish: dict[str, float] = {}
 
     # ------------------------------------------------------------ lifecycle
@@ -325,6 +328,8 @@ class Scheduler:
             on_restart=lambda _name: self.ledger.add_restart(job_id),
             cancelled=lambda: job_id in self._cancel,
         )
+        # Engines stay warm between jobs on the same config; others give their place.
+        self.pool.keep_only(engine_key(row.spec, job.model, job.layers))
         try:
             result = execute(job, self.pool, hooks, self.max_attempts) if job.pending else None
         except JobRefused as err:
@@ -333,8 +338,6 @@ class Scheduler:
         except JobFailed as err:
             self._end(job_id, JobState.failed, str(err))
             return
-        finally:
-            self._release_engines()
         if result is not None and result.cancelled:
             self._end(job_id, JobState.cancelled, "cancelled")
         elif result is not None and result.failed_units:
@@ -362,21 +365,6 @@ class Scheduler:
             self._cancel.discard(job_id)
         self.ledger.set_state(job_id, state, error)
         self._publish(job_id, force=True, final=True)
-
-    def _release_engines(self) -> None:
-        """Keep engines only for the next queued job if it runs on the same config."""
-        upcoming = self.ledger.next_queued()
-        keep = None
-        if upcoming is not None:
-            try:
-                from hsx_service.runner import engine_config_for
-
-                info, layers, _ = preflight(upcoming.spec)
-                keep = (upcoming.spec.engine,
-                        repr(engine_config_for(upcoming.spec, info, layers)))
-            except JobRefused:
-                keep = None
-        self.pool.keep_only(keep)
 
 
 def prepare_readonly(spec: JobSpec, root: Path) -> PreparedJob:
