@@ -4,6 +4,7 @@ The public names are few and light to import (no torch, vllm or ray):
 
 - `JobSpec`, `load_job`: the job file.
 - `HiddenStatesDataset`: read an output location from a training loop.
+- `Client`: the coordinator's REST API (submit, watch, cancel jobs).
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["HiddenStatesDataset", "JobSpec", "__version__", "load_job"]
+__all__ = ["Client", "HiddenStatesDataset", "JobSpec", "__version__", "load_job"]
 
 if TYPE_CHECKING:
+    from hsx.client import Client
     from hsx.dataset import HiddenStatesDataset
     from hsx.spec import JobSpec, load_job
 
 _LAZY = {
+    "Client": "hsx.client",
     "HiddenStatesDataset": "hsx.dataset",
     "JobSpec": "hsx.spec",
     "load_job": "hsx.spec",

@@ -4,8 +4,14 @@ This module is the composition root: server-side commands (`extract`, `demo`, th
 fixture makers) import the service and the workers inside their functions; nothing
 else in `hsx` does, so `import hsx` stays light.
 
-Exit codes: 0 done, 1 the job failed while running, 2 the job was refused (bad job
-file, bad model or layers, unwritable output) before anything started.
+The commands that talk to a running coordinator (`submit`, `status`, `watch`, `ls`,
+`cancel`, `errors`) go through `hsx.Client`; `--url` / `--token` (or HSX_URL /
+HSX_API_TOKEN) say which server. Their results (a job id, a table, JSON) go to stdout so
+they can be piped; progress and messages go to stderr.
+
+Exit codes: 0 done, 1 the job failed while running (or was cancelled; or the server
+answered with another error), 2 the job was refused (bad job file, bad model or layers,
+unwritable output, a path outside the server's allowed roots) before anything started.
 """
 
 from __future__ import annotations
@@ -15,10 +21,14 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hsx import __version__
-from hsx.progress import console
+from hsx.progress import JobProgress, console
+
+if TYPE_CHECKING:
+    from hsx.client import Client
+    from hsx.wire import JobStatus
 
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
@@ -134,12 +144,316 @@ def _yaml(data: dict[str, Any]) -> str:
     return str(yaml.safe_dump(data, sort_keys=False))
 
 
+# --- the coordinator -----------------------------------------------------------------
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """Run the coordinator (REST API, dashboard, scheduler) until interrupted."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from hsx_service.config import Settings
+    from hsx_service.main import create_app
+
+    overrides: dict[str, Any] = {
+        key: value
+        for key, value in (("host", args.host), ("port", args.port), ("ledger_path", args.ledger))
+        if value is not None
+    }
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as err:
+        return _error(f"bad server settings: {err}", EXIT_REFUSED)
+    console().print(
+        f"hsx coordinator on http://{settings.host}:{settings.port}  (dashboard /, API /docs; "
+        f"ledger {settings.ledger_path})"
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="info" if args.verbose else "warning",
+        # Open event streams (dashboards, `hsx watch`) must not hold up a Ctrl-C.
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+class _ServerProgress(JobProgress):
+    """A JobProgress whose rate and ETA are the server's, not recomputed here."""
+
+    def __init__(self, status: JobStatus) -> None:
+        super().__init__(
+            samples_total=status.samples_total,
+            tokens_total=status.tokens_total,
+            samples_done=status.samples_done,
+            tokens_done=status.tokens_done,
+            samples_failed=status.samples_failed,
+            shards=status.shards,
+            bytes=status.bytes,
+            units_total=status.units_total,
+            units_done=status.units_done,
+            workers={w.name: w.state for w in status.workers},
+            restarts=status.restarts,
+            started_at=status.started_at or status.created_at,
+        )
+        self._rate = status.tokens_per_s
+        self._eta = status.eta_s
+
+    def tokens_per_s(self) -> float:
+        return self._rate
+
+    def eta_s(self) -> float | None:
+        return self._eta
+
+
+def job_progress(status: JobStatus) -> JobProgress:
+    """What the terminal progress bar shows, from a job's status on the server."""
+    return _ServerProgress(status)
+
+
+def _client(args: argparse.Namespace) -> Client:
+    from hsx.client import Client
+
+    return Client(args.url, args.token)
+
+
+def _remote(command: Any) -> Any:
+    """Run a command against the server; API errors become a message and an exit code."""
+
+    def run(args: argparse.Namespace) -> int:
+        from hsx.client import ApiError, JobRefusedError
+        from hsx.spec import SpecError
+
+        try:
+            code: int = command(args)
+            return code
+        except (JobRefusedError, SpecError) as err:
+            return _error(str(err), EXIT_REFUSED)
+        except ApiError as err:
+            return _error(str(err), EXIT_FAILED)
+        except KeyboardInterrupt:
+            return _error("interrupted", 130)
+
+    return run
+
+
+def _stdout() -> Any:
+    """A console on stdout: tables and JSON are the command's result, not chatter."""
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _follow(client: Client, job_id: str, title: str) -> int:
+    """Show a live progress bar until the job ends; exit 0 only if it succeeded."""
+    from hsx.progress import ProgressBar
+
+    try:
+        with ProgressBar(title) as bar:
+            final = client.wait(job_id, on_update=lambda status: bar.update(job_progress(status)))
+    except KeyboardInterrupt:
+        return _error(f"stopped watching; job {job_id} goes on (`hsx cancel {job_id}` stops it)",
+                      130)
+    return _report_final(final)
+
+
+def _report_final(job: JobStatus) -> int:
+    if job.state.value == "succeeded":
+        console().print(
+            f"[green]done[/]: job {job.id}: {job.samples_done:,} samples, "
+            f"{job.tokens_done:,} tokens, {job.shards} shards, {job.bytes / 2**20:,.1f} MiB, "
+            f"{job.samples_failed} bad rows -> {job.output}"
+        )
+        return 0
+    reason = f": {job.last_error}" if job.last_error else ""
+    return _error(f"job {job.id} {job.state.value}{reason}", EXIT_FAILED)
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.submit(Path(args.job), job_id=args.id)
+        sys.stdout.write(f"{job.id}\n")
+        sys.stdout.flush()
+        if not args.wait:
+            return 0
+        return _follow(client, job.id, job.name or job.id)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.get(args.job)
+    if args.json:
+        sys.stdout.write(job.model_dump_json(indent=2) + "\n")
+        return 0
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    rows: list[tuple[str, str]] = [
+        ("job", f"{job.id}" + (f" ({job.name})" if job.name else "")),
+        ("state", job.state.value),
+        ("samples", f"{job.samples_done:,} / {job.samples_total:,} ({job.samples_failed:,} bad)"),
+        ("tokens", f"{job.tokens_done:,} / {job.tokens_total:,}"),
+        ("rate", f"{job.tokens_per_s:,.0f} tok/s, ETA {_duration(job.eta_s)}"),
+        ("units", f"{job.units_done} / {job.units_total} ({job.units_failed} failed)"),
+        ("shards", f"{job.shards} ({job.bytes / 2**20:,.1f} MiB)"),
+        ("workers", ", ".join(f"{w.name}: {w.state}" for w in job.workers) or "-"),
+        ("restarts", str(job.restarts)),
+        ("created", _when(job.created_at)),
+        ("started", _when(job.started_at)),
+        ("finished", _when(job.finished_at)),
+        ("output", job.output),
+    ]
+    if job.last_error:
+        rows.append(("last error", job.last_error))
+    for key, value in rows:
+        table.add_row(key, value)
+    _stdout().print(table)
+    return 0
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        return _follow(client, args.job, args.job)
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        jobs = client.list(args.state)
+    if args.json:
+        sys.stdout.write(json.dumps([j.model_dump(mode="json") for j in jobs]) + "\n")
+        return 0
+    from rich.table import Table
+
+    table = Table()
+    # Ids and states are what people copy and grep: never wrapped; the output path folds.
+    table.add_column("job", no_wrap=True)
+    table.add_column("name")
+    table.add_column("state", no_wrap=True)
+    for name in ("samples", "bad", "tok/s"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("ETA", no_wrap=True)
+    table.add_column("created", no_wrap=True)
+    table.add_column("output", overflow="fold")
+    for job in jobs:
+        table.add_row(
+            job.id, job.name or "", job.state.value, f"{job.samples_done:,}/{job.samples_total:,}",
+            f"{job.samples_failed:,}", f"{job.tokens_per_s:,.0f}", _duration(job.eta_s),
+            _when(job.created_at, "%m-%d %H:%M"), job.output,
+        )
+    _stdout().print(table)
+    return 0
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.cancel(args.job)
+    if job.state.value == "cancelled":
+        console().print(f"job {job.id}: cancelled")
+    elif job.state.finished:
+        console().print(f"job {job.id} had already {job.state.value}; nothing to cancel")
+    else:
+        # Running units end cleanly first; `hsx watch` shows when it has stopped.
+        console().print(f"job {job.id}: cancel requested (now {job.state.value})")
+    return 0
+
+
+def _cmd_errors(args: argparse.Namespace) -> int:
+    from itertools import islice
+
+    with _client(args) as client:
+        total = client.errors(args.job, limit=1).total
+        records = list(islice(client.iter_errors(args.job), args.limit))
+    if args.json:
+        sys.stdout.write(json.dumps([r.model_dump(mode="json") for r in records]) + "\n")
+        return 0
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("sample", justify="right")
+    table.add_column("reason")
+    for record in records:
+        table.add_row(str(record.sample_index), record.reason)
+    _stdout().print(table)
+    console().print(f"{len(records)} of {total} error records of job {args.job}")
+    return 0
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def _when(timestamp: float | None, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
+    import time
+
+    return "-" if timestamp is None else time.strftime(fmt, time.localtime(timestamp))
+
+
+def _add_remote_parsers(sub: Any) -> None:
+    # --url/--token work before or after the command (`hsx --url U ls`, `hsx ls --url U`);
+    # SUPPRESS keeps a subcommand from overwriting the top-level value with its default.
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("--url", default=argparse.SUPPRESS,
+                        help="coordinator URL (env HSX_URL; default http://127.0.0.1:8642)")
+    remote.add_argument("--token", default=argparse.SUPPRESS,
+                        help="API token (env HSX_API_TOKEN)")
+    from hsx.wire import JobState
+
+    p = sub.add_parser("serve", help="run the coordinator: REST API, dashboard, scheduler")
+    p.add_argument("--host", help="address to bind (env HSX_HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (env HSX_PORT; default 8642)")
+    p.add_argument("--ledger", help="ledger SQLite file (env HSX_LEDGER_PATH)")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("submit", parents=[remote], help="submit a job file to the coordinator")
+    p.add_argument("job", help="job file (YAML or JSON)")
+    p.add_argument("--id", help="job id to use (submitting the same job again is a no-op)")
+    p.add_argument("--wait", action="store_true", help="show progress until the job ends")
+    p.set_defaults(func=_remote(_cmd_submit))
+
+    p = sub.add_parser("status", parents=[remote], help="one job's state and numbers")
+    p.add_argument("job", help="job id")
+    p.add_argument("--json", action="store_true", help="the JobStatus as JSON on stdout")
+    p.set_defaults(func=_remote(_cmd_status))
+
+    p = sub.add_parser("watch", parents=[remote], help="live progress bar until the job ends")
+    p.add_argument("job", help="job id")
+    p.set_defaults(func=_remote(_cmd_watch))
+
+    p = sub.add_parser("ls", parents=[remote], help="list jobs")
+    p.add_argument("--state", choices=[s.value for s in JobState], help="only jobs in this state")
+    p.add_argument("--json", action="store_true", help="the jobs as JSON on stdout")
+    p.set_defaults(func=_remote(_cmd_ls))
+
+    p = sub.add_parser("cancel", parents=[remote], help="cancel a job")
+    p.add_argument("job", help="job id")
+    p.set_defaults(func=_remote(_cmd_cancel))
+
+    p = sub.add_parser("errors", parents=[remote], help="a job's skipped rows and why")
+    p.add_argument("job", help="job id")
+    p.add_argument("--limit", type=int, default=100, help="most records to show (default 100)")
+    p.add_argument("--json", action="store_true", help="the records as JSON on stdout")
+    p.set_defaults(func=_remote(_cmd_errors))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hsx", description="Hidden states of a target LLM as EAGLE-3 training data."
     )
     parser.add_argument("--version", action="version", version=f"hsx {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log for operators")
+    parser.add_argument("--url", default=None,
+                        help="coordinator URL (env HSX_URL; default http://127.0.0.1:8642)")
+    parser.add_argument("--token", default=None, help="API token (env HSX_API_TOKEN)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("extract", help="run a job file to completion (local Ray by default)")
@@ -168,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bad-rows", type=int, default=0)
     p.set_defaults(func=_cmd_make_dataset)
+
+    _add_remote_parsers(sub)
     return parser
 
 

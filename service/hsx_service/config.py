@@ -1,0 +1,123 @@
+"""The coordinator's settings: environment variables with the `HSX_` prefix.
+
+`hsx serve` builds one `Settings` (flags override the environment) and hands it to
+`create_app`; routes read it through the `deps.get_settings` dependency, so a test can
+pass its own.
+
+Allowed roots: with `HSX_ALLOWED_ROOTS` unset, a server that only listens on loopback and
+has no API token accepts any dataset and output path (the laptop case: whoever can reach
+it already owns the files). A server that is exposed — a non-loopback host, or an API
+token, which means it is meant to be shared — restricts paths to the directory it was
+started in, so forgetting the setting never opens the whole file system. Set
+`HSX_ALLOWED_ROOTS` (a JSON list, or paths separated by `:` or `,`) to choose.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DEFAULT_PORT = 8642
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    """Everything the coordinator needs to know before it starts."""
+
+    model_config = SettingsConfigDict(env_prefix="HSX_", extra="ignore")
+
+    host: str = Field(
+        "127.0.0.1",
+        description="Address to bind. Loopback by default: exposing the API is a decision.",
+    )
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP port to listen on.")
+    ledger_path: Path = Field(
+        Path("~/.hsx/ledger.sqlite"),
+        description="SQLite file of the job ledger (jobs, units, attempts, commits).",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster to join (e.g. ray://head:10001); None starts a local Ray.",
+    )
+    allowed_roots: Annotated[list[Path] | None, NoDecode] = Field(
+        None,
+        description=(
+            "Directories that job datasets and outputs must lie in (symlinks resolved). "
+            "Unset: no restriction on a loopback server without a token, else the "
+            "directory the server was started in. A JSON list or paths separated by "
+            "`:` or `,`."
+        ),
+    )
+    api_token: str | None = Field(
+        None,
+        repr=False,
+        description="Bearer token every /v1 call must carry; None leaves the API open.",
+    )
+    allow_trust_remote_code: bool = Field(
+        False, description="Accept jobs with trust_remote_code: true (runs the model's code)."
+    )
+    max_unit_attempts: int = Field(
+        3, ge=1, description="Attempts of one work unit before it is recorded as failed."
+    )
+    quota_bytes: int | None = Field(
+        None, ge=0, description="Most bytes of shards one job may write; None for no limit."
+    )
+
+    @field_validator("ledger_path")
+    @classmethod
+    def _expand_ledger(cls, path: Path) -> Path:
+        return path.expanduser()
+
+    @field_validator("allowed_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        # The environment gives a string; a JSON list and a PATH-like list both make sense.
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if not text:
+            return None  # `HSX_ALLOWED_ROOTS=` means unset, as for the token
+        if text.startswith("["):
+            return json.loads(text)
+        return [part for part in text.replace(",", os.pathsep).split(os.pathsep) if part]
+
+    @field_validator("allowed_roots")
+    @classmethod
+    def _absolute_roots(cls, roots: list[Path] | None) -> list[Path] | None:
+        if roots is None:
+            return None
+        return [Path(os.path.realpath(root.expanduser())) for root in roots]
+
+    @field_validator("api_token")
+    @classmethod
+    def _empty_token_is_none(cls, token: str | None) -> str | None:
+        # `HSX_API_TOKEN=` in a shell script means "no token", not "the empty token".
+        return token or None
+
+    @property
+    def exposed(self) -> bool:
+        """Meant to be reached by others: a non-loopback bind, or a token to share."""
+        return self.api_token is not None or not is_loopback(self.host)
+
+    def effective_roots(self) -> list[Path] | None:
+        """The roots paths are checked against; None means no restriction."""
+        if self.allowed_roots is not None:
+            return self.allowed_roots
+        if self.exposed:
+            return [Path(os.path.realpath(os.getcwd()))]
+        return None

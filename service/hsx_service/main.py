@@ -1,0 +1,232 @@
+"""The coordinator's FastAPI app: routes, the one place errors become HTTP, the lifespan.
+
+`create_app(settings, scheduler)` builds it; `hsx serve` runs it under uvicorn. Tests
+pass a fake scheduler; without one, the lifespan builds the real
+`hsx_service.scheduler.Scheduler(settings)` (imported there, so building an app for its
+OpenAPI schema needs no Ray) and calls `start()` / `stop()` around serving.
+
+Every non-2xx response carries an `ErrorBody` (hsx.wire):
+
+| raised | HTTP | type |
+|---|---|---|
+| request body fails validation (`SubmitRequest`, `JobSpec`) | 422 | JobRefused |
+| `JobRefused` (policy here, preflight in the scheduler) | 422 | JobRefused |
+| a query or path parameter fails validation | 422 | InvalidRequest |
+| `Unauthorized` (deps.require_token) | 401 | Unauthorized |
+| `JobNotFound` / an unknown route | 404 | NotFound |
+| `JobConflict` | 409 | Conflict |
+| `NotReady` | 503 | NotReady |
+| anything else | 500 | InternalError |
+
+`field` is the dotted location of the culprit as the client sent it (`spec.layers`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hsx import __version__
+from hsx.wire import ErrorBody
+from hsx_service.config import Settings
+from hsx_service.deps import Unauthorized
+from hsx_service.errors import JobConflict, JobNotFound, JobRefused, NotReady, refused_field
+from hsx_service.routes import jobs, ops
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+NOT_READY_RETRY_S = 2
+_PARAM_SOURCES = ("body", "query", "path", "header", "cookie")
+
+_FALLBACK_INDEX = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>hsx</title></head>
+<body><h1>hsx coordinator</h1>
+<p>The dashboard is not installed here. The API is described at <a href="/docs">/docs</a>.</p>
+</body></html>
+"""
+
+
+def create_app(settings: Settings | None = None, scheduler: Any | None = None) -> FastAPI:
+    """The app for `settings` (default: from the environment), driving `scheduler`."""
+    settings = settings if settings is not None else Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _log_exposure(settings)
+        if app.state.scheduler is None:
+            app.state.scheduler = await anyio.to_thread.run_sync(_build_scheduler, settings)
+        # start() is expected to return soon; reconciling the ledger may go on in the
+        # scheduler's own thread while `ready` is False (/readyz says 503 meanwhile).
+        await anyio.to_thread.run_sync(app.state.scheduler.start)
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(app.state.scheduler.stop)
+
+    app = FastAPI(
+        title="hsx coordinator",
+        version=__version__,
+        description=(
+            "Hidden-state extraction jobs for EAGLE-3 draft training. When the server has "
+            "an API token, /v1 calls need `Authorization: Bearer <token>`."
+        ),
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.scheduler = scheduler
+    _redact_access_logs()
+    _add_error_handlers(app)
+    app.include_router(jobs.router)
+    app.include_router(ops.router)
+    # check_dir=False: the dashboard's assets may be absent from a slim install; then
+    # /static answers 404 and / the fallback page.
+    app.mount("/static", StaticFiles(directory=STATIC_DIR, check_dir=False), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def index() -> Response:
+        page = STATIC_DIR / "index.html"
+        if page.is_file():
+            return FileResponse(page, media_type="text/html")
+        return HTMLResponse(_FALLBACK_INDEX)
+
+    return app
+
+
+class _RedactAccessToken(logging.Filter):
+    """Blanks `access_token=` in uvicorn's access log (the dashboard's EventSource puts
+    the token in the URL; a log file is no place for it)."""
+
+    _TOKEN = re.compile(r"(access_token=)[^&\s]*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                self._TOKEN.sub(r"\1***", arg) if isinstance(arg, str) else arg
+                for arg in record.args
+            )
+        return True
+
+
+def _redact_access_logs() -> None:
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _RedactAccessToken) for f in access.filters):
+        access.addFilter(_RedactAccessToken())
+
+
+def _build_scheduler(settings: Settings) -> Any:
+    from hsx_service.scheduler import Scheduler
+
+    return Scheduler(settings)
+
+
+def _log_exposure(settings: Settings) -> None:
+    roots = settings.effective_roots()
+    if roots is None:
+        log.info("datasets and outputs may be anywhere (loopback server without a token)")
+    else:
+        log.info("datasets and outputs must lie in: %s", ", ".join(map(str, roots)))
+    if settings.api_token is None and settings.exposed:
+        log.warning(
+            "listening on %s without an API token: anyone who reaches it can submit jobs "
+            "(set HSX_API_TOKEN)",
+            settings.host,
+        )
+
+
+def _error(
+    status: int,
+    type_: str,
+    message: str,
+    field: str | None = None,
+    detail: Any = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    body = ErrorBody(type=type_, message=message, field=field, detail=detail)
+    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
+
+
+def _dotted(loc: Sequence[Any]) -> tuple[str, str | None]:
+    """(where, field): `body.spec.layers.1` is written `spec.layers.1`, field `spec.layers`."""
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in _PARAM_SOURCES:
+        parts = parts[1:]
+    where = ".".join(parts)
+    # The field is the named key; list positions say which item, not which field.
+    named = [str(p) for p in loc[len(loc) - len(parts):] if not isinstance(p, int)]
+    return where, ".".join(named) or None
+
+
+def _describe(error: dict[str, Any]) -> str:
+    if error.get("type") == "extra_forbidden":
+        return "unknown field"
+    msg = str(error.get("msg", "invalid"))
+    return msg.removeprefix("Value error, ")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        lines = []
+        for error in errors:
+            where, _ = _dotted(error.get("loc", ()))
+            lines.append(f"{where or 'request body'}: {_describe(error)}")
+        first_loc: Sequence[Any] = errors[0].get("loc", ()) if errors else ()
+        _, field = _dotted(first_loc)
+        in_body = len(first_loc) > 0 and first_loc[0] == "body"
+        detail = [
+            {"loc": [str(p) for p in e.get("loc", ())], "msg": _describe(e), "type": e.get("type")}
+            for e in errors
+        ]
+        return _error(
+            422,
+            "JobRefused" if in_body else "InvalidRequest",
+            "; ".join(lines) or "invalid request",
+            field=field,
+            detail=detail,
+        )
+
+    @app.exception_handler(JobRefused)
+    async def refused(request: Request, exc: JobRefused) -> JSONResponse:
+        name = refused_field(exc)
+        return _error(422, "JobRefused", str(exc), field=f"spec.{name}" if name else None)
+
+    @app.exception_handler(Unauthorized)
+    async def unauthorized(request: Request, exc: Unauthorized) -> JSONResponse:
+        return _error(401, "Unauthorized", str(exc), headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(JobNotFound)
+    async def not_found(request: Request, exc: JobNotFound) -> JSONResponse:
+        return _error(404, "NotFound", str(exc))
+
+    @app.exception_handler(JobConflict)
+    async def conflict(request: Request, exc: JobConflict) -> JSONResponse:
+        return _error(409, "Conflict", str(exc))
+
+    @app.exception_handler(NotReady)
+    async def not_ready(request: Request, exc: NotReady) -> JSONResponse:
+        return _error(
+            503, "NotReady", str(exc), headers={"Retry-After": str(NOT_READY_RETRY_S)}
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "NotFound" if exc.status_code == 404 else "HTTPError"
+        return _error(exc.status_code, type_, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return _error(500, "InternalError", f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,118 @@
+"""Allowed roots: a job's dataset and output must really land inside one of them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hsx.spec import JobSpec
+from hsx_service.errors import JobRefused, refused_field
+from hsx_service.paths import check_job_paths, check_path, local_candidates, resolve, within
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> dict[str, Path]:
+    """/data (allowed), /data-evil and /elsewhere beside it, symlinks out of /data."""
+    data = tmp_path / "data"
+    (data / "sets").mkdir(parents=True)
+    evil = tmp_path / "data-evil"
+    evil.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "secret.jsonl").write_text("{}\n")
+    (data / "link-out").symlink_to(elsewhere)
+    (data / "file-link").symlink_to(elsewhere / "secret.jsonl")
+    (data / "dangling").symlink_to(elsewhere / "not-yet")
+    (data / "link-in").symlink_to(data / "sets")
+    return {"root": tmp_path, "data": data, "evil": evil, "elsewhere": elsewhere}
+
+
+def refused(value: str, roots: list[Path], field: str = "output") -> str:
+    with pytest.raises(JobRefused) as info:
+        check_path(field, value, roots)
+    assert refused_field(info.value) == field
+    return str(info.value)
+
+
+def test_inside_is_allowed(tree: dict[str, Path]) -> None:
+    data = tree["data"]
+    for value in (str(data), str(data / "sets" / "a.jsonl"), str(data / "new" / "deeper"),
+                  str(data / "link-in" / "x"), str(data / "sets" / ".." / "out"),
+                  f"file://{data}/out"):
+        check_path("output", value, [data])
+
+
+def test_dotdot_escape_is_refused(tree: dict[str, Path]) -> None:
+    data = tree["data"]
+    message = refused(str(data / ".." / "elsewhere" / "x"), [data])
+    assert "outside the server's allowed roots" in message
+    assert str(data) in message  # says which roots are allowed
+    # `..` through a directory that does not exist yet still counts.
+    refused(str(data / "new" / ".." / ".." / "elsewhere"), [data])
+
+
+def test_prefix_of_a_root_is_not_inside_it(tree: dict[str, Path]) -> None:
+    refused(str(tree["evil"] / "x"), [tree["data"]])
+    assert not within(tree["evil"], tree["data"])
+    assert within(tree["data"] / "x", tree["data"])
+    assert within(tree["data"], tree["data"])
+
+
+def test_symlinks_out_are_refused(tree: dict[str, Path]) -> None:
+    data = tree["data"]
+    message = refused(str(data / "link-out" / "new-output"), [data])
+    assert f"resolves to {tree['elsewhere']}" in message
+    refused(str(data / "file-link"), [data], field="dataset")
+    refused(str(data / "dangling"), [data])  # a link to a path that does not exist yet
+    refused(str(data / "dangling" / "sub"), [data])
+
+
+def test_symlinked_root_and_relative_paths(
+    tree: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alias = tree["root"] / "alias"
+    alias.symlink_to(tree["data"])
+    check_path("output", str(tree["data"] / "out"), [alias])
+    check_path("output", str(alias / "out"), [tree["data"]])
+    monkeypatch.chdir(tree["data"])
+    check_path("output", "relative/out", [tree["data"]])
+    refused("../elsewhere/out", [tree["data"]])
+
+
+def test_file_uris(tree: dict[str, Path]) -> None:
+    data = tree["data"]
+    refused(f"file://{tree['elsewhere']}/x", [data])
+    # Percent-encoded `..`: refused whichever way a reader decodes the URI.
+    refused(f"file://{data}/%2e%2e/elsewhere", [data])
+    for host in ("otherhost", "localhost"):
+        assert "no host" in refused(f"file://{host}{data}/x", [data])
+    assert local_candidates("output", "s3://bucket/x") is None
+    check_path("output", "s3://bucket/x", [data])  # not a local path: the scheduler decides
+    assert local_candidates("output", "file:///a%20b") == ["/a b", "/a%20b"]
+
+
+def test_home_is_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve("~/x") == Path(os.path.realpath(tmp_path)) / "x"
+    check_path("dataset", "~/x.jsonl", [tmp_path])
+
+
+def test_no_roots_means_no_restriction_and_empty_roots_allow_nothing(
+    tree: dict[str, Path],
+) -> None:
+    spec = JobSpec(model="m", dataset="/etc/passwd", output="/anywhere")
+    check_job_paths(spec, None)
+    with pytest.raises(JobRefused, match=r"dataset: .*\(none\)"):
+        check_job_paths(spec, [])
+
+
+def test_job_checks_dataset_then_output(tree: dict[str, Path]) -> None:
+    data = tree["data"]
+    good = JobSpec(model="m", dataset=str(data / "sets" / "a.jsonl"), output=str(data / "out"))
+    check_job_paths(good, [data])
+    with pytest.raises(JobRefused, match=r"^dataset: "):
+        check_job_paths(good.model_copy(update={"dataset": "/etc/passwd"}), [data])
+    with pytest.raises(JobRefused, match=r"^output: "):
+        check_job_paths(good.model_copy(update={"output": str(tree["evil"])}), [data])
