@@ -30,7 +30,8 @@ pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-deps "speculators==0.9.0"
 pip install -q loguru typer "hs-connectors" 2>/dev/null || pip install -q loguru typer
 # Chromium for the dashboard's browser tests, when apt is available (root on CI).
-if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] \
+  && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) \
     || echo "warning: chromium could not be installed; browser tests will be skipped"
 fi

@@ -1,0 +1,205 @@
+"""The dashboard in headless chromium against the fake coordinator (tests/browser/conftest.py).
+
+The page is exercised end to end: the job list, the live job page fed by SSE, the error
+table's paging, cancel, and the API token. Screenshots land in artifacts/.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from .conftest import FakeCoordinator, FakeJob, open_dashboard, save_screenshot
+
+if TYPE_CHECKING:
+    from selenium.webdriver.remote.webdriver import WebDriver
+
+pytestmark = pytest.mark.browser
+
+
+def wait(browser: WebDriver, condition: object, timeout: float = 15, what: str = "") -> object:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(browser, timeout, poll_frequency=0.1).until(condition, what)
+
+
+def text(browser: WebDriver, selector: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    return str(browser.find_element(By.CSS_SELECTOR, selector).text)
+
+
+def progress(browser: WebDriver) -> float:
+    from selenium.webdriver.common.by import By
+
+    bar = browser.find_element(By.CSS_SELECTOR, "#progress-bar")
+    return float(bar.get_attribute("aria-valuenow") or 0)
+
+
+def chart_points(browser: WebDriver) -> int:
+    from selenium.webdriver.common.by import By
+
+    canvas = browser.find_element(By.CSS_SELECTOR, "#rate-chart")
+    return int(canvas.get_attribute("data-points") or 0)
+
+
+def count(browser: WebDriver, selector: str) -> int:
+    from selenium.webdriver.common.by import By
+
+    return len(browser.find_elements(By.CSS_SELECTOR, selector))
+
+
+def list_rows(browser: WebDriver) -> dict[str, dict[str, str]]:
+    """The job list's rows, read in one go (the page rebuilds them on every refresh)."""
+    rows: dict[str, dict[str, str]] = browser.execute_script(
+        """
+        const rows = {};
+        for (const tr of document.querySelectorAll("#job-list [data-job-id]")) {
+          rows[tr.dataset.jobId] = {
+            state: tr.querySelector(".badge").textContent,
+            samples: tr.querySelector("td.num").textContent,
+            text: tr.innerText,
+          };
+        }
+        return rows;
+        """
+    )
+    return rows
+
+
+def test_job_list_shows_jobs(browser: WebDriver, fake_api: FakeCoordinator) -> None:
+    from selenium.webdriver.common.by import By
+
+    now = time.time()
+    fake_api.add_job(
+        FakeJob(id="list-done", name="sharegpt-llama8b", duration_s=30, created_at=now - 3600)
+    )
+    fake_api.add_job(FakeJob(id="list-running", name="ultrachat-qwen", duration_s=600))
+    fake_api.add_job(FakeJob(id="list-queued", name="tulu-mix", duration_s=60, queued_s=600))
+
+    open_dashboard(browser, fake_api.base_url)
+    wait(browser, lambda d: count(d, "#job-list [data-job-id]") >= 3, what="job rows")
+
+    rows = list_rows(browser)
+    assert rows["list-done"]["state"] == "succeeded"
+    assert "100%" in rows["list-done"]["text"]
+    assert "1,200 / 1,200" in rows["list-done"]["text"]
+    assert rows["list-running"]["state"] == "running"
+    assert "ultrachat-qwen" in rows["list-running"]["text"]
+    assert rows["list-queued"]["state"] == "queued"
+
+    # The list refreshes by itself: the running job's samples move.
+    before = rows["list-running"]["samples"]
+    wait(
+        browser,
+        lambda d: list_rows(d)["list-running"]["samples"] != before,
+        what="list refresh",
+    )
+    save_screenshot(browser, "dashboard-list.png")
+
+    # The state filter asks the server for one state only.
+    browser.find_element(By.CSS_SELECTOR, "#state-filter option[value='queued']").click()
+    wait(browser, lambda d: count(d, '#job-list [data-job-id="list-running"]') == 0)
+    assert count(browser, '#job-list [data-job-id="list-queued"]') == 1
+    browser.find_element(By.CSS_SELECTOR, "#state-filter option[value='']").click()
+
+
+def test_job_page_follows_a_running_job(browser: WebDriver, fake_api: FakeCoordinator) -> None:
+    from selenium.webdriver.common.by import By
+
+    job = fake_api.add_job(
+        FakeJob(id="live-1", name="sharegpt-eagle3", duration_s=18, queued_s=1.0, fail_every=13)
+    )
+    open_dashboard(browser, fake_api.base_url)
+    wait(browser, lambda d: count(d, '[data-job-id="live-1"]') == 1, what="job row")
+    browser.find_element(By.CSS_SELECTOR, '[data-job-id="live-1"] td:nth-child(2)').click()
+    wait(browser, lambda d: d.current_url.endswith("#/jobs/live-1"), what="hash route")
+    wait(browser, lambda d: text(d, "#job-title") == "sharegpt-eagle3", what="job title")
+
+    wait(browser, lambda d: text(d, "#state") == "running", what="running state")
+    first = progress(browser)
+    wait(browser, lambda d: progress(d) > first + 5, what="progress advancing")
+    assert "samples" in text(browser, "#progress-text")
+    assert text(browser, "#eta").startswith("ETA")
+    assert text(browser, "#conn") == "live"
+
+    wait(browser, lambda d: count(d, "#workers li.worker") == job.replicas, what="workers")
+    # Read in one go: the page redraws the workers on every update.
+    workers = browser.execute_script(
+        "return [...document.querySelectorAll('#workers li.worker')]"
+        ".map((w) => [w.dataset.worker, w.dataset.state]);"
+    )
+    assert {name for name, _ in workers} == {f"engine-{i}" for i in range(job.replicas)}
+    assert {state for _, state in workers} <= {"starting", "idle", "busy", "dead"}
+    wait(browser, lambda d: count(d, "#errors-table tbody tr") > 0, what="error rows")
+    wait(browser, lambda d: chart_points(d) >= 15, what="chart points")
+    wait(browser, lambda d: text(d, "#stat-restarts") == "1", what="a restart")
+    assert "ActorDiedError" in text(browser, "#last-error")
+    assert not browser.find_element(By.CSS_SELECTOR, "#cancel-btn").get_attribute("hidden")
+    wait(browser, lambda d: progress(d) >= 60, what="progress past 60%")
+    save_screenshot(browser, "dashboard.png")
+    save_screenshot(browser, "dashboard-full.png", full_page=True)
+
+    # The stream ends with the job; the page shows the final status.
+    wait(browser, lambda d: text(d, "#state") == "succeeded", timeout=30, what="final state")
+    assert progress(browser) == 100
+    assert text(browser, "#progress-text").startswith("1,200 / 1,200 samples")
+    assert browser.find_element(By.CSS_SELECTOR, "#cancel-btn").get_attribute("hidden")
+    assert count(browser, "#workers li.worker") == 0
+    assert text(browser, "#stat-shards") == "24"
+    assert text(browser, "#stat-bytes").endswith("GiB")
+
+    # The error table pages: 92 records, 50 a page.
+    total = len(job.failed_samples(time.time()))
+    wait(browser, lambda d: f"of {total} shown" in text(d, "#errors-summary"), what="all errors")
+    assert count(browser, "#errors-table tbody tr") == 50
+    browser.find_element(By.CSS_SELECTOR, "#errors-more").click()
+    wait(browser, lambda d: count(d, "#errors-table tbody tr") == total, what="load more")
+    assert not browser.find_element(By.CSS_SELECTOR, "#errors-more").is_displayed()
+    first_row = browser.find_element(By.CSS_SELECTOR, "#errors-table tbody tr")
+    assert first_row.get_attribute("data-sample") == "12"
+    save_screenshot(browser, "dashboard-final.png", full_page=True)
+
+    points = chart_points(browser)
+    assert points >= 30, points
+
+
+def test_cancel_a_running_job(browser: WebDriver, fake_api: FakeCoordinator) -> None:
+    from selenium.webdriver.common.by import By
+
+    fake_api.add_job(FakeJob(id="to-cancel", name="long-run", duration_s=600))
+    open_dashboard(browser, fake_api.base_url, job_id="to-cancel")
+    wait(browser, lambda d: text(d, "#state") == "running", what="running state")
+
+    button = browser.find_element(By.CSS_SELECTOR, "#cancel-btn")
+    button.click()
+    assert "again" in button.text  # the first click only arms it
+    button.click()
+    wait(browser, lambda d: text(d, "#state") == "cancelled", what="cancelled")
+    assert not button.is_displayed()
+    assert fake_api.jobs["to-cancel"].cancelled_at is not None
+
+
+def test_api_token(browser: WebDriver, fake_api: FakeCoordinator) -> None:
+    fake_api.add_job(FakeJob(id="with-token", name="secured", duration_s=600))
+    fake_api.token = "s3cret/+token"
+    try:
+        browser.get(fake_api.base_url + "/")
+        browser.execute_script("localStorage.clear()")
+        open_dashboard(browser, fake_api.base_url)
+        wait(browser, lambda d: "token" in text(d, "#banner"), what="401 banner")
+        assert count(browser, "#job-list [data-job-id]") == 0
+
+        open_dashboard(browser, fake_api.base_url, token=fake_api.token)
+        wait(browser, lambda d: count(d, '[data-job-id="with-token"]') == 1, what="job row")
+        assert "token" not in browser.current_url  # dropped from the address bar
+
+        # Later loads use the stored token, for fetch and for the SSE stream alike.
+        open_dashboard(browser, fake_api.base_url, job_id="with-token")
+        wait(browser, lambda d: text(d, "#state") == "running", what="running state")
+        wait(browser, lambda d: chart_points(d) >= 3, what="SSE with access_token")
+    finally:
+        fake_api.token = None
+        browser.execute_script("localStorage.clear()")
