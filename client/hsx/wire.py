@@ -64,7 +64,9 @@ class JobStatus(BaseModel):
     started_at: float | None = Field(None, description="Unix time the job started running.")
     finished_at: float | None = Field(None, description="Unix time the job ended.")
     samples_total: int = Field(0, description="Good samples to extract (after ingestion).")
-    samples_done: int = Field(0, description="Samples committed or recorded as failed.")
+    samples_done: int = Field(
+        0, description="Samples of samples_total processed: committed, or failed in the engine."
+    )
     samples_failed: int = Field(0, description="Samples recorded as errors, ingestion included.")
     tokens_total: int = Field(0, description="Tokens to extract.")
     tokens_done: int = Field(0, description="Tokens extracted.")
@@ -79,6 +81,9 @@ class JobStatus(BaseModel):
     restarts: int = Field(0, description="Worker restarts during this job.")
     last_error: str | None = Field(None, description="The last error seen, if any.")
     spec: JobSpec | None = Field(None, description="The job as submitted.")
+    updated_at: float | None = Field(
+        None, description="Server Unix time this status was read (clients plot against it)."
+    )
 
 
 class JobList(BaseModel):

@@ -58,12 +58,12 @@ class PreparedJob:
 
 def output_path(output: str) -> Path:
     """Local path of an output URI; other schemes are refused with the reason."""
-    if output.startswith("file://"):
-        return Path(output[len("file://"):])
-    if "://" in output:
-        scheme = output.split("://", 1)[0]
-        raise JobRefused(f"output: {scheme}:// outputs are not supported yet; use a local path")
-    return Path(output).expanduser()
+    from hsx.dataset import resolve_output
+
+    try:
+        return resolve_output(output)
+    except ValueError as err:
+        raise JobRefused(f"output: {err}") from None
 
 
 def _check_writable(root: Path) -> None:

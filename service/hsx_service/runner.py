@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
 POLL_S = 0.5
+START_GRACE_S = 120.0
 
 
 class JobFailed(RuntimeError):
@@ -388,8 +389,18 @@ def execute(
         if hooks.on_restart is not None:
             hooks.on_restart(slot.name)
 
+    # Engines that start together begin together: a job with `replicas: 2` should not
+    # be finished by the first engine while the second is still loading. A slow
+    # starter holds the others back for START_GRACE_S at most.
+    gate_open = all(s.state != "starting" for s in slots)
+    first_ready: float | None = None
+
     emit(False)
     while any(s.state == "busy" for s in slots) or (queue and not result.cancelled):
+        if not gate_open:
+            gate_open = all(s.state != "starting" for s in slots) or (
+                first_ready is not None and time.monotonic() - first_ready > START_GRACE_S
+            )
         if hooks.cancelled is not None and hooks.cancelled() and not result.cancelled:
             result.cancelled = True
             queue.clear()
@@ -397,12 +408,14 @@ def execute(
             continue
         dispatched = False
         for slot in slots:
-            if slot.state == "idle" and queue:
+            if slot.state == "idle" and queue and gate_open:
                 unit = queue.popleft()
                 slot.unit, slot.state = unit, "busy"
                 slot.ref = slot.actor.run_unit.remote(str(job.output), spec.storage_dtype, unit)
                 dispatched = True
         if dispatched:
+            if progress.rate_since is None:
+                progress.rate_since = time.time()
             emit(False)
         waiting = {s.ref if s.state == "busy" else s.ready_ref: s for s in slots
                    if s.state in ("busy", "starting")}
@@ -421,8 +434,8 @@ def execute(
                         raise JobFailed(f"{slot.name} could not start: {_first_line(err)}") from err
                     restart(slot, kill=False)
                     continue
-                if progress.rate_since is None:
-                    progress.rate_since = time.time()
+                if first_ready is None:
+                    first_ready = time.monotonic()
                 continue
             try:
                 report = ray.get(ref)

@@ -80,9 +80,8 @@ class Scheduler:
         return self._ready
 
     def start(self) -> None:
-        ensure_ray(getattr(self.settings, "ray_address", None), cpus_needed=1)
-        self._reconcile()
-        self._ready = True
+        """Returns at once; Ray and the reconcile happen in the scheduler's thread, and
+        `ready` turns True when they are done (until then /readyz answers 503)."""
         self._thread = threading.Thread(target=self._loop, name="hsx-scheduler", daemon=True)
         self._thread.start()
 
@@ -211,6 +210,7 @@ class Scheduler:
             id=row.id, name=row.spec.name, state=row.state, output=row.output,
             created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
             restarts=row.restarts, last_error=row.last_error, spec=row.spec,
+            updated_at=time.time(),
         )
         if live is None:
             live = self._progress_from_output(row)
@@ -292,6 +292,9 @@ class Scheduler:
     # ------------------------------------------------------------ the job thread
 
     def _loop(self) -> None:
+        ensure_ray(getattr(self.settings, "ray_address", None), cpus_needed=1)
+        self._reconcile()
+        self._ready = True
         while not self._stop.is_set():
             row = self.ledger.next_queued()
             if row is None:
