@@ -351,8 +351,11 @@ class Scheduler:
             self._end(job_id, JobState.succeeded, None)
 
     def _on_progress(self, job_id: str, progress: JobProgress) -> None:
+        previous = self._live.get(job_id)
         self._live[job_id] = progress
-        self._publish(job_id)
+        # A worker changing state is news; plain counters are throttled.
+        changed = previous is None or previous.workers != progress.workers
+        self._publish(job_id, force=changed)
 
     def _on_unit_error(
         self, job_id: str, unit: WorkUnit, attempt: int, message: str, gave_up: bool
