@@ -103,8 +103,17 @@ def _cmd_make_dataset(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """Tiny model + synthetic chats -> hidden states, all local."""
+    """The whole product on one machine: tiny model + synthetic chats, the coordinator
+    with local Ray, a job submitted over REST and followed live, shards at the end."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from hsx.client import Client
     from hsx.spec import JobSpec
+    from hsx_service.config import Settings
+    from hsx_service.main import create_app
     from hsx_workers.tiny_models import make_chat_dataset, make_tiny_model
 
     root = Path(args.dir).resolve()
@@ -127,15 +136,41 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         engine=args.engine,
     )
     (root / "job.yaml").write_text(_yaml(spec.model_dump(mode="json", exclude_defaults=True)))
-    code = _run_extract(spec, progress=True)
-    if code == 0:
-        console().print(
-            f"\nshards: {spec.output}/shards  (job file: {root / 'job.yaml'})\n"
-            "read them:\n"
-            f"  python -c \"import hsx; ds = hsx.HiddenStatesDataset('{spec.output}'); "
-            "print(len(ds), ds[0]['hidden_states'].shape)\""
-        )
-    return code
+
+    settings = Settings(port=args.port, ledger_path=root / "ledger.sqlite",
+                        allowed_roots=[root])
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.host,
+                                           port=settings.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="hsx-demo-server", daemon=True)
+    thread.start()
+    url = f"http://{settings.host}:{settings.port}"
+    try:
+        with Client(url) as client:
+            deadline = time.monotonic() + 300
+            while not client.ready():
+                if time.monotonic() > deadline or not thread.is_alive():
+                    return _error(f"the coordinator did not start on {url}", EXIT_FAILED)
+                time.sleep(0.3)
+            job = client.submit(spec)
+            console().print(f"coordinator: {url}   dashboard: {url}/#/jobs/{job.id}")
+            code = _follow(client, job.id, "demo")
+        if code == 0:
+            console().print(
+                f"\nshards: {spec.output}/shards  (job file: {root / 'job.yaml'})\n"
+                "read them:\n"
+                f"  python -c \"import hsx; ds = hsx.HiddenStatesDataset('{spec.output}'); "
+                "print(len(ds), ds[0]['hidden_states'].shape)\""
+            )
+        if code == 0 and args.serve:
+            console().print(f"dashboard stays up at {url}/#/jobs/{job.id} (Ctrl-C to stop)")
+            while thread.is_alive():
+                time.sleep(1)
+        return code
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def _yaml(data: dict[str, Any]) -> str:
@@ -464,10 +499,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.set_defaults(func=_cmd_extract)
 
-    p = sub.add_parser("demo", help="make a tiny model and chats, then extract them locally")
+    p = sub.add_parser(
+        "demo", help="tiny model + chats, extracted through a local coordinator over REST"
+    )
     p.add_argument("--dir", default="demo-output", help="where the demo's files go")
     p.add_argument("--samples", type=int, default=400, help="synthetic conversations")
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    p.add_argument("--port", type=int, default=8642, help="the coordinator's port")
+    p.add_argument("--serve", action="store_true",
+                   help="keep the coordinator and dashboard up after the job")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("make-tiny-model", help="build a random-weight model with a tokenizer")

@@ -199,6 +199,13 @@ class Client:
             body["id"] = job_id
         return JobStatus.model_validate(self._request("POST", _jobs(), json=body).json())
 
+    def ready(self) -> bool:
+        """Whether the coordinator answers and has finished starting (`/readyz`)."""
+        try:
+            return bool(self._http.get("/readyz").status_code == 200)
+        except httpx.HTTPError:
+            return False
+
     def get(self, job_id: str) -> JobStatus:
         return JobStatus.model_validate(self._request("GET", _jobs(job_id)).json())
 
