@@ -13,6 +13,7 @@ model in one process (tests, a service) reuse warm engines instead of starting n
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -98,8 +99,9 @@ def ensure_ray(address: str | None, cpus_needed: int) -> None:
     if address:
         kwargs["address"] = address
     elif not os.environ.get("RAY_ADDRESS"):
-        # A local Ray sized so the job fits even on a small machine: engines share cores.
-        kwargs["num_cpus"] = max(os.cpu_count() or 1, cpus_needed)
+        # A local Ray sized so jobs fit even on a small machine: CPU engines share the
+        # cores, and each engine's placement group reserves `tp` of these logical CPUs.
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, cpus_needed, LOCAL_RAY_MIN_CPUS)
     ray.init(**kwargs)
 
 
@@ -129,6 +131,24 @@ class _Slot:
     unit: WorkUnit | None = None
     ref: Any = None
     units_run: int = 0
+    placement_group: Any = None
+
+
+PLACEMENT_TIMEOUT_S = 120.0
+LOCAL_RAY_MIN_CPUS = 8
+
+
+def engine_bundles(tp: int, gpus: bool) -> list[dict[str, float]]:
+    """The placement-group bundles of one engine.
+
+    GPU nodes: one bundle per TP rank, a GPU and a CPU each, packed; with TP > 1 vLLM's
+    Ray executor places its rank workers on them and the engine's own actor takes no
+    resources of its own. CPU machines: one bundle of `tp` CPUs (vLLM's Ray executor
+    refuses the CPU platform, so ranks are processes of the multiprocessing executor).
+    """
+    if not gpus:
+        return [{"CPU": float(tp)}]
+    return [{"GPU": 1.0, "CPU": 1.0} for _ in range(tp)]
 
 
 @dataclass
@@ -140,6 +160,7 @@ class EnginePool:
 
     def slots(self, engine: str, config: Any, replicas: int, spec: JobSpec) -> list[_Slot]:
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from hsx_workers.worker import ExtractionWorker
 
@@ -158,22 +179,39 @@ class EnginePool:
                 binding = _cpu_binding(index, replicas, tp)
                 if binding:
                     env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+            pg = _placement_group(engine_bundles(tp, bool(gpus)))
             options: dict[str, Any] = {
                 "max_restarts": -1,
                 "max_task_retries": 0,
                 "max_concurrency": 2,  # progress() answers while run_unit runs
                 "runtime_env": {"env_vars": env},
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=pg,
+                    placement_group_bundle_index=0,
+                    placement_group_capture_child_tasks=True,
+                ),
             }
-            if gpus:
-                # One actor reserves its TP GPUs; vLLM's multiprocessing executor uses them.
-                options["num_gpus"] = tp
-                options["num_cpus"] = 1
-            else:
+            actor_config = config
+            if not gpus:
                 options["num_cpus"] = tp
+                if tp > 1:
+                    # Inside a placement group vLLM would pick its Ray executor, which
+                    # refuses the CPU platform.
+                    actor_config = dataclasses.replace(
+                        config, options={**config.options, "distributed_executor_backend": "mp"}
+                    )
+            elif tp == 1:
+                options.update(num_gpus=1, num_cpus=1)
+            else:
+                options.update(num_gpus=0, num_cpus=0)
+                actor_config = dataclasses.replace(
+                    config, options={**config.options, "distributed_executor_backend": "ray"}
+                )
             name = f"engine-{index}"
             actor_cls: Any = ray.remote(ExtractionWorker)
-            actor = actor_cls.options(**options).remote(engine, config, name)
-            have.append(_Slot(name=name, actor=actor, ready_ref=actor.ready.remote()))
+            actor = actor_cls.options(**options).remote(engine, actor_config, name)
+            have.append(_Slot(name=name, actor=actor, ready_ref=actor.ready.remote(),
+                              placement_group=pg))
         return have[:replicas]
 
     def start(self, spec: JobSpec, timeout: float = 600.0) -> None:
@@ -191,19 +229,45 @@ class EnginePool:
 
     def keep_only(self, key: tuple[Any, ...] | None) -> None:
         """Stop every engine but those of `key` (engines hold GPUs and memory)."""
-        import ray
 
         for other in [k for k in self.actors if k != key]:
             for slot in self.actors.pop(other):
-                ray.kill(slot.actor, no_restart=True)
+                _stop(slot)
 
     def shutdown(self) -> None:
-        import ray
 
         for slots in self.actors.values():
             for slot in slots:
-                ray.kill(slot.actor, no_restart=True)
+                _stop(slot)
         self.actors.clear()
+
+
+def _placement_group(bundles: list[dict[str, float]]) -> Any:
+    """Reserve an engine's bundles, or refuse with what it needs and what the cluster has."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except GetTimeoutError:
+        remove_placement_group(pg)
+        raise JobFailed(
+            f"cannot place an engine needing {bundles} within {PLACEMENT_TIMEOUT_S:.0f}s; "
+            f"the cluster has {ray.cluster_resources()} of which "
+            f"{ray.available_resources()} are free"
+        ) from None
+    return pg
+
+
+def _stop(slot: _Slot) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    ray.kill(slot.actor, no_restart=True)
+    if slot.placement_group is not None:
+        remove_placement_group(slot.placement_group)
 
 
 def _first_line(err: BaseException) -> str:

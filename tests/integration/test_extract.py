@@ -154,3 +154,20 @@ def test_fp8_round_trip_and_half_size(
     assert worst < 0.06, worst
     ratio = run.summary.bytes / vllm_run.summary.bytes
     assert 0.45 < ratio < 0.6, ratio
+
+
+def test_tensor_parallel_engine_yields_the_same_data(
+    tmp_path: Path, make_job: Any, engine_pool: Any, vllm_samples: dict[int, Any]
+) -> None:
+    # TP=2 on CPU: one placement-group bundle of 2 CPUs, vLLM's multiprocessing executor
+    # with one thread-bound process per rank; only rank 0 writes states.
+    run = _run(make_job(tmp_path / "tp2", engine="vllm", tensor_parallel_size=2), engine_pool)
+    tp2 = by_sample(run.output)
+    assert sorted(tp2) == sorted(vllm_samples)
+    worst = torch.zeros(4)
+    for index, sample in tp2.items():
+        ref = vllm_samples[index]
+        assert torch.equal(sample["input_ids"], ref["input_ids"])
+        worst = torch.maximum(worst, relative_error(sample["hidden_states"],
+                                                    ref["hidden_states"]))
+    assert worst.max().item() < 1e-2, worst.tolist()

@@ -79,13 +79,37 @@ class VllmEngine:
                 "kv_connector_extra_config": {"shared_storage_path": str(self.spool)},
             },
         )
-        for key in ("max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager"):
+        for key in ("max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager",
+                    "distributed_executor_backend"):
             if opts.get(key) is not None:
                 engine_args[key] = opts[key]
+        self._text_path_of_wrapper(engine_args)
         started = time.monotonic()
         self.llm = LLM(**engine_args)
         logger.info("vLLM engine ready in %.1fs (spool %s)", time.monotonic() - started, self.spool)
         self._next_id = 0
+
+    def _text_path_of_wrapper(self, engine_args: dict[str, Any]) -> None:
+        """A multimodal wrapper (Kimi-K2.5, Qwen2.5-VL, Llava) runs its text path only.
+
+        vLLM's `language_model_only` skips the vision tower and multimodal inputs; the
+        capture layers are set on the wrapper, which forwards them to its language model.
+        Where torchvision is missing (the CPU machine), it is stubbed in this process,
+        since the wrapper's module imports it at load time.
+        """
+        from hsx.modelinfo import ModelConfigError, read_model_info
+
+        try:
+            wrapper = read_model_info(self.config.model).wrapper
+        except ModelConfigError:
+            return  # vLLM's own loader reports what is wrong with the model
+        if not wrapper:
+            return
+        engine_args["language_model_only"] = True
+        from hsx_workers.preflight import install_torchvision_stub
+
+        install_torchvision_stub()
+        logger.info("multimodal wrapper: capturing its text path (language_model_only)")
 
     def capture(self, requests: Iterable[CaptureRequest]) -> Iterator[CaptureResult]:
         from vllm import SamplingParams
