@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import signal
 from pathlib import Path
 
+import psutil
 import torch
 
 from hsx.dataset import HiddenStatesDataset
@@ -43,3 +46,26 @@ def snapshot(root: Path) -> dict[str, tuple[int, int, str]]:
             digest = hashlib.sha256(path.read_bytes()).hexdigest()
             state[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns, digest)
     return state
+
+
+def worker_processes(pid: int) -> list[psutil.Process]:
+    """The ExtractionWorker actor processes started (via Ray) under process `pid`."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "ExtractionWorker" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """kill -9 a process and everything it started (Ray, engines), then reap them."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        parent = psutil.Process(pid)
+        family = [*parent.children(recursive=True), parent]
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(family, timeout=30)

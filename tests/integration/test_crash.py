@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -18,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 import yaml
@@ -27,7 +25,7 @@ from hsx.dataset import HiddenStatesDataset
 from hsx.layout import COMMITS_DIR, SHARDS_DIR, TMP_DIR
 from hsx_workers.tiny_models import ChatDataset
 
-from .helpers import by_sample, relative_error
+from .helpers import by_sample, kill_tree, relative_error, worker_processes
 
 pytestmark = pytest.mark.integration
 
@@ -79,24 +77,8 @@ def _assert_only_complete_shards_visible(output: Path) -> None:
     ds.verify()  # every shard a reader can see is whole and matches its checksum
 
 
-def _workers_of(proc: subprocess.Popen[str]) -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            if "ExtractionWorker" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.NoSuchProcess:
-            continue
-    return found
-
-
 def _kill_tree(proc: subprocess.Popen[str]) -> None:
-    parent = psutil.Process(proc.pid)
-    family = [*parent.children(recursive=True), parent]
-    for p in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(family, timeout=30)
+    kill_tree(proc.pid)
     proc.wait(timeout=30)
 
 
@@ -119,7 +101,7 @@ def killed_worker_run(
     proc = _start(_job_file(tmp, tiny_llama, chat_dataset, output))
     try:
         _wait_for_partial_shard(output, proc, min_commits=2)
-        workers = _workers_of(proc)
+        workers = worker_processes(proc.pid)
         assert workers, "no ExtractionWorker process found under hsx extract"
         for worker in workers:
             worker.send_signal(signal.SIGKILL)

@@ -11,7 +11,6 @@ engines, driven over HTTP with the SDK.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -38,7 +37,7 @@ from hsx.layout import COMMITS_DIR, TMP_DIR
 from hsx.wire import JobState, JobStatus
 from hsx_workers.tiny_models import ChatDataset
 
-from .helpers import by_sample, relative_error
+from .helpers import by_sample, kill_tree, relative_error, worker_processes
 
 pytestmark = pytest.mark.integration
 
@@ -62,25 +61,12 @@ class Coordinator:
 
     def kill(self) -> None:
         """kill -9 the coordinator and everything it started (Ray, engines)."""
-        if self.proc.poll() is not None:
-            return
-        parent = psutil.Process(self.proc.pid)
-        family = [*parent.children(recursive=True), parent]
-        for p in family:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(signal.SIGKILL)
-        psutil.wait_procs(family, timeout=30)
+        if self.proc.poll() is None:
+            kill_tree(self.proc.pid)
         self.proc.wait(timeout=30)
 
     def workers(self) -> list[psutil.Process]:
-        found = []
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if "ExtractionWorker" in " ".join(child.cmdline()):
-                    found.append(child)
-            except psutil.NoSuchProcess:
-                continue
-        return found
+        return worker_processes(self.proc.pid)
 
 
 def start_coordinator(ledger: Path, roots: list[Path], log: Path) -> Coordinator:
