@@ -86,6 +86,43 @@ def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
     return 0
 
 
+def _cmd_inspect_model(args: argparse.Namespace) -> int:
+    """Model preflight from the config alone; exit 2 when the model cannot be captured."""
+    from hsx.modelinfo import ModelConfigError
+    from hsx_workers.preflight import format_report, inspect_model
+
+    layers = [int(k) for k in args.layers.split(",")] if args.layers else None
+    memory = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
+    try:
+        report = inspect_model(
+            args.model, engine=args.engine, layers=layers, tensor_parallel_size=args.tp,
+            dataset=args.dataset, max_seq_len=args.max_seq_len,
+            trust_remote_code=args.trust_remote_code, gpu_memory_bytes=memory,
+        )
+    except ModelConfigError as err:
+        return _error(str(err), EXIT_REFUSED)
+    if args.json:
+        sys.stdout.write(json.dumps(report.as_dict(), indent=1) + "\n")
+    else:
+        _stdout().print(format_report(report), markup=False, highlight=False)
+    return 0 if report.capturable else EXIT_REFUSED
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    """Installed versions and what does not fit together; exit 1 when something is wrong."""
+    from hsx_workers.preflight import environment_report
+
+    checks = environment_report()
+    if args.json:
+        sys.stdout.write(json.dumps([vars(c) for c in checks], indent=1) + "\n")
+    else:
+        out = _stdout()
+        for check in checks:
+            mark = "ok " if check.ok else "BAD"
+            out.print(f"{mark} {check.message}", markup=False, highlight=False)
+    return 0 if all(c.ok for c in checks) else EXIT_FAILED
+
+
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from hsx_workers.tiny_models import make_tiny_model
 
@@ -99,6 +136,37 @@ def _cmd_make_dataset(args: argparse.Namespace) -> int:
 
     result = make_chat_dataset(Path(args.path), n=args.n, seed=args.seed, bad_rows=args.bad_rows)
     sys.stdout.write(f"{getattr(result, 'path', result)}\n")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    """Write an hsx output in another tool's layout (today: speculators' offline data)."""
+    from hsx.export import ExportError, export_speculators
+
+    try:
+        summary = export_speculators(
+            args.uri, args.dest, force=args.force, allow_incomplete=args.allow_incomplete,
+        )
+    except ExportError as err:
+        return _error(str(err), EXIT_REFUSED)
+    except KeyboardInterrupt:
+        return _error("interrupted; nothing was written to the destination", 130)
+    if args.json:
+        sys.stdout.write(json.dumps(summary.as_dict()) + "\n")
+        return 0
+    ids = " ".join(str(k) for k in summary.target_layer_ids)
+    console().print(
+        f"[green]exported[/] {summary.samples} samples, {summary.tokens:,} tokens, "
+        f"{summary.bytes / 2**20:,.1f} MiB of hidden states in {summary.seconds:.1f}s "
+        f"-> {summary.dest}"
+    )
+    if summary.not_exported:
+        console().print(f"{summary.not_exported} samples have no hidden states "
+                        "(see `hsx errors` / HiddenStatesDataset.errors()); not exported")
+    if not summary.source_complete:
+        console().print("[yellow]the source job was not complete: later shards are missing[/]")
+    console().print(f"train with: speculators train --data-path {summary.dest} "
+                    f"--target-layer-ids {ids} --on-missing raise ...")
     return 0
 
 
@@ -510,6 +578,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the coordinator and dashboard up after the job")
     p.set_defaults(func=_cmd_demo)
 
+    p = sub.add_parser("inspect-model",
+                       help="can this model be captured, how, and at what size (no weights)")
+    p.add_argument("model", help="model directory or hub id")
+    p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    p.add_argument("--dataset", help="count its tokens and the output bytes they make")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size for the fit check")
+    p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
+    p.add_argument("--layers", help="comma-separated layer ids to check")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="truncation when counting")
+    p.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU (default: probe)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(func=_cmd_inspect_model)
+
+    p = sub.add_parser("doctor", help="check that vLLM, torch, transformers, ... fit together")
+    p.add_argument("--json", action="store_true", help="the checks as JSON on stdout")
+    p.set_defaults(func=_cmd_doctor)
+
     p = sub.add_parser("make-tiny-model", help="build a random-weight model with a tokenizer")
     p.add_argument("path")
     p.add_argument("--arch", default="llama")
@@ -522,6 +607,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bad-rows", type=int, default=0)
     p.set_defaults(func=_cmd_make_dataset)
+
+    p = sub.add_parser("export", help="write an output in speculators' offline-data layout")
+    p.add_argument("uri", help="the hsx output (directory or file:// URI)")
+    p.add_argument("dest", help="directory to create (must be absent or empty)")
+    p.add_argument("--format", choices=["speculators"], default="speculators",
+                   help="target layout (default speculators)")
+    p.add_argument("--force", action="store_true", help="replace an earlier hsx export at DEST")
+    p.add_argument("--allow-incomplete", action="store_true",
+                   help="export what a still-running job has committed so far")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.set_defaults(func=_cmd_export)
 
     _add_remote_parsers(sub)
     return parser

@@ -1,0 +1,336 @@
+"""Export an hsx output into the layout speculators' offline trainer reads.
+
+`hsx export --format speculators URI DEST` lets a speculators user train on hsx data with
+speculators' own `speculators train --data-path DEST` and no hsx at training time. The
+layout is the one speculators 0.9 reads, taken from its source (not from its docs):
+
+```
+DEST/
+  data-00000-of-00001.arrow, dataset_info.json, state.json
+        a `datasets` save_to_disk folder, torch format, one row per exported sample:
+        input_ids list<int64>, loss_mask list<int64>, seq_len int64, hsx_sample_index int64
+  hidden_states/hs_{i}.safetensors
+        sample i: hidden_states [seq, L, H] bf16 and token_ids [seq] int64
+  token_freq.pt   {token_id: count} over loss-masked tokens (torch.save)
+  hsx_export.json where it came from; target_layer_ids to pass to speculators
+```
+
+Where each piece comes from in speculators 0.9.0 (site-packages/speculators unless
+noted):
+
+- The dataset folder: `train/data.py` `ArrowDataset.__init__` calls
+  `datasets.load_from_disk(datapath)`; `_compute_approx_lengths` reads the `seq_len`
+  column; `_get_raw_data` reads `self.data[index]["input_ids"]` (compared with
+  `torch.equal`, so the torch format must be saved with the dataset, as
+  `data_generation/preprocessing.py` `build_speculator_training_dataset` does with
+  `set_format(type="torch")`) and `["loss_mask"]`; `_append_row` there stores
+  input_ids and loss_mask as int64 and `seq_len` as the row length.
+- The hidden-state files: `ArrowDataset` defaults to
+  `hs_connectors.FileTransfer(Path(datapath) / "hidden_states")` (hs_connectors 0.9.0,
+  `transfer.py`), whose `get_cached(file_idx)` loads `hs_{file_idx}.safetensors` with
+  `safetensors.torch.load_file`; `file_idx` is the dataset row (plus the split start,
+  `ArrowDataset._map_to_file_idx`), so file i belongs to row i. `cli/generate_offline_data.py`
+  `_worker` writes the same names, and vLLM's `ExampleHiddenStatesConnector` writes the
+  two tensors (`hidden_states` [seq, n_layers, hidden], `token_ids` int64).
+- Layer order: `ArrowDataset._get_raw_data` takes `hidden_states[:, :-1]` as the
+  auxiliary layers (flattened to [seq, n_aux * H]) and `hidden_states[:, -1]` as
+  `verifier_last_hidden_states`, the target's last layer before its final norm. hsx
+  stores layer ids ascending with id N (the last layer, pre-norm) last, so the hsx
+  tensor is already in that order; an output whose last id is not N is refused.
+  speculators' `--target-layer-ids` are the auxiliary ids only
+  (`train/config/schema.py`, "excluding the final layer launch_vllm.py appends").
+- `token_freq.pt`: `train/vocab_mapping.py` `save_token_frequency_distribution`
+  (counts of loss-masked token ids, `torch.save` of a dict); `train/cli.py`
+  `_generate_vocab_mappings` reads `<data-path>/token_freq.pt` to build d2t/t2d when
+  `--draft-vocab-size` is given.
+
+Export index i is the i-th committed sample of `HiddenStatesDataset(URI)` (ascending
+`sample_index` for a finished output); the `hsx_sample_index` column maps it back.
+Samples without hidden states (hsx error lists) are not exported. fp8 outputs are
+dequantized to bf16: speculators' own fp8 files have one scale per token over all layers
+(`hs_connectors/fp8_utils.py`), hsx has one per token and layer, so the scales cannot be
+carried over as they are.
+
+This module imports only the standard library at import time; torch, safetensors and
+datasets (which any speculators install has) are imported when an export runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+EXPORT_RECORD = "hsx_export.json"
+"""Written last into DEST; its presence marks a directory as an hsx export, which is what
+`force=True` requires before it deletes anything."""
+
+HIDDEN_STATES_DIR = "hidden_states"
+TOKEN_FREQ = "token_freq.pt"
+SAMPLE_INDEX_COLUMN = "hsx_sample_index"
+SPECULATORS_FORMAT = "speculators"
+
+
+class ExportError(Exception):
+    """The export was refused before anything was written (bad source or destination)."""
+
+
+@dataclass
+class ExportSummary:
+    """What an export wrote; `as_dict()` is what `hsx export --json` prints."""
+
+    dest: str
+    source: str
+    samples: int
+    tokens: int
+    bytes: int
+    layers: list[int]
+    target_layer_ids: list[int]
+    source_storage_dtype: str
+    source_complete: bool
+    not_exported: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def hs_file_name(index: int) -> str:
+    """The file speculators' FileTransfer.get_cached(index) opens (hs_connectors/transfer.py)."""
+    return f"hs_{index}.safetensors"
+
+
+def export_speculators(
+    uri: str | Path,
+    dest: str | Path,
+    *,
+    force: bool = False,
+    allow_incomplete: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> ExportSummary:
+    """Write the hsx output at `uri` into `dest` in speculators' offline-data layout.
+
+    Streams one sample at a time (memory does not grow with the dataset) into a hidden
+    staging directory beside `dest`, which is renamed to `dest` only when everything is
+    written, so `dest` never holds a half export. `dest` must be absent or empty; with
+    `force=True` it may also be an earlier hsx export (it has hsx_export.json), which is
+    replaced. A job that is still running (no complete.json) is refused unless
+    `allow_incomplete`, since the export would silently miss its later shards.
+    `on_progress(done, total)` is called after each sample. Raises ExportError when
+    refused before writing.
+    """
+    from hsx.dataset import HiddenStatesDataset
+
+    started = time.monotonic()
+    try:
+        # One shard mapped at a time: the export reads each shard once, in order, and
+        # keeping old mappings would make the process's RSS grow with the output.
+        ds = HiddenStatesDataset(uri, backend="torch", max_open_shards=1)
+    except (FileNotFoundError, ValueError) as err:
+        raise ExportError(str(err)) from None
+    layers, num_layers = _check_source(ds, allow_incomplete=allow_incomplete)
+    dest_path = Path(dest).expanduser().resolve()
+    _check_dest(dest_path, ds.root.resolve(), force=force)
+
+    total = len(ds)
+    dest_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = dest_path.parent / f".{dest_path.name}.hsx-export-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        out = staging / "export"
+        (out / HIDDEN_STATES_DIR).mkdir(parents=True)
+        written, tokens, nbytes = _write(ds, out, staging / "inputs.arrow", layers, on_progress)
+        if written != total:
+            raise RuntimeError(f"expected {total} samples, wrote {written}")
+        record = {
+            "format": "speculators-offline-data",
+            "exported_by": f"hsx {_hsx_version()}",
+            "source": str(uri),
+            "source_format_version": ds.manifest.get("format_version"),
+            "job_fingerprint": ds.manifest.get("job_fingerprint"),
+            "model": ds.manifest.get("model"),
+            "architecture": ds.manifest.get("architecture"),
+            "num_layers": num_layers,
+            "hidden_size": ds.manifest.get("hidden_size"),
+            "layers": layers,
+            "target_layer_ids": layers[:-1],
+            "source_storage_dtype": ds.manifest.get("storage_dtype"),
+            "hidden_states_dtype": "bf16",
+            "source_complete": ds.complete,
+            "samples": written,
+            "tokens": tokens,
+            "sample_index_column": SAMPLE_INDEX_COLUMN,
+            "files": {
+                "dataset": "datasets.save_to_disk (torch format)",
+                "hidden_states": f"{HIDDEN_STATES_DIR}/hs_{{i}}.safetensors",
+                "token_freq": TOKEN_FREQ,
+            },
+        }
+        (out / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        # One sync for all files (instead of an fsync per file, costly for millions of
+        # small files), so that dest never appears with contents still in the page cache.
+        os.sync()
+        _publish(out, dest_path, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    return ExportSummary(
+        dest=str(dest_path), source=str(uri), samples=written, tokens=tokens, bytes=nbytes,
+        layers=layers, target_layer_ids=layers[:-1],
+        source_storage_dtype=str(ds.manifest.get("storage_dtype")),
+        source_complete=ds.complete, not_exported=len(ds.errors()),
+        seconds=time.monotonic() - started,
+    )
+
+
+def _check_source(ds: Any, *, allow_incomplete: bool) -> tuple[list[int], int]:
+    """Refuse outputs speculators would misread; returns (layer ids, N)."""
+    manifest = ds.manifest
+    layers = [int(k) for k in manifest.get("layers") or []]
+    num_layers = manifest.get("num_layers")
+    if num_layers is None:
+        raise ExportError(f"{ds.uri}: manifest has no num_layers")
+    num_layers = int(num_layers)
+    if len(layers) < 2:
+        raise ExportError(
+            f"{ds.uri}: layers {layers}: speculators needs at least one auxiliary layer "
+            "and the last layer"
+        )
+    if layers != sorted(set(layers)):
+        raise ExportError(f"{ds.uri}: layers {layers} are not ascending and distinct")
+    if layers[-1] != num_layers:
+        # speculators/train/data.py ArrowDataset._get_raw_data: hidden_states[:, -1] is the
+        # target's last layer; anything else would train the draft on the wrong state.
+        raise ExportError(
+            f"{ds.uri}: the last stored layer is {layers[-1]}, but speculators reads the "
+            f"last one as the target's final layer (id {num_layers} = N); re-extract with "
+            f"{num_layers} in layers"
+        )
+    if not ds.complete and not allow_incomplete:
+        raise ExportError(
+            f"{ds.uri}: the job is not complete (no complete.json; {len(ds)} samples "
+            "committed so far); wait for it, or pass --allow-incomplete to export what "
+            "is committed now"
+        )
+    if len(ds) == 0:
+        raise ExportError(f"{ds.uri}: no committed samples to export")
+    return layers, num_layers
+
+
+def _check_dest(dest: Path, source: Path, *, force: bool) -> None:
+    """Refuse a destination whose contents an export would clobber or that overlaps the source."""
+    if dest == source or dest.is_relative_to(source) or source.is_relative_to(dest):
+        raise ExportError(f"{dest}: the destination must not contain or lie inside the source")
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise ExportError(f"{dest} exists and is not a directory")
+    if not any(dest.iterdir()):
+        return
+    if not force:
+        raise ExportError(f"{dest} is not empty; pass --force to replace an earlier export")
+    if not (dest / EXPORT_RECORD).is_file():
+        raise ExportError(
+            f"{dest} is not empty and is not an hsx export (no {EXPORT_RECORD}); "
+            "refusing to delete it even with --force"
+        )
+
+
+def _write(
+    ds: Any,
+    out: Path,
+    inputs_tmp: Path,
+    layers: list[int],
+    on_progress: Callable[[int, int], None] | None,
+) -> tuple[int, int, int]:
+    """Stream every sample into hs_{i}.safetensors and the inputs dataset; returns
+    (samples, tokens, bytes of hidden-state files)."""
+    import datasets
+    import torch
+    from datasets.arrow_writer import ArrowWriter
+    from safetensors.torch import save
+
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int64")),
+        "loss_mask": datasets.Sequence(datasets.Value("int64")),
+        "seq_len": datasets.Value("int64"),
+        SAMPLE_INDEX_COLUMN: datasets.Value("int64"),
+    })
+    total = len(ds)
+    freq: Counter[int] = Counter()
+    written = tokens = nbytes = 0
+    layers_meta = json.dumps(layers)
+    with ArrowWriter(features=features, path=str(inputs_tmp)) as writer:
+        for i, sample in enumerate(ds):
+            hidden = sample["hidden_states"]  # [T, L, H] bf16; fp8 already dequantized
+            if hidden.dim() != 3 or hidden.shape[1] != len(layers):
+                raise RuntimeError(
+                    f"sample {sample['sample_index']}: hidden_states shape "
+                    f"{tuple(hidden.shape)} does not match layers {layers}"
+                )
+            ids = sample["input_ids"].to(torch.int64)
+            mask = sample["loss_mask"].to(torch.int64)
+            data = save(
+                {"hidden_states": hidden.contiguous(), "token_ids": ids},
+                metadata={
+                    "hsx_sample_index": str(sample["sample_index"]), "hsx_layers": layers_meta,
+                },
+            )
+            (out / HIDDEN_STATES_DIR / hs_file_name(i)).write_bytes(data)
+            writer.write({
+                "input_ids": ids.tolist(), "loss_mask": mask.tolist(),
+                "seq_len": int(ids.shape[0]), SAMPLE_INDEX_COLUMN: int(sample["sample_index"]),
+            })
+            masked = ids[mask.bool()]
+            if masked.numel():
+                uniq, counts = masked.unique(return_counts=True)
+                freq.update(dict(zip(uniq.tolist(), counts.tolist(), strict=True)))
+            written += 1
+            tokens += int(ids.shape[0])
+            nbytes += len(data)
+            if on_progress is not None:
+                on_progress(written, total)
+        writer.finalize()
+
+    table = datasets.Dataset.from_file(str(inputs_tmp))
+    # speculators compares torch tensors (ArrowDataset._get_raw_data); the format is
+    # stored in state.json and restored by load_from_disk.
+    table.set_format(type="torch")
+    table.save_to_disk(str(out))
+    del table
+    torch.save(dict(freq), out / TOKEN_FREQ)
+    return written, tokens, nbytes
+
+
+def _publish(out: Path, dest: Path, staging: Path) -> None:
+    """Move the finished export to `dest`, replacing an empty dir or an earlier export."""
+    previous = staging / "previous"
+    if dest.exists():
+        if any(dest.iterdir()):
+            # Checked by _check_dest: an earlier export and force=True. Move it aside first
+            # so dest is missing only between two renames, never half-written.
+            dest.rename(previous)
+        else:
+            dest.rmdir()
+    try:
+        out.rename(dest)
+    except OSError:
+        if previous.exists():  # put the earlier export back; the caller drops staging
+            previous.rename(dest)
+        raise
+
+
+def _hsx_version() -> str:
+    from hsx import __version__
+
+    return __version__

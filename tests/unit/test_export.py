@@ -1,0 +1,228 @@
+"""`hsx export --format speculators`: speculators' own ArrowDataset reads what hsx wrote.
+
+The hsx outputs here are made with hsx's own ShardWriter plus a manifest and inputs.arrow
+as hsx_service.prepare writes them, so no engine is needed. The speculators side is read
+with speculators.train.data.ArrowDataset, the class its offline trainer builds
+(speculators/train/dataloader.py create_train_val_loaders), over the default
+hs_connectors FileTransfer, with on_missing="raise" so that a missing file fails loudly
+instead of asking a vLLM server for it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from hsx.cli import main
+from hsx.dataset import HiddenStatesDataset
+from hsx.export import EXPORT_RECORD, ExportError, export_speculators
+from hsx.layout import COMPLETE, INPUTS, MANIFEST
+from hsx.shards import ShardWriter
+
+_speculators_data = pytest.importorskip("speculators.train.data")
+ArrowDataset = _speculators_data.ArrowDataset
+CollateFn = _speculators_data.CollateFn
+
+NUM_LAYERS = 8
+LAYERS = [2, 4, 5, 8]  # [2, N//2, N-3, N]: three auxiliary layers, then the last one
+HIDDEN = 32
+UNITS = {0: [0, 1, 2], 1: [3, 5, 6, 7], 2: [8, 9]}  # sample 4 failed during extraction
+
+
+def sample(idx: int) -> dict[str, Any]:
+    """Deterministic content, so every reader can be checked against the source."""
+    rng = np.random.default_rng(idx)
+    t = 3 + idx % 5
+    return {
+        "input_ids": rng.integers(0, 500, t).astype(np.int32),
+        "loss_mask": (np.arange(t) >= t // 2).astype(np.uint8),
+        "hidden_states": rng.standard_normal((t, len(LAYERS), HIDDEN)).astype(np.float32) * 3,
+    }
+
+
+def make_output(root: Path, storage: str = "bf16", complete: bool = True) -> Path:
+    """An hsx output: manifest.json, inputs.arrow, committed shards (and complete.json)."""
+    root.mkdir(parents=True)
+    rows = [i for ids in UNITS.values() for i in ids] + [4]
+    rows.sort()
+    units, start = [], 0
+    for u, ids in UNITS.items():
+        n = len(ids) + (1 if u == 1 else 0)  # unit 1 also planned sample 4
+        units.append({"unit": u, "rows": [start, start + n], "tokens": 0})
+        start += n
+    manifest = {
+        "format": "hsx-hidden-states", "format_version": 1, "model": "tiny",
+        "architecture": "LlamaForCausalLM", "num_layers": NUM_LAYERS, "hidden_size": HIDDEN,
+        "layers": LAYERS, "storage_dtype": storage, "num_samples": len(rows), "units": units,
+    }
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    samples = [sample(i) for i in rows]
+    table = pa.table({
+        "sample_index": pa.array(rows, pa.int64()),
+        "input_ids": pa.array([s["input_ids"].tolist() for s in samples], pa.list_(pa.int32())),
+        "loss_mask": pa.array([s["loss_mask"].tolist() for s in samples], pa.list_(pa.uint8())),
+        "length": pa.array([len(s["input_ids"]) for s in samples], pa.int32()),
+    })
+    with pa.OSFile(str(root / INPUTS), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    for u in (2, 0, 1):  # commit order must not matter
+        with ShardWriter(root, u, layers=LAYERS, hidden_size=HIDDEN,
+                         storage_dtype=storage) as w:  # type: ignore[arg-type]
+            for i in UNITS[u]:
+                s = sample(i)
+                w.add(i, s["input_ids"], s["loss_mask"], s["hidden_states"])
+            w.commit(errors=[{"sample_index": 4, "reason": "engine failed"}] if u == 1 else [])
+    if complete:
+        (root / COMPLETE).write_text("{}")
+    return root
+
+
+def assert_same_as_hsx(src: Path, dest: Path) -> None:
+    """Every exported sample, read by speculators, equals hsx's reading of the same sample."""
+    hsx_ds = HiddenStatesDataset(src, backend="torch")
+    spec_ds = ArrowDataset(max_len=64, datapath=dest, on_missing="raise")
+    assert len(spec_ds) == len(hsx_ds) == 9
+    assert spec_ds.approx_lengths == [int(hsx_ds[i]["input_ids"].shape[0]) for i in range(9)]
+    record = json.loads((dest / EXPORT_RECORD).read_text())
+    assert record["target_layer_ids"] == LAYERS[:-1] and record["samples"] == 9
+    mapping = spec_ds.data.with_format(None)["hsx_sample_index"]
+    assert mapping == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    for i in range(len(hsx_ds)):
+        want = hsx_ds[i]
+        got = spec_ds[i]
+        assert isinstance(got, dict), f"speculators found no sample {i}: {got}"
+        assert mapping[i] == want["sample_index"]
+        hs = want["hidden_states"]  # [T, L, H] bf16 (dequantized when fp8)
+        t = hs.shape[0]
+        # speculators: aux layers flattened, in stored order; the last layer apart
+        assert got["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(got["hidden_states"], hs[:, :-1].reshape(t, -1))
+        assert torch.equal(got["verifier_last_hidden_states"], hs[:, -1])
+        assert torch.equal(got["input_ids"], want["input_ids"].long())
+        assert torch.equal(got["loss_mask"], want["loss_mask"].long())
+        assert got["lengths"].tolist() == [t]
+
+
+def test_speculators_arrow_dataset_reads_the_export(tmp_path: Path) -> None:
+    src = make_output(tmp_path / "hsx")
+    progress: list[tuple[int, int]] = []
+    summary = export_speculators(src, tmp_path / "spec", on_progress=lambda d, n:
+                                 progress.append((d, n)))
+    assert summary.samples == 9 and summary.not_exported == 1 and summary.source_complete
+    assert summary.tokens == sum(len(sample(i)["input_ids"]) for ids in UNITS.values()
+                                 for i in ids)
+    assert progress[-1] == (9, 9) and len(progress) == 9
+    assert_same_as_hsx(src, tmp_path / "spec")
+    # bf16 is exact: speculators' tensors are the bits hsx's writer stored
+    spec_ds = ArrowDataset(max_len=64, datapath=tmp_path / "spec", on_missing="raise")
+    want = torch.from_numpy(sample(5)["hidden_states"]).bfloat16()
+    assert torch.equal(spec_ds[4]["verifier_last_hidden_states"], want[:, -1])
+    # and its collate function packs them as its trainer would
+    batch = CollateFn(64, HIDDEN, num_target_layers=len(LAYERS) - 1)([spec_ds[0], spec_ds[1]])
+    assert batch["hidden_states"].shape == (1, 64, (len(LAYERS) - 1) * HIDDEN)
+    assert batch["verifier_last_hidden_states"].shape == (1, 64, HIDDEN)
+    assert batch["document_ids"][0, :8].tolist() == [0, 0, 0, 1, 1, 1, 1, -1]
+    # nothing but the export itself next to it: the staging directory is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hsx", "spec"]
+
+
+def test_token_freq_counts_loss_masked_tokens(tmp_path: Path) -> None:
+    src = make_output(tmp_path / "hsx")
+    export_speculators(src, tmp_path / "spec")
+    freq = torch.load(tmp_path / "spec" / "token_freq.pt", weights_only=True)
+    want: dict[int, int] = {}
+    for ids in UNITS.values():
+        for i in ids:
+            s = sample(i)
+            for tok in s["input_ids"][s["loss_mask"].astype(bool)].tolist():
+                want[tok] = want.get(tok, 0) + 1
+    assert freq == want
+
+
+def test_fp8_output_is_dequantized_to_bf16(tmp_path: Path) -> None:
+    src = make_output(tmp_path / "hsx", storage="fp8")
+    summary = export_speculators(src, tmp_path / "spec")
+    assert summary.source_storage_dtype == "fp8"
+    assert_same_as_hsx(src, tmp_path / "spec")  # equal to hsx's own dequantization
+
+
+def test_speculators_train_val_split_finds_its_files(tmp_path: Path) -> None:
+    """The val split starts at a row offset; ArrowDataset maps it back to hs_{row}."""
+    src = make_output(tmp_path / "hsx")
+    export_speculators(src, tmp_path / "spec")
+    hsx_ds = HiddenStatesDataset(src, backend="torch")
+    val = ArrowDataset(max_len=64, datapath=tmp_path / "spec", on_missing="raise",
+                       train_ratio=0.7, split="val")
+    assert len(val) == 3
+    for j in range(3):
+        assert torch.equal(val[j]["input_ids"], hsx_ds[6 + j]["input_ids"].long())
+
+
+def test_refusals(tmp_path: Path) -> None:
+    src = make_output(tmp_path / "hsx")
+    with pytest.raises(ExportError, match="must not contain or lie inside"):
+        export_speculators(src, src / "spec")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="is not empty; pass --force"):
+        export_speculators(src, other)
+    with pytest.raises(ExportError, match="not an hsx export"):
+        export_speculators(src, other, force=True)
+    assert (other / "precious.txt").read_text() == "keep me"
+
+    running = make_output(tmp_path / "running", complete=False)
+    with pytest.raises(ExportError, match="not complete"):
+        export_speculators(running, tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+    assert export_speculators(running, tmp_path / "r", allow_incomplete=True).samples == 9
+
+    no_last = make_output(tmp_path / "nolast")
+    manifest = json.loads((no_last / MANIFEST).read_text())
+    manifest["num_layers"] = 9  # the stored ids no longer end with the last layer
+    (no_last / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match="final layer"):
+        export_speculators(no_last, tmp_path / "n")
+    with pytest.raises(ExportError, match="no hsx output"):
+        export_speculators(tmp_path / "missing", tmp_path / "m")
+
+
+def test_force_replaces_an_earlier_export_and_empty_dest_is_fine(tmp_path: Path) -> None:
+    src = make_output(tmp_path / "hsx")
+    dest = tmp_path / "spec"
+    dest.mkdir()
+    export_speculators(src, dest)
+    (dest / "stale.txt").write_text("from an earlier export")
+    export_speculators(src, dest, force=True)
+    assert not (dest / "stale.txt").exists()
+    assert_same_as_hsx(src, dest)
+
+
+def test_failure_leaves_no_destination(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = make_output(tmp_path / "hsx")
+
+    def boom(done: int, total: int) -> None:
+        if done == 5:
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_speculators(src, tmp_path / "spec", on_progress=boom)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hsx"]
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = make_output(tmp_path / "hsx")
+    assert main(["export", "--format", "speculators", str(src), str(tmp_path / "spec"),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["samples"] == 9 and out["target_layer_ids"] == [2, 4, 5]
+    assert main(["export", str(src), str(tmp_path / "spec")]) == 2
+    assert "--force" in capsys.readouterr().err  # messages go to stderr
+    assert main(["export", str(src), str(tmp_path / "spec"), "--force"]) == 0
+    assert "--target-layer-ids 2 4 5" in capsys.readouterr().err
