@@ -109,6 +109,7 @@ class ExtractionWorker:
                         result.input_ids,
                         masks[result.sample_index],
                         result.hidden_states,
+                        take=result.owned,
                     )
                 with self._lock:
                     self._progress["samples"] += 1

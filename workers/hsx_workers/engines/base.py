@@ -54,6 +54,8 @@ class CaptureResult:
     # [T, L, H], layers in ascending id order; None when `error` is set.
     hidden_states: torch.Tensor | None = None
     error: str | None = None
+    # True when nobody else holds hidden_states (the consumer may keep it, uncopied).
+    owned: bool = False
 
 
 @dataclass
