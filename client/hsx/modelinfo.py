@@ -10,13 +10,25 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 
 class ModelConfigError(ValueError):
     """The model's config cannot be found or lacks what capture needs."""
+
+
+# Text model types whose vLLM model cannot give layer id 0 (the embeddings): vLLM's
+# DeepseekV2/V3 forward computes `hidden_states + residual` with no residual yet when the
+# aux layer is the first one (measured, ENVIRONMENT.md). "kimi_k2" is the old name of
+# Kimi's DeepSeek-V3 text config.
+NO_EMBEDDING_ID_IN_VLLM = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"})
+
+# Bytes of hidden states per token and captured layer, per storage dtype: bf16 values; fp8
+# values plus one float32 scale per token and layer (hsx.shards.quantize_fp8).
+STORAGE_BYTES_PER_VALUE = {"bf16": 2.0, "fp8": 1.0}
+STORAGE_BYTES_PER_ROW = {"bf16": 0, "fp8": 4}
 
 
 @dataclass(frozen=True)
@@ -29,12 +41,36 @@ class ModelInfo:
     vocab_size: int | None
     wrapper: bool
     torch_dtype: str | None
+    text_model_type: str | None = None
+    """model_type of the text model (of `text_config` for a wrapper)."""
+    text_architecture: str | None = None
+    """`text_config.architectures[0]` of a wrapper, when its config names one."""
+    auto_map: bool = False
+    """The config points at the model's own Python code (`auto_map`)."""
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The raw config.json, for the estimates below."""
 
-    def default_layers(self) -> list[int]:
-        return default_layers(self.num_layers)
+    @property
+    def shape(self) -> dict[str, Any]:
+        """The text model's config: `text_config` of a wrapper, else the whole config."""
+        text = self.config.get("text_config")
+        return text if isinstance(text, dict) else self.config
 
-    def check_layers(self, layers: list[int]) -> None:
-        """Raise ModelConfigError naming the ids outside 0..N."""
+    def min_layer_id(self, engine: str | None = None) -> int:
+        """Smallest capturable id: 1 where vLLM cannot give the embeddings, else 0."""
+        if engine in (None, "vllm") and self.text_model_type in NO_EMBEDDING_ID_IN_VLLM:
+            return 1
+        return 0
+
+    def valid_layers(self, engine: str | None = None) -> list[int]:
+        return list(range(self.min_layer_id(engine), self.num_layers + 1))
+
+    def default_layers(self, engine: str | None = None) -> list[int]:
+        low = self.min_layer_id(engine)
+        return [k for k in default_layers(self.num_layers) if k >= low] or [self.num_layers]
+
+    def check_layers(self, layers: list[int], engine: str | None = None) -> None:
+        """Raise ModelConfigError naming the ids outside 0..N (1..N where 0 cannot be had)."""
         bad = [k for k in layers if not 0 <= k <= self.num_layers]
         if bad:
             raise ModelConfigError(
@@ -42,6 +78,71 @@ class ModelInfo:
                 f"({self.num_layers} decoder layers; id {self.num_layers} is the last layer's "
                 "output before the final norm)"
             )
+        if 0 in layers and self.min_layer_id(engine) > 0:
+            raise ModelConfigError(
+                f"layers: id 0 (the embeddings) cannot be captured from {self.architecture} "
+                f"with vLLM (its {self.text_model_type} model fails on it); use ids "
+                f"1..{self.num_layers}, or engine: hf"
+            )
+
+    def bytes_per_token(self, num_captured_layers: int) -> dict[str, int]:
+        """Output bytes of hidden states per token for each storage dtype."""
+        return {
+            dtype: int(num_captured_layers * (self.hidden_size * per_value
+                                              + STORAGE_BYTES_PER_ROW[dtype]))
+            for dtype, per_value in STORAGE_BYTES_PER_VALUE.items()
+        }
+
+    def estimate_num_params(self) -> int | None:
+        """Parameters of the text model, estimated from its config (None if it cannot tell).
+
+        Counts embeddings, attention (MLA or grouped heads), dense and MoE MLPs and the
+        LM head; norms and a wrapper's vision tower are left out (the text path does not
+        load the tower). Good to a few percent, which is what a fit check needs.
+        """
+        c = self.shape
+        h, n = self.hidden_size, self.num_layers
+        vocab = c.get("vocab_size") or self.vocab_size
+        heads = c.get("num_attention_heads")
+        if not isinstance(vocab, int) or not isinstance(heads, int) or heads <= 0:
+            return None
+        kv_heads = c.get("num_key_value_heads") or heads
+        if c.get("kv_lora_rank"):
+            rope, nope = c.get("qk_rope_head_dim") or 0, c.get("qk_nope_head_dim") or 0
+            v_dim, kv_rank = c.get("v_head_dim") or 0, c["kv_lora_rank"]
+            q_rank = c.get("q_lora_rank")
+            q_out = heads * (nope + rope)
+            q = (h * q_rank + q_rank * q_out) if q_rank else h * q_out
+            attn = q + h * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * h
+        else:
+            head_dim = c.get("head_dim") or h // heads
+            attn = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
+        inter = c.get("intermediate_size") or 4 * h
+        experts = c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts")
+        dense_mlp = 3 * h * inter
+        if experts:
+            moe_inter = c.get("moe_intermediate_size") or inter
+            shared = (c.get("n_shared_experts") or 0) * 3 * h * moe_inter
+            shared += 3 * h * (c.get("shared_expert_intermediate_size") or 0)
+            moe_mlp = experts * 3 * h * moe_inter + shared + h * experts
+            dense_layers = min(int(c.get("first_k_dense_replace") or 0), n)
+            mlp = dense_layers * dense_mlp + (n - dense_layers) * moe_mlp
+        else:
+            mlp = n * dense_mlp
+        tied = bool(c.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))
+        return int(vocab * h * (1 if tied else 2) + n * attn + mlp)
+
+    def weight_bytes_per_param(self) -> float:
+        """Bytes per weight as stored: from `quantization_config`, else the dtype."""
+        quant = self.config.get("quantization_config") or self.shape.get("quantization_config")
+        if isinstance(quant, dict):
+            bits = quant.get("bits") or quant.get("weight_bits")
+            if isinstance(bits, int) and bits > 0:
+                return bits / 8
+            if "fp8" in str(quant.get("quant_method", "")).lower():
+                return 1.0
+        dtype = self.config.get("torch_dtype") or self.config.get("dtype") or self.torch_dtype
+        return 4.0 if str(dtype) in ("float32", "torch.float32") else 2.0
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -99,6 +200,7 @@ def read_model_info(model: str) -> ModelInfo:
     shape = text if isinstance(text, dict) else config
     num_layers = shape.get("num_hidden_layers", shape.get("n_layer"))
     hidden = shape.get("hidden_size", shape.get("n_embd"))
+    text_archs = shape.get("architectures") if wrapper else None
     if not isinstance(num_layers, int) or not isinstance(hidden, int):
         raise ModelConfigError(
             f"model: {path} does not say num_hidden_layers and hidden_size "
@@ -113,4 +215,9 @@ def read_model_info(model: str) -> ModelInfo:
         vocab_size=shape.get("vocab_size", config.get("vocab_size")),
         wrapper=wrapper,
         torch_dtype=shape.get("torch_dtype", shape.get("dtype", config.get("torch_dtype"))),
+        text_model_type=str(shape.get("model_type") or config.get("model_type") or "") or None,
+        text_architecture=str(text_archs[0]) if isinstance(text_archs, list) and text_archs
+        else None,
+        auto_map=bool(config.get("auto_map") or shape.get("auto_map")),
+        config=config,
     )

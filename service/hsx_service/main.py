@@ -42,7 +42,7 @@ from hsx.wire import ErrorBody
 from hsx_service.config import Settings
 from hsx_service.deps import Unauthorized
 from hsx_service.errors import JobConflict, JobNotFound, JobRefused, NotReady, refused_field
-from hsx_service.routes import jobs, ops
+from hsx_service.routes import jobs, models, ops
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ def create_app(settings: Settings | None = None, scheduler: Any | None = None) -
     _add_error_handlers(app)
     app.include_router(jobs.router)
     app.include_router(ops.router)
+    app.include_router(models.router)
     # check_dir=False: the dashboard's assets may be absent from a slim install; then
     # /static answers 404 and / the fallback page.
     app.mount("/static", StaticFiles(directory=STATIC_DIR, check_dir=False), name="static")

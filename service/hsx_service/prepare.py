@@ -1,16 +1,21 @@
 """Everything a job does before any engine starts: check it, ingest it, plan it.
 
 A job is refused here (`JobRefused`, with a message that names the problem) when its
-model has no usable config, a layer id is out of range, the dataset is missing, the
-output cannot be written, or the output already holds a different job. Only then does
-anything heavy start. The output location is the truth: a manifest found there is
-reused, committed units are skipped, so running the same job twice does nothing.
+model has no usable config, cannot be captured with the chosen engine (the model
+preflight, hsx_workers.preflight, says why), a layer id is out of range or not
+capturable for that model, the dataset is missing, the output cannot be written, the
+estimated output exceeds the free space or quota of the output location, or the output
+already holds a different job. Only then does anything heavy start. The output location
+is the truth: a manifest found there is reused, committed units are skipped, so running
+the same job twice does nothing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,6 +35,11 @@ from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
 from hsx.plan import WorkUnit, plan_units
 from hsx.shards import committed_units
 from hsx.spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+# A byte quota for one job's output, when the operator sets one (0 or unset: none).
+QUOTA_ENV = "HSX_OUTPUT_QUOTA_BYTES"
 
 
 class JobRefused(ValueError):
@@ -82,11 +92,12 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Path]:
         info = read_model_info(spec.model)
     except ModelConfigError as err:
         raise JobRefused(str(err)) from None
-    layers = spec.layers if spec.layers is not None else info.default_layers()
+    layers = spec.layers if spec.layers is not None else info.default_layers(spec.engine)
     try:
-        info.check_layers(layers)
+        info.check_layers(layers, spec.engine)
     except ModelConfigError as err:
         raise JobRefused(str(err)) from None
+    check_capturable(spec, info, layers)
     if not Path(spec.dataset).exists():
         raise JobRefused(f"dataset: {spec.dataset} does not exist")
     if spec.engine == "hf" and spec.tensor_parallel_size > 1:
@@ -97,6 +108,81 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Path]:
     root = output_path(spec.output)
     _check_writable(root)
     return info, layers, root
+
+
+def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
+    """Refuse a model the chosen engine cannot capture, with the model preflight's reasons.
+
+    The preflight imports vLLM (seconds, once per process); where vLLM is not installed
+    (a coordinator without workers' packages) its answer is partial and nothing is
+    refused on it — the engine's own start then says what fails.
+    """
+    try:
+        from hsx_workers.preflight import inspect_model_cached
+    except ImportError:  # the workers' package is not installed here
+        return
+    try:
+        report = inspect_model_cached(spec.model, spec.engine, tuple(layers),
+                                      spec.trust_remote_code)
+    except ModelConfigError as err:
+        raise JobRefused(str(err)) from None
+    if spec.engine == "vllm" and not report.vllm_available:
+        logger.warning("vLLM cannot be imported here; %s is not checked for capture", spec.model)
+        return
+    usable = ("extract_hidden_states", "hooks") if spec.engine == "vllm" else ("hf",)
+    if report.capture not in usable:
+        raise JobRefused(
+            f"model: {info.architecture} cannot be captured with engine {spec.engine}: "
+            + " ".join(report.reasons)
+        )
+
+
+def output_quota(quota_bytes: int | None = None) -> int | None:
+    """The byte quota for one job's output: the argument, else $HSX_OUTPUT_QUOTA_BYTES."""
+    if quota_bytes is not None:
+        return quota_bytes or None
+    raw = os.environ.get(QUOTA_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(float(raw)) or None
+    except ValueError:
+        raise JobRefused(f"{QUOTA_ENV}={raw!r} is not a number of bytes") from None
+
+
+def check_output_size(job: PreparedJob, quota_bytes: int | None = None) -> int:
+    """Refuse a job whose pending output exceeds the quota or the output's free space.
+
+    Runs after ingestion (the token count is exact then) and before any engine starts.
+    Returns the estimated bytes still to write.
+    """
+    per_token = job.model.bytes_per_token(len(job.layers))[job.spec.storage_dtype]
+    pending_tokens = sum(u.tokens for u in job.pending)
+    need = pending_tokens * per_token
+    quota = output_quota(quota_bytes)
+    if quota is not None and need > quota:
+        raise JobRefused(
+            f"output: the job would write about {_human(need)} ({pending_tokens} tokens x "
+            f"{per_token} bytes of {len(job.layers)} layers in {job.spec.storage_dtype}), "
+            f"more than the quota of {_human(quota)}; use fewer layers, storage_dtype fp8, "
+            "or a smaller dataset"
+        )
+    free = shutil.disk_usage(job.output).free
+    if need > free:
+        raise JobRefused(
+            f"output: the job would write about {_human(need)} but {job.output} has only "
+            f"{_human(free)} free; free space, choose another output, or use fewer layers "
+            "or storage_dtype fp8"
+        )
+    return need
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _publish_once(path: Path, payload: dict[str, Any]) -> bool:
@@ -166,7 +252,7 @@ def prepare(spec: JobSpec) -> PreparedJob:
 
     units = [WorkUnit.from_json(u) for u in manifest["units"]]
     done = committed_units(root)
-    return PreparedJob(
+    job = PreparedJob(
         spec=spec,
         model=info,
         layers=list(manifest["layers"]),
@@ -176,6 +262,8 @@ def prepare(spec: JobSpec) -> PreparedJob:
         pending=[u for u in units if u.unit not in done],
         complete=(root / COMPLETE).exists(),
     )
+    check_output_size(job)
+    return job
 
 
 def _check_same_job(manifest: dict[str, Any], spec: JobSpec, root: Path, data_fp: str) -> None:

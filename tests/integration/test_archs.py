@@ -4,12 +4,16 @@ Each architecture gets a tiny random model (3 layers), one vLLM run and one hf r
 the same small chat dataset, through `run_job` and a module-scoped engine pool (one
 vLLM engine start per architecture, ~20-60 s on the CI machine's 2 cores).
 
-Bounds: 1e-2 per layer (relative Frobenius error over tokens and hidden units), as for
-Llama. DeepSeek-V3 gets 3e-2: vLLM runs MLA with the absorbed form (the key/value
-up-projection folded into the query and output projections, in bf16), transformers
-the expanded one; the same product in another order rounds differently in bf16, and
-one flipped MoE expert choice on a near-tie moves a token further. ENVIRONMENT.md
-measured up to 2.1% for this path.
+Bounds, on the per-layer relative Frobenius error over a sample's tokens and hidden
+units: the median sample must be under 1e-2, as for Llama. The worst sample gets a wider
+bound for MoE models: one token whose top-k experts nearly tie can be routed differently
+by the two engines (bf16 rounding of router logits), and that token then differs by
+~20% (measured: one token of 192 at 18.5%, the others at 0.7%), which lifts its sample to
+~1.5%. Tiny models scale their routers (tiny_models.ROUTER_SCALE) to make such ties
+rare. DeepSeek-V3's worst bound is wider still: vLLM runs MLA in the absorbed form (the
+key/value up-projection folded into the query and output projections, in bf16),
+transformers the expanded one, so the same products round differently; measured here
+0.96%, ENVIRONMENT.md measured up to 2.1% on another model.
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ from .helpers import by_sample, relative_error
 pytestmark = pytest.mark.integration
 
 NUM_LAYERS = 3
-# arch -> (layer ids, bound on the per-layer relative error)
+MEDIAN_BOUND = 1e-2
+# arch -> (layer ids, bound on the worst sample's per-layer relative error)
 CASES: dict[str, tuple[list[int], float]] = {
     "deepseek_v3": ([1, 2, 3], 3e-2),  # id 0 is refused for DeepSeek in vLLM
-    "qwen3_moe": ([0, 1, 2, 3], 1e-2),
+    "qwen3_moe": ([0, 1, 2, 3], 2e-2),
 }
 
 
@@ -71,14 +76,15 @@ def test_vllm_matches_hf(arch: str, small_dataset: ChatDataset, arch_pool: Any,
     arch_pool.keep_only(None)
     got, ref = outputs["vllm"], outputs["hf"]
     assert sorted(got) == sorted(ref) == small_dataset.good_indices
-    worst = torch.zeros(len(layers))
     for index, expected in ref.items():
         assert torch.equal(got[index]["input_ids"], expected["input_ids"])
-        worst = torch.maximum(worst, relative_error(got[index]["hidden_states"],
-                                                    expected["hidden_states"]))
-    per_layer = dict(zip(layers, worst.tolist(), strict=True))
-    print(f"{arch}: worst relative error per layer {per_layer}")
-    assert worst.max().item() < bound, per_layer
+    errors = torch.stack([relative_error(got[i]["hidden_states"], ref[i]["hidden_states"])
+                          for i in ref])  # [samples, layers]
+    median = dict(zip(layers, errors.median(dim=0).values.tolist(), strict=True))
+    worst = dict(zip(layers, errors.max(dim=0).values.tolist(), strict=True))
+    print(f"{arch}: relative error per layer, median {median}, worst {worst}")
+    assert max(median.values()) < MEDIAN_BOUND, median
+    assert max(worst.values()) < bound, worst
 
 
 # ------------------------------------------------------------------- multimodal wrappers

@@ -239,13 +239,178 @@ def _mistral_config(shape: TinyShape) -> PretrainedConfig:
     return MistralConfig(**_common(shape), head_dim=shape.head_dim, sliding_window=None)
 
 
-# One entry per architecture: arch name -> config builder. More (qwen3_moe, deepseek_v3,
-# gemma2, multimodal wrappers) are added here; see ENVIRONMENT.md for what each needs.
+def _deepseek_v3_config(shape: TinyShape) -> PretrainedConfig:
+    """DeepSeek-V3 style: multi-head latent attention (MLA) and a routed MoE.
+
+    vLLM's CPU MLA kernel accepts only `kv_lora_rank + qk_rope_head_dim == 576` (the real
+    model's 512 + 64), and its MoE loader wants `e_score_correction_bias`, which exists
+    only with `topk_method="noaux_tc", scoring_func="sigmoid"` (see ENVIRONMENT.md).
+    Layer 0 stays dense (`first_k_dense_replace=1`), as in the real model.
+    """
+    from transformers import DeepseekV3Config
+
+    common = _common(shape)
+    common["num_key_value_heads"] = shape.num_heads  # MLA has no grouped KV heads
+    config = DeepseekV3Config(
+        **common,
+        moe_intermediate_size=shape.intermediate_size // 4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+    )
+    # Not fields of transformers' config class, but read by vLLM's loader (saved as extras).
+    config.topk_method = "noaux_tc"
+    config.scoring_func = "sigmoid"
+    return config
+
+
+def _qwen3_moe_config(shape: TinyShape) -> PretrainedConfig:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **_common(shape),
+        moe_intermediate_size=shape.intermediate_size // 4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        use_sliding_window=False,
+    )
+
+
+def _gemma2_config(shape: TinyShape) -> PretrainedConfig:
+    """Gemma-class: vLLM's Gemma-2 has no EAGLE-3 aux outputs (the hook fallback's case).
+
+    No attention logit soft-capping: it changes nothing about capture, and keeps the
+    tiny model on the attention paths every CPU backend has.
+    """
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        **_common(shape),
+        head_dim=shape.head_dim,
+        query_pre_attn_scalar=shape.head_dim,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+        sliding_window=4096,
+    )
+
+
+def _llava_config(shape: TinyShape) -> PretrainedConfig:
+    """A multimodal wrapper (Llava) around the tiny Llama, with a one-layer CLIP tower.
+
+    The image token is the last id of the vocabulary: the tiny tokenizer has no `<image>`
+    token, and only the text path runs on the CPU machine (ENVIRONMENT.md).
+    """
+    from transformers import CLIPVisionConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+        image_size=28, patch_size=14, projection_dim=64,
+    )
+    text = _llama_config(shape)
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=shape.vocab_size - 1,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen2_5_vl_config(shape: TinyShape) -> PretrainedConfig:
+    """A multimodal wrapper whose vLLM class has EAGLE-3 aux outputs (Llava's has not).
+
+    The text model is Qwen2-shaped with M-RoPE (sections sum to head_dim / 2); the vision
+    tower is one block. Only the text path runs on the CPU machine (ENVIRONMENT.md).
+    """
+    from transformers import Qwen2_5_VLConfig
+
+    text = {**_common(shape), "model_type": "qwen2_5_vl_text",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": [8, 12, 12]}}
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 1,
+                       "out_hidden_size": shape.hidden_size, "fullatt_block_indexes": [0]},
+        image_token_id=shape.vocab_size - 1,
+        video_token_id=shape.vocab_size - 2,
+        vision_start_token_id=shape.vocab_size - 3,
+        vision_end_token_id=shape.vocab_size - 4,
+        tie_word_embeddings=False,
+    )
+
+
+def _kimi_k25_config(shape: TinyShape) -> PretrainedConfig:
+    """Kimi-K2.5's shape: KimiK25ForConditionalGeneration around a DeepSeek-V3 text model.
+
+    Written config-only (see CONFIG_ONLY): preflight must answer from the config alone,
+    as it would for the real 1T-parameter checkpoint.
+    """
+    from transformers import Kimi_K25Config
+
+    text = _deepseek_v3_config(shape).to_dict()
+    text["architectures"] = ["DeepseekV3ForCausalLM"]
+    config = Kimi_K25Config(
+        text_config=text,
+        vision_config={"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
+                       "num_attention_heads": 1},
+        projection_hidden_size=64,
+        image_token_id=shape.vocab_size - 1,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["KimiK25ForConditionalGeneration"]
+    return config
+
+
+# One entry per architecture: arch name -> config builder. See ENVIRONMENT.md for what
+# each needs to load in vLLM's CPU build.
 ARCHS: dict[str, Callable[[TinyShape], PretrainedConfig]] = {
     "llama": _llama_config,
     "qwen3": _qwen3_config,
     "mistral": _mistral_config,
+    "deepseek_v3": _deepseek_v3_config,
+    "qwen3_moe": _qwen3_moe_config,
+    "gemma2": _gemma2_config,
+    "llava": _llava_config,
+    "qwen2_5_vl": _qwen2_5_vl_config,
+    "kimi_k25": _kimi_k25_config,
 }
+
+# Written without weights: config.json, tokenizer and generation config only.
+CONFIG_ONLY = frozenset({"kimi_k25"})
+
+# transformers' auto class for the architectures that are not plain causal LMs.
+_AUTO_CLASS = {"llava": "AutoModelForImageTextToText",
+               "qwen2_5_vl": "AutoModelForImageTextToText"}
+
+
+# Router weights of tiny MoE models are scaled by this: at the usual init (std 0.02) the
+# router logits of all experts nearly tie, so bf16 rounding in one engine or the other
+# flips expert choices on many tokens, and two correct engines disagree by ~20% there.
+ROUTER_SCALE = 50.0
+
+
+def _decisive_routers(model: Any) -> None:
+    """Make MoE routing decisive (see ROUTER_SCALE); dense models are left as they are."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # the router, not a dense gate_proj
+                param.mul_(ROUTER_SCALE)
 
 
 def make_tiny_model(
@@ -260,14 +425,18 @@ def make_tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     dtype: str = "bfloat16",
+    weights: bool = True,
 ) -> Path:
     """Write a random-weight model (safetensors), its tokenizer and generation config.
 
     The same arguments give the same bytes of weights: initialisation is seeded, so two
-    test sessions (or two machines) compare hidden states of the same model.
+    test sessions (or two machines) compare hidden states of the same model. Archs in
+    `CONFIG_ONLY` (or `weights=False`) get no weights: what preflight sees of a checkpoint
+    it must not load, built in a second instead of several.
     """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    import transformers
+    from transformers import GenerationConfig
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; known: {sorted(ARCHS)}")
@@ -296,15 +465,30 @@ def make_tiny_model(
                       vocab_size)
     config = ARCHS[arch](shape)
     config.dtype = dtype
+    generation = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOT_ID, pad_token_id=PAD_ID, do_sample=False
+    )
+    if arch in CONFIG_ONLY or not weights:
+        if not config.architectures:  # save_pretrained of a model would have set it
+            from transformers.models.auto import modeling_auto
+
+            names = (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+                     if arch in _AUTO_CLASS else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+            config.architectures = [names[config.model_type]]
+        config.save_pretrained(str(out))
+        generation.save_pretrained(str(out))
+        logger.info("wrote tiny %s config (%d layers, hidden %d, no weights) to %s", arch,
+                    num_layers, hidden_size, out)
+        return out
+    auto_class = getattr(transformers, _AUTO_CLASS.get(arch, "AutoModelForCausalLM"))
     # Seeded with a private generator state so callers' global RNG use does not change
     # the weights, and building a model does not change the caller's RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class.from_config(config, dtype=torch.float32)
+    _decisive_routers(model)
     model = model.to(torch_dtype).eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOT_ID, pad_token_id=PAD_ID, do_sample=False
-    )
+    model.generation_config = generation
     from transformers.utils import logging as hf_logging
 
     # A model of a few MB needs no progress bar on the terminal.

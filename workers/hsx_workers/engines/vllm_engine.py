@@ -54,7 +54,12 @@ class VllmEngine:
         )
         self.spool.mkdir(parents=True)
 
+        import torch
         from vllm import LLM
+
+        # This process only moves bytes (vLLM computes in its own processes); torch
+        # threads here would spin on the cores the model runs on.
+        torch.set_num_threads(1)
 
         engine_args: dict[str, Any] = dict(
             model=config.model,
@@ -100,15 +105,33 @@ class VllmEngine:
         from hsx.modelinfo import ModelConfigError, read_model_info
 
         try:
-            wrapper = read_model_info(self.config.model).wrapper
+            info = read_model_info(self.config.model)
         except ModelConfigError:
             return  # vLLM's own loader reports what is wrong with the model
-        if not wrapper:
+        if not info.wrapper:
             return
         engine_args["language_model_only"] = True
         from hsx_workers.preflight import install_torchvision_stub
 
-        install_torchvision_stub()
+        if install_torchvision_stub():
+            # The stub lives in this process only: vLLM's engine-core and worker
+            # processes (spawned) and its model inspection subprocess would import the
+            # real, missing torchvision. So the whole engine runs here (one rank only),
+            # and the class imported here is registered to skip the inspection process.
+            if self.config.tensor_parallel_size > 1:
+                raise RuntimeError(
+                    "a multimodal wrapper needs torchvision for tensor_parallel_size > 1 "
+                    "(its module imports it in every rank's process); without it, only "
+                    "tensor_parallel_size 1 runs, with torchvision stubbed"
+                )
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            engine_args["distributed_executor_backend"] = "uni"
+            from vllm.model_executor.models.registry import ModelRegistry
+
+            entry = ModelRegistry.models.get(info.architecture)
+            load = getattr(entry, "load_model_cls", None)
+            if callable(load):
+                ModelRegistry.register_model(info.architecture, load())
         logger.info("multimodal wrapper: capturing its text path (language_model_only)")
 
     def capture(self, requests: Iterable[CaptureRequest]) -> Iterator[CaptureResult]:
@@ -176,7 +199,15 @@ class VllmEngine:
                         arriving[path] = (req, time.monotonic())
             elif arriving:
                 # The engine core publishes the last files on its own, a step or two
-                # after the outputs; wait for them without busy-spinning.
+                # after the outputs; wait for them without busy-spinning. An engine
+                # core running in this process (no multiprocessing) moves only when
+                # stepped, so step it.
+                if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+                    try:
+                        engine.step()
+                    except Exception as err:
+                        raise EngineDead(
+                            f"vLLM engine failed: {type(err).__name__}: {err}") from err
                 time.sleep(0.001)
 
             for path, (req, since) in list(arriving.items()):
@@ -219,7 +250,8 @@ class VllmEngine:
                 error="vLLM processed other token ids than were sent (prompt mismatch)",
             )
         states = tensors["hidden_states"]
-        return CaptureResult(req.sample_index, req.input_ids, hidden_states=states)
+        # Freshly loaded from the spool: nobody else holds it.
+        return CaptureResult(req.sample_index, req.input_ids, hidden_states=states, owned=True)
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

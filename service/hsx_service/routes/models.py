@@ -1,0 +1,76 @@
+"""`/v1/models/inspect`: the model preflight over REST (what `hsx inspect-model` prints).
+
+Answers from the model's config alone (hsx_workers.preflight): no weights, no GPU. The
+first call in a process imports vLLM (seconds); it is a plain `def` route, so that runs
+in FastAPI's thread pool. The server's path policy applies to the model and dataset as
+it does to jobs; a refusal is a JobRefused, turned into 422 in main.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field
+
+from hsx.modelinfo import ModelConfigError
+from hsx.wire import API_PREFIX, ErrorBody
+from hsx_service.deps import SettingsDep, require_token
+from hsx_service.errors import JobRefused
+from hsx_service.paths import check_path
+
+router = APIRouter(
+    prefix=f"{API_PREFIX}/models",
+    tags=["models"],
+    dependencies=[Depends(require_token)],
+    responses={401: {"model": ErrorBody, "description": "Missing or wrong API token."}},
+)
+
+
+class InspectRequest(BaseModel):
+    """What to preflight; the fields mirror the job's (model, engine, layers, ...)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(..., min_length=1, description="Model directory or hub id.")
+    engine: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="Engine to judge the model for; auto picks the best path.")
+    layers: list[int] | None = Field(None, description="Layer ids to check (default: EAGLE-3's).")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine, for the fit check.")
+    dataset: str | None = Field(None, description="Dataset to count tokens and output bytes of.")
+    max_seq_len: int = Field(4096, ge=1, description="Truncation length used when counting.")
+    trust_remote_code: bool = Field(False, description="Allow the model's own config code.")
+    gpu_memory_bytes: int | None = Field(
+        None, ge=1, description="Memory of one GPU; unknown (null) by default on the coordinator.")
+
+
+@router.post(
+    "/inspect",
+    responses={422: {"model": ErrorBody, "description": "Refused; `field` names the culprit."}},
+)
+def inspect_model_route(body: InspectRequest, settings: SettingsDep) -> dict[str, Any]:
+    """The preflight report: capture path, layers, bytes per token, reasons (plain words)."""
+    if body.trust_remote_code and not settings.allow_trust_remote_code:
+        raise JobRefused(
+            "trust_remote_code: this server does not run models' own code "
+            "(its operator can allow it with HSX_ALLOW_TRUST_REMOTE_CODE=1)"
+        )
+    roots = settings.effective_roots()
+    if roots is not None:
+        if body.model.startswith(("/", ".", "~", "file://")) or Path(body.model).exists():
+            check_path("model", body.model, roots)  # a hub id names no local path
+        if body.dataset is not None:
+            check_path("dataset", body.dataset, roots)
+    from hsx_workers.preflight import inspect_model
+
+    try:
+        report = inspect_model(
+            body.model, engine=body.engine, layers=body.layers,
+            tensor_parallel_size=body.tensor_parallel_size, dataset=body.dataset,
+            max_seq_len=body.max_seq_len, trust_remote_code=body.trust_remote_code,
+            gpu_memory_bytes=body.gpu_memory_bytes,
+        )
+    except ModelConfigError as err:
+        raise JobRefused(str(err)) from None
+    return report.as_dict()

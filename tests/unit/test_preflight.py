@@ -1,0 +1,310 @@
+"""Model preflight: every tiny architecture answered from its config alone.
+
+The model folders here are config-only (`weights=False`): had the preflight loaded
+weights, it would fail on them. vLLM is imported once for the module (~10 s).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hsx.modelinfo import read_model_info
+from hsx.spec import JobSpec
+from hsx_service.prepare import JobRefused, preflight, prepare
+from hsx_workers.preflight import (
+    HOOK_FALLBACK_AVAILABLE,
+    ModelReport,
+    environment_report,
+    format_report,
+    inspect_model,
+)
+from hsx_workers.tiny_models import ARCHS, CONFIG_ONLY, ChatDataset, make_tiny_model
+
+LAYERS = 3
+
+REQUIRED_KEYS = {
+    "architecture", "wrapper", "language_model_architecture", "num_layers", "hidden_size",
+    "supports_eagle3", "capture", "default_layers", "valid_layers", "bytes_per_token",
+    "reasons", "trust_remote_code_needed",
+}
+
+# arch -> (architecture, wrapper, inner text architecture, EAGLE-3, capture, lowest id)
+EXPECTED: dict[str, tuple[str, bool, str | None, bool, str, int]] = {
+    "llama": ("LlamaForCausalLM", False, None, True, "extract_hidden_states", 0),
+    "qwen3": ("Qwen3ForCausalLM", False, None, True, "extract_hidden_states", 0),
+    "mistral": ("MistralForCausalLM", False, None, True, "extract_hidden_states", 0),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", False, None, True, "extract_hidden_states", 1),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", False, None, True, "extract_hidden_states", 0),
+    "gemma2": ("Gemma2ForCausalLM", False, None, False,
+               "hooks" if HOOK_FALLBACK_AVAILABLE else "hf", 0),
+    "llava": ("LlavaForConditionalGeneration", True, "LlamaForCausalLM", True,
+              "extract_hidden_states", 0),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", True, "Qwen2ForCausalLM", True,
+                   "extract_hidden_states", 0),
+    "kimi_k25": ("KimiK25ForConditionalGeneration", True, "DeepseekV3ForCausalLM", True,
+                 "extract_hidden_states", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-configs")
+    return {arch: make_tiny_model(root / arch, arch, num_layers=LAYERS, weights=False)
+            for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def reports(configs: dict[str, Path]) -> dict[str, ModelReport]:
+    return {arch: inspect_model(str(path)) for arch, path in configs.items()}
+
+
+def test_every_arch_has_an_expectation() -> None:
+    assert set(EXPECTED) == set(ARCHS)
+    assert "kimi_k25" in CONFIG_ONLY
+
+
+def test_config_only_folders_hold_no_weights(configs: dict[str, Path]) -> None:
+    for path in configs.values():
+        assert (path / "config.json").is_file()
+        assert not list(path.glob("*.safetensors")), path
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED))
+def test_preflight_answers_from_config_alone(arch: str, reports: dict[str, ModelReport]) -> None:
+    report = reports[arch]
+    name, wrapper, inner, eagle3, capture, low = EXPECTED[arch]
+    data = report.as_dict()
+    assert set(data) >= REQUIRED_KEYS
+    json.dumps(data)  # the --json output
+    assert data["architecture"] == name
+    assert data["wrapper"] is wrapper
+    assert data["language_model_architecture"] == inner
+    assert data["supports_eagle3"] is eagle3
+    assert data["capture"] == capture, report.reasons
+    assert data["num_layers"] == LAYERS and data["hidden_size"] == 256
+    assert data["valid_layers"] == list(range(low, LAYERS + 1))
+    assert data["default_layers"] and min(data["default_layers"]) >= low
+    assert data["trust_remote_code_needed"] is False
+    assert all(isinstance(r, str) and r for r in data["reasons"])
+    per_token = 2 * len(data["default_layers"]) * 256
+    assert data["bytes_per_token"] == {
+        "bf16": per_token, "fp8": per_token // 2 + 4 * len(data["default_layers"])
+    }
+    if wrapper and capture == "extract_hidden_states":
+        assert report.engine_options == {"language_model_only": True}
+    assert format_report(report)
+
+
+def test_kimi_k25_resolves_wrapper_and_deepseek_text_model(
+    reports: dict[str, ModelReport],
+) -> None:
+    """The seed story: the wrapper resolves, the EAGLE-3 check does not raise TypeError."""
+    kimi = reports["kimi_k25"]
+    assert kimi.vllm_class is not None and kimi.vllm_class.endswith(
+        "KimiK25ForConditionalGeneration")
+    assert kimi.language_model_class is not None and "deepseek" in kimi.language_model_class
+    assert any("embeddings" in r for r in kimi.reasons)
+    assert any("language_model_only" in r for r in kimi.reasons)
+    # The trap the preflight avoids: issubclass on the protocol raises.
+    from vllm.model_executor.models.interfaces import SupportsEagle3
+    from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration
+
+    with pytest.raises(TypeError):
+        issubclass(KimiK25ForConditionalGeneration, SupportsEagle3)
+
+
+def test_wrappers_without_torchvision_say_only_text_runs(reports: dict[str, ModelReport]) -> None:
+    from hsx_workers.preflight import torchvision_missing
+
+    if not torchvision_missing():
+        pytest.skip("torchvision is installed here")
+    for arch in ("llava", "qwen2_5_vl"):
+        assert any("torchvision" in r and "text path" in r for r in reports[arch].reasons)
+
+
+def test_forced_engines(configs: dict[str, Path]) -> None:
+    gemma = inspect_model(str(configs["gemma2"]), engine="vllm")
+    if not HOOK_FALLBACK_AVAILABLE:
+        assert gemma.capture == "unsupported"
+        assert any("EAGLE-3" in r and "engine: hf" in r for r in gemma.reasons)
+    assert inspect_model(str(configs["gemma2"]), engine="hf").capture == "hf"
+    llava = inspect_model(str(configs["llava"]), engine="hf")
+    assert llava.capture == "unsupported"
+    assert any("causal-LM" in r for r in llava.reasons)
+
+
+def test_layer_ids_checked_per_model(configs: dict[str, Path]) -> None:
+    bad = inspect_model(str(configs["deepseek_v3"]), layers=[0, 3])
+    assert bad.capture == "unsupported"
+    assert any("id 0" in r for r in bad.reasons)
+    # The hf engine gives the embeddings of the same model.
+    assert inspect_model(str(configs["deepseek_v3"]), engine="hf", layers=[0, 3]).capture == "hf"
+    out_of_range = inspect_model(str(configs["llama"]), layers=[4])
+    assert out_of_range.capture == "unsupported"
+
+
+def test_unknown_architecture_never_raises(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["NoSuchModelForCausalLM"], "model_type": "no_such_model",
+        "num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 100,
+        "num_attention_heads": 1,
+    }))
+    report = inspect_model(str(tmp_path))
+    assert report.capture == "unsupported"
+    assert report.reasons
+
+
+def test_weights_fit_with_known_gpu_memory(configs: dict[str, Path]) -> None:
+    path = str(configs["deepseek_v3"])
+    unknown = inspect_model(path)
+    assert unknown.weights_fit is None and unknown.weight_bytes
+    assert any("unknown" in r for r in unknown.reasons)
+    weight = unknown.weight_bytes
+    assert inspect_model(path, gpu_memory_bytes=weight * 10).weights_fit is True
+    assert inspect_model(path, gpu_memory_bytes=weight // 2).weights_fit is False
+    # Tensor parallelism splits the weights.
+    assert inspect_model(path, gpu_memory_bytes=int(weight * 0.6),
+                         tensor_parallel_size=2).weights_fit is True
+
+
+def test_param_estimate_matches_real_weights(tiny_llama: Path) -> None:
+    from safetensors import safe_open
+
+    real = 0
+    with safe_open(str(tiny_llama / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            real += f.get_slice(name).get_shape()[0] * max(
+                1, *(f.get_slice(name).get_shape()[1:] or [1]))
+    estimate = read_model_info(str(tiny_llama)).estimate_num_params()
+    assert estimate is not None
+    assert abs(estimate - real) / real < 0.02
+
+
+def test_dataset_tokens_and_output_bytes(configs: dict[str, Path],
+                                         chat_dataset: ChatDataset) -> None:
+    report = inspect_model(str(configs["llama"]), dataset=str(chat_dataset.path),
+                           max_seq_len=256)
+    assert report.dataset_samples == len(chat_dataset.good_indices)
+    assert report.dataset_tokens and report.dataset_tokens > report.dataset_samples
+    assert report.output_bytes == {k: v * report.dataset_tokens
+                                   for k, v in report.bytes_per_token.items()}
+
+
+def test_environment_report_in_plain_words() -> None:
+    checks = environment_report()
+    names = {c.name for c in checks}
+    assert "torch" in names and "transformers" in names
+    assert all(c.message for c in checks)
+
+
+# ------------------------------------------------------------------- job refusals
+
+
+class ExplodingPool:
+    """An engine pool that fails the test if anything asks it for an engine."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"an engine was asked for ({name}) on a refused job")
+
+
+def _spec(model: Path, dataset: ChatDataset, out: Path, **fields: Any) -> JobSpec:
+    return JobSpec(model=str(model), dataset=str(dataset.path), output=str(out),
+                   max_seq_len=256, **fields)
+
+
+def _run_refused(spec: JobSpec) -> str:
+    from hsx_service.runner import run_job
+
+    with pytest.raises(JobRefused) as err:
+        run_job(spec, pool=ExplodingPool())  # type: ignore[arg-type]
+    return str(err.value)
+
+
+def test_refused_bad_layer_id_for_model(configs: dict[str, Path], chat_dataset: ChatDataset,
+                                        tmp_path: Path) -> None:
+    message = _run_refused(_spec(configs["deepseek_v3"], chat_dataset, tmp_path / "o",
+                                 layers=[0, 2]))
+    assert "id 0" in message and "1..3" in message
+    # The same ids are fine for the hf engine (only the check is run here).
+    preflight(_spec(configs["deepseek_v3"], chat_dataset, tmp_path / "o2", layers=[0, 2],
+                    engine="hf"))
+
+
+def test_refused_uncapturable_model_with_engine_forced(
+    configs: dict[str, Path], chat_dataset: ChatDataset, tmp_path: Path
+) -> None:
+    if not HOOK_FALLBACK_AVAILABLE:
+        message = _run_refused(_spec(configs["gemma2"], chat_dataset, tmp_path / "g"))
+        assert "engine vllm" in message and "EAGLE-3" in message
+    message = _run_refused(_spec(configs["llava"], chat_dataset, tmp_path / "l", engine="hf"))
+    assert "engine hf" in message and "causal-LM" in message
+
+
+def test_refused_output_over_quota(configs: dict[str, Path], chat_dataset: ChatDataset,
+                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HSX_OUTPUT_QUOTA_BYTES", "1000000")
+    message = _run_refused(_spec(configs["llama"], chat_dataset, tmp_path / "q"))
+    assert "quota" in message and "MiB" in message
+    monkeypatch.setenv("HSX_OUTPUT_QUOTA_BYTES", str(10**12))
+    job = prepare(_spec(configs["llama"], chat_dataset, tmp_path / "q"))
+    assert job.pending
+
+
+# ------------------------------------------------------------------- CLI and REST
+
+
+def test_cli_inspect_model_json_and_exit_codes(configs: dict[str, Path],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from hsx.cli import main
+
+    assert main(["inspect-model", str(configs["kimi_k25"]), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["architecture"] == "KimiK25ForConditionalGeneration"
+    assert data["capture"] == "extract_hidden_states"
+    assert main(["inspect-model", str(configs["deepseek_v3"]), "--tp", "2",
+                 "--gpu-memory-gib", "0.001"]) == 0
+    text = capsys.readouterr().out
+    assert "do NOT fit" in text and "valid ids      1..3" in text
+    if not HOOK_FALLBACK_AVAILABLE:
+        assert main(["inspect-model", str(configs["gemma2"]), "--engine", "vllm"]) == 2
+        assert "EAGLE-3" in capsys.readouterr().out
+
+
+def test_cli_doctor(capsys: pytest.CaptureFixture[str]) -> None:
+    from hsx.cli import main
+
+    code = main(["doctor", "--json"])
+    checks = json.loads(capsys.readouterr().out)
+    assert code == (0 if all(c["ok"] for c in checks) else 1)
+    assert any(c["name"] == "torch" for c in checks)
+
+
+def test_rest_inspect(configs: dict[str, Path], tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from hsx_service.config import Settings
+    from hsx_service.main import create_app
+    from hsx_service.routes import models
+
+    from .test_api import FakeScheduler
+
+    app = create_app(Settings(), FakeScheduler())
+    if not any(getattr(r, "path", "") == "/v1/models/inspect" for r in app.routes):
+        app.include_router(models.router)
+    with TestClient(app) as client:
+        ok = client.post("/v1/models/inspect", json={"model": str(configs["kimi_k25"])})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["language_model_architecture"] == "DeepseekV3ForCausalLM"
+        missing = client.post("/v1/models/inspect", json={"model": str(tmp_path / "nope")})
+        assert missing.status_code == 422 and "does not exist" in missing.text
+        typo = client.post("/v1/models/inspect", json={"model": "x", "engin": "hf"})
+        assert typo.status_code == 422
+    restricted = create_app(Settings(allowed_roots=[tmp_path]), FakeScheduler())
+    restricted.include_router(models.router)
+    with TestClient(restricted) as client:
+        outside = client.post("/v1/models/inspect", json={"model": str(configs["llama"])})
+        assert outside.status_code == 422 and "allowed roots" in outside.text
