@@ -75,7 +75,12 @@ class Settings(BaseSettings):
         3, ge=1, description="Attempts of one work unit before it is recorded as failed."
     )
     quota_bytes: int | None = Field(
-        None, ge=0, description="Most bytes of shards one job may write; None for no limit."
+        None,
+        ge=0,
+        description=(
+            "Most bytes of shards one job may write; None for no limit. The same variable "
+            "(HSX_QUOTA_BYTES) limits `hsx extract`."
+        ),
     )
 
     @field_validator("ledger_path")

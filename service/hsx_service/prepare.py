@@ -39,7 +39,7 @@ from hsx.spec import JobSpec
 logger = logging.getLogger(__name__)
 
 # A byte quota for one job's output, when the operator sets one (0 or unset: none).
-QUOTA_ENV = "HSX_OUTPUT_QUOTA_BYTES"
+QUOTA_ENV = "HSX_QUOTA_BYTES"
 
 
 class JobRefused(ValueError):
@@ -138,7 +138,7 @@ def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
 
 
 def output_quota(quota_bytes: int | None = None) -> int | None:
-    """The byte quota for one job's output: the argument, else $HSX_OUTPUT_QUOTA_BYTES."""
+    """The byte quota for one job's output: the argument, else $HSX_QUOTA_BYTES."""
     if quota_bytes is not None:
         return quota_bytes or None
     raw = os.environ.get(QUOTA_ENV, "").strip()

@@ -246,10 +246,10 @@ def test_refused_uncapturable_model_with_engine_forced(
 
 def test_refused_output_over_quota(configs: dict[str, Path], chat_dataset: ChatDataset,
                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HSX_OUTPUT_QUOTA_BYTES", "1000000")
+    monkeypatch.setenv("HSX_QUOTA_BYTES", "1000000")
     message = _run_refused(_spec(configs["llama"], chat_dataset, tmp_path / "q"))
     assert "quota" in message and "MiB" in message
-    monkeypatch.setenv("HSX_OUTPUT_QUOTA_BYTES", str(10**12))
+    monkeypatch.setenv("HSX_QUOTA_BYTES", str(10**12))
     job = prepare(_spec(configs["llama"], chat_dataset, tmp_path / "q"))
     assert job.pending
 
