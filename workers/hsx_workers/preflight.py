@@ -383,7 +383,8 @@ def inspect_model(
             eagle3 = _supports_eagle3(top.cls)
         else:
             vllm_problem = top.problem
-        if top.stubbed:
+        # Said also when the module was imported earlier in this process (under the stub).
+        if top.stubbed or (info.wrapper and torchvision_missing()):
             reasons.append(f"torchvision is not installed (or broken) here: vLLM's module for "
                            f"{top.name} was imported with torchvision stubbed, which serves "
                            "its text path only; images need a torchvision that matches torch.")
