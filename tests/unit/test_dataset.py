@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from hsx.dataset import HiddenStatesDataset
-from hsx.layout import COMPLETE, ERRORS, INPUTS, MANIFEST
+from hsx.layout import COMPLETE, ERRORS, MANIFEST
 from hsx.shards import ShardCorrupt, ShardWriter
+from tests.unit.outputs import write_inputs_table
 
 LAYERS = [1, 3, 4, 6]
 HIDDEN = 16
@@ -52,14 +53,7 @@ def write_manifest(root: Path, units: dict[int, list[int]], storage: str = "bf16
     }
     (root / MANIFEST).write_text(json.dumps(manifest))
     samples = [sample(i) for i in rows]
-    table = pa.table({
-        "sample_index": pa.array(rows, pa.int64()),
-        "input_ids": pa.array([s["input_ids"].tolist() for s in samples], pa.list_(pa.int32())),
-        "loss_mask": pa.array([s["loss_mask"].tolist() for s in samples], pa.list_(pa.uint8())),
-        "length": pa.array([len(s["input_ids"]) for s in samples], pa.int32()),
-    })
-    with pa.OSFile(str(root / INPUTS), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-        w.write_table(table)
+    write_inputs_table(root, rows, samples)
 
 
 def write_unit(

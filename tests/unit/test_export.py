@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
 from hsx.cli import main
 from hsx.dataset import HiddenStatesDataset
 from hsx.export import EXPORT_RECORD, ExportError, export_speculators
-from hsx.layout import COMPLETE, INPUTS, MANIFEST
+from hsx.layout import COMPLETE, MANIFEST
 from hsx.shards import ShardWriter
+from tests.unit.outputs import write_inputs_table
 
 _speculators_data = pytest.importorskip("speculators.train.data")
 ArrowDataset = _speculators_data.ArrowDataset
@@ -63,14 +63,7 @@ def make_output(root: Path, storage: str = "bf16", complete: bool = True) -> Pat
     }
     (root / MANIFEST).write_text(json.dumps(manifest))
     samples = [sample(i) for i in rows]
-    table = pa.table({
-        "sample_index": pa.array(rows, pa.int64()),
-        "input_ids": pa.array([s["input_ids"].tolist() for s in samples], pa.list_(pa.int32())),
-        "loss_mask": pa.array([s["loss_mask"].tolist() for s in samples], pa.list_(pa.uint8())),
-        "length": pa.array([len(s["input_ids"]) for s in samples], pa.int32()),
-    })
-    with pa.OSFile(str(root / INPUTS), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-        w.write_table(table)
+    write_inputs_table(root, rows, samples)
     for u in (2, 0, 1):  # commit order must not matter
         with ShardWriter(root, u, layers=LAYERS, hidden_size=HIDDEN,
                          storage_dtype=storage) as w:  # type: ignore[arg-type]
