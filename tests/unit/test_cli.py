@@ -144,7 +144,8 @@ def test_import_hsx_stays_light() -> None:
     code = (
         "import sys, hsx, hsx.spec, hsx.shards, hsx.dataset, hsx.ingest, hsx.cli, "
         "hsx.plan, hsx.progress, hsx.modelinfo; hsx.HiddenStatesDataset; hsx.JobSpec; "
-        "print(','.join(m for m in ('torch', 'vllm', 'ray', 'transformers') if m in sys.modules))"
+        "hsx.Client; print(','.join(m for m in ('torch', 'vllm', 'ray', 'transformers', "
+        "'fastapi', 'uvicorn', 'hsx_service') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -298,14 +298,3 @@ def test_cli_refused_unauthorized_unreachable(
     unreachable = hsx_cli("--url", gone, "ls")
     assert unreachable.returncode == 1
     assert gone in unreachable.stderr
-
-
-def test_import_hsx_with_the_client_stays_light() -> None:
-    code = (
-        "import sys, hsx, hsx.cli; hsx.Client; "
-        "print(','.join(m for m in ('torch', 'vllm', 'ray', 'fastapi', 'uvicorn', "
-        "'hsx_service') if m in sys.modules))"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == ""
