@@ -9,6 +9,11 @@
   commits/unit-000042.json         the commit record that makes that shard visible
   complete.json                    written once every unit is committed
   .tmp/                            in-progress files; never read by readers
+  draft/                           the EAGLE-3 draft trained on it (speculators format):
+    config.json, model.safetensors   the newest checkpoint; vLLM loads this folder
+    checkpoints/step-000200/         whole checkpoints (weights + trainer_state.pt)
+    metrics.jsonl                    one record per logged step
+    train.json                       the trainer's state: running, done, failed, stopped
 ```
 """
 
@@ -25,6 +30,10 @@ COMPLETE = "complete.json"
 SHARDS_DIR = "shards"
 COMMITS_DIR = "commits"
 TMP_DIR = ".tmp"
+DRAFT_DIR = "draft"
+DRAFT_CHECKPOINTS = "draft/checkpoints"
+DRAFT_METRICS = "draft/metrics.jsonl"
+DRAFT_STATE = "draft/train.json"
 
 # Layer-id convention recorded in the manifest (DESIGN.md, "Layer ids").
 LAYER_CONVENTION = (
@@ -43,3 +52,7 @@ def commit_path(unit: int) -> str:
 
 def shard_path(unit: int, attempt: str) -> str:
     return f"{SHARDS_DIR}/{unit_name(unit)}-{attempt}.safetensors"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"

@@ -45,6 +45,68 @@ class VllmOptions(BaseModel):
     enforce_eager: bool = Field(False, description="Disable CUDA graphs / torch.compile.")
 
 
+TrainDevice = Literal["auto", "cpu", "cuda"]
+TrainLoss = Literal["kl_div", "ce", "rkl", "jsd", "tv"]
+
+
+class TrainSpec(BaseModel):
+    """How to train an EAGLE-3 draft on a job's output (speculators' Eagle3 model).
+
+    The draft's shape comes from the target's (text) config and the output's layer ids:
+    the last id must be N (the final layer before the norm: the draft's training target);
+    the ids before it are the auxiliary states the draft reads.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft_vocab_size: int = Field(
+        32000,
+        gt=0,
+        description=(
+            "Tokens the draft predicts: the most frequent loss-masked tokens of the inputs. "
+            "At or above the target's vocabulary size the draft uses the whole vocabulary."
+        ),
+    )
+    num_layers: int = Field(1, ge=1, description="Decoder layers of the draft.")
+    ttt_steps: int = Field(
+        3, ge=1, description="Training-time-test steps: draft tokens trained per position."
+    )
+    ttt_step_loss_decay: float = Field(
+        1.0, gt=0, description="Weight of step k's loss is decay**k."
+    )
+    loss: TrainLoss = Field("kl_div", description="Loss against the target's distribution.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps of the learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    epochs: int = Field(1, ge=1, description="Passes over the output's samples.")
+    batch_tokens: int = Field(
+        8192,
+        gt=1,
+        description=(
+            "Tokens per step: samples are packed into one sequence of this length (a longer "
+            "sample is cut to it)."
+        ),
+    )
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many steps.")
+    checkpoint_every: int = Field(
+        200, gt=0, description="Steps between checkpoints (a final one is always written)."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in draft/checkpoints/.")
+    log_every: int = Field(1, ge=1, description="Steps between metrics records.")
+    seed: int = Field(0, description="Seed of the initial weights and the sample order.")
+    device: TrainDevice = Field("auto", description="`cuda` when a GPU is present under auto.")
+    follow: bool = Field(
+        True,
+        description=(
+            "Start on the first committed shards and keep up while extraction runs; "
+            "False waits for the extraction to finish."
+        ),
+    )
+    norm_before_residual: bool = Field(
+        True, description="Normalize the hidden input before the residual (speculators default)."
+    )
+
+
 class JobSpec(BaseModel):
     """One extraction job: model x dataset -> per-layer hidden states in `output`."""
 
@@ -101,6 +163,13 @@ class JobSpec(BaseModel):
         description="Extra keyword arguments for the tokenizer's chat template.",
     )
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="vLLM engine settings.")
+    train: TrainSpec | None = Field(
+        None,
+        description=(
+            "Train an EAGLE-3 draft on this output: with `follow` (the default) the "
+            "trainer starts with the extraction and keeps up with it."
+        ),
+    )
 
     @field_validator("layers")
     @classmethod
