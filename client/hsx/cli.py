@@ -170,6 +170,143 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_spec(args: argparse.Namespace) -> Any:
+    """TrainSpec from --spec FILE and --set key=value overrides (SpecError when bad)."""
+    import yaml
+    from pydantic import ValidationError
+
+    from hsx.spec import SpecError, TrainSpec
+
+    fields: dict[str, Any] = {}
+    if args.spec:
+        try:
+            loaded = yaml.safe_load(Path(args.spec).read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise SpecError(f"cannot read train spec {args.spec}: {err}") from None
+        if not isinstance(loaded, dict):
+            raise SpecError(f"{args.spec}: a train spec must be a mapping of fields")
+        fields.update(loaded)
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SpecError(f"--set {item!r}: expected key=value")
+        fields[key.strip()] = yaml.safe_load(value)
+    fields["follow"] = bool(args.follow)
+    try:
+        return TrainSpec.model_validate(fields)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: "
+            f"{'unknown field' if e['type'] == 'extra_forbidden' else e['msg']}"
+            for e in err.errors())
+        raise SpecError(f"train spec: {problems}") from None
+
+
+def _is_local_output(target: str) -> bool:
+    return target.startswith("file://") or Path(target).expanduser().exists()
+
+
+def _train_line(step: int, epoch: int, loss: float | None, acc: list[float], rate: float,
+                wait: float) -> str:
+    accs = " ".join(f"{a:.2f}" for a in acc)
+    loss_text = "-" if loss is None else f"{loss:.4f}"
+    return (f"train: step {step} epoch {epoch} loss {loss_text} acc [{accs}] "
+            f"{rate:,.0f} tok/s, waiting on data {wait:.1%}")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    """Train an EAGLE-3 draft on an output (here) or on a job's output (on the coordinator)."""
+    from hsx.spec import SpecError
+
+    try:
+        spec = _train_spec(args)
+    except SpecError as err:
+        return _error(str(err), EXIT_REFUSED)
+    if _is_local_output(args.target):
+        return _train_local(args.target, spec)
+    return _remote(lambda a: _train_remote(a, spec))(args)
+
+
+def _train_local(target: str, spec: Any) -> int:
+    from hsx.dataset import resolve_output
+    from hsx.layout import COMPLETE, DRAFT_DIR
+    from hsx_workers.trainer import DraftTrainer, TrainRefused
+
+    root = resolve_output(target)
+    if not spec.follow and not (root / COMPLETE).exists():
+        return _error(f"{target}: the extraction is not complete; pass --follow to train "
+                      "while it runs", EXIT_REFUSED)
+    out = console()
+    trainer = DraftTrainer(root, spec, on_metrics=lambda m: out.print(
+        _train_line(m.step, m.epoch, m.loss, m.acc, m.tokens_per_s, m.wait_fraction),
+        markup=False, highlight=False))
+    try:
+        state = trainer.run()
+    except TrainRefused as err:
+        return _error(str(err), EXIT_REFUSED)
+    except KeyboardInterrupt:
+        return _error("interrupted; the next `hsx train` resumes from the newest checkpoint",
+                      130)
+    resumed = "" if trainer.resumed_from is None else f" (resumed from step {trainer.resumed_from})"
+    out.print(f"[green]trained[/] {state.step} steps, {state.epoch} epochs{resumed} -> "
+              f"{root / DRAFT_DIR}")
+    out.print(f"serve with: vllm serve {trainer_model(root)} --speculative-config "
+              f"'{{\"method\": \"eagle3\", \"model\": \"{root / DRAFT_DIR}\", "
+              f"\"num_speculative_tokens\": 3}}'", markup=False, highlight=False)
+    return 0
+
+
+def trainer_model(root: Path) -> str:
+    from hsx.layout import MANIFEST
+
+    return str(json.loads((root / MANIFEST).read_text())["model"])
+
+
+def _train_remote(args: argparse.Namespace, spec: Any) -> int:
+    client = _client(args)
+    status = client.train(args.target, spec)
+    if args.detach:
+        sys.stdout.write(f"training {args.target}: {status.state.value} -> {status.draft}\n")
+        return 0
+    last_step = -1
+
+    def show(s: Any) -> None:
+        nonlocal last_step
+        if s.step != last_step:
+            last_step = s.step
+            console().print(_train_line(s.step, s.epoch, s.loss, s.acc, s.tokens_per_s,
+                                        s.wait_fraction), markup=False, highlight=False)
+
+    final = client.wait_train(args.target, on_update=show)
+    if final.state.value != "done":
+        return _error(f"training of {args.target} {final.state.value}: {final.error}",
+                      EXIT_FAILED)
+    console().print(f"[green]trained[/] {final.step} steps -> {final.draft}")
+    return 0
+
+
+def _cmd_eval_draft(args: argparse.Namespace) -> int:
+    """Generate with vLLM and the draft; report vLLM's acceptance counters."""
+    from hsx.dataset import resolve_output
+    from hsx.layout import DRAFT_DIR
+    from hsx_workers.acceptance import measure_acceptance, prompts_from_output
+
+    root = resolve_output(args.output)
+    draft = args.draft or str(root / DRAFT_DIR)
+    target = args.target or trainer_model(root)
+    prompts = prompts_from_output(root, n=args.prompts, prefix=args.prefix)
+    result = measure_acceptance(target, draft, prompts, k=args.k, max_tokens=args.max_tokens)
+    if args.json:
+        sys.stdout.write(json.dumps(result.as_dict()) + "\n")
+    else:
+        console().print(
+            f"mean acceptance length {result.mean_acceptance_length:.2f} at k={result.k} "
+            f"({result.accepted_tokens} of {result.draft_tokens} draft tokens accepted in "
+            f"{result.drafts} drafts; per position {result.accepted_per_position})",
+            markup=False, highlight=False)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     """The whole product on one machine: tiny model + synthetic chats, the coordinator
     with local Ray, a job submitted over REST and followed live, shards at the end."""
@@ -558,6 +695,31 @@ def build_parser() -> argparse.ArgumentParser:
                         help="coordinator URL (env HSX_URL; default http://127.0.0.1:8642)")
     parser.add_argument("--token", default=None, help="API token (env HSX_API_TOKEN)")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "train", help="train an EAGLE-3 draft on an output (a path) or a job (an id)")
+    p.add_argument("target", help="an output path / file:// URI (trains here), or a job id "
+                                  "(the coordinator trains it)")
+    p.add_argument("--follow", action="store_true",
+                   help="start on the shards committed so far and keep up with the extraction")
+    p.add_argument("--spec", help="TrainSpec file (YAML or JSON)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override one TrainSpec field, e.g. --set epochs=3 (repeatable)")
+    p.add_argument("--detach", action="store_true",
+                   help="job id only: start the training and return at once")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "eval-draft", help="acceptance of an output's trained draft in vLLM (greedy, eagle3)")
+    p.add_argument("output", help="the output the draft was trained on (prompts come from it)")
+    p.add_argument("--draft", help="draft folder (default: <output>/draft)")
+    p.add_argument("--target", help="target model (default: the output's model)")
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts to generate from")
+    p.add_argument("--prefix", type=int, default=8, help="tokens of each sample used as prompt")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens generated per prompt")
+    p.add_argument("--json", action="store_true", help="the counters as JSON on stdout")
+    p.set_defaults(func=_cmd_eval_draft)
 
     p = sub.add_parser("extract", help="run a job file to completion (local Ray by default)")
     p.add_argument("job", help="job file (YAML or JSON): model, dataset, output, layers, ...")

@@ -39,8 +39,18 @@ from typing import Any
 
 import httpx
 
-from hsx.spec import JobSpec, load_job
-from hsx.wire import API_PREFIX, ErrorBody, ErrorPage, ErrorRecord, JobList, JobState, JobStatus
+from hsx.spec import JobSpec, TrainSpec, load_job
+from hsx.wire import (
+    API_PREFIX,
+    ErrorBody,
+    ErrorPage,
+    ErrorRecord,
+    JobList,
+    JobState,
+    JobStatus,
+    TrainState,
+    TrainStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +306,34 @@ class Client:
                     return polled
             except (ConnectionFailedError, NotReadyError) as err:
                 log.info("job %s: server unavailable (%s); retrying", job_id, err)
+
+    def train(self, job_id: str, spec: TrainSpec | dict[str, Any] | None = None) -> TrainStatus:
+        """Start training an EAGLE-3 draft on the job's output (defaults when spec is None)."""
+        fields = spec.model_dump(mode="json", exclude_unset=True) if isinstance(
+            spec, TrainSpec) else dict(spec or {})
+        response = self._request("POST", _jobs(job_id, "train"), json=fields)
+        return TrainStatus.model_validate(response.json())
+
+    def train_status(self, job_id: str) -> TrainStatus:
+        return TrainStatus.model_validate(self._request("GET", _jobs(job_id, "train")).json())
+
+    def wait_train(
+        self, job_id: str, timeout: float | None = None, *, poll_s: float = 1.0,
+        on_update: Callable[[TrainStatus], None] | None = None,
+    ) -> TrainStatus:
+        """Poll the training until it is done, failed or stopped; TimeoutError after timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.train_status(job_id)
+            if on_update is not None:
+                on_update(status)
+            if status.state.finished or status.state is TrainState.stopped:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"training of job {job_id} still {status.state.value} after {timeout}s "
+                    f"(step {status.step})")
+            time.sleep(poll_s)
 
     # --- plumbing ---------------------------------------------------------------------
 

@@ -145,6 +145,27 @@ class ModelInfo:
         return 4.0 if str(dtype) in ("float32", "torch.float32") else 2.0
 
 
+def draft_aux_layers(layers: list[int], num_layers: int) -> list[int]:
+    """The auxiliary layer ids an EAGLE-3 draft reads from an output holding `layers`.
+
+    The last id must be N (the target's last layer before the final norm: the draft's
+    training target), with at least one id before it; ValueError says what is missing.
+    """
+    n = num_layers
+    if not layers or layers[-1] != n:
+        raise ValueError(
+            f"an EAGLE-3 draft is trained against the target's last layer (id {n}, before "
+            f"the final norm); this output holds layers {layers}. Extract with layers "
+            f"that end in {n}, e.g. {default_layers(n)}"
+        )
+    if len(layers) < 2:
+        raise ValueError(
+            f"an EAGLE-3 draft reads at least one auxiliary layer besides id {n}; this "
+            f"output holds only {layers}"
+        )
+    return list(layers[:-1])
+
+
 def default_layers(num_layers: int) -> list[int]:
     """EAGLE-3's default: three auxiliary layers and the last one, as speculators reads them.
 

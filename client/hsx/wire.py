@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hsx.spec import JobSpec
+from hsx.spec import JobSpec, TrainSpec
 
 API_PREFIX = "/v1"
 
@@ -109,3 +109,51 @@ class ErrorBody(BaseModel):
     message: str = Field(..., description="What went wrong, in words.")
     field: str | None = Field(None, description="The job field at fault, when one is.")
     detail: Any = Field(None, description="Extra structured detail (e.g. pydantic errors).")
+
+
+class TrainState(str, Enum):
+    starting = "starting"  # actor starting, or waiting for the first shard
+    running = "running"
+    done = "done"
+    failed = "failed"
+    stopped = "stopped"  # the coordinator stopped it; it resumes at the next start
+
+    @property
+    def finished(self) -> bool:
+        return self in (TrainState.done, TrainState.failed)
+
+
+class TrainPoint(BaseModel):
+    step: int
+    epoch: int = 0
+    loss: float
+    acc: list[float] = Field(default_factory=list, description="Accuracy per TTT step.")
+    time: float = 0.0
+
+
+class TrainStatus(BaseModel):
+    """A job's draft training: where it is and how it goes."""
+
+    job_id: str
+    state: TrainState
+    draft: str = Field(..., description="The draft's folder (speculators format; vLLM loads it).")
+    step: int = 0
+    epoch: int = 0
+    loss: float | None = None
+    acc: list[float] = Field(
+        default_factory=list, description="Draft accuracy per TTT step at the last logged step."
+    )
+    tokens_per_s: float = 0.0
+    wait_fraction: float = Field(
+        0.0, description="Time the steps waited for data ÷ their total time."
+    )
+    checkpoint_step: int | None = Field(None, description="Step of the newest checkpoint.")
+    restarts: int = Field(0, description="Trainer actors restarted (each resumes a checkpoint).")
+    resumed_from: int | None = Field(None, description="Step the current run resumed from.")
+    first_step_at: float | None = Field(None, description="Unix time of the first step.")
+    error: str | None = None
+    spec: TrainSpec
+    history: list[TrainPoint] = Field(
+        default_factory=list, description="The loss curve, at most 500 points."
+    )
+    updated_at: float | None = None

@@ -18,8 +18,8 @@ from typing import Annotated, Protocol
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from hsx.spec import JobSpec
-from hsx.wire import ErrorPage, JobState, JobStatus
+from hsx.spec import JobSpec, TrainSpec
+from hsx.wire import ErrorPage, JobState, JobStatus, TrainStatus
 from hsx_service.config import Settings
 from hsx_service.errors import NotReady
 
@@ -43,6 +43,10 @@ class SchedulerAPI(Protocol):
     def cancel(self, job_id: str) -> JobStatus: ...
 
     def errors(self, job_id: str, offset: int, limit: int) -> ErrorPage: ...
+
+    def train(self, job_id: str, spec: TrainSpec) -> TrainStatus: ...
+
+    def train_status(self, job_id: str) -> TrainStatus: ...
 
     def subscribe(self, job_id: str) -> queue.Queue[JobStatus | None]: ...
 

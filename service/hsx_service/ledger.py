@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx.spec import JobSpec
-from hsx.wire import JobState
+from hsx.spec import JobSpec, TrainSpec
+from hsx.wire import JobState, TrainState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -66,6 +66,15 @@ CREATE TABLE IF NOT EXISTS commits (
     bytes INTEGER NOT NULL,
     seconds REAL NOT NULL,
     PRIMARY KEY (job_id, unit)
+);
+CREATE TABLE IF NOT EXISTS trainings (
+    job_id TEXT PRIMARY KEY,
+    spec TEXT NOT NULL,              -- TrainSpec JSON
+    state TEXT NOT NULL,             -- TrainState
+    error TEXT,
+    restarts INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
 );
 """
 
@@ -113,6 +122,41 @@ class Ledger:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+
+    # ---------------------------------------------------------------- trainings
+
+    def put_training(self, job_id: str, spec: TrainSpec) -> TrainRow:
+        """Record a (new or restarted) training of `job_id`, state `starting`."""
+        now = time.time()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO trainings (job_id, spec, state, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT(job_id) DO UPDATE SET spec = excluded.spec, "
+                "state = excluded.state, error = NULL, updated_at = excluded.updated_at",
+                (job_id, spec.model_dump_json(), TrainState.starting.value, now, now),
+            )
+        row = self.training(job_id)
+        if row is None:
+            raise RuntimeError(f"ledger: training of {job_id} vanished after insert")
+        return row
+
+    def training(self, job_id: str) -> TrainRow | None:
+        row = self._conn().execute(
+            "SELECT * FROM trainings WHERE job_id = ?", (job_id,)).fetchone()
+        return _train_row(row) if row else None
+
+    def trainings(self) -> list[TrainRow]:
+        rows = self._conn().execute("SELECT * FROM trainings ORDER BY created_at").fetchall()
+        return [_train_row(r) for r in rows]
+
+    def set_training(self, job_id: str, state: TrainState, error: str | None = None,
+                     restarts: int | None = None) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE trainings SET state = ?, error = ?, updated_at = ?, "
+                "restarts = COALESCE(?, restarts) WHERE job_id = ?",
+                (state.value, error, time.time(), restarts, job_id),
+            )
 
     # ---------------------------------------------------------------- jobs
 
@@ -256,6 +300,25 @@ class Ledger:
         row = self._conn().execute("SELECT COALESCE(SUM(seconds), 0), COUNT(*) FROM commits")
         total, count = row.fetchone()
         return float(total), int(count)
+
+
+@dataclass
+class TrainRow:
+    job_id: str
+    spec: TrainSpec
+    state: TrainState
+    error: str | None
+    restarts: int
+    created_at: float
+    updated_at: float
+
+
+def _train_row(row: sqlite3.Row) -> TrainRow:
+    return TrainRow(
+        job_id=row["job_id"], spec=TrainSpec.model_validate_json(row["spec"]),
+        state=TrainState(row["state"]), error=row["error"], restarts=int(row["restarts"]),
+        created_at=float(row["created_at"]), updated_at=float(row["updated_at"]),
+    )
 
 
 def _job_row(row: sqlite3.Row) -> JobRow:

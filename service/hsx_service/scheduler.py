@@ -27,8 +27,8 @@ from typing import Any
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
 from hsx.shards import committed_units, read_commits
-from hsx.spec import JobSpec
-from hsx.wire import ErrorPage, ErrorRecord, JobState, JobStatus, WorkerStatus
+from hsx.spec import JobSpec, TrainSpec
+from hsx.wire import ErrorPage, ErrorRecord, JobState, JobStatus, TrainStatus, WorkerStatus
 from hsx_service.errors import JobConflict, JobNotFound, NotReady
 from hsx_service.ledger import JobRow, Ledger
 from hsx_service.prepare import JobRefused, PreparedJob, output_path, preflight, prepare
@@ -46,6 +46,7 @@ from hsx_service.runner import (
     initial_progress,
     summarize,
 )
+from hsx_service.training import Trainings
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Scheduler:
             defaultdict(list)
         )
         self._last_publish: dict[str, float] = {}
+        self.trainings = Trainings(self.ledger)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -91,6 +93,7 @@ class Scheduler:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.trainings.stop()
         self.pool.shutdown()
 
     def _reconcile(self) -> None:
@@ -156,6 +159,26 @@ class Scheduler:
         records = self._error_records(self._row(job_id))
         page = records[offset : offset + limit]
         return ErrorPage(items=page, total=len(records), offset=offset, limit=limit)
+
+    def train(self, job_id: str, spec: TrainSpec) -> TrainStatus:
+        """Start (or restart, resuming its checkpoint) the draft training of a job."""
+        if not self._ready:
+            raise NotReady("the coordinator is still starting")
+        row = self._row(job_id)
+        if row.state in (JobState.failed, JobState.cancelled) and not (
+            output_path(row.output) / "manifest.json").exists():
+            raise JobRefused(f"job {job_id} is {row.state.value} and left no output to train on")
+        check_draft_layers(row.spec)
+        self.trainings.start(job_id, output_path(row.output), spec)
+        return self.train_status(job_id)
+
+    def train_status(self, job_id: str) -> TrainStatus:
+        row = self._row(job_id)
+        training = self.ledger.training(job_id)
+        if training is None:
+            raise JobNotFound(
+                f"job {job_id} has no training; POST /v1/jobs/{job_id}/train starts one")
+        return self.trainings.status(training, output_path(row.output))
 
     def subscribe(self, job_id: str) -> queue.Queue[JobStatus | None]:
         row = self._row(job_id)
@@ -294,6 +317,7 @@ class Scheduler:
     def _loop(self) -> None:
         ensure_ray(getattr(self.settings, "ray_address", None), cpus_needed=1)
         self._reconcile()
+        self.trainings.resume_all({row.id: output_path(row.output) for row in self.ledger.jobs()})
         self._ready = True
         while not self._stop.is_set():
             row = self.ledger.next_queued()
@@ -322,6 +346,10 @@ class Scheduler:
         self.ledger.reconcile_units(job_id, {u.unit for u in job.units} - {
             u.unit for u in job.pending})
         self._live[job_id] = initial_progress(job)
+        if row.spec.train is not None and self.ledger.training(job_id) is None:
+            # Started now, it follows the shards as they are committed (or waits for the
+            # end when `follow` is off).
+            self.trainings.start(job_id, job.output, row.spec.train)
 
         hooks = DispatchHooks(
             on_progress=lambda p: self._on_progress(job_id, p),
@@ -371,6 +399,26 @@ class Scheduler:
             self._cancel.discard(job_id)
         self.ledger.set_state(job_id, state, error)
         self._publish(job_id, force=True, final=True)
+
+
+def check_draft_layers(spec: JobSpec) -> None:
+    """Refuse training a job whose layers cannot feed an EAGLE-3 draft (JobRefused)."""
+    import json
+
+    from hsx.layout import MANIFEST
+    from hsx.modelinfo import draft_aux_layers, read_model_info
+
+    manifest_file = output_path(spec.output) / MANIFEST
+    if manifest_file.exists():
+        manifest = json.loads(manifest_file.read_text())
+        layers, n = [int(k) for k in manifest["layers"]], int(manifest["num_layers"])
+    else:
+        info = read_model_info(spec.model)
+        layers, n = spec.layers or info.default_layers(spec.engine), info.num_layers
+    try:
+        draft_aux_layers(layers, n)
+    except ValueError as err:
+        raise JobRefused(f"train: {err}") from None
 
 
 def prepare_readonly(spec: JobSpec, root: Path) -> PreparedJob:

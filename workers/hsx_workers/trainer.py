@@ -51,6 +51,7 @@ from hsx.layout import (
     MANIFEST,
     checkpoint_name,
 )
+from hsx.modelinfo import draft_aux_layers
 from hsx.shards import ShardReader
 from hsx.spec import TrainSpec
 
@@ -93,20 +94,11 @@ class StepMetrics:
 
 def draft_layout(manifest: dict[str, Any]) -> tuple[list[int], int]:
     """(aux layer ids, num_layers N) for a draft trained on this output, or TrainRefused."""
-    layers = [int(k) for k in manifest["layers"]]
     n = int(manifest["num_layers"])
-    if layers[-1] != n:
-        raise TrainRefused(
-            f"an EAGLE-3 draft is trained against the target's last layer (id {n}, before "
-            f"the final norm); this output holds layers {layers}. Extract with layers "
-            f"that end in {n}, e.g. [2, {n // 2}, {n - 3}, {n}]"
-        )
-    if len(layers) < 2:
-        raise TrainRefused(
-            f"an EAGLE-3 draft reads at least one auxiliary layer besides id {n}; this "
-            f"output holds only {layers}"
-        )
-    return layers[:-1], n
+    try:
+        return draft_aux_layers([int(k) for k in manifest["layers"]], n), n
+    except ValueError as err:
+        raise TrainRefused(str(err)) from None
 
 
 DRAFT_LAYER_TYPES = ("llama", "qwen3")  # vLLM's Eagle3 heads: Eagle3{Llama,Qwen3}ForCausalLM

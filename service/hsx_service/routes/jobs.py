@@ -22,8 +22,17 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
-from hsx.spec import JobSpec
-from hsx.wire import API_PREFIX, ErrorBody, ErrorPage, JobList, JobState, JobStatus, SubmitRequest
+from hsx.spec import JobSpec, TrainSpec
+from hsx.wire import (
+    API_PREFIX,
+    ErrorBody,
+    ErrorPage,
+    JobList,
+    JobState,
+    JobStatus,
+    SubmitRequest,
+    TrainStatus,
+)
 from hsx_service.config import Settings
 from hsx_service.deps import SchedulerAPI, SchedulerDep, SettingsDep, require_token
 from hsx_service.errors import JobRefused
@@ -124,6 +133,27 @@ def job_errors(
 ) -> ErrorPage:
     """The job's per-row error records (rows skipped with a reason), a page at a time."""
     return scheduler.errors(job_id, offset, limit)
+
+
+@router.post(
+    "/{job_id}/train",
+    response_model=TrainStatus,
+    status_code=status.HTTP_202_ACCEPTED,
+    responses={404: _ERRORS[404], 409: {"model": ErrorBody, "description": "Already training."},
+               422: _ERRORS[422]},
+)
+def start_training(job_id: str, spec: TrainSpec, scheduler: SchedulerDep) -> TrainStatus:
+    """Train an EAGLE-3 draft on the job's output (while it runs, or after); a second
+    call after the first ended resumes from its newest checkpoint."""
+    started = scheduler.train(job_id, spec)
+    log.info("job %s: training started", job_id)
+    return started
+
+
+@router.get("/{job_id}/train", response_model=TrainStatus, responses={404: _ERRORS[404]})
+def training_status(job_id: str, scheduler: SchedulerDep) -> TrainStatus:
+    """State, step, loss, per-step accuracy, tokens/s and the loss curve of the training."""
+    return scheduler.train_status(job_id)
 
 
 def sse_event(job: JobStatus) -> str:

@@ -1,0 +1,217 @@
+"""Draft training of jobs' outputs: one TrainerActor (Ray) per training, watched by a
+thread here.
+
+The actor runs `DraftTrainer` (workers/hsx_workers/trainer.py); it takes a GPU when the
+cluster has one, a CPU otherwise. This side polls its progress, keeps the ledger's
+`trainings` row current, and restarts a dead actor (up to MAX_TRAIN_RESTARTS times);
+the new actor resumes from the newest checkpoint in `<output>/draft/checkpoints/`.
+What a status shows beyond the actor's last report (loss curve, checkpoints) is read
+from the output's `draft/` folder, so it survives the coordinator too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hsx.layout import DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_METRICS, DRAFT_STATE
+from hsx.spec import TrainSpec
+from hsx.wire import TrainPoint, TrainState, TrainStatus
+from hsx_service.errors import JobConflict
+from hsx_service.ledger import Ledger, TrainRow
+
+logger = logging.getLogger(__name__)
+
+MAX_TRAIN_RESTARTS = 3
+POLL_S = 0.5
+HISTORY_POINTS = 500
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_history(root: Path) -> list[TrainPoint]:
+    """The loss curve from draft/metrics.jsonl, thinned to at most HISTORY_POINTS."""
+    path = root / DRAFT_METRICS
+    if not path.exists():
+        return []
+    points = []
+    for line in path.read_text().splitlines():
+        try:
+            points.append(TrainPoint.model_validate_json(line))
+        except ValueError:
+            continue  # a line cut by a crash
+    if len(points) > HISTORY_POINTS:
+        stride = -(-len(points) // HISTORY_POINTS)
+        points = points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
+    return points
+
+
+def newest_checkpoint_step(root: Path) -> int | None:
+    folder = root / DRAFT_CHECKPOINTS
+    if not folder.is_dir():
+        return None
+    steps = [int(p.name.split("-")[1]) for p in folder.iterdir()
+             if p.name.startswith("step-") and p.name.split("-")[1].isdigit()]
+    return max(steps) if steps else None
+
+
+class Trainings:
+    """Start, watch, restart and report the trainings; see the module docstring."""
+
+    def __init__(self, ledger: Ledger, on_change: Callable[[str], None] | None = None):
+        self.ledger = ledger
+        self.on_change = on_change
+        self._lock = threading.Lock()
+        self._threads: dict[str, threading.Thread] = {}
+        self._live: dict[str, dict[str, Any]] = {}  # job id -> the actor's last progress
+        self._actors: dict[str, Any] = {}
+        self._stopping = threading.Event()
+
+    def start(self, job_id: str, output: Path, spec: TrainSpec) -> None:
+        with self._lock:
+            thread = self._threads.get(job_id)
+            if thread is not None and thread.is_alive():
+                raise JobConflict(f"job {job_id} is already training; wait for it to end")
+            self.ledger.put_training(job_id, spec)
+            self._live.pop(job_id, None)
+            thread = threading.Thread(target=self._watch, args=(job_id, output, spec),
+                                      name=f"hsx-train-{job_id}", daemon=True)
+            self._threads[job_id] = thread
+        thread.start()
+
+    def resume_all(self, outputs: dict[str, Path]) -> None:
+        """After a coordinator restart: trainings that had not ended start again."""
+        for row in self.ledger.trainings():
+            if not row.state.finished and row.job_id in outputs:
+                logger.info("resuming the training of %s", row.job_id)
+                self.start(row.job_id, outputs[row.job_id], row.spec)
+
+    def stop(self) -> None:
+        """Ask every actor to checkpoint and stop; their rows say `stopped`."""
+        self._stopping.set()
+        for actor in list(self._actors.values()):
+            with contextlib.suppress(Exception):  # a dead actor has nothing to stop
+                actor.stop.remote()
+        for thread in list(self._threads.values()):
+            thread.join(timeout=30)
+
+    def status(self, row: TrainRow, output: Path) -> TrainStatus:
+        live = self._live.get(row.job_id) or {}
+        last = live.get("last") or {}
+        history = read_history(output)
+        if not last and history:
+            last = history[-1].model_dump()
+        on_disk = _read_json(output / DRAFT_STATE) or {}
+        return TrainStatus(
+            job_id=row.job_id, state=row.state, draft=str(output / DRAFT_DIR),
+            step=int(last.get("step", on_disk.get("step", 0))),
+            epoch=int(last.get("epoch", on_disk.get("epoch", 0))),
+            loss=last.get("loss"), acc=list(last.get("acc") or []),
+            tokens_per_s=float(last.get("tokens_per_s", 0.0)),
+            wait_fraction=float(last.get("wait_fraction", 0.0)),
+            checkpoint_step=newest_checkpoint_step(output), restarts=row.restarts,
+            resumed_from=live.get("resumed_from", on_disk.get("resumed_from")),
+            first_step_at=live.get("first_step_at"), error=row.error, spec=row.spec,
+            history=history, updated_at=row.updated_at,
+        )
+
+    # -- the watching thread
+
+    def _set(self, job_id: str, state: TrainState, error: str | None = None,
+             restarts: int | None = None) -> None:
+        self.ledger.set_training(job_id, state, error, restarts)
+        if self.on_change is not None:
+            self.on_change(job_id)
+
+    def _watch(self, job_id: str, output: Path, spec: TrainSpec) -> None:
+        import ray
+
+        row = self.ledger.training(job_id)
+        restarts = row.restarts if row else 0
+        while not self._stopping.is_set():
+            actor = self._new_actor(output, spec)
+            self._actors[job_id] = actor
+            outcome, error = self._follow(job_id, actor)
+            self._actors.pop(job_id, None)
+            if outcome == "died":
+                restarts += 1
+                if restarts > MAX_TRAIN_RESTARTS:
+                    self._set(job_id, TrainState.failed,
+                              f"the trainer died {restarts} times; last: {error}", restarts)
+                    return
+                logger.warning("training of %s: trainer died (%s); restarting from the "
+                               "newest checkpoint", job_id, error)
+                self._set(job_id, TrainState.starting, error, restarts)
+                continue
+            ray.kill(actor, no_restart=True)
+            if outcome == "failed":
+                self._set(job_id, TrainState.failed, error)
+            elif outcome == "stopped":
+                self._set(job_id, TrainState.stopped)
+            else:
+                self._set(job_id, TrainState.done)
+            return
+        self._set(job_id, TrainState.stopped)
+
+    def _new_actor(self, output: Path, spec: TrainSpec) -> Any:
+        import ray
+
+        from hsx_workers.trainer_actor import TrainerActor
+
+        gpu = spec.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+        options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 1,
+                                   "num_gpus": 1 if gpu else 0}
+        actor_cls: Any = ray.remote(TrainerActor)
+        return actor_cls.options(**options).remote(str(output), spec.model_dump(mode="json"))
+
+    def _follow(self, job_id: str, actor: Any) -> tuple[str, str | None]:
+        """Poll the actor until `run` ends: (done | stopped | failed | died, error)."""
+        import ray
+        from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+
+        result_ref = actor.run.remote()
+        state = TrainState.starting
+        while True:
+            ready, _ = ray.wait([result_ref], timeout=POLL_S)
+            try:
+                progress = ray.get(actor.progress.remote(), timeout=30)
+            except (RayActorError, ActorDiedError):
+                progress = None
+            except Exception:
+                progress = None
+            if progress is not None:
+                self._live[job_id] = progress
+                if progress.get("last") and state is TrainState.starting:
+                    state = TrainState.running
+                    self._set(job_id, state)
+                elif self.on_change is not None:
+                    self.on_change(job_id)
+            if not ready:
+                continue
+            try:
+                result = ray.get(result_ref)
+            except (RayActorError, ActorDiedError) as err:
+                return "died", str(err).splitlines()[0]
+            except RayTaskError as err:
+                cause = err.cause if err.cause is not None else err
+                return "failed", f"{type(cause).__name__}: {cause}"
+            return ("stopped" if result.get("stopped") else "done"), None
+
+    def wait_idle(self, timeout: float) -> bool:
+        """True once no training thread runs (tests and shutdown)."""
+        deadline = time.monotonic() + timeout
+        for thread in list(self._threads.values()):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads.values())
