@@ -3,7 +3,8 @@
 `browser` (session-scoped) and `open_dashboard` are meant for any dashboard test, the ones
 against the real coordinator included. `fake_api` is a small FastAPI app on a loopback
 port that serves the real static files and fakes the `/v1` job API of client/hsx/wire.py
-with jobs that progress in time, so the page runs end to end without Ray or vLLM.
+with jobs (and their draft trainings) that progress in time, so the page runs end to end
+without Ray or vLLM.
 
 The tests skip cleanly when chromium, chromedriver or selenium are missing
 (scripts/setup-env.sh installs Debian's chromium and chromium-driver when run as root).
@@ -19,6 +20,7 @@ import shutil
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +135,77 @@ def save_screenshot(browser: WebDriver, name: str, full_page: bool = False) -> P
 
 
 @dataclass
+class FakeTraining:
+    """A draft training whose steps are a function of time: `steps` steps over `duration_s`.
+
+    `starting_s` first (the actor starting), then running; it ends `final_state` (with
+    `error` when that is "failed"), as GET /v1/jobs/{id}/train reports it (TrainStatus).
+    """
+
+    duration_s: float
+    steps: int = 300
+    starting_s: float = 0.0
+    ttt_steps: int = 3
+    checkpoint_every: int = 100
+    final_state: str = "done"
+    error: str | None = None
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def started_at(self) -> float:
+        return self.created_at + self.starting_s
+
+    def state(self, now: float) -> str:
+        if now < self.started_at:
+            return "starting"
+        return "running" if now < self.started_at + self.duration_s else self.final_state
+
+    def step(self, now: float) -> int:
+        fraction = min(1.0, max(0.0, (now - self.started_at) / self.duration_s))
+        return int(fraction * self.steps)
+
+    def point(self, step: int) -> dict[str, Any]:
+        loss = 1.1 + 7.5 * math.exp(-step / 60) + 0.15 * math.sin(step * 0.7)
+        acc = [0.95 * (1 - math.exp(-step / 80)) * 0.9**k for k in range(self.ttt_steps)]
+        time_ = self.started_at + step / self.steps * self.duration_s
+        return {"step": step, "epoch": 0, "loss": loss, "acc": acc, "time": time_}
+
+    def status(self, job_id: str, output: str, now: float) -> dict[str, Any]:
+        """The TrainStatus, checked against the wire schema so the fake cannot drift."""
+        from hsx.spec import TrainSpec
+        from hsx.wire import TrainStatus
+
+        state = self.state(now)
+        step = self.step(now)
+        history = [self.point(i) for i in range(1, step + 1)]
+        last = history[-1] if history else None
+        checkpoint = step // self.checkpoint_every * self.checkpoint_every
+        if state in ("done", "failed"):
+            checkpoint = step
+        spec = TrainSpec(ttt_steps=self.ttt_steps, checkpoint_every=self.checkpoint_every)
+        body = {
+            "job_id": job_id,
+            "state": state,
+            "draft": f"{output}/draft",
+            "step": step,
+            "epoch": 1 if state == "done" else 0,
+            "loss": last["loss"] if last else None,
+            "acc": last["acc"] if last else [],
+            "tokens_per_s": 18_500 + 1_500 * math.sin(now * 1.7) if state == "running" else 0.0,
+            "wait_fraction": 0.12,
+            "checkpoint_step": checkpoint or None,
+            "restarts": 0,
+            "resumed_from": None,
+            "first_step_at": self.started_at if step else None,
+            "error": self.error if state == "failed" else None,
+            "spec": spec.model_dump(mode="json"),
+            "history": history,
+            "updated_at": now,
+        }
+        return TrainStatus.model_validate(body).model_dump(mode="json")
+
+
+@dataclass
 class FakeJob:
     """A job whose progress is a function of time: queued, then running for `duration_s`."""
 
@@ -147,6 +220,7 @@ class FakeJob:
     final_state: str = "succeeded"
     created_at: float = field(default_factory=time.time)
     cancelled_at: float | None = None
+    training: FakeTraining | None = None
 
     @property
     def started_at(self) -> float:
@@ -252,6 +326,7 @@ class FakeCoordinator:
 
     def __init__(self) -> None:
         self.jobs: dict[str, FakeJob] = {}
+        self.train_requests: Counter[str] = Counter()  # job id -> GET .../train calls
         self.token: str | None = None
         self.base_url = ""
         self.closing = False
@@ -312,6 +387,17 @@ class FakeCoordinator:
                 for i in failed[offset : offset + limit]
             ]
             return {"items": items, "total": len(failed), "offset": offset, "limit": limit}
+
+        @api.get("/jobs/{job_id}/train")
+        async def training_status(job_id: str) -> Any:
+            self.train_requests[job_id] += 1
+            job = find(job_id)
+            if job is None:
+                return error(404, "NotFound", f"no job {job_id!r}")
+            if job.training is None:
+                message = f"job {job_id} has no training; POST /v1/jobs/{job_id}/train starts one"
+                return error(404, "NotFound", message)
+            return job.training.status(job_id, f"/data/hsx/{job_id}", time.time())
 
         @api.get("/jobs/{job_id}/events")
         async def job_events(job_id: str) -> Any:

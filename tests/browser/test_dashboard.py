@@ -1,17 +1,19 @@
 """The dashboard in headless chromium against the fake coordinator (tests/browser/conftest.py).
 
 The page is exercised end to end: the job list, the live job page fed by SSE, the error
-table's paging, cancel, and the API token. Screenshots land in artifacts/.
+table's paging, cancel, the API token, and a job's draft training (polled, with its loss
+curve). Screenshots land in artifacts/.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING
 
 import pytest
 
-from .conftest import FakeCoordinator, FakeJob, open_dashboard, save_screenshot
+from .conftest import FakeCoordinator, FakeJob, FakeTraining, open_dashboard, save_screenshot
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -43,6 +45,20 @@ def chart_points(browser: WebDriver) -> int:
 
     canvas = browser.find_element(By.CSS_SELECTOR, "#rate-chart")
     return int(canvas.get_attribute("data-points") or 0)
+
+
+def loss_chart(browser: WebDriver) -> tuple[int, float | None]:
+    """Points drawn on the loss chart and the last loss, read in one go."""
+    points, last = browser.execute_script(
+        "const c = document.querySelector('#loss-chart');"
+        "return [c.dataset.points, c.dataset.lastLoss];"
+    )
+    return int(points or 0), float(last) if last else None
+
+
+def shown(browser: WebDriver, selector: str) -> bool:
+    script = "return document.querySelector(arguments[0]).hidden;"
+    return not browser.execute_script(script, selector)
 
 
 def count(browser: WebDriver, selector: str) -> int:
@@ -203,3 +219,122 @@ def test_api_token(browser: WebDriver, fake_api: FakeCoordinator) -> None:
     finally:
         fake_api.token = None
         browser.execute_script("localStorage.clear()")
+
+
+NO_VALUE = "\u2013"  # the page's en dash for "nothing to show"
+# Polls the page makes of GET .../train (app.js: TRAIN_POLL_MS, TRAIN_ABSENT_POLL_MS).
+TRAIN_POLL_S = 2.0
+TRAIN_ABSENT_POLL_S = 10.0
+
+
+def test_job_page_follows_a_draft_training(browser: WebDriver, fake_api: FakeCoordinator) -> None:
+    training = FakeTraining(duration_s=12, steps=240, starting_s=1.0)
+    fake_api.add_job(
+        FakeJob(id="train-1", name="sharegpt-eagle3", duration_s=600, training=training)
+    )
+    open_dashboard(browser, fake_api.base_url, job_id="train-1")
+    wait(browser, lambda d: shown(d, "#training"), what="training section")
+    wait(browser, lambda d: text(d, "#train-state") == "running", what="training running")
+
+    wait(browser, lambda d: loss_chart(d)[0] >= 10, what="loss points")
+    first, _ = loss_chart(browser)
+    wait(browser, lambda d: loss_chart(d)[0] > first, what="the loss curve growing")
+    # The chart draws the history as served: one point a step, the last one's loss.
+    state = browser.execute_script(
+        "const c = document.querySelector('#loss-chart');"
+        "return [c.dataset.points, c.dataset.lastLoss,"
+        " document.querySelector('#train-step').textContent];"
+    )
+    points, last_loss, step = int(state[0]), float(state[1]), int(state[2].replace(",", ""))
+    assert points == step
+    assert last_loss == pytest.approx(training.point(points)["loss"])
+    assert re.fullmatch(r"\d\.\d\d / \d\.\d\d / \d\.\d\d", text(browser, "#train-acc"))
+    assert text(browser, "#train-epoch") == "1 / 1"
+    assert text(browser, "#train-wait") == "12.0%"
+    assert text(browser, "#train-rate") != NO_VALUE
+    assert text(browser, "#train-draft") == "/data/hsx/train-1/draft"
+    assert not shown(browser, "#train-error-box")
+    wait(browser, lambda d: loss_chart(d)[0] >= 100, what="a checkpoint's worth of steps")
+    assert text(browser, "#train-checkpoint") == "step 100"
+    browser.execute_script("document.querySelector('#training').scrollIntoView()")
+    save_screenshot(browser, "job-training.png")
+    save_screenshot(browser, "job-training-full.png", full_page=True)
+
+    wait(browser, lambda d: text(d, "#train-state") == "done", timeout=40, what="training done")
+    assert loss_chart(browser)[0] == training.steps
+    assert text(browser, "#train-step") == str(training.steps)
+    assert text(browser, "#train-rate") == NO_VALUE
+    # A finished training is not asked about again.
+    asked = fake_api.train_requests["train-1"]
+    time.sleep(2.5 * TRAIN_POLL_S)
+    assert fake_api.train_requests["train-1"] == asked
+
+
+def test_training_polls_stop_when_the_page_closes(
+    browser: WebDriver, fake_api: FakeCoordinator
+) -> None:
+    now = time.time()
+    fake_api.add_job(
+        FakeJob(
+            id="train-long",
+            name="after-extraction",
+            duration_s=30,
+            created_at=now - 3600,
+            training=FakeTraining(duration_s=600),
+        )
+    )
+    open_dashboard(browser, fake_api.base_url, job_id="train-long")
+    wait(browser, lambda d: text(d, "#train-state") == "running", what="training running")
+    wait(browser, lambda d: fake_api.train_requests["train-long"] >= 2, what="polling")
+
+    browser.execute_script("window.location.hash = '#/'")
+    wait(browser, lambda d: shown(d, "#view-list"), what="the job list")
+    time.sleep(0.5)  # a request already under way may still land
+    asked = fake_api.train_requests["train-long"]
+    time.sleep(2.5 * TRAIN_POLL_S)
+    assert fake_api.train_requests["train-long"] == asked
+
+
+def test_job_without_training_has_no_training_section(
+    browser: WebDriver, fake_api: FakeCoordinator
+) -> None:
+    job = fake_api.add_job(FakeJob(id="no-train", name="plain", duration_s=600))
+    open_dashboard(browser, fake_api.base_url, job_id="no-train")
+    wait(browser, lambda d: text(d, "#state") == "running", what="running state")
+    wait(browser, lambda d: fake_api.train_requests["no-train"] >= 1, what="the training asked")
+    time.sleep(0.5)
+    assert not shown(browser, "#training")
+    assert loss_chart(browser) == (0, None)
+
+    # A training started later (hsx train) shows up without a reload.
+    job.training = FakeTraining(duration_s=600)
+    wait(
+        browser,
+        lambda d: shown(d, "#training"),
+        timeout=TRAIN_ABSENT_POLL_S + 10,
+        what="the training section",
+    )
+    wait(browser, lambda d: text(d, "#train-state") == "running", what="training running")
+
+
+def test_failed_training_shows_its_error(browser: WebDriver, fake_api: FakeCoordinator) -> None:
+    now = time.time()
+    error = (
+        "trainer died 3 times; last: torch.OutOfMemoryError: CUDA out of memory. "
+        "Tried to allocate 2.00 GiB"
+    )
+    training = FakeTraining(
+        duration_s=5, steps=40, final_state="failed", error=error, created_at=now - 60
+    )
+    fake_api.add_job(
+        FakeJob(
+            id="train-failed", name="oom", duration_s=30, created_at=now - 3600, training=training
+        )
+    )
+    open_dashboard(browser, fake_api.base_url, job_id="train-failed")
+    wait(browser, lambda d: text(d, "#train-state") == "failed", what="failed training")
+    assert shown(browser, "#train-error-box")
+    assert text(browser, "#train-error") == error
+    assert loss_chart(browser)[0] == training.steps
+    browser.execute_script("document.querySelector('#training').scrollIntoView()")
+    save_screenshot(browser, "job-training-failed.png")

@@ -13,6 +13,10 @@
   const RECONNECT_MS = 2000;
   const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
   const CANCELLABLE = new Set(["queued", "running"]);
+  const TRAIN_POLL_MS = 2000;
+  const TRAIN_ABSENT_POLL_MS = 10000;
+  // "stopped": the coordinator shut down; it resumes the training when it starts again.
+  const TRAIN_ENDED = new Set(["done", "failed", "stopped"]);
 
   const $ = (sel) => document.querySelector(sel);
 
@@ -165,6 +169,19 @@
     return el("span", { class: `badge state-${state}`, text: state });
   }
 
+  function setBadge(badge, state) {
+    badge.textContent = state || "";
+    badge.className = state ? `badge state-${state}` : "badge";
+    badge.dataset.state = state || "";
+  }
+
+  function clearStats(selector) {
+    for (const dd of document.querySelectorAll(`${selector} dd`)) {
+      dd.textContent = "–";
+      dd.classList.remove("warn");
+    }
+  }
+
   function progressBar(status, small) {
     const p = percent(status);
     const bar = el("div", {
@@ -304,7 +321,7 @@
   $("#state-filter").addEventListener("change", () => refreshList());
 
   // ---------------------------------------------------------------- job page
-  let view = null; // the open job page: {id, status, es, points, errors..., timers}
+  let view = null; // the open job page: {id, status, es, points, errors..., train, timers}
 
   function openJob(id) {
     view = {
@@ -320,6 +337,8 @@
       errorsQueue: Promise.resolve(),
       errorsTimer: null,
       cancelArmed: null,
+      train: null,
+      trainTimer: null,
     };
     resetJobPage(id);
     const current = view;
@@ -330,6 +349,7 @@
       }
       if (!status) return;
       loadErrors(current, true);
+      pollTraining(current);
       if (!FINISHED.has(status.state)) connectEvents(current);
     });
   }
@@ -340,6 +360,7 @@
     clearTimeout(view.reconnectTimer);
     clearTimeout(view.errorsTimer);
     clearTimeout(view.cancelArmed);
+    clearTimeout(view.trainTimer);
     clearInterval(view.tick);
     view = null;
     setConn("idle", "");
@@ -348,17 +369,13 @@
   function resetJobPage(id) {
     $("#job-title").textContent = id;
     $("#job-id").textContent = "";
-    $("#state").textContent = "";
-    $("#state").className = "badge";
+    setBadge($("#state"), null);
     $("#progress-text").textContent = "Loading…";
     $("#eta").textContent = "";
     setProgress($("#progress-bar"), { state: "queued", samples_done: 0, samples_total: 0 });
     $("#workers").replaceChildren();
     $("#workers-summary").textContent = "";
-    for (const dd of document.querySelectorAll("#stats dd")) {
-      dd.textContent = "–";
-      dd.classList.remove("warn");
-    }
+    clearStats("#stats");
     $("#errors-table").hidden = false;
     $("#errors-table tbody").replaceChildren();
     $("#errors-summary").textContent = "";
@@ -371,7 +388,8 @@
     cancel.textContent = "Cancel job";
     cancel.classList.remove("armed");
     $("#details").replaceChildren();
-    drawChart(view);
+    drawRateChart(view);
+    resetTraining();
   }
 
   async function refreshJob(current) {
@@ -439,7 +457,7 @@
   function onTick() {
     if (!view || !view.status) return;
     renderElapsed(view.status);
-    if (view.status.state === "running") drawChart(view);
+    if (view.status.state === "running") drawRateChart(view);
   }
 
   function renderJob(current, status) {
@@ -448,10 +466,7 @@
 
     $("#job-title").textContent = status.name || status.id;
     $("#job-id").textContent = status.name ? status.id : "";
-    const badge = $("#state");
-    badge.textContent = status.state;
-    badge.className = `badge state-${status.state}`;
-    badge.dataset.state = status.state;
+    setBadge($("#state"), status.state);
     document.title = `hsx · ${status.name || status.id} · ${status.state} ${fmtPercent(p)}`;
 
     setProgress($("#progress-bar"), status);
@@ -480,7 +495,7 @@
 
     renderCancel(current, status);
     renderDetails(status);
-    drawChart(current);
+    drawRateChart(current);
     maybeRefreshErrors(current, status);
   }
 
@@ -644,15 +659,9 @@
     if (view) loadErrors(view, false);
   });
 
-  // ---------------------------------------------------------------- tokens/s chart
-  function addPoint(current, status) {
-    if (status.state !== "running") return;
-    const now = Date.now();
-    current.points.push({ t: now, v: status.tokens_per_s || 0 });
-    const cutoff = now - CHART_WINDOW_MS;
-    while (current.points.length && current.points[0].t < cutoff) current.points.shift();
-  }
-
+  // ---------------------------------------------------------------- line charts
+  // The page's two charts (tokens/s over time, the draft's loss over steps) are one line
+  // over a shaded area with y from 0 to a round maximum: drawLineChart draws both.
   function niceMax(v) {
     if (v <= 0) return 1;
     const exp = 10 ** Math.floor(Math.log10(v));
@@ -662,20 +671,33 @@
     return 10 * exp;
   }
 
-  const chartHover = { x: null };
-
-  function drawChart(current) {
-    const canvas = $("#rate-chart");
-    const points = current ? current.points : [];
-    canvas.dataset.points = String(points.length);
-    const empty = $("#rate-chart-empty");
-    empty.hidden = points.length > 0;
-    if (current && current.status && FINISHED.has(current.status.state) && !points.length) {
-      empty.textContent = "No live data: the job ended before this page opened.";
-    } else {
-      empty.textContent = "Waiting for live updates…";
+  function roundStep(span, most) {
+    // The smallest whole 1, 2 or 5 × 10^k that cuts `span` into at most `most` parts.
+    let exp = Math.max(1, 10 ** Math.floor(Math.log10(Math.max(span, 1) / most)));
+    for (;;) {
+      for (const m of [1, 2, 5]) {
+        if (span / (m * exp) <= most) return m * exp;
+      }
+      exp *= 10;
     }
+  }
 
+  const chartHover = new Map(); // canvas -> the pointer's x while it is over the canvas
+
+  function followHover(canvas, redraw) {
+    canvas.addEventListener("mousemove", (ev) => {
+      chartHover.set(canvas, ev.offsetX);
+      redraw();
+    });
+    canvas.addEventListener("mouseleave", () => {
+      chartHover.delete(canvas);
+      redraw();
+    });
+  }
+
+  // `points` ({x, v}, x ascending) between `axis.x0` and `axis.x1`; `axis.xTicks` are
+  // the x values labelled with `axis.xLabel(x)`; `axis.hoverLabel(point)` names a point.
+  function drawLineChart(canvas, points, axis) {
     const dpr = window.devicePixelRatio || 1;
     const cssW = canvas.clientWidth;
     const cssH = canvas.clientHeight;
@@ -698,13 +720,8 @@
     const w = cssW - pad.left - pad.right;
     const h = cssH - pad.top - pad.bottom;
 
-    const live = current && current.status && current.status.state === "running";
-    const lastT = points.length ? points[points.length - 1].t : Date.now();
-    const now = live ? Math.max(Date.now(), lastT) : lastT;
-    const t0 = points.length ? Math.max(points[0].t, now - CHART_WINDOW_MS) : now - CHART_MIN_SPAN_MS;
-    const t1 = Math.max(now, t0 + CHART_MIN_SPAN_MS);
     const vMax = niceMax(Math.max(0, ...points.map((p) => p.v)) * 1.1);
-    const x = (t) => pad.left + ((t - t0) / (t1 - t0)) * w;
+    const x = (xv) => pad.left + ((xv - axis.x0) / (axis.x1 - axis.x0)) * w;
     const y = (v) => pad.top + h - (v / vMax) * h;
 
     ctx.font = "11px system-ui, -apple-system, 'Segoe UI', sans-serif";
@@ -733,32 +750,30 @@
       ctx.lineTo(pad.left + w, yy);
       ctx.stroke();
       ctx.fillStyle = color.text;
-      ctx.fillText(vMax < 10 ? v.toFixed(1) : fmtCompact(v), pad.left - 8, yy);
+      // Quarters of a round maximum: 2.5 and 0.375 keep their digits, 25000 reads 25k.
+      ctx.fillText(v >= 1000 ? fmtCompact(v) : String(parseFloat(v.toFixed(2))), pad.left - 8, yy);
     }
-    // Time labels on round clock times (every 5 s, 10 s, ... 2 min), at most five.
-    const stepS = [5, 10, 15, 30, 60, 120, 300].find((st) => (t1 - t0) / (st * 1000) <= 5) || 300;
-    const step = stepS * 1000;
+    // x ticks and labels, kept inside the plot.
     ctx.textAlign = "center";
     ctx.textBaseline = "top";
     ctx.fillStyle = color.text;
-    for (let t = Math.ceil(t0 / step) * step; t <= t1; t += step) {
-      const xx = Math.round(x(t)) + 0.5;
+    for (const tick of axis.xTicks) {
+      const xx = Math.round(x(tick)) + 0.5;
       ctx.strokeStyle = color.grid;
       ctx.beginPath();
       ctx.moveTo(xx, pad.top + h);
       ctx.lineTo(xx, pad.top + h + 4);
       ctx.stroke();
-      const label = fmtClock(t);
+      const label = axis.xLabel(tick);
       const half = ctx.measureText(label).width / 2;
       ctx.fillText(label, Math.min(Math.max(xx, pad.left + half), pad.left + w - half), pad.top + h + 7);
     }
 
-    const visible = points.filter((p) => p.t >= t0);
     // Area, then line.
     ctx.beginPath();
-    ctx.moveTo(x(visible[0].t), y(0));
-    for (const p of visible) ctx.lineTo(x(p.t), y(p.v));
-    ctx.lineTo(x(visible[visible.length - 1].t), y(0));
+    ctx.moveTo(x(points[0].x), y(0));
+    for (const p of points) ctx.lineTo(x(p.x), y(p.v));
+    ctx.lineTo(x(points[points.length - 1].x), y(0));
     ctx.closePath();
     const gradient = ctx.createLinearGradient(0, pad.top, 0, pad.top + h);
     gradient.addColorStop(0, hexToRgba(color.line, 0.22));
@@ -767,25 +782,26 @@
     ctx.fill();
 
     ctx.beginPath();
-    visible.forEach((p, i) => (i ? ctx.lineTo(x(p.t), y(p.v)) : ctx.moveTo(x(p.t), y(p.v))));
+    points.forEach((p, i) => (i ? ctx.lineTo(x(p.x), y(p.v)) : ctx.moveTo(x(p.x), y(p.v))));
     ctx.strokeStyle = color.line;
     ctx.lineWidth = 2;
     ctx.lineJoin = "round";
     ctx.stroke();
 
-    const last = visible[visible.length - 1];
+    const last = points[points.length - 1];
     ctx.fillStyle = color.line;
     ctx.beginPath();
-    ctx.arc(x(last.t), y(last.v), 3.5, 0, 2 * Math.PI);
+    ctx.arc(x(last.x), y(last.v), 3.5, 0, 2 * Math.PI);
     ctx.fill();
 
-    // Hover: the point nearest the pointer, with its value and time.
-    if (chartHover.x != null && chartHover.x >= pad.left && chartHover.x <= pad.left + w) {
-      let best = visible[0];
-      for (const p of visible) {
-        if (Math.abs(x(p.t) - chartHover.x) < Math.abs(x(best.t) - chartHover.x)) best = p;
+    // Hover: the point nearest the pointer, with its label.
+    const hoverX = chartHover.get(canvas);
+    if (hoverX != null && hoverX >= pad.left && hoverX <= pad.left + w) {
+      let best = points[0];
+      for (const p of points) {
+        if (Math.abs(x(p.x) - hoverX) < Math.abs(x(best.x) - hoverX)) best = p;
       }
-      const bx = Math.round(x(best.t)) + 0.5;
+      const bx = Math.round(x(best.x)) + 0.5;
       ctx.strokeStyle = color.text;
       ctx.lineWidth = 1;
       ctx.setLineDash([3, 3]);
@@ -794,7 +810,7 @@
       ctx.lineTo(bx, pad.top + h);
       ctx.stroke();
       ctx.setLineDash([]);
-      const label = `${fmtCompact(best.v)} tok/s · ${fmtClock(best.t)}`;
+      const label = axis.hoverLabel(best);
       ctx.font = "12px system-ui, -apple-system, 'Segoe UI', sans-serif";
       const tw = ctx.measureText(label).width + 12;
       const lx = Math.min(Math.max(bx - tw / 2, pad.left), pad.left + w - tw);
@@ -813,16 +829,151 @@
     return `rgba(${parseInt(m[1], 16)}, ${parseInt(m[2], 16)}, ${parseInt(m[3], 16)}, ${alpha})`;
   }
 
-  const chartCanvas = $("#rate-chart");
-  chartCanvas.addEventListener("mousemove", (ev) => {
-    chartHover.x = ev.offsetX;
-    drawChart(view);
+  // ---------------------------------------------------------------- tokens/s chart
+  function addPoint(current, status) {
+    if (status.state !== "running") return;
+    const now = Date.now();
+    current.points.push({ x: now, v: status.tokens_per_s || 0 });
+    const cutoff = now - CHART_WINDOW_MS;
+    while (current.points.length && current.points[0].x < cutoff) current.points.shift();
+  }
+
+  function drawRateChart(current) {
+    const canvas = $("#rate-chart");
+    const points = current ? current.points : [];
+    canvas.dataset.points = String(points.length);
+    const empty = $("#rate-chart-empty");
+    empty.hidden = points.length > 0;
+    if (current && current.status && FINISHED.has(current.status.state) && !points.length) {
+      empty.textContent = "No live data: the job ended before this page opened.";
+    } else {
+      empty.textContent = "Waiting for live updates…";
+    }
+
+    const live = current && current.status && current.status.state === "running";
+    const lastT = points.length ? points[points.length - 1].x : Date.now();
+    const now = live ? Math.max(Date.now(), lastT) : lastT;
+    const t0 = points.length ? Math.max(points[0].x, now - CHART_WINDOW_MS) : now - CHART_MIN_SPAN_MS;
+    const t1 = Math.max(now, t0 + CHART_MIN_SPAN_MS);
+    // Time labels on round clock times (every 5 s, 10 s, ... 2 min), at most five.
+    const stepS = [5, 10, 15, 30, 60, 120, 300].find((st) => (t1 - t0) / (st * 1000) <= 5) || 300;
+    const step = stepS * 1000;
+    const ticks = [];
+    for (let t = Math.ceil(t0 / step) * step; t <= t1; t += step) ticks.push(t);
+    drawLineChart(canvas, points.filter((p) => p.x >= t0), {
+      x0: t0, x1: t1, xTicks: ticks, xLabel: fmtClock,
+      hoverLabel: (p) => `${fmtCompact(p.v)} tok/s · ${fmtClock(p.x)}`,
+    });
+  }
+
+  followHover($("#rate-chart"), () => drawRateChart(view));
+
+  // ---------------------------------------------------------------- draft training
+  // GET <job>/train, polled while the training goes on. A 404 means the job has no
+  // training (yet): the section stays hidden and the page asks again now and then, as
+  // one can start at any time (hsx train, POST <job>/train).
+  function pollTraining(current) {
+    current.trainTimer = null;
+    api(`${jobPath(current.id)}/train`).then((train) => {
+      if (current !== view) return;
+      clearBanner();
+      renderTraining(current, train);
+      if (!TRAIN_ENDED.has(train.state)) scheduleTraining(current, TRAIN_POLL_MS);
+    }, (err) => {
+      if (current !== view) return;
+      if (err instanceof ApiError && err.status === 404) {
+        current.train = null;
+        $("#training").hidden = true;
+        scheduleTraining(current, TRAIN_ABSENT_POLL_MS);
+        return;
+      }
+      reportError(err);
+      if (!(err instanceof ApiError && [401, 403].includes(err.status))) {
+        scheduleTraining(current, TRAIN_POLL_MS);
+      }
+    });
+  }
+
+  function scheduleTraining(current, ms) {
+    current.trainTimer = setTimeout(() => {
+      if (current === view) pollTraining(current);
+    }, ms);
+  }
+
+  function fmtLoss(v) {
+    return v == null || !Number.isFinite(v) ? "–" : v.toFixed(Math.abs(v) < 10 ? 3 : 2);
+  }
+
+  function resetTraining() {
+    $("#training").hidden = true;
+    clearStats("#train-stats");
+    setBadge($("#train-state"), null);
+    $("#train-draft").textContent = "";
+    $("#train-meta").textContent = "";
+    $("#train-error-box").hidden = true;
+    $("#train-error").textContent = "";
+    drawLossChart(null);
+  }
+
+  function renderTraining(current, train) {
+    current.train = train;
+    const spec = train.spec || {};
+    const running = train.state === "running";
+    $("#training").hidden = false;
+    setBadge($("#train-state"), train.state);
+
+    $("#train-step").textContent = fmtInt(train.step)
+      + (spec.max_steps != null ? ` / ${fmtInt(spec.max_steps)}` : "");
+    // Epochs count from 0 while they run; a finished training has epoch == epochs.
+    $("#train-epoch").textContent = spec.epochs != null
+      ? `${Math.min(train.epoch + 1, spec.epochs)} / ${spec.epochs}` : String(train.epoch + 1);
+    $("#train-loss").textContent = fmtLoss(train.loss);
+    const acc = (train.acc || []).map((a) => a.toFixed(2)).join(" / ");
+    $("#train-acc").textContent = acc || "–";
+    $("#train-acc").title = acc ? "draft accuracy at TTT steps 1, 2, … of the last logged step" : "";
+    $("#train-rate").textContent = running ? fmtInt(train.tokens_per_s) : "–";
+    $("#train-wait").textContent = running ? fmtPercent(100 * (train.wait_fraction || 0)) : "–";
+    // Mostly waiting on data: the trainer outruns the extraction.
+    $("#train-wait").classList.toggle("warn", running && train.wait_fraction > 0.5);
+    $("#train-checkpoint").textContent = train.checkpoint_step != null
+      ? `step ${fmtInt(train.checkpoint_step)}` : "none yet";
+    $("#train-restarts").textContent = fmtInt(train.restarts);
+    $("#train-restarts").classList.toggle("warn", train.restarts > 0);
+
+    $("#train-draft").textContent = train.draft;
+    const meta = [];
+    if (train.first_step_at != null) meta.push(`first step at ${fmtWhen(train.first_step_at)}`);
+    if (train.resumed_from != null) meta.push(`resumed from step ${fmtInt(train.resumed_from)}`);
+    $("#train-meta").textContent = meta.join(" · ");
+
+    $("#train-error-box").hidden = !train.error;
+    $("#train-error").textContent = train.error || "";
+    drawLossChart(train);
+  }
+
+  function drawLossChart(train) {
+    const canvas = $("#loss-chart");
+    const points = (train ? train.history || [] : [])
+      .filter((p) => Number.isFinite(p.loss))
+      .map((p) => ({ x: p.step, v: p.loss }));
+    canvas.dataset.points = String(points.length);
+    canvas.dataset.lastLoss = points.length ? String(points[points.length - 1].v) : "";
+    $("#loss-chart-empty").hidden = points.length > 0;
+    const x1 = Math.max(1, points.length ? points[points.length - 1].x : 0);
+    const step = roundStep(x1, 5);
+    const ticks = [];
+    for (let s = 0; s <= x1; s += step) ticks.push(s);
+    drawLineChart(canvas, points, {
+      x0: 0, x1, xTicks: ticks, xLabel: fmtCompact,
+      hoverLabel: (p) => `loss ${fmtLoss(p.v)} · step ${fmtInt(p.x)}`,
+    });
+  }
+
+  followHover($("#loss-chart"), () => drawLossChart(view && view.train));
+  window.addEventListener("resize", () => {
+    drawRateChart(view);
+    drawLossChart(view && view.train);
   });
-  chartCanvas.addEventListener("mouseleave", () => {
-    chartHover.x = null;
-    drawChart(view);
-  });
-  window.addEventListener("resize", () => drawChart(view));
 
   // ---------------------------------------------------------------- routing
   function route() {
