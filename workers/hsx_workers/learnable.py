@@ -85,7 +85,7 @@ def make_learnable_model(
         loss.backward()
         opt.step()
         if step % 50 == 0:
-            logger.info("learnable target: step %d loss %.3f", step, float(loss))
+            logger.info("learnable target: step %d loss %.3f", step, loss.item())
     model.eval()
     accuracy = _chain_accuracy(model, language, rng)
     if accuracy < 0.99:

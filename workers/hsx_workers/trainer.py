@@ -352,11 +352,14 @@ class DraftTrainer:
             rng.shuffle(order)
             for j in order:
                 sample = to_speculators_sample(reader.sample(j, backend="torch"), dtype)
-                pending.append(sample)
-                tokens += int(sample["lengths"][0]) - 1
-                if tokens >= self.spec.batch_tokens:
+                length = int(sample["lengths"][0]) - 1  # after shift_batch
+                if pending and tokens + length > self.spec.batch_tokens:
+                    # Whole samples only: what does not fit starts the next batch (a
+                    # sample longer than batch_tokens alone is cut to it).
                     yield collate(pending), []
                     pending, tokens = [], 0
+                pending.append(sample)
+                tokens += length
             yield {}, [unit_of(reader)]  # marks the unit as done
         if pending:
             yield collate(pending), []
