@@ -75,6 +75,14 @@ class TrainSpec(BaseModel):
         1.0, gt=0, description="Weight of step k's loss is decay**k."
     )
     loss: TrainLoss = Field("kl_div", description="Loss against the target's distribution.")
+    loss_implementation: Literal["auto", "fused", "eager"] = Field(
+        "auto",
+        description=(
+            "speculators' loss kernels: `fused` (Triton; the GPU default under auto) or "
+            "`eager` (plain torch; the CPU default, and the fallback where the fused "
+            "kernels do not compile with the installed torch)."
+        ),
+    )
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps of the learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")

@@ -84,7 +84,9 @@ class StepMetrics:
     acc: list[float]  # full accuracy per TTT step
     tokens: int
     tokens_per_s: float
-    wait_fraction: float
+    wait_fraction: float  # of the whole run so far
+    wait_s: float  # this step: waiting for its batch
+    step_s: float  # this step: waiting + compute
     lr: float
     time: float
 
@@ -239,8 +241,9 @@ class DraftTrainer:
         self.resumed_from: int | None = None
         self.first_step_at: float | None = None
         self.last: StepMetrics | None = None
-        self._wait_s = 0.0
-        self._step_s = 0.0
+        self._unbilled_wait = 0.0  # waits since the last step, billed to the next one
+        self._wait_s = 0.0  # waits billed to steps so far
+        self._step_s = 0.0  # steps so far, their waits included
 
     # -- setup
 
@@ -270,7 +273,9 @@ class DraftTrainer:
             freqs, self.spec.draft_vocab_size, int(text.vocab_size)
         )
         torch.manual_seed(self.spec.seed)
-        attn = "sdpa" if self.device.type == "cuda" else "eager"
+        # speculators' own choice on GPU (flex attention, compiled); eager on CPU, where
+        # flex attention has no fast kernel.
+        attn = "simple_flex_attention" if self.device.type == "cuda" else "eager"
         return Eagle3DraftModel.from_training_args(
             text, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab,
             norm_before_residual=self.spec.norm_before_residual,
@@ -388,7 +393,7 @@ class DraftTrainer:
         while True:
             t0 = time.perf_counter()
             item = q.get()
-            self._wait_s += time.perf_counter() - t0
+            self._unbilled_wait += time.perf_counter() - t0
             if item is end:
                 return
             if isinstance(item, BaseException):
@@ -408,9 +413,10 @@ class DraftTrainer:
         self._write_state("running")
         from speculators.losses import resolve_loss_config
 
-        loss_config = resolve_loss_config(
-            self.spec.loss, "fused" if self.device.type == "cuda" else "eager"
-        )
+        kernels = self.spec.loss_implementation
+        if kernels == "auto":
+            kernels = "fused" if self.device.type == "cuda" else "eager"
+        loss_config = resolve_loss_config(self.spec.loss, kernels)
         model.train()
         max_steps = self.spec.max_steps
         try:
@@ -438,7 +444,8 @@ class DraftTrainer:
     def _step(self, model: Any, opt: torch.optim.Optimizer, sched: Any,
               batch: dict[str, Any], loss_config: Any) -> None:
         t0 = time.perf_counter()
-        wait_before = self._wait_s
+        waited, self._unbilled_wait = self._unbilled_wait, 0.0
+        self._wait_s += waited
         inputs = {k: batch[k].to(self.device, non_blocking=True) for k in (
             "hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
             "verifier_last_hidden_states")}
@@ -460,8 +467,8 @@ class DraftTrainer:
         self.state.step += 1
         tokens = int((batch["document_ids"] >= 0).sum())  # padding has document id -1
         self.state.tokens += tokens
-        # The time the last step waited for this batch counts in this step's total.
-        step_s = time.perf_counter() - t0 + (self._wait_s - wait_before)
+        # The time spent waiting for this batch counts in this step's total.
+        step_s = time.perf_counter() - t0 + waited
         self._step_s += step_s
         acc = []
         for k in range(self.spec.ttt_steps):
@@ -470,7 +477,8 @@ class DraftTrainer:
         self.last = StepMetrics(
             step=self.state.step, epoch=self.state.epoch, loss=loss_value, acc=acc,
             tokens=self.state.tokens, tokens_per_s=tokens / step_s if step_s else 0.0,
-            wait_fraction=self.wait_fraction, lr=float(sched.get_last_lr()[0]), time=now,
+            wait_fraction=self.wait_fraction, wait_s=waited, step_s=step_s,
+            lr=float(sched.get_last_lr()[0]), time=now,
         )
         if self.state.step % self.spec.log_every == 0:
             self._write_metrics([self.last.__dict__])
