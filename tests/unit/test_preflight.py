@@ -16,7 +16,6 @@ from hsx.modelinfo import read_model_info
 from hsx.spec import JobSpec
 from hsx_service.prepare import JobRefused, preflight, prepare
 from hsx_workers.preflight import (
-    HOOK_FALLBACK_AVAILABLE,
     ModelReport,
     environment_report,
     format_report,
@@ -39,8 +38,7 @@ EXPECTED: dict[str, tuple[str, bool, str | None, bool, str, int]] = {
     "mistral": ("MistralForCausalLM", False, None, True, "extract_hidden_states", 0),
     "deepseek_v3": ("DeepseekV3ForCausalLM", False, None, True, "extract_hidden_states", 1),
     "qwen3_moe": ("Qwen3MoeForCausalLM", False, None, True, "extract_hidden_states", 0),
-    "gemma2": ("Gemma2ForCausalLM", False, None, False,
-               "hooks" if HOOK_FALLBACK_AVAILABLE else "hf", 0),
+    "gemma2": ("Gemma2ForCausalLM", False, None, False, "hooks", 0),
     "llava": ("LlavaForConditionalGeneration", True, "LlamaForCausalLM", True,
               "extract_hidden_states", 0),
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", True, "Qwen2ForCausalLM", True,
@@ -128,9 +126,8 @@ def test_wrappers_without_torchvision_say_only_text_runs(reports: dict[str, Mode
 
 def test_forced_engines(configs: dict[str, Path]) -> None:
     gemma = inspect_model(str(configs["gemma2"]), engine="vllm")
-    if not HOOK_FALLBACK_AVAILABLE:
-        assert gemma.capture == "unsupported"
-        assert any("EAGLE-3" in r and "engine: hf" in r for r in gemma.reasons)
+    assert gemma.capture == "hooks"
+    assert any("EAGLE-3" in r and "hooks" in r and "eager" in r for r in gemma.reasons)
     assert inspect_model(str(configs["gemma2"]), engine="hf").capture == "hf"
     llava = inspect_model(str(configs["llava"]), engine="hf")
     assert llava.capture == "unsupported"
@@ -216,6 +213,17 @@ def _spec(model: Path, dataset: ChatDataset, out: Path, **fields: Any) -> JobSpe
                    max_seq_len=256, **fields)
 
 
+def _unknown_architecture(source: Path, dest: Path) -> Path:
+    """A copy of a config folder naming an architecture vLLM does not have."""
+    import shutil
+
+    shutil.copytree(source, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
 def _run_refused(spec: JobSpec) -> str:
     from hsx_service.runner import run_job
 
@@ -237,9 +245,9 @@ def test_refused_bad_layer_id_for_model(configs: dict[str, Path], chat_dataset: 
 def test_refused_uncapturable_model_with_engine_forced(
     configs: dict[str, Path], chat_dataset: ChatDataset, tmp_path: Path
 ) -> None:
-    if not HOOK_FALLBACK_AVAILABLE:
-        message = _run_refused(_spec(configs["gemma2"], chat_dataset, tmp_path / "g"))
-        assert "engine vllm" in message and "EAGLE-3" in message
+    unknown = _unknown_architecture(configs["llama"], tmp_path / "unknown")
+    message = _run_refused(_spec(unknown, chat_dataset, tmp_path / "g"))
+    assert "engine vllm" in message and "NoSuchModelForCausalLM" in message
     message = _run_refused(_spec(configs["llava"], chat_dataset, tmp_path / "l", engine="hf"))
     assert "engine hf" in message and "causal-LM" in message
 
@@ -269,9 +277,8 @@ def test_cli_inspect_model_json_and_exit_codes(configs: dict[str, Path],
                  "--gpu-memory-gib", "0.001"]) == 0
     text = capsys.readouterr().out
     assert "do NOT fit" in text and "valid ids      1..3" in text
-    if not HOOK_FALLBACK_AVAILABLE:
-        assert main(["inspect-model", str(configs["gemma2"]), "--engine", "vllm"]) == 2
-        assert "EAGLE-3" in capsys.readouterr().out
+    assert main(["inspect-model", str(configs["gemma2"]), "--engine", "vllm"]) == 0
+    assert "hooks" in capsys.readouterr().out
 
 
 def test_cli_doctor(capsys: pytest.CaptureFixture[str]) -> None:

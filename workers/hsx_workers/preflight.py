@@ -42,12 +42,6 @@ logger = logging.getLogger(__name__)
 Capture = Literal["extract_hidden_states", "hooks", "hf", "unsupported"]
 EngineChoice = Literal["auto", "vllm", "hf"]
 
-# The hook fallback (forward hooks on the inner decoder layers inside the vLLM worker)
-# is designed but not built yet; until it is, models without EAGLE-3 aux outputs go to
-# the hf engine.
-HOOK_FALLBACK_AVAILABLE = False
-
-
 @dataclass
 class ModelReport:
     """The preflight's answer; `as_dict()` is the JSON of `hsx inspect-model --json`."""
@@ -426,21 +420,13 @@ def inspect_model(
                            "image inputs are not part of hsx jobs yet.")
     elif vllm_class is not None:
         name = vllm_class.rsplit(".", 1)[-1]
-        if HOOK_FALLBACK_AVAILABLE:
-            capture = "hooks"
-            options["enforce_eager"] = True
-            reasons.append(f"vLLM's {name} lacks EAGLE-3 aux outputs: forward hooks on its "
-                           "decoder layers capture them, in eager mode (under torch.compile "
-                           "hooks capture nothing).")
-        else:
-            capture = "hf" if hf_ok and engine == "auto" else "unsupported"
-            reasons.append(
-                f"vLLM's {name} lacks EAGLE-3 aux outputs (vLLM refuses "
-                "extract_hidden_states for it), and hsx's vLLM hook fallback is not built "
-                "yet" + (f"; the hf engine is used: {hf_why}." if capture == "hf"
-                         else ("; use engine: hf." if hf_ok else f"; the hf engine cannot "
-                               f"either: {hf_why}."))
-            )
+        capture = "hooks"
+        options["enforce_eager"] = True
+        reasons.append(f"vLLM's {name} lacks EAGLE-3 aux outputs (vLLM refuses "
+                       "extract_hidden_states for it): forward hooks on its decoder layers "
+                       "inside the vLLM worker capture them instead, in eager mode (under "
+                       "torch.compile or CUDA graphs hooks see nothing), one prompt per "
+                       "forward pass, so expect lower throughput than extract_hidden_states.")
     else:
         reasons.append(f"vLLM cannot capture it here: {vllm_problem}.")
         capture = "hf" if hf_ok and engine == "auto" else "unsupported"

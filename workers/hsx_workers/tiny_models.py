@@ -296,8 +296,9 @@ def _gemma2_config(shape: TinyShape) -> PretrainedConfig:
     """
     from transformers import Gemma2Config
 
+    # Gemma ties its output embeddings; vLLM's Gemma-2 has no lm_head to load otherwise.
     return Gemma2Config(
-        **_common(shape),
+        **{**_common(shape), "tie_word_embeddings": True},
         head_dim=shape.head_dim,
         query_pre_attn_scalar=shape.head_dim,
         attn_logit_softcapping=None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -89,10 +90,39 @@ class VllmEngine:
             if opts.get(key) is not None:
                 engine_args[key] = opts[key]
         self._text_path_of_wrapper(engine_args)
+        self.hooks = self._capture_path() == "hooks"
+        if self.hooks:
+            self._hook_args(engine_args)
         started = time.monotonic()
         self.llm = LLM(**engine_args)
-        logger.info("vLLM engine ready in %.1fs (spool %s)", time.monotonic() - started, self.spool)
+        if self.hooks:
+            self.llm.collective_rpc(
+                "hsx_install_hooks",
+                args=(list(config.layers), config.num_layers, str(self.spool)),
+            )
+        logger.info("vLLM engine ready in %.1fs (spool %s%s)", time.monotonic() - started,
+                    self.spool, ", hook capture" if self.hooks else "")
         self._next_id = 0
+
+    def _capture_path(self) -> str:
+        """The model preflight's capture path for this model with the vllm engine."""
+        from hsx_workers.preflight import inspect_model_cached
+
+        report = inspect_model_cached(self.config.model, "vllm", tuple(self.config.layers),
+                                      self.config.trust_remote_code)
+        return str(report.capture)
+
+    def _hook_args(self, engine_args: dict[str, Any]) -> None:
+        """vLLM settings of the hook fallback (hooks.py): no extract_hidden_states, eager
+        mode, one whole prompt per forward, hooks installed by a worker extension."""
+        del engine_args["speculative_config"], engine_args["kv_transfer_config"]
+        engine_args["max_model_len"] = self.config.max_seq_len + 1
+        engine_args.update(
+            enforce_eager=True, max_num_seqs=1,
+            max_num_batched_tokens=max(engine_args["max_model_len"],
+                                       int(engine_args.get("max_num_batched_tokens") or 0)),
+            worker_extension_cls="hsx_workers.hooks.HookWorkerExtension",
+        )
 
     def _text_path_of_wrapper(self, engine_args: dict[str, Any]) -> None:
         """A multimodal wrapper (Kimi-K2.5, Qwen2.5-VL, Llava) runs its text path only.
@@ -186,9 +216,7 @@ class VllmEngine:
                     if not out.finished:
                         continue
                     req = running.pop(self._base_request_id(out.request_id, running))
-                    path = (getattr(out, "kv_transfer_params", None) or {}).get(
-                        "hidden_states_path"
-                    )
+                    path = self._spool_file(out)
                     if not path:
                         inflight_tokens -= len(req.input_ids)
                         ready[req.sample_index] = CaptureResult(
@@ -221,6 +249,20 @@ class VllmEngine:
                 inflight_tokens -= len(req.input_ids)
                 ready[req.sample_index] = self._collect(req, path)
 
+    def _spool_file(self, out: Any) -> str | None:
+        if self.hooks:
+            # hooks.py names the file after the request id the worker saw: vLLM's
+            # internal one, ours plus a "-<hex>" suffix. The hook wrote it during the
+            # forward, so it is there once the request has finished.
+            pattern = re.compile(re.escape(out.request_id) + r"(-[0-9a-f]+)?\.safetensors")
+            for name in os.listdir(self.spool):
+                base = name.removesuffix(ERROR_SUFFIX)
+                if pattern.fullmatch(base):
+                    return str(self.spool / base)
+            return str(self.spool / f"{out.request_id}.safetensors")
+        path = (getattr(out, "kv_transfer_params", None) or {}).get("hidden_states_path")
+        return str(path) if path else None
+
     @staticmethod
     def _base_request_id(request_id: str, running: dict[str, CaptureRequest]) -> str:
         # vLLM may append a suffix to the id it was given.
@@ -242,9 +284,10 @@ class VllmEngine:
             return CaptureResult(req.sample_index, req.input_ids, error=f"capture failed: {reason}")
         tensors = load_file(path)
         os.unlink(path)
-        token_ids = tensors["token_ids"]
-        expected = torch.tensor(req.input_ids, dtype=token_ids.dtype)
-        if token_ids.shape != expected.shape or not torch.equal(token_ids, expected):
+        expected = torch.tensor(req.input_ids, dtype=torch.int64)
+        token_ids = tensors.get("token_ids", expected)
+        if tensors["hidden_states"].shape[0] != len(req.input_ids) or not torch.equal(
+                token_ids.to(torch.int64), expected):
             return CaptureResult(
                 req.sample_index, req.input_ids,
                 error="vLLM processed other token ids than were sent (prompt mismatch)",
