@@ -20,6 +20,7 @@ from hsx_workers.preflight import (
     environment_report,
     format_report,
     inspect_model,
+    torchvision_missing,
 )
 from hsx_workers.tiny_models import ARCHS, CONFIG_ONLY, ChatDataset, make_tiny_model
 
@@ -30,6 +31,10 @@ REQUIRED_KEYS = {
     "supports_eagle3", "capture", "default_layers", "valid_layers", "bytes_per_token",
     "reasons", "trust_remote_code_needed",
 }
+
+# Kimi-K2.5's image processor exists only in a torchvision version, and vLLM loads it
+# at engine start even for the text path: not capturable where torchvision is missing.
+KIMI_CAPTURE = "unsupported" if torchvision_missing() else "extract_hidden_states"
 
 # arch -> (architecture, wrapper, inner text architecture, EAGLE-3, capture, lowest id)
 EXPECTED: dict[str, tuple[str, bool, str | None, bool, str, int]] = {
@@ -44,7 +49,7 @@ EXPECTED: dict[str, tuple[str, bool, str | None, bool, str, int]] = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", True, "Qwen2ForCausalLM", True,
                    "extract_hidden_states", 0),
     "kimi_k25": ("KimiK25ForConditionalGeneration", True, "DeepseekV3ForCausalLM", True,
-                 "extract_hidden_states", 1),
+                 KIMI_CAPTURE, 1),
 }
 
 
@@ -92,7 +97,7 @@ def test_preflight_answers_from_config_alone(arch: str, reports: dict[str, Model
     assert data["bytes_per_token"] == {
         "bf16": per_token, "fp8": per_token // 2 + 4 * len(data["default_layers"])
     }
-    if wrapper and capture == "extract_hidden_states":
+    if wrapper and data["capture"] == "extract_hidden_states":
         assert report.engine_options == {"language_model_only": True}
     assert format_report(report)
 
@@ -113,6 +118,19 @@ def test_kimi_k25_resolves_wrapper_and_deepseek_text_model(
 
     with pytest.raises(TypeError):
         issubclass(KimiK25ForConditionalGeneration, SupportsEagle3)
+
+
+def test_kimi_k25_without_torchvision_says_which_step_fails(
+    reports: dict[str, ModelReport],
+) -> None:
+    if not torchvision_missing():
+        pytest.skip("torchvision is installed here")
+    kimi = reports["kimi_k25"]
+    assert kimi.capture == "unsupported"
+    assert any("Kimi_K25ImageProcessor" in r and "_supports_multimodal_inputs" in r
+               and "GPU" in r for r in kimi.reasons)
+    # Wrappers whose processor has a PIL variant keep their text path here.
+    assert reports["llava"].capture == reports["qwen2_5_vl"].capture == "extract_hidden_states"
 
 
 def test_wrappers_without_torchvision_say_only_text_runs(reports: dict[str, ModelReport]) -> None:
@@ -248,6 +266,9 @@ def test_refused_uncapturable_model_with_engine_forced(
     unknown = _unknown_architecture(configs["llama"], tmp_path / "unknown")
     message = _run_refused(_spec(unknown, chat_dataset, tmp_path / "g"))
     assert "engine vllm" in message and "NoSuchModelForCausalLM" in message
+    if KIMI_CAPTURE == "unsupported":  # refused here, before an engine fails to start
+        message = _run_refused(_spec(configs["kimi_k25"], chat_dataset, tmp_path / "k"))
+        assert "Kimi_K25ImageProcessor" in message and "torchvision" in message
     message = _run_refused(_spec(configs["llava"], chat_dataset, tmp_path / "l", engine="hf"))
     assert "engine hf" in message and "causal-LM" in message
 
@@ -269,10 +290,11 @@ def test_cli_inspect_model_json_and_exit_codes(configs: dict[str, Path],
                                                capsys: pytest.CaptureFixture[str]) -> None:
     from hsx.cli import main
 
-    assert main(["inspect-model", str(configs["kimi_k25"]), "--json"]) == 0
+    code = main(["inspect-model", str(configs["kimi_k25"]), "--json"])
     data = json.loads(capsys.readouterr().out)
+    assert code == (0 if KIMI_CAPTURE == "extract_hidden_states" else 2)
     assert data["architecture"] == "KimiK25ForConditionalGeneration"
-    assert data["capture"] == "extract_hidden_states"
+    assert data["capture"] == KIMI_CAPTURE
     assert main(["inspect-model", str(configs["deepseek_v3"]), "--tp", "2",
                  "--gpu-memory-gib", "0.001"]) == 0
     text = capsys.readouterr().out

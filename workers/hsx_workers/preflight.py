@@ -190,6 +190,24 @@ def torchvision_stub() -> Iterator[None]:
             del sys.modules[name]
 
 
+def _torchvision_only_processor(info: ModelInfo) -> str | None:
+    """The wrapper's image processor class when it needs torchvision, which is missing
+    here; None when torchvision works or a PIL variant exists."""
+    if not torchvision_missing():
+        return None
+    try:
+        from transformers.models.auto.image_processing_auto import (
+            IMAGE_PROCESSOR_MAPPING_NAMES,
+        )
+    except ImportError:
+        return None
+    variants = IMAGE_PROCESSOR_MAPPING_NAMES.get(info.model_type)
+    if not isinstance(variants, dict) or "pil" in variants:
+        return None
+    name = variants.get("torchvision")
+    return str(name) if name else None
+
+
 def install_torchvision_stub() -> bool:
     """Stub torchvision for the rest of this process (an engine actor's), if missing.
 
@@ -436,6 +454,18 @@ def inspect_model(
             reasons.append("The hf engine could capture it: use engine: hf.")
         else:
             reasons.append(f"The hf engine cannot either: {hf_why}.")
+
+    if capture in ("extract_hidden_states", "hooks") and info.wrapper:
+        processor = _torchvision_only_processor(info)
+        if processor is not None:
+            capture = "unsupported"
+            reasons.append(
+                f"Not on this machine: its image processor ({processor}) exists only in a "
+                "torchvision version, and vLLM loads the multimodal processor while it "
+                "builds the model config (ModelConfig._supports_multimodal_inputs), even "
+                "for the text path, so the engine cannot start without torchvision. "
+                "Where torchvision works (GPU images), the text path above runs."
+            )
 
     layer_engine = "hf" if capture == "hf" else "vllm"
     if info.min_layer_id(layer_engine) > 0:
