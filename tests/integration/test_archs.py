@@ -120,7 +120,7 @@ def _hf_wrapper_reference(model: Path, samples: dict[int, dict[str, torch.Tensor
     return out
 
 
-@pytest.mark.parametrize("arch", ["llava"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
 def test_wrapper_text_path_matches_hf(arch: str, small_dataset: ChatDataset, arch_pool: Any,
                                       tmp_path: Path) -> None:
     from hsx_workers.preflight import inspect_model
