@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hsx.layout import DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_METRICS, DRAFT_STATE
+from hsx.draft import read_metrics
+from hsx.layout import DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_STATE
 from hsx.spec import TrainSpec
 from hsx.wire import TrainPoint, TrainState, TrainStatus
 from hsx_service.errors import JobConflict
@@ -43,15 +44,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def read_history(root: Path) -> list[TrainPoint]:
     """The loss curve from draft/metrics.jsonl, thinned to at most HISTORY_POINTS."""
-    path = root / DRAFT_METRICS
-    if not path.exists():
-        return []
     points = []
-    for line in path.read_text().splitlines():
+    for row in read_metrics(root):
         try:
-            points.append(TrainPoint.model_validate_json(line))
+            points.append(TrainPoint.model_validate(row))
         except ValueError:
-            continue  # a line cut by a crash
+            continue  # a record of another shape
     if len(points) > HISTORY_POINTS:
         stride = -(-len(points) // HISTORY_POINTS)
         points = points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])

@@ -265,9 +265,14 @@ def test_job_page_follows_a_draft_training(browser: WebDriver, fake_api: FakeCoo
     assert text(browser, "#train-step") == str(training.steps)
     assert text(browser, "#train-rate") == NO_VALUE
     # A finished training is not asked about again.
-    asked = fake_api.train_requests["train-1"]
+    assert_no_more_train_requests(fake_api, "train-1")
+
+
+def assert_no_more_train_requests(fake_api: FakeCoordinator, job_id: str) -> None:
+    """Over a few polling periods, the page asks nothing more about the training."""
+    asked = fake_api.train_requests[job_id]
     time.sleep(2.5 * TRAIN_POLL_S)
-    assert fake_api.train_requests["train-1"] == asked
+    assert fake_api.train_requests[job_id] == asked
 
 
 def test_training_polls_stop_when_the_page_closes(
@@ -290,9 +295,7 @@ def test_training_polls_stop_when_the_page_closes(
     browser.execute_script("window.location.hash = '#/'")
     wait(browser, lambda d: shown(d, "#view-list"), what="the job list")
     time.sleep(0.5)  # a request already under way may still land
-    asked = fake_api.train_requests["train-long"]
-    time.sleep(2.5 * TRAIN_POLL_S)
-    assert fake_api.train_requests["train-long"] == asked
+    assert_no_more_train_requests(fake_api, "train-long")
 
 
 def test_job_without_training_has_no_training_section(

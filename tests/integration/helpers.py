@@ -48,12 +48,12 @@ def snapshot(root: Path) -> dict[str, tuple[int, int, str]]:
     return state
 
 
-def worker_processes(pid: int) -> list[psutil.Process]:
-    """The ExtractionWorker actor processes started (via Ray) under process `pid`."""
+def worker_processes(pid: int, actor: str = "ExtractionWorker") -> list[psutil.Process]:
+    """The processes of Ray actors of class `actor` started under process `pid`."""
     found = []
     for child in psutil.Process(pid).children(recursive=True):
         try:
-            if "ExtractionWorker" in " ".join(child.cmdline()):
+            if actor in " ".join(child.cmdline()):
                 found.append(child)
         except psutil.NoSuchProcess:
             continue

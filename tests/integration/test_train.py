@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from hsx.client import JobRefusedError, NotFoundError
@@ -33,6 +32,7 @@ from hsx.wire import JobState, JobStatus, TrainState, TrainStatus
 from hsx_service.runner import run_job
 from hsx_workers.learnable import ChainLanguage, make_learnable_model, write_language_dataset
 
+from .helpers import worker_processes
 from .test_service import Coordinator, start_coordinator
 
 pytestmark = pytest.mark.integration
@@ -56,17 +56,6 @@ def _eval_draft(output: Path, *extra: str) -> dict[str, Any]:
     assert lines, done.stdout[-3000:]
     result: dict[str, Any] = json.loads(lines[-1])
     return result
-
-
-def _trainer_processes(pid: int) -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            if "TrainerActor" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.NoSuchProcess:
-            continue
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +110,7 @@ def trained(
             continue
         statuses.append(status)
         if status.checkpoint_step and not killed_at:
-            procs = _trainer_processes(coordinator.proc.pid)
+            procs = worker_processes(coordinator.proc.pid, "TrainerActor")
             assert procs, "no TrainerActor process under the coordinator"
             killed_at = status.checkpoint_step
             for p in procs:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -45,21 +46,30 @@ PARTIAL_SUFFIX = ".partial"
 ERROR_SUFFIX = ".error"
 
 
-def _write_spool_file(tensors: dict[str, torch.Tensor], event: Any, filename: str) -> None:
-    """Thread-pool job: wait for the copy, write, then publish by rename.
+def publish_spool_file(filename: str, make: Callable[[], dict[str, torch.Tensor]]) -> None:
+    """Write `make()`'s tensors to `filename` and publish it by rename.
 
-    A failure is published too (`<file>.error`), so the reader stops waiting at once
-    with the reason instead of timing out.
+    A failure (in `make` too) is published as `<file>.error`, so the reader stops
+    waiting at once with the reason instead of timing out.
     """
     partial_name = filename + PARTIAL_SUFFIX
     try:
-        event.synchronize()
-        save_file(tensors, partial_name)
+        save_file(make(), partial_name)
         os.replace(partial_name, filename)
     except BaseException as err:
         with open(filename + ERROR_SUFFIX, "w") as f:
             f.write(f"{type(err).__name__}: {err}")
         raise
+
+
+def _write_spool_file(tensors: dict[str, torch.Tensor], event: Any, filename: str) -> None:
+    """Thread-pool job: wait for the device-to-host copy, then publish."""
+
+    def copied() -> dict[str, torch.Tensor]:
+        event.synchronize()
+        return tensors
+
+    publish_spool_file(filename, copied)
 
 
 class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):

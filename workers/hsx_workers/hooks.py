@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hsx_workers.connector import ERROR_SUFFIX, PARTIAL_SUFFIX, SPOOL_SUFFIX
+from hsx_workers.connector import SPOOL_SUFFIX, publish_spool_file
 
 logger = logging.getLogger(__name__)
 
@@ -110,23 +110,17 @@ class HookCapture:
 
     def _publish(self, rows: dict[int, torch.Tensor]) -> None:
         request_id, tokens = self._request()
-        filename = os.path.join(self.spool, request_id + SPOOL_SUFFIX)
-        partial = filename + PARTIAL_SUFFIX
-        try:
-            from safetensors.torch import save_file
 
+        def tensors() -> dict[str, torch.Tensor]:
             states = torch.stack([rows[k] for k in self.layers], dim=1).to("cpu")
-            tensors = {"hidden_states": states.contiguous()}
+            out = {"hidden_states": states.contiguous()}
             if tokens is not None and tokens.numel() >= states.shape[0]:
-                # token_ids_cpu holds the prompt and the sampled token; the rows are the
-                # prompt's.
-                tensors["token_ids"] = tokens[: states.shape[0]].contiguous()
-            save_file(tensors, partial)
-            os.replace(partial, filename)
-        except BaseException as err:
-            with open(filename + ERROR_SUFFIX, "w") as f:
-                f.write(f"{type(err).__name__}: {err}")
-            raise
+                # token_ids_cpu holds the prompt and the sampled token; the rows are
+                # the prompt's.
+                out["token_ids"] = tokens[: states.shape[0]].contiguous()
+            return out
+
+        publish_spool_file(os.path.join(self.spool, request_id + SPOOL_SUFFIX), tensors)
 
 
 class HookWorkerExtension:

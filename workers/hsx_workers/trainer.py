@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from hsx.dataset import HiddenStatesDataset, resolve_output
+from hsx.draft import read_metrics
 from hsx.ingest import read_inputs
 from hsx.layout import (
     COMPLETE,
@@ -193,19 +194,6 @@ def latest_checkpoint(root: Path) -> Path | None:
     done = sorted(p for p in folder.iterdir() if p.name.startswith("step-")
                   and (p / TRAINER_STATE).exists())
     return done[-1] if done else None
-
-
-def read_metrics(root: Path) -> list[dict[str, Any]]:
-    path = root / DRAFT_METRICS
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut by a crash
-    return rows
 
 
 def resolve_device(choice: str) -> torch.device:
