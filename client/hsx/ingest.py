@@ -29,6 +29,7 @@ imported inside the functions that load a tokenizer.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -227,6 +228,42 @@ def iter_rows(dataset: str | Path, *, batch_rows: int = 1024) -> Iterator[Row]:
         return
     for batch in _iter_record_batches(source, batch_rows):
         yield from batch.to_pylist()
+
+
+def count_rows(dataset: str | Path) -> int:
+    """Rows of the dataset without parsing them: lines of JSONL files (blank ones not
+    counted), Parquet footers, Arrow stream files' batches."""
+    source = _resolve_source(dataset)
+    if source.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return sum(pq.ParquetFile(p).metadata.num_rows for p in source.files)
+    if source.kind == "hf":
+        return sum(batch.num_rows for batch in _iter_record_batches(source, 1 << 30))
+    rows = 0
+    for path in source.files:
+        with open(path, "rb") as f:
+            for line in f:
+                rows += bool(line.strip())
+    return rows
+
+
+def estimate_tokens(
+    dataset: str | Path, tokenizer_path: str, max_seq_len: int, *, sample_rows: int = 256,
+    chat_template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False,
+) -> tuple[float, int, int]:
+    """(estimated tokens, rows, rows sampled): the first `sample_rows` rows tokenized as
+    ingestion would, their mean tokens per row times the dataset's row count. Quick
+    (seconds), for checks before ingestion; a prefix is not a random sample."""
+    rows = count_rows(dataset)
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
+    head = list(itertools.islice(iter_rows(dataset), sample_rows))
+    results = _process_batch(head, tokenizer, len(tokenizer), max_seq_len,
+                             dict(chat_template_kwargs or {}))
+    lengths = [len(r.input_ids) for r in results if isinstance(r, _Sample)]
+    if not lengths:
+        return 0.0, rows, len(head)
+    return float(np.mean(lengths)) * rows, rows, len(head)
 
 
 def _batched(rows: Iterable[Row], size: int) -> Iterator[list[Row]]:

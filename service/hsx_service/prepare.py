@@ -110,6 +110,54 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Path]:
     return info, layers, root
 
 
+# The estimate refuses only a job it finds clearly too big: a dataset's first rows are
+# not a random sample. Jobs below this margin get the exact check after ingestion.
+ESTIMATE_MARGIN = 2.0
+
+
+def check_estimated_output(spec: JobSpec, quota_bytes: int | None = None) -> None:
+    """Refuse, before ingestion, a new job whose output is estimated (from its first rows
+    and its row count) at more than ESTIMATE_MARGIN x the quota or the free space.
+
+    For the coordinator's submit, so that such a job gets a 422 instead of failing after
+    ingestion; `prepare` checks the exact size once the dataset is tokenized.
+    """
+    root = output_path(spec.output)
+    if (root / MANIFEST).exists():
+        return  # a rerun: ingested already, prepare checks the exact size
+    info = read_model_info(spec.model)
+    layers = spec.layers if spec.layers is not None else info.default_layers(spec.engine)
+    quota = output_quota(quota_bytes)
+    free = shutil.disk_usage(_existing_parent(root)).free
+    limit, what = (quota, "the quota") if quota is not None and quota < free else (
+        free, f"the free space of {root}")
+    from hsx.ingest import estimate_tokens
+
+    try:
+        tokens, rows, sampled = estimate_tokens(
+            spec.dataset, spec.tokenizer or spec.model, spec.max_seq_len,
+            chat_template_kwargs=spec.chat_template_kwargs,
+            trust_remote_code=spec.trust_remote_code)
+    except Exception as err:
+        logger.info("no output estimate for %s: %s", spec.dataset, err)
+        return
+    per_token = info.bytes_per_token(len(layers))[spec.storage_dtype]
+    need = tokens * per_token
+    if need > ESTIMATE_MARGIN * limit:
+        raise JobRefused(
+            f"output: the job would write about {_human(need)} (estimated from the first "
+            f"{sampled} of {rows} rows: {tokens:,.0f} tokens x {per_token} bytes of "
+            f"{len(layers)} layers in {spec.storage_dtype}), more than {what} "
+            f"({_human(limit)}); use fewer layers, storage_dtype fp8, or a smaller dataset"
+        )
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
     """Refuse a model the chosen engine cannot capture, with the model preflight's reasons.
 

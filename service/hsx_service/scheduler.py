@@ -31,7 +31,14 @@ from hsx.spec import JobSpec, TrainSpec
 from hsx.wire import ErrorPage, ErrorRecord, JobState, JobStatus, TrainStatus, WorkerStatus
 from hsx_service.errors import JobConflict, JobNotFound, NotReady
 from hsx_service.ledger import JobRow, Ledger
-from hsx_service.prepare import JobRefused, PreparedJob, output_path, preflight, prepare
+from hsx_service.prepare import (
+    JobRefused,
+    PreparedJob,
+    check_estimated_output,
+    output_path,
+    preflight,
+    prepare,
+)
 from hsx_service.runner import (
     MAX_ATTEMPTS,
     DispatchHooks,
@@ -117,6 +124,7 @@ class Scheduler:
         if existing is not None:
             return self._same_or_conflict(existing, spec), False
         preflight(spec)
+        check_estimated_output(spec)
         check_capacity(spec)
         root = str(output_path(spec.output).resolve())
         for other in self.ledger.jobs():

@@ -273,6 +273,29 @@ def test_refused_uncapturable_model_with_engine_forced(
     assert "engine hf" in message and "causal-LM" in message
 
 
+def test_submit_refuses_an_output_estimated_over_quota(
+    configs: dict[str, Path], chat_dataset: ChatDataset, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hsx.ingest import count_rows, estimate_tokens, ingest
+    from hsx_service.prepare import check_estimated_output
+
+    spec = _spec(configs["llama"], chat_dataset, tmp_path / "e")
+    assert count_rows(chat_dataset.path) == chat_dataset.num_rows
+    tokens, rows, sampled = estimate_tokens(chat_dataset.path, str(configs["llama"]), 256,
+                                            sample_rows=64)
+    exact = ingest(chat_dataset.path, str(configs["llama"]), 256, tmp_path / "exact")
+    assert rows == chat_dataset.num_rows and sampled == 64
+    assert 0.5 * exact.num_tokens < tokens < 2 * exact.num_tokens
+    monkeypatch.setenv("HSX_QUOTA_BYTES", "100000")
+    with pytest.raises(JobRefused) as refused:
+        check_estimated_output(spec)
+    assert "estimated from the first" in str(refused.value) and "quota" in str(refused.value)
+    # Under twice the quota the estimate lets it through: ingestion's exact count decides.
+    monkeypatch.setenv("HSX_QUOTA_BYTES", str(int(exact.num_tokens * 2 * 4 * 256 * 0.6)))
+    check_estimated_output(spec)
+
+
 def test_refused_output_over_quota(configs: dict[str, Path], chat_dataset: ChatDataset,
                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HSX_QUOTA_BYTES", "1000000")
