@@ -186,6 +186,9 @@ def test_train_checkpoints_and_resume(tmp_path: Path, tiny_llama: Path) -> None:
     assert config["draft_vocab_size"] == 128
     assert config["transformer_layer_config"]["num_aux_hidden_states"] == 2
     assert not list((draft / ".tmp").iterdir())
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (draft / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     assert json.loads((draft / "train.json").read_text())["state"] == "done"
 
     from safetensors.torch import load_file

@@ -514,7 +514,12 @@ class DraftTrainer:
         model.save_pretrained(str(tmp))
         torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                     "state": self.state.__dict__.copy()}, tmp / TRAINER_STATE)
+        # transformers writes the weights through a private temp file (mode 0600); a
+        # draft in a shared bucket must be readable like the files beside it, so each
+        # file gets the mode train.json got from the umask.
+        mode = (self.root / DRAFT_STATE).stat().st_mode & 0o777
         for f in tmp.iterdir():
+            f.chmod(mode)
             with f.open("rb") as fh:
                 os.fsync(fh.fileno())
         folder.mkdir(parents=True, exist_ok=True)
