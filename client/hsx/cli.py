@@ -173,9 +173,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _train_spec(args: argparse.Namespace) -> Any:
     """TrainSpec from --spec FILE and --set key=value overrides (SpecError when bad)."""
     import yaml
-    from pydantic import ValidationError
 
-    from hsx.spec import SpecError, TrainSpec
+    from hsx.spec import SpecError, parse_train
 
     fields: dict[str, Any] = {}
     if args.spec:
@@ -192,14 +191,7 @@ def _train_spec(args: argparse.Namespace) -> Any:
             raise SpecError(f"--set {item!r}: expected key=value")
         fields[key.strip()] = yaml.safe_load(value)
     fields["follow"] = bool(args.follow)
-    try:
-        return TrainSpec.model_validate(fields)
-    except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: "
-            f"{'unknown field' if e['type'] == 'extra_forbidden' else e['msg']}"
-            for e in err.errors())
-        raise SpecError(f"train spec: {problems}") from None
+    return parse_train(fields)
 
 
 def _is_local_output(target: str) -> bool:

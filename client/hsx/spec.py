@@ -211,15 +211,25 @@ class JobSpec(BaseModel):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _format_validation_error(err: ValidationError, help_command: str = "hsx extract") -> str:
     lines = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "(job)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see `hsx extract --help`)"
+            msg = f"unknown field (check the spelling; see `{help_command} --help`)"
         lines.append(f"{field}: {msg}")
     return "; ".join(lines)
+
+
+def parse_train(data: dict[str, Any], *, source: str = "train spec") -> TrainSpec:
+    """Validate a TrainSpec mapping; raise SpecError naming every bad field."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: a train spec must be a mapping of fields")
+    try:
+        return TrainSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(f"{source}: {_format_validation_error(err, 'hsx train')}") from None
 
 
 def parse_job(data: dict[str, Any], *, source: str = "job") -> JobSpec:
