@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hsx.layout import DRAFT_METRICS
+from hsx.layout import DRAFT_CHECKPOINTS, DRAFT_METRICS
 
 
 def read_metrics(root: str | Path) -> list[dict[str, Any]]:
@@ -23,3 +23,18 @@ def read_metrics(root: str | Path) -> list[dict[str, Any]]:
         if isinstance(row, dict):
             rows.append(row)
     return rows
+
+
+def checkpoints(root: str | Path) -> list[Path]:
+    """The draft's checkpoint folders, oldest first. Each is whole: a checkpoint is
+    published by renaming its finished folder into draft/checkpoints/."""
+    folder = Path(root) / DRAFT_CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if checkpoint_step(p) is not None)
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a checkpoint folder named by `hsx.layout.checkpoint_name`, else None."""
+    prefix, _, step = path.name.partition("-")
+    return int(step) if prefix == "step" and step.isdigit() else None

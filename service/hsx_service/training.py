@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hsx.draft import read_metrics
-from hsx.layout import DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_STATE
+from hsx.draft import checkpoint_step, checkpoints, read_metrics
+from hsx.layout import DRAFT_DIR, DRAFT_METRICS, DRAFT_STATE
 from hsx.spec import TrainSpec
 from hsx.wire import TrainPoint, TrainState, TrainStatus
 from hsx_service.errors import JobConflict
@@ -56,15 +56,6 @@ def read_history(root: Path) -> list[TrainPoint]:
     return points
 
 
-def newest_checkpoint_step(root: Path) -> int | None:
-    folder = root / DRAFT_CHECKPOINTS
-    if not folder.is_dir():
-        return None
-    steps = [int(p.name.split("-")[1]) for p in folder.iterdir()
-             if p.name.startswith("step-") and p.name.split("-")[1].isdigit()]
-    return max(steps) if steps else None
-
-
 class Trainings:
     """Start, watch, restart and report the trainings; see the module docstring."""
 
@@ -76,6 +67,9 @@ class Trainings:
         self._live: dict[str, dict[str, Any]] = {}  # job id -> the actor's last progress
         self._actors: dict[str, Any] = {}
         self._stopping = threading.Event()
+        # output -> ((mtime, size) of draft/metrics.jsonl, its loss curve): a status poll
+        # re-reads the file only when the trainer has appended to it.
+        self._history: dict[Path, tuple[tuple[int, int], list[TrainPoint]]] = {}
 
     def start(self, job_id: str, output: Path, spec: TrainSpec) -> None:
         with self._lock:
@@ -108,10 +102,11 @@ class Trainings:
     def status(self, row: TrainRow, output: Path) -> TrainStatus:
         live = self._live.get(row.job_id) or {}
         last = live.get("last") or {}
-        history = read_history(output)
+        history = self._read_history(output)
         if not last and history:
             last = history[-1].model_dump()
         on_disk = _read_json(output / DRAFT_STATE) or {}
+        saved = checkpoints(output)
         return TrainStatus(
             job_id=row.job_id, state=row.state, draft=str(output / DRAFT_DIR),
             step=int(last.get("step", on_disk.get("step", 0))),
@@ -119,11 +114,25 @@ class Trainings:
             loss=last.get("loss"), acc=list(last.get("acc") or []),
             tokens_per_s=float(last.get("tokens_per_s", 0.0)),
             wait_fraction=float(last.get("wait_fraction", 0.0)),
-            checkpoint_step=newest_checkpoint_step(output), restarts=row.restarts,
+            checkpoint_step=checkpoint_step(saved[-1]) if saved else None,
+            restarts=row.restarts,
             resumed_from=live.get("resumed_from", on_disk.get("resumed_from")),
             first_step_at=live.get("first_step_at"), error=row.error, spec=row.spec,
             history=history, updated_at=row.updated_at,
         )
+
+    def _read_history(self, output: Path) -> list[TrainPoint]:
+        try:
+            st = (output / DRAFT_METRICS).stat()
+        except FileNotFoundError:
+            return []
+        key = (st.st_mtime_ns, st.st_size)
+        cached = self._history.get(output)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        points = read_history(output)
+        self._history[output] = (key, points)
+        return points
 
     # -- the watching thread
 

@@ -266,3 +266,20 @@ def test_cli(tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str
     captured = capsys.readouterr()
     out = captured.out + captured.err  # progress goes to stderr, like `hsx extract`'s
     assert "train: step 2" in out and "trained 2 steps" in out and "eagle3" in out
+
+
+def test_coordinator_status_reads_the_draft_folder(tmp_path: Path, tiny_llama: Path) -> None:
+    from hsx_service.ledger import Ledger
+    from hsx_service.training import Trainings
+
+    root = make_output(tmp_path / "out", tiny_llama)
+    DraftTrainer(root, spec(max_steps=3)).run()
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    row = ledger.put_training("job-1", spec(max_steps=3))
+    trainings = Trainings(ledger)
+    status = trainings.status(row, root)
+    assert [p.step for p in status.history] == [1, 2, 3]
+    assert status.step == 3 and status.checkpoint_step == 3 and len(status.acc) == 3
+    with (root / DRAFT_METRICS).open("a") as f:
+        f.write(json.dumps({"step": 4, "loss": 0.5}) + "\n")
+    assert [p.step for p in trainings.status(row, root).history] == [1, 2, 3, 4]

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from hsx.dataset import HiddenStatesDataset, resolve_output
-from hsx.draft import read_metrics
+from hsx.draft import checkpoints, read_metrics
 from hsx.ingest import read_inputs
 from hsx.layout import (
     COMPLETE,
@@ -187,15 +187,6 @@ def unit_of(reader: ShardReader) -> int:
     return int(reader.record["unit"])
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    folder = root / DRAFT_CHECKPOINTS
-    if not folder.is_dir():
-        return None
-    done = sorted(p for p in folder.iterdir() if p.name.startswith("step-")
-                  and (p / TRAINER_STATE).exists())
-    return done[-1] if done else None
-
-
 def resolve_device(choice: str) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -281,9 +272,10 @@ class DraftTrainer:
         return opt, sched
 
     def _resume(self, model: Any, opt: torch.optim.Optimizer, sched: Any) -> None:
-        ckpt = latest_checkpoint(self.root)
-        if ckpt is None:
+        saved_checkpoints = checkpoints(self.root)
+        if not saved_checkpoints:
             return
+        ckpt = saved_checkpoints[-1]
         from safetensors.torch import load_file
 
         weights = load_file(str(ckpt / "model.safetensors"), device=str(self.device))
@@ -525,9 +517,7 @@ class DraftTrainer:
         folder.mkdir(parents=True, exist_ok=True)
         os.rename(tmp, final)  # a checkpoint is there whole or not at all
         self._publish(final)
-        for old in sorted(p for p in folder.iterdir() if p.name.startswith("step-"))[
-            : -self.spec.keep_checkpoints
-        ]:
+        for old in checkpoints(self.root)[: -self.spec.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
