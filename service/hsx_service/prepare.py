@@ -115,20 +115,19 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Path]:
 ESTIMATE_MARGIN = 2.0
 
 
-def check_estimated_output(spec: JobSpec, quota_bytes: int | None = None) -> None:
+def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], root: Path,
+                           quota_bytes: int | None = None) -> None:
     """Refuse, before ingestion, a new job whose output is estimated (from its first rows
     and its row count) at more than ESTIMATE_MARGIN x the quota or the free space.
 
     For the coordinator's submit, so that such a job gets a 422 instead of failing after
-    ingestion; `prepare` checks the exact size once the dataset is tokenized.
+    ingestion; `prepare` checks the exact size once the dataset is tokenized. Takes what
+    `preflight` returned.
     """
-    root = output_path(spec.output)
     if (root / MANIFEST).exists():
         return  # a rerun: ingested already, prepare checks the exact size
-    info = read_model_info(spec.model)
-    layers = spec.layers if spec.layers is not None else info.default_layers(spec.engine)
     quota = output_quota(quota_bytes)
-    free = shutil.disk_usage(_existing_parent(root)).free
+    free = shutil.disk_usage(root).free  # preflight has made it
     limit, what = (quota, "the quota") if quota is not None and quota < free else (
         free, f"the free space of {root}")
     from hsx.ingest import estimate_tokens
@@ -150,12 +149,6 @@ def check_estimated_output(spec: JobSpec, quota_bytes: int | None = None) -> Non
             f"{len(layers)} layers in {spec.storage_dtype}), more than {what} "
             f"({_human(limit)}); use fewer layers, storage_dtype fp8, or a smaller dataset"
         )
-
-
-def _existing_parent(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:

@@ -123,8 +123,7 @@ class Scheduler:
         existing = self.ledger.job(job_id)
         if existing is not None:
             return self._same_or_conflict(existing, spec), False
-        preflight(spec)
-        check_estimated_output(spec)
+        check_estimated_output(spec, *preflight(spec))
         check_capacity(spec)
         root = str(output_path(spec.output).resolve())
         for other in self.ledger.jobs():

@@ -289,11 +289,11 @@ def test_submit_refuses_an_output_estimated_over_quota(
     assert 0.5 * exact.num_tokens < tokens < 2 * exact.num_tokens
     monkeypatch.setenv("HSX_QUOTA_BYTES", "100000")
     with pytest.raises(JobRefused) as refused:
-        check_estimated_output(spec)
+        check_estimated_output(spec, *preflight(spec))
     assert "estimated from the first" in str(refused.value) and "quota" in str(refused.value)
     # Under twice the quota the estimate lets it through: ingestion's exact count decides.
     monkeypatch.setenv("HSX_QUOTA_BYTES", str(int(exact.num_tokens * 2 * 4 * 256 * 0.6)))
-    check_estimated_output(spec)
+    check_estimated_output(spec, *preflight(spec))
 
 
 def test_refused_output_over_quota(configs: dict[str, Path], chat_dataset: ChatDataset,
