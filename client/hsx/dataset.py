@@ -26,7 +26,7 @@ import threading
 import time
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, SupportsIndex
 
@@ -248,13 +248,16 @@ class HiddenStatesDataset:
             for j in range(len(reader)):
                 yield reader.sample(j, backend=backend)
 
-    def shards(self) -> Iterator[ShardReader]:
+    def shards(self, records: Iterable[dict[str, Any]] | None = None) -> Iterator[ShardReader]:
         """Committed shards as ShardReaders (with `.record`), in unit order.
 
         With follow=True: each shard once, as its commit appears (new ones in unit
         order), until complete.json exists and every committed shard has been yielded.
+        With `records` (commit records from `records`, e.g. shuffled): those shards, in
+        that order.
         """
-        records = self._follow_records() if self.follow else iter(self._index.order)
+        if records is None:
+            records = self._follow_records() if self.follow else iter(self._index.order)
         for record in records:
             yield self._reader(record)
 

@@ -298,20 +298,17 @@ class DraftTrainer:
     def _units(self, ds: HiddenStatesDataset, epoch: int) -> Iterator[ShardReader]:
         done = set(self.state.units_done)
         if epoch == 0 and not ds.complete:
-            for reader in ds.shards():  # follow=True: as commits land
-                if self.stop.is_set():
-                    return
-                if unit_of(reader) not in done:
-                    yield reader
-            return
-        ds.follow = False
-        ds.refresh()
-        records = [r for r in ds.records if int(r["unit"]) not in done]
-        random.Random(self.spec.seed * 1000 + epoch).shuffle(records)
-        for record in records:
+            shards = ds.shards()  # follow=True: as commits land
+        else:
+            ds.refresh()
+            records = [r for r in ds.records if int(r["unit"]) not in done]
+            random.Random(self.spec.seed * 1000 + epoch).shuffle(records)
+            shards = ds.shards(records)
+        for reader in shards:
             if self.stop.is_set():
                 return
-            yield ds._reader(record)
+            if unit_of(reader) not in done:
+                yield reader
 
     def _wait_for_complete(self) -> None:
         while not (self.root / COMPLETE).exists() and not self.stop.is_set():
