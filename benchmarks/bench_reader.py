@@ -30,7 +30,6 @@ Run: `python benchmarks/bench_reader.py [--quick]` (or through run_all.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -286,18 +285,10 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="256 MiB in 2 shards, 3 reps")
-    p.add_argument("--size-mib", type=int, help="output size (default 1024 MiB)")
-    p.add_argument("--reps", type=int, help="repetitions per variant (default 5)")
-    p.add_argument("--out", type=Path, help="results JSON (default results/cpu.json)")
-    p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
-    p.add_argument("--note", help="free text stored with the results")
-    args = p.parse_args(argv)
-    out = args.out or common.RESULTS_DIR / ("cpu-quick.json" if args.quick else "cpu.json")
-    run(quick=args.quick, out=out, size_mib=args.size_mib, reps=args.reps,
-        workdir=args.workdir, note=args.note)
-    return 0
+    return common.size_bench_main(
+        argv, __doc__ or "", run,
+        quick_help="256 MiB in 2 shards, 3 reps",
+        size_help="output size (default 1024 MiB)")
 
 
 if __name__ == "__main__":

@@ -224,3 +224,22 @@ def _fmt(c: Any) -> str:
             return f"{c:,.0f}"
         return f"{c:.3f}" if abs(c) < 10 else f"{c:.2f}"
     return str(c)
+
+
+def size_bench_main(argv: list[str] | None, doc: str, run: Callable[..., Any], *,
+                    quick_help: str, size_help: str) -> int:
+    """The command line of the I/O benchmarks (writer, reader): same flags, same defaults."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--size-mib", type=int, help=size_help)
+    p.add_argument("--reps", type=int, help="repetitions per variant (default 5)")
+    p.add_argument("--out", type=Path, help="results JSON (default results/cpu.json)")
+    p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
+    p.add_argument("--note", help="free text stored with the results")
+    args = p.parse_args(argv)
+    out = args.out or RESULTS_DIR / ("cpu-quick.json" if args.quick else "cpu.json")
+    run(quick=args.quick, out=out, size_mib=args.size_mib, reps=args.reps,
+        workdir=args.workdir, note=args.note)
+    return 0
