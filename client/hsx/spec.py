@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -222,24 +222,27 @@ def _format_validation_error(err: ValidationError, help_command: str = "hsx extr
     return "; ".join(lines)
 
 
+_Spec = TypeVar("_Spec", bound=BaseModel)
+
+
+def _parse(cls: type[_Spec], data: Any, source: str, what: str, command: str) -> _Spec:
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: {what} must be a mapping of fields, got "
+                        f"{type(data).__name__}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(f"{source}: {_format_validation_error(err, command)}") from None
+
+
 def parse_train(data: dict[str, Any], *, source: str = "train spec") -> TrainSpec:
     """Validate a TrainSpec mapping; raise SpecError naming every bad field."""
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: a train spec must be a mapping of fields")
-    try:
-        return TrainSpec.model_validate(data)
-    except ValidationError as err:
-        raise SpecError(f"{source}: {_format_validation_error(err, 'hsx train')}") from None
+    return _parse(TrainSpec, data, source, "a train spec", "hsx train")
 
 
 def parse_job(data: dict[str, Any], *, source: str = "job") -> JobSpec:
     """Validate a job mapping; raise SpecError naming every bad field."""
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: a job must be a mapping of fields, got {type(data).__name__}")
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as err:
-        raise SpecError(f"{source}: {_format_validation_error(err)}") from None
+    return _parse(JobSpec, data, source, "a job", "hsx extract")
 
 
 def load_job(path: str | Path) -> JobSpec:
