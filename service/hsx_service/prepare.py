@@ -98,6 +98,7 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Path]:
     except ModelConfigError as err:
         raise JobRefused(str(err)) from None
     check_capturable(spec, info, layers)
+    check_engine_args(spec)
     if not Path(spec.dataset).exists():
         raise JobRefused(f"dataset: {spec.dataset} does not exist")
     if spec.engine == "hf" and spec.tensor_parallel_size > 1:
@@ -176,6 +177,27 @@ def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
             f"model: {info.architecture} cannot be captured with engine {spec.engine}: "
             + " ".join(report.reasons)
         )
+
+
+def check_engine_args(spec: JobSpec) -> None:
+    """Refuse `vllm:` keys that the installed vLLM does not take, or that hsx sets itself."""
+    passed = spec.vllm.engine_args()
+    if not passed:
+        return
+    if spec.engine != "vllm":
+        raise JobRefused(f"vllm: {', '.join(sorted(passed))} are vLLM engine arguments, but "
+                         f"the job's engine is {spec.engine}")
+    try:
+        from hsx_workers import vllm_compat
+    except ImportError:  # the workers' package is not installed here
+        return
+    try:
+        known: frozenset[str] | None = vllm_compat.engine_arg_names()
+    except ImportError:  # no vLLM here: the engine's own start says what it refuses
+        known = None
+    problem = vllm_compat.engine_args_problem(passed, known)
+    if problem:
+        raise JobRefused(f"vllm: {problem}")
 
 
 def output_quota(quota_bytes: int | None = None) -> int | None:

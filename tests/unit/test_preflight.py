@@ -296,6 +296,35 @@ def test_submit_refuses_an_output_estimated_over_quota(
     check_estimated_output(spec, *preflight(spec))
 
 
+def test_refused_engine_args_vllm_lacks_or_hsx_sets(configs: dict[str, Path],
+                                                    chat_dataset: ChatDataset,
+                                                    tmp_path: Path) -> None:
+    message = _run_refused(_spec(configs["llama"], chat_dataset, tmp_path / "o",
+                                 vllm={"load_formt": "dummy"}))
+    assert "`load_formt` is not an engine argument" in message
+    assert "did you mean `load_format`" in message
+    message = _run_refused(_spec(configs["llama"], chat_dataset, tmp_path / "o",
+                                 vllm={"speculative_config": {}}))
+    assert "`speculative_config` is set by capture" in message
+    message = _run_refused(_spec(configs["llama"], chat_dataset, tmp_path / "o", engine="hf",
+                                 vllm={"load_format": "dummy"}))
+    assert "engine is hf" in message
+    # Arguments the installed vLLM takes pass the preflight.
+    preflight(_spec(configs["llama"], chat_dataset, tmp_path / "o",
+                    vllm={"load_format": "dummy", "max_num_seqs": 8}))
+
+
+def test_supported_vllm_range() -> None:
+    from hsx_workers.vllm_compat import version_problem, vllm_version
+
+    assert version_problem() is None, f"the installed vLLM {vllm_version()} is supported"
+    assert version_problem("0.25.1") is None
+    assert version_problem("0.32.0+cpu") is None
+    assert "outside the range" in str(version_problem("0.24.0"))
+    assert "outside the range" in str(version_problem("0.33.0"))
+    assert version_problem("") is not None
+
+
 def test_refused_output_over_quota(configs: dict[str, Path], chat_dataset: ChatDataset,
                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HSX_QUOTA_BYTES", "1000000")

