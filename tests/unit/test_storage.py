@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,6 +91,15 @@ def test_object_store_uri_imports_obstore_only_then() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
     )
     assert out.stdout.split() == ["ObjectStoreStorage", "s3://some-bucket/prefix", "True"]
+
+
+def test_gcs_and_azure_uris() -> None:
+    gcs = Storage.for_uri("gs://bucket/prefix/x")
+    assert gcs.uri == "gs://bucket/prefix/x" and not gcs.is_local
+    with pytest.raises(StorageError, match=r"az://container: .*Account must be specified"):
+        Storage.for_uri("az://container")
+    azure = Storage.for_uri("az://container/p", account_name="acct")
+    assert azure.uri == "az://container/p"
 
 
 def test_plain_http_endpoint_needs_allow_http() -> None:
@@ -306,3 +316,93 @@ def test_local_storage_pickles(store: LocalStorage) -> None:
     store.put("a", b"1")
     again = pickle.loads(pickle.dumps(store))
     assert again.read("a") == b"1"
+
+
+# --------------------------------------------------------------------------- S3 client
+
+
+def _s3_client(handler: object, **kw: object) -> object:
+    import httpx
+
+    from hsx.output.s3_multipart import S3MultipartClient, S3Settings
+
+    settings = S3Settings.resolve("bkt", {
+        "endpoint": "http://127.0.0.1:9", "access_key_id": "k", "secret_access_key": "s",
+        "allow_http": True, **kw,
+    })
+    client = S3MultipartClient(settings, "pre", max_attempts=3)
+    client._http = httpx.Client(transport=httpx.MockTransport(handler))  # type: ignore[arg-type]
+    client._pid = os.getpid()
+    client._backoff = lambda attempt, why: None  # type: ignore[method-assign]
+    return client
+
+
+def test_s3_client_retries_transient_errors_and_signs() -> None:
+    import httpx
+
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if len(seen) == 1:
+            raise httpx.ConnectError("dropped")
+        if len(seen) == 2:
+            return httpx.Response(503, content=b"<Error><Code>SlowDown</Code></Error>")
+        return httpx.Response(200, headers={"ETag": '"abc"'})
+
+    client: Any = _s3_client(handler)
+    etag = client.upload_part("shards/x", "up/1", 7, [memoryview(b"0123"), memoryview(b"45")])
+    assert etag == '"abc"' and len(seen) == 3
+    last = seen[-1]
+    assert last.url.path == "/bkt/pre/shards/x"
+    assert dict(last.url.params) == {"partNumber": "7", "uploadId": "up/1"}
+    assert last.content == b"012345" and last.headers["content-length"] == "6"
+    assert last.headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+    assert last.headers["authorization"].startswith("AWS4-HMAC-SHA256 Credential=k/")
+
+
+def test_s3_client_errors_name_the_problem() -> None:
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":  # CompleteMultipartUpload: 200 with an error inside
+            return httpx.Response(200, content=b'<?xml version="1.0"?>\n<Error><Code>'
+                                  b"InvalidPart</Code><Message>bad etag</Message></Error>")
+        return httpx.Response(403, content=b"<Error><Code>SignatureDoesNotMatch</Code></Error>")
+
+    client: Any = _s3_client(handler)
+    with pytest.raises(StorageError, match=r"access denied.*SignatureDoesNotMatch"):
+        client.upload_part("k", "u", 1, b"x")
+    with pytest.raises(StorageError, match="InvalidPart: bad etag"):
+        client.complete_upload("k", "u", [(1, '"e"')], 1)
+
+
+def test_s3_complete_whose_answer_was_lost_is_accepted() -> None:
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(404, content=b"<Error><Code>NoSuchUpload</Code></Error>")
+        return httpx.Response(200, headers={"Content-Length": "11"})  # HEAD: it is there
+
+    client: Any = _s3_client(handler)
+    client.complete_upload("k", "u", [(1, '"e"')], 11)
+    with pytest.raises(ObjectNotFoundError):
+        client.complete_upload("k", "u", [(1, '"e"')], 12)  # another size: not ours
+
+
+def test_s3_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsx.output.s3_multipart import S3Settings
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9/")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "envkey")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "envsecret")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    settings = S3Settings.resolve("b", {"access_key_id": "optkey"})
+    assert settings.endpoint == "http://127.0.0.1:9" and settings.region == "eu-west-1"
+    assert settings.access_key_id == "optkey" and settings.secret_access_key == "envsecret"
+    assert settings.allow_http and settings.static
+    assert "envsecret" not in repr(settings)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    assert S3Settings.resolve("b", {}).base_url() == ("https://b.s3.eu-west-1.amazonaws.com", "")

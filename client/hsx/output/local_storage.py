@@ -13,6 +13,7 @@ import concurrent.futures
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 from hsx.output.storage import (
@@ -150,7 +151,7 @@ class LocalStorage(Storage):
             st = os.stat(self.local_path(key))
         except (FileNotFoundError, NotADirectoryError):
             return None
-        if not os.path.isfile(self.local_path(key)):
+        if not stat.S_ISREG(st.st_mode):
             return None
         return ObjectInfo(check_key(key), st.st_size)
 

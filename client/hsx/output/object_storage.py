@@ -88,7 +88,10 @@ class ObjectStoreStorage(Storage):
     ) -> None:
         self.uri = uri.rstrip("/")
         self._make_store = make_store
-        self.store = make_store(None)
+        try:
+            self.store = make_store(None)
+        except Exception as err:  # obstore's configuration errors
+            raise StorageError(f"{self.uri}: {_first_line(err)}") from err
         self.multipart = multipart
         self._options = dict(options or {})
         self.part_size = part_size

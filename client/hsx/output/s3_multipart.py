@@ -31,7 +31,7 @@ import random
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -53,6 +53,7 @@ DEFAULT_PART_SIZE = 16 * 2**20
 DEFAULT_MAX_INFLIGHT = 4
 
 _UNSIGNED = "UNSIGNED-PAYLOAD"
+_SEND_CHUNK = 1 << 20  # pieces handed to the HTTP stack (it copies each into its buffer)
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _TRUTHY = frozenset({"1", "true", "yes", "on"})
 
@@ -247,14 +248,16 @@ class S3MultipartClient:
         method: str,
         key: str | None,
         params: Mapping[str, str] | None = None,
-        body: bytes = b"",
+        body: bytes | Sequence[memoryview] = b"",
         *,
         sign_payload: bool = True,
         ok: Callable[[int], bool] = lambda s: 200 <= s < 300,
     ) -> S3Response:
         """Send one request (to the bucket when `key` is None); retried on transient errors.
 
-        Returns the response when `ok(status)`; raises StorageError otherwise.
+        `body` is bytes or a sequence of buffers sent one after the other without being
+        joined first (a part is 16 MiB: one copy fewer). Returns the response when
+        `ok(status)`; raises StorageError otherwise.
         """
         import httpx
 
@@ -265,12 +268,24 @@ class S3MultipartClient:
             path = "/"
         query = _canonical_query(params or {})
         url = self._origin + path + (f"?{query}" if query else "")
-        payload_hash = hashlib.sha256(body).hexdigest() if sign_payload else _UNSIGNED
+        pieces = [body] if isinstance(body, bytes) else list(body)
+        length = sum(memoryview(p).nbytes for p in pieces)
+        if sign_payload:
+            sha = hashlib.sha256()
+            for piece in pieces:
+                sha.update(piece)
+            payload_hash = sha.hexdigest()
+        else:
+            payload_hash = _UNSIGNED
         what = f"{method} {self.url(key) if key is not None else f's3://{self.settings.bucket}'}"
         for attempt in range(1, self.max_attempts + 1):
             headers = sign_v4(self.settings, method, self._host, path, query, payload_hash)
+            stream = None
+            if length:
+                headers["content-length"] = str(length)
+                stream = _send_pieces(pieces)
             try:
-                resp = self._client().request(method, url, content=body, headers=headers)
+                resp = self._client().request(method, url, content=stream, headers=headers)
             except httpx.TransportError as err:
                 if attempt == self.max_attempts:
                     raise StorageError(
@@ -325,7 +340,7 @@ class S3MultipartClient:
         resp = self.request("HEAD", key, ok=lambda s: s in (200, 404))
         return int(resp.headers["content-length"]) if resp.status == 200 else None
 
-    def put_object(self, key: str, body: bytes) -> None:
+    def put_object(self, key: str, body: Sequence[memoryview]) -> None:
         self.request("PUT", key, body=body, sign_payload=False)
 
     def create_upload(self, key: str) -> str:
@@ -335,7 +350,9 @@ class S3MultipartClient:
             raise StorageError(f"CreateMultipartUpload {self.url(key)}: no UploadId in the answer")
         return ids[0]
 
-    def upload_part(self, key: str, upload_id: str, number: int, body: bytes) -> str:
+    def upload_part(
+        self, key: str, upload_id: str, number: int, body: bytes | Sequence[memoryview]
+    ) -> str:
         """Upload part `number` (1-based; re-uploading a number replaces it); its ETag."""
         resp = self.request(
             "PUT", key, {"partNumber": str(number), "uploadId": upload_id}, body,
@@ -388,9 +405,20 @@ class S3MultipartClient:
             }
 
 
+def _send_pieces(pieces: list[Any]) -> Iterator[bytes]:
+    # memoryviews, typed as bytes for httpx: its HTTP/1.1 writer takes any buffer.
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        for i in range(0, view.nbytes, _SEND_CHUNK):
+            yield view[i : i + _SEND_CHUNK]  # type: ignore[misc]
+
+
 class S3PartsWriter(ObjectWriter):
     """Streams one object as a multipart upload whose part 1 (head + first body bytes)
-    is uploaded last; see the module docstring. A body that fits in part 1 is one PUT."""
+    is uploaded last; see the module docstring. A body that fits in part 1 is one PUT.
+
+    Body bytes are copied once, into part buffers that are recycled after their upload.
+    """
 
     def __init__(
         self,
@@ -409,9 +437,10 @@ class S3PartsWriter(ObjectWriter):
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self._client = client
         self._part_size = part_size
-        self._first: bytes | None = None  # body bytes that go into part 1, behind the head
-        self._buf = bytearray()
-        self._cap = max(MIN_PART_SIZE, part_size - head_size)
+        self._first: bytearray | None = None  # the body bytes of part 1, behind the head
+        self._buf = bytearray(max(MIN_PART_SIZE, part_size - head_size))
+        self._fill = 0
+        self._free: list[bytearray] = []  # part buffers whose upload is done
         self._upload_id: str | None = None
         self._next_part = 2
         self._etags: dict[int, str] = {}
@@ -425,18 +454,20 @@ class S3PartsWriter(ObjectWriter):
     def _write(self, data: memoryview) -> None:
         self._raise_pending()
         while data.nbytes:
-            take = min(self._cap - len(self._buf), data.nbytes)
-            self._buf += data[:take]
+            take = min(len(self._buf) - self._fill, data.nbytes)
+            self._buf[self._fill : self._fill + take] = data[:take]
+            self._fill += take
             data = data[take:]
-            if len(self._buf) == self._cap:
-                full, self._buf = bytes(self._buf), bytearray()
+            if self._fill == len(self._buf):
+                full = self._buf
+                self._buf = self._free.pop() if self._free else bytearray(self._part_size)
+                self._fill = 0
                 if self._first is None:
                     self._first = full
-                    self._cap = self._part_size
                 else:
-                    self._submit(full)
+                    self._submit(full, len(full))
 
-    def _submit(self, body: bytes) -> None:
+    def _submit(self, buf: bytearray, nbytes: int) -> None:
         number = self._next_part
         if number > MAX_PARTS:
             raise StorageError(
@@ -454,11 +485,13 @@ class S3PartsWriter(ObjectWriter):
             try:
                 if self._error is None:
                     self._etags[number] = self._client.upload_part(
-                        self.key, upload_id, number, body
+                        self.key, upload_id, number, [memoryview(buf)[:nbytes]]
                     )
             except BaseException as err:  # re-raised in the writer's thread
                 self._error = err
             finally:
+                if len(buf) == self._part_size:
+                    self._free.append(buf)
                 self._slots.release()
 
         self._futures.append(self._pool.submit(run))
@@ -469,20 +502,20 @@ class S3PartsWriter(ObjectWriter):
 
     def _finish(self, head: bytes) -> int:
         size = len(head) + self.body_bytes
+        tail = memoryview(self._buf)[: self._fill]
         if self._first is None:  # all of it fits in one part: a plain PUT
             self._pool.shutdown()
-            self._client.put_object(self.key, head + bytes(self._buf))
+            self._client.put_object(self.key, [memoryview(head), tail])
             return size
-        if self._buf:
-            self._submit(bytes(self._buf))
-            self._buf = bytearray()
+        if self._fill:
+            self._submit(self._buf, self._fill)
         concurrent.futures.wait(self._futures)
         self._pool.shutdown()
         self._raise_pending()
         if self._upload_id is None:
             raise AssertionError("internal: parts without an upload")  # pragma: no cover
         self._etags[1] = self._client.upload_part(
-            self.key, self._upload_id, 1, head + self._first
+            self.key, self._upload_id, 1, [memoryview(head), memoryview(self._first)]
         )
         parts = sorted(self._etags.items())
         if [n for n, _ in parts] != list(range(1, len(parts) + 1)):
@@ -494,7 +527,7 @@ class S3PartsWriter(ObjectWriter):
 
     def _abort(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._first, self._buf = None, bytearray()
+        self._first, self._buf, self._free = None, bytearray(), []
         if self._upload_id is not None:
             try:
                 self._client.abort_upload(self.key, self._upload_id)
