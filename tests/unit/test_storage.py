@@ -64,7 +64,7 @@ def test_local_storage_takes_no_options(tmp_path: Path) -> None:
         Storage.for_uri(tmp_path, endpoint="http://x")
 
 
-def test_importing_storage_stays_light() -> None:
+def test_importing_storage_stays_light(tmp_path: Path) -> None:
     code = textwrap.dedent("""
         import sys
         from hsx.output import Storage
@@ -72,7 +72,7 @@ def test_importing_storage_stays_light() -> None:
         print(sorted(m for m in ("obstore", "httpx", "torch", "vllm", "ray") if m in sys.modules))
     """)
     out = subprocess.run(
-        [sys.executable, "-c", code, "/tmp/hsx-light-check"], capture_output=True, text=True,
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
         check=True, cwd=REPO,
     )
     assert out.stdout.strip() == "[]"

@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from hsx.output.storage import (
@@ -95,24 +96,21 @@ class LocalStorage(Storage):
         return final
 
     def create(self, key: str, data: bytes) -> None:
+        # link() fails if the name exists: the create-if-absent, with the content complete.
+        self._publish_small(key, data, os.link)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._publish_small(key, data, os.replace)
+
+    def _publish_small(self, key: str, data: bytes, publish: Callable[[Path, Path], None]) -> None:
         final = self._publish_dir(check_key(key))
         staged = self._stage(key, data)
         try:
-            os.link(staged, final)
+            publish(staged, final)
         except FileExistsError:
             raise ObjectExistsError(f"{self.url(key)} already exists") from None
         finally:
             staged.unlink(missing_ok=True)
-        fsync_dir(final.parent)
-
-    def put(self, key: str, data: bytes) -> None:
-        final = self._publish_dir(check_key(key))
-        staged = self._stage(key, data)
-        try:
-            os.replace(staged, final)
-        except BaseException:
-            staged.unlink(missing_ok=True)
-            raise
         fsync_dir(final.parent)
 
     def open_writer(self, key: str, *, head_size: int = 0) -> ObjectWriter:
