@@ -53,10 +53,13 @@ from hsx.spec import JobSpec
 VARIANTS = ("hsx", "hsx-omp1", "drop", "files", "bare")
 # Diagnostics, run only when named with --variants: `hsx-capture` is hsx-omp1's engine
 # path (VllmEngine.capture: connector, spool file, load) without the shard writer.
-DIAGNOSTIC_VARIANTS = ("hsx-capture",)
+DIAGNOSTIC_VARIANTS = ("hsx-capture", "hsx-nice0")
+# Environment of a diagnostic variant: hsx-nice0 is hsx with its background threads
+# (shard writer, committer, connector's spool writers) at normal priority.
+VARIANT_ENV = {"hsx-nice0": {"HSX_BACKGROUND_NICE": "0"}}
 TARGETS = {"hsx/drop": 0.9, "hsx/files": 1.0}
 REPORT_ONLY = ("hsx-omp1/drop", "hsx-omp1/files", "hsx/bare", "drop/bare", "files/drop",
-               "hsx-capture/drop", "hsx-omp1/hsx-capture")
+               "hsx-capture/drop", "hsx-omp1/hsx-capture", "hsx-nice0/drop", "hsx/hsx-nice0")
 MAX_SEQ_LEN = 1024
 MIN_PROMPT, MAX_PROMPT = 64, 1024
 WARMUP_PROMPTS = 8
@@ -522,7 +525,7 @@ def bench_model(shape: ModelShape, *, quick: bool, reps: int, work: Path, log: I
             log.write(f"\n===== {shape.name} / {variant}: starting\n")
             log.flush()
             print(f"  [{shape.name}] starting {variant} engine ...", flush=True)
-            child = Child(variant, cfg_path, log, env)
+            child = Child(variant, cfg_path, log, {**env, **VARIANT_ENV.get(variant, {})})
             children[variant] = child
             ready = child.recv(START_TIMEOUT_S)
             engine_start[variant] = round(ready["engine_start_s"], 1)

@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -50,7 +51,8 @@ class Profiler:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Profiler:
-        spy = shutil.which("py-spy")
+        beside = Path(sys.executable).with_name("py-spy")
+        spy = shutil.which("py-spy") or (str(beside) if beside.exists() else None)
         if spy is None:
             raise RuntimeError("py-spy is not installed (pip install py-spy)")
         self.proc = subprocess.Popen(
@@ -86,9 +88,11 @@ def breakdown(raw: Path, root_pid: int, rate: int = RATE_HZ) -> dict[str, Any]:
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        role = _role(frames[0], root_pid)
+        # A child's stacks start with its parents' process frames, then its own.
+        own = max(i for i, f in enumerate(frames) if f.startswith("process "))
+        role = _role(frames[own], root_pid)
         category = "other"
-        for frame in reversed(frames[2:]):
+        for frame in reversed(frames[own + 2:]):
             hit = next((name for name, rx in rules if rx.search(frame)), None)
             if hit is not None:
                 category = hit

@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     PendingSave,
 )
 
+from hsx.shards import background_priority
 from hsx_workers.hostcopy import gather_to_host, slots_of_blocks
 from hsx_workers.spool import publish_spool_file
 from hsx_workers.vllm_compat import extract_states
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 def _write_spool_file(tensors: dict[str, torch.Tensor], event: Any, filename: str) -> None:
     """Thread-pool job: wait for the device-to-host copy, then publish."""
+    background_priority()
 
     def copied() -> dict[str, torch.Tensor]:
         event.synchronize()

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.plan import WorkUnit
-from hsx.shards import DEFAULT_CHECKSUM, ShardWriter
+from hsx.shards import DEFAULT_CHECKSUM, ShardWriter, background_priority
 from hsx_workers.engines.base import (
     WAIT,
     CaptureRequest,
@@ -100,7 +100,8 @@ class ExtractionWorker:
         self._last_loop: threading.Thread | None = None  # a new one waits for it to end
         self._stopping = False
         self._dead: BaseException | None = None
-        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-commit")
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-commit",
+                                             initializer=background_priority)
         self.engine = create_engine(engine, engine_config)
 
     def pid(self) -> int:
