@@ -50,6 +50,16 @@ class VllmOptions(BaseModel):
         1, ge=1, description="KV cache size in GiB for vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE)."
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs / torch.compile.")
+    max_inflight_tokens: int = Field(
+        65536,
+        gt=0,
+        description=(
+            "Prompt tokens hsx keeps inside one engine at once (queued, computing, or "
+            "waiting in its spool). It bounds the spool in /dev/shm to this many tokens' "
+            "states; it must stay well above vLLM's per-step token budget to keep the "
+            "engine's batches full."
+        ),
+    )
 
     def engine_args(self) -> dict[str, Any]:
         """The extra keys: vLLM engine arguments passed through as they are."""

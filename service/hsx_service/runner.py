@@ -67,6 +67,7 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int]) -> Any
     if spec.vllm.enforce_eager:
         options["enforce_eager"] = True
     options["gpu_memory_utilization"] = spec.vllm.gpu_memory_utilization
+    options["max_inflight_tokens"] = spec.vllm.max_inflight_tokens
     if spec.vllm.engine_args():
         options["engine_args"] = spec.vllm.engine_args()
     return EngineConfig(

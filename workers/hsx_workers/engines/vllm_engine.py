@@ -46,7 +46,7 @@ class VllmEngine:
         opts = config.options
         if opts.get("cpu_kvcache_gib") is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts["cpu_kvcache_gib"]))
-        self.max_inflight_tokens = int(opts.get("max_inflight_tokens", 262144))
+        self.max_inflight_tokens = int(opts.get("max_inflight_tokens", 65536))
         bytes_per_token = 2 * len(config.layers) * config.hidden_size
         self.spool = spool_root(2 * self.max_inflight_tokens * bytes_per_token) / (
             f"hsx-spool-{uuid.uuid4().hex[:12]}"
