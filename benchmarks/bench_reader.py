@@ -30,7 +30,6 @@ Run: `python benchmarks/bench_reader.py [--quick]` (or through run_all.py).
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import shutil
@@ -53,8 +52,10 @@ PAIRS = {"hsx-numpy/raw-numpy": True, "hsx-torch/raw-torch": True,
 
 def build_output(root: Path, total_bytes: int, shards: int) -> list[dict[str, Any]]:
     """An hsx output of `shards` committed shards; returns their commit records."""
-    from hsx.layout import MANIFEST
-    from hsx.shards import ShardWriter, read_commits
+    from hsx.output import Output, ShardWriter
+
+    sys.path.insert(0, str(common.REPO / "tests" / "unit"))
+    from outputs import make_manifest, write_manifest
 
     root.mkdir(parents=True)
     units = []
@@ -67,24 +68,21 @@ def build_output(root: Path, total_bytes: int, shards: int) -> list[dict[str, An
                 writer.add(index, ids, mask, hs)
                 index += 1
             writer.commit()
-        units.append({"unit": unit, "rows": [index - len(samples), index],
-                      "tokens": sum(len(ids) for ids, _, _ in samples)})
-    manifest = {"format": "hsx-hidden-states", "format_version": 1, "layers": LAYERS,
-                "hidden_size": HIDDEN, "num_layers": 32, "storage_dtype": "bf16",
-                "num_samples": index, "units": units}
-    (root / MANIFEST).write_text(json.dumps(manifest))
-    return read_commits(root)
+        units.append((index - len(samples), index))
+    write_manifest(root, make_manifest(layers=LAYERS, hidden_size=HIDDEN, num_layers=32,
+                                       units=units))
+    return Output(root).commits()
 
 
 class Layout:
     """Where each sample's hidden-state bytes lie in each shard (read before timing)."""
 
     def __init__(self, root: Path) -> None:
-        from hsx.shards import ShardReader, read_commits, shard_file
+        from hsx.output import Output, ShardReader
 
         self.files: list[tuple[Path, int, list[int]]] = []
-        for record in read_commits(root):
-            path = shard_file(root, record)
+        for record in Output(root).commits():
+            path = root / record.shard
             with ShardReader(path, record=record) as reader:
                 info = reader._tensors["hidden_states"]
                 start = reader._data_start + info["data_offsets"][0]

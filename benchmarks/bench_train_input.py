@@ -44,11 +44,10 @@ SECTION = "train_input"
 
 def write_output(root: Path, model: Path, hidden: int, tokens: int, seed: int = 0) -> int:
     """An hsx output of ~`tokens` tokens in units of ~64k tokens; returns the samples."""
-    from hsx.layout import COMPLETE, MANIFEST
-    from hsx.shards import ShardWriter
+    from hsx.output import Output, ShardWriter
 
     sys.path.insert(0, str(common.REPO / "tests" / "unit"))
-    from outputs import write_inputs_table
+    from outputs import make_manifest, write_inputs_table, write_manifest
 
     rng = np.random.default_rng(seed)
     layers = [2, 16, 29, 32]
@@ -68,17 +67,12 @@ def write_output(root: Path, model: Path, hidden: int, tokens: int, seed: int = 
     for n in lengths:
         ids = rng.integers(16, 500, n).astype(np.int32)
         samples.append({"input_ids": ids, "loss_mask": np.ones(n, np.uint8)})
-    manifest = {
-        "format": "hsx-hidden-states", "format_version": 1, "model": str(model),
-        "architecture": "LlamaForCausalLM", "num_layers": 32, "hidden_size": hidden,
-        "layers": layers, "storage_dtype": "bf16", "num_samples": len(lengths),
-        "units": [], "created_at": time.time(),
-    }
-    for u, ids in enumerate(units):
-        manifest["units"].append({"unit": u, "rows": [start, start + len(ids)],
-                                  "tokens": sum(lengths[i] for i in ids)})
+    ranges = []
+    for ids in units:
+        ranges.append((start, start + len(ids)))
         start += len(ids)
-    (root / MANIFEST).write_text(json.dumps(manifest))
+    write_manifest(root, make_manifest(layers=layers, hidden_size=hidden, num_layers=32,
+                                       units=ranges, model=str(model)))
     write_inputs_table(root, list(range(len(lengths))), samples)
     for u, ids in enumerate(units):
         with ShardWriter(root, u, layers=layers, hidden_size=hidden,
@@ -89,7 +83,7 @@ def write_output(root: Path, model: Path, hidden: int, tokens: int, seed: int = 
                 states = block[off:off + n] if n <= 2048 else np.resize(block, (n, 4, hidden))
                 w.add(i, samples[i]["input_ids"], samples[i]["loss_mask"], states)
             w.commit(errors=[])
-    (root / COMPLETE).write_text("{}")
+    Output(root).mark_complete({})
     return len(lengths)
 
 

@@ -67,7 +67,7 @@ def as_torch(samples: list[Sample]) -> list[Sample]:
 
 def write_hsx(root: Path, samples: list[Sample]) -> dict[str, Any]:
     """One shard through ShardWriter; seconds in all, and until the last add() returned."""
-    from hsx.shards import ShardWriter
+    from hsx.output import ShardWriter
 
     start = time.perf_counter()
     writer = ShardWriter(root, 0, layers=LAYERS, hidden_size=HIDDEN, storage_dtype="bf16")

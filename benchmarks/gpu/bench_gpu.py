@@ -470,7 +470,7 @@ fixed: pinned_encode + fast_stream."""
 
 
 class FastStream:
-    """Prototype replacement for hsx.shards._DataStream (same interface).
+    """Prototype replacement for hsx.output.shards._DataStream (its interface then).
 
     The current stream writes and hashes each buffer on ONE thread, so its rate is
     1 / (1/write + 1/sha256). Here the write and the sha256 run on two threads over the
@@ -560,7 +560,7 @@ class HashThreadStream(FastStream):
 
 
 def _writer_class(kind: str) -> Any:
-    from hsx.shards import ShardWriter, _torch_bf16_to_numpy
+    from hsx.output.shards import ShardWriter, _torch_bf16_to_numpy
 
     if kind not in ("pinned_encode", "fixed"):
         return ShardWriter
@@ -585,11 +585,11 @@ def _writer_class(kind: str) -> Any:
 
 
 def _stream_patch(kind: str) -> Any:
-    import hsx.shards
+    import hsx.output.shards
 
     stream = {"hash_thread": HashThreadStream, "fast_stream": FastStream, "fixed": FastStream}
     if kind in stream:
-        return mock.patch.object(hsx.shards, "_DataStream", stream[kind])
+        return mock.patch.object(hsx.output.shards, "_DataStream", stream[kind])
     return contextlib.nullcontext()
 
 
@@ -620,8 +620,8 @@ def write_unit(
         "total_s": time.perf_counter() - start,
         "add_s": t_add,
         "commit_s": t_commit,
-        "bytes": res.record["bytes"],
-        "tokens": res.record["tokens"],
+        "bytes": res.record.bytes,
+        "tokens": res.record.tokens,
         "record": res.record,
     }
 
@@ -714,12 +714,12 @@ def bench_shardwriter(b: Bench, cases: list[tuple[str, str]] = CASES_CURRENT) ->
     return out
 
 
-def _verify(root: Path, record: dict[str, Any], expect: torch.Tensor) -> bool:
-    """A prototype writer's shard passes verify_shard and holds the right states."""
-    from hsx.shards import ShardReader, shard_file, verify_shard
+def _verify(root: Path, record: Any, expect: torch.Tensor) -> bool:
+    """A prototype writer's shard passes verification and holds the right states."""
+    from hsx.output import Output, ShardReader
 
-    verify_shard(root, record)
-    with ShardReader(shard_file(root, record), record=record) as r:
+    Output(root).verify([record])
+    with ShardReader(root / record.shard, record=record) as r:
         first = r.sample(0, backend="torch")["hidden_states"]
         last = r.sample(len(r) - 1, backend="torch")["hidden_states"]
         return bool(torch.equal(first, expect) and torch.equal(last, expect))

@@ -164,7 +164,7 @@ class Bench:
     def _job(self, spec: Any) -> dict[str, Any]:
         """run_job on the shared pool; tokens/s from the end of prepare to the last commit."""
         from hsx_service.prepare import preflight
-        from hsx_service.runner import EnginePool, engine_key, run_job
+        from hsx_service.runner import DispatchHooks, EnginePool, engine_key, run_job
 
         if self._pool is None:
             self._pool = EnginePool()
@@ -178,16 +178,16 @@ class Bench:
             def prepared(_job: Any) -> None:
                 marks["start"] = time.perf_counter()
 
-            summary = run_job(spec, pool=self._pool, on_prepared=prepared)
+            summary = run_job(spec, pool=self._pool, hooks=DispatchHooks(on_prepared=prepared))
             seconds = time.perf_counter() - marks["start"]
         from hsx.dataset import HiddenStatesDataset
 
         ds = HiddenStatesDataset(spec.output)
         if summary.errors or len(ds) != summary.samples or not ds.complete:
             raise RuntimeError(f"{spec.output}: {summary}")
-        from hsx.shards import verify_shard
+        from hsx.output import Output
 
-        verify_shard(spec.output, ds.records[0])  # one shard: checksums of all take seconds
+        Output(spec.output).verify(ds.records[:1])  # one shard: checksums of all take seconds
         shutil.rmtree(spec.output, ignore_errors=True)
         return {"tokens": summary.tokens, "seconds": round(seconds, 3),
                 "tokens_per_s": round(summary.tokens / seconds),

@@ -50,7 +50,8 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         overrides["replicas"] = args.replicas
     if args.output is not None:
-        overrides["output"] = str(Path(args.output).resolve())
+        overrides["output"] = (args.output if "://" in args.output
+                               else str(Path(args.output).resolve()))
     if overrides:
         spec = spec.model_copy(update=overrides)
     return _run_extract(spec, progress=not args.no_progress, as_json=args.json)
@@ -59,11 +60,11 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
     from hsx.progress import ProgressBar
     from hsx_service.prepare import JobRefused
-    from hsx_service.runner import JobFailed, run_job
+    from hsx_service.runner import DispatchHooks, JobFailed, run_job
 
     try:
         with ProgressBar(spec.name or "extract", enabled=None if progress else False) as bar:
-            summary = run_job(spec, on_progress=bar.update)
+            summary = run_job(spec, hooks=DispatchHooks(on_progress=bar.update))
     except JobRefused as err:
         return _error(str(err), EXIT_REFUSED)
     except JobFailed as err:
@@ -194,8 +195,9 @@ def _train_spec(args: argparse.Namespace) -> Any:
     return parse_train(fields)
 
 
-def _is_local_output(target: str) -> bool:
-    return target.startswith("file://") or Path(target).expanduser().exists()
+def _is_output(target: str) -> bool:
+    """A target names an output (a URI or an existing path), else it is a job id."""
+    return "://" in target or Path(target).expanduser().exists()
 
 
 def _train_line(step: int, epoch: int, loss: float | None, acc: list[float], rate: float,
@@ -214,24 +216,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
         spec = _train_spec(args)
     except SpecError as err:
         return _error(str(err), EXIT_REFUSED)
-    if _is_local_output(args.target):
-        return _train_local(args.target, spec)
+    if _is_output(args.target):
+        return _train_local(args.target, spec, args.draft_dir)
     return _remote(lambda a: _train_remote(a, spec))(args)
 
 
-def _train_local(target: str, spec: Any) -> int:
-    from hsx.dataset import resolve_output
-    from hsx.layout import COMPLETE, DRAFT_DIR
+def _train_local(target: str, spec: Any, draft_dir: str | None) -> int:
+    from hsx.output import Output, StorageError
     from hsx_workers.trainer import DraftTrainer, TrainRefused
 
-    root = resolve_output(target)
-    if not spec.follow and not (root / COMPLETE).exists():
-        return _error(f"{target}: the extraction is not complete; pass --follow to train "
-                      "while it runs", EXIT_REFUSED)
     out = console()
-    trainer = DraftTrainer(root, spec, on_metrics=lambda m: out.print(
-        _train_line(m.step, m.epoch, m.loss, m.acc, m.tokens_per_s, m.wait_fraction),
-        markup=False, highlight=False))
+    try:
+        output = Output(target)
+        if not spec.follow and not output.is_complete():
+            return _error(f"{target}: the extraction is not complete; pass --follow to train "
+                          "while it runs", EXIT_REFUSED)
+        trainer = DraftTrainer(output, spec, draft_root=draft_dir, on_metrics=lambda m: out.print(
+            _train_line(m.step, m.epoch, m.loss, m.acc, m.tokens_per_s, m.wait_fraction),
+            markup=False, highlight=False))
+    except (TrainRefused, StorageError, ValueError) as err:
+        return _error(str(err), EXIT_REFUSED)
     try:
         state = trainer.run()
     except TrainRefused as err:
@@ -241,17 +245,11 @@ def _train_local(target: str, spec: Any) -> int:
                       130)
     resumed = "" if trainer.resumed_from is None else f" (resumed from step {trainer.resumed_from})"
     out.print(f"[green]trained[/] {state.step} steps, {state.epoch} epochs{resumed} -> "
-              f"{root / DRAFT_DIR}")
-    out.print(f"serve with: vllm serve {trainer_model(root)} --speculative-config "
-              f"'{{\"method\": \"eagle3\", \"model\": \"{root / DRAFT_DIR}\", "
+              f"{trainer.draft}")
+    out.print(f"serve with: vllm serve {output.manifest().model} --speculative-config "
+              f"'{{\"method\": \"eagle3\", \"model\": \"{trainer.draft}\", "
               f"\"num_speculative_tokens\": 3}}'", markup=False, highlight=False)
     return 0
-
-
-def trainer_model(root: Path) -> str:
-    from hsx.layout import MANIFEST
-
-    return str(json.loads((root / MANIFEST).read_text())["model"])
 
 
 def _train_remote(args: argparse.Namespace, spec: Any) -> int:
@@ -279,14 +277,21 @@ def _train_remote(args: argparse.Namespace, spec: Any) -> int:
 
 def _cmd_eval_draft(args: argparse.Namespace) -> int:
     """Generate with vLLM and the draft; report vLLM's acceptance counters."""
-    from hsx.dataset import resolve_output
-    from hsx.layout import DRAFT_DIR
+    from hsx.output import Output
+    from hsx.output.layout import DRAFT_DIR
     from hsx_workers.acceptance import measure_acceptance, prompts_from_output
 
-    root = resolve_output(args.output)
-    draft = args.draft or str(root / DRAFT_DIR)
-    target = args.target or trainer_model(root)
-    prompts = prompts_from_output(root, n=args.prompts, prefix=args.prefix)
+    output = Output(args.output)
+    root = output.local_root
+    if args.draft is not None:
+        draft = args.draft
+    elif root is not None:
+        draft = str(root / DRAFT_DIR)
+    else:
+        return _error(f"{args.output} is an object store: pass --draft, the local folder "
+                      "the draft was trained into", EXIT_REFUSED)
+    target = args.target or output.manifest().model
+    prompts = prompts_from_output(output, n=args.prompts, prefix=args.prefix)
     result = measure_acceptance(target, draft, prompts, k=args.k, max_tokens=args.max_tokens)
     if args.json:
         sys.stdout.write(json.dumps(result.as_dict()) + "\n")
@@ -690,8 +695,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "train", help="train an EAGLE-3 draft on an output (a path) or a job (an id)")
-    p.add_argument("target", help="an output path / file:// URI (trains here), or a job id "
-                                  "(the coordinator trains it)")
+    p.add_argument("target", help="an output path or URI (file://, s3://: trains here), or a "
+                                  "job id (the coordinator trains it)")
     p.add_argument("--follow", action="store_true",
                    help="start on the shards committed so far and keep up with the extraction")
     p.add_argument("--spec", help="TrainSpec file (YAML or JSON)")
@@ -699,6 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override one TrainSpec field, e.g. --set epochs=3 (repeatable)")
     p.add_argument("--detach", action="store_true",
                    help="job id only: start the training and return at once")
+    p.add_argument("--draft-dir", help="output only: the local folder to train the draft "
+                                       "into (default the output's; needed for s3://)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(
@@ -763,7 +770,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_make_dataset)
 
     p = sub.add_parser("export", help="write an output in speculators' offline-data layout")
-    p.add_argument("uri", help="the hsx output (directory or file:// URI)")
+    p.add_argument("uri", help="the hsx output (directory, file:// or s3:// URI)")
     p.add_argument("dest", help="directory to create (must be absent or empty)")
     p.add_argument("--format", choices=["speculators"], default="speculators",
                    help="target layout (default speculators)")

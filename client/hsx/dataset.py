@@ -1,10 +1,14 @@
 """`HiddenStatesDataset`: a trainer's view of an hsx output, finished or still growing.
 
-Only committed shards are read (see `hsx.shards`): a sample becomes visible when the
-commit record of its unit appears, never half-written. The dataset is a plain class
-with `__len__`/`__getitem__`, so `torch.utils.data.DataLoader` takes it as a map-style
-dataset without this module importing torch; it pickles without its open files, so
-DataLoader workers (fork or spawn) each open shards lazily for themselves.
+Only committed shards are read (see `hsx.output`): a sample becomes visible when the
+commit record of its unit appears, never half-written. The output may be a local
+directory (shards memory-mapped, zero-copy) or an object-store prefix such as
+`s3://bucket/prefix` (each shard's index fetched once when it is opened, then one ranged
+GET per sample: random access costs one request, and nothing but the open shards'
+indexes is cached). The dataset is a plain class with `__len__`/`__getitem__`, so
+`torch.utils.data.DataLoader` takes it as a map-style dataset without this module
+importing torch; it pickles without its open files or connections, so DataLoader
+workers (fork or spawn) each open shards lazily for themselves.
 
 Indices: `ds[i]` counts committed samples in unit order. Units can commit out of order,
 so while a job is still running `refresh()` may shift indices; a finished output (or a
@@ -17,28 +21,19 @@ from __future__ import annotations
 import bisect
 import importlib.util
 import itertools
-import json
 import logging
 import operator
 import os
+import pickle
 import sys
 import threading
 import time
-import urllib.parse
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, SupportsIndex
 
-from hsx.layout import COMMITS_DIR, COMPLETE, ERRORS, MANIFEST
-from hsx.shards import (
-    ShardCorrupt,
-    ShardReader,
-    load_commit,
-    shard_file,
-    unit_of_commit_name,
-    verify_shard,
-)
+from hsx.output import CommitRecord, Manifest, Output, ShardReader
 
 logger = logging.getLogger(__name__)
 
@@ -52,35 +47,21 @@ thousands of shards must not keep them all open."""
 class _Index(NamedTuple):
     """Commit records in unit order, each one's first global index, and the total."""
 
-    order: tuple[dict[str, Any], ...]
+    order: tuple[CommitRecord, ...]
     starts: tuple[int, ...]
     total: int
-
-
-def resolve_output(uri: str | Path) -> Path:
-    """A local directory for `uri` (a path or file:// URI); other schemes are refused."""
-    if isinstance(uri, Path):
-        return uri
-    if "://" not in uri:
-        return Path(uri).expanduser()
-    parsed = urllib.parse.urlparse(uri)
-    if parsed.scheme != "file":
-        raise ValueError(
-            f"{uri}: {parsed.scheme}:// outputs are not supported yet; use a local path "
-            "or a file:// URI"
-        )
-    if parsed.netloc not in ("", "localhost"):
-        raise ValueError(f"{uri}: file:// URIs must name a local path (no host)")
-    return Path(urllib.parse.unquote(parsed.path))
 
 
 class HiddenStatesDataset:
     """Samples of an hsx output: {"input_ids", "loss_mask", "hidden_states", "sample_index"}.
 
+    `uri` is a path, a `file://` URI, an object-store URI (`s3://bucket/prefix`,
+    credentials and endpoint from the usual `AWS_*` variables), or an `Output`.
     `hidden_states` is [T, L, H] bf16 (fp8 shards are dequantized), with L the layer
-    ids in `manifest["layers"]`; `input_ids` is int32, `loss_mask` uint8 — torch tensors
+    ids in `manifest.layers`; `input_ids` is int32, `loss_mask` uint8 — torch tensors
     when the backend is torch ("auto": torch if it is installed), numpy otherwise (bf16
-    as `ml_dtypes.bfloat16`). Tensors are zero-copy views of the memory-mapped shards.
+    as `ml_dtypes.bfloat16`). On local disk tensors are zero-copy views of the
+    memory-mapped shards.
 
     `follow=True` makes `iter(ds)` and `shards()` wait for new shards (checking every
     `poll_interval` seconds) until the job has written complete.json; `timeout` bounds
@@ -89,7 +70,7 @@ class HiddenStatesDataset:
 
     def __init__(
         self,
-        uri: str | Path,
+        uri: str | Path | Output,
         *,
         follow: bool = False,
         backend: BackendChoice = "auto",
@@ -103,26 +84,15 @@ class HiddenStatesDataset:
             raise ValueError(f"poll_interval must be > 0, got {poll_interval}")
         if max_open_shards < 1:
             raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
-        self.uri = str(uri)
-        self.root = resolve_output(uri)
+        self.output = Output.of(uri)
+        self.uri = str(self.output)
         self.follow = follow
         self.backend = backend
         self.poll_interval = poll_interval
         self.timeout = timeout
         self.max_open_shards = max_open_shards
-        manifest_path = self.root / MANIFEST
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"no hsx output at {self.uri}: {manifest_path} does not exist"
-            ) from None
-        except ValueError as err:
-            raise ValueError(f"{manifest_path} is not valid JSON: {err}") from None
-        if not isinstance(manifest, dict):
-            raise ValueError(f"{manifest_path} is not a JSON object")
-        self.manifest: dict[str, Any] = manifest
-        self._records: dict[int, dict[str, Any]] = {}
+        self.manifest: Manifest = self.output.manifest()
+        self._records: dict[int, CommitRecord] = {}
         self._index = _Index((), (), 0)
         self._init_process_state()
         self.refresh()
@@ -141,6 +111,11 @@ class HiddenStatesDataset:
             state.pop(key, None)
         return state
 
+    def _after_fork(self) -> None:
+        """In a forked child (a DataLoader worker): new locks, readers and connections."""
+        self._init_process_state()
+        self.output = pickle.loads(pickle.dumps(self.output))
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._init_process_state()
@@ -149,33 +124,27 @@ class HiddenStatesDataset:
 
     def refresh(self) -> int:
         """Pick up units committed since the last call; returns how many are new."""
-        commits = self.root / COMMITS_DIR
-        new = 0
-        if commits.is_dir():
-            with os.scandir(commits) as entries:
-                for entry in entries:
-                    unit = unit_of_commit_name(entry.name)
-                    if unit is None or unit in self._records:
-                        continue
-                    self._records[unit] = load_commit(Path(entry.path), unit)
-                    new += 1
+        fresh = self.output.commits(skip=self._records)
+        for record in fresh:
+            self._records[record.unit] = record
+        new = len(fresh)
         if new:
             order = tuple(self._records[u] for u in sorted(self._records))
-            counts = [int(r["samples"]) for r in order]
+            counts = [r.samples for r in order]
             starts = tuple([0, *itertools.accumulate(counts)][:-1])
             # One assignment, so a concurrent __getitem__ sees the old or the new index.
             self._index = _Index(order, starts, sum(counts))
         return new
 
     @property
-    def records(self) -> list[dict[str, Any]]:
+    def records(self) -> list[CommitRecord]:
         """The commit records read so far, in unit order."""
         return list(self._index.order)
 
     @property
     def complete(self) -> bool:
         """True once the job has committed every unit (complete.json exists)."""
-        return (self.root / COMPLETE).exists()
+        return self.output.is_complete()
 
     def errors(self) -> list[dict[str, Any]]:
         """Every sample that has no hidden states, with the reason, by sample_index.
@@ -183,40 +152,14 @@ class HiddenStatesDataset:
         Rows refused at ingestion (errors.arrow) plus samples a worker could not extract
         (the "errors" of each commit record read so far).
         """
-        rows: list[dict[str, Any]] = []
-        path = self.root / ERRORS
-        if path.exists():
-            import pyarrow as pa
-
-            with pa.memory_map(str(path)) as source:
-                table = pa.ipc.open_file(source).read_all()
-            for idx, reason in zip(
-                table.column("sample_index").to_pylist(),
-                table.column("reason").to_pylist(),
-                strict=True,
-            ):
-                rows.append({"sample_index": int(idx), "reason": str(reason)})
-        for record in self._index.order:
-            for e in record.get("errors", []):
-                rows.append({"sample_index": int(e["sample_index"]), "reason": str(e["reason"])})
-        rows.sort(key=lambda r: r["sample_index"])
-        return rows
+        return [e.model_dump() for e in self.output.errors(records=self._index.order)]
 
     def verify(self) -> int:
         """Check every committed shard's size and checksums; returns how many were checked.
 
         Raises ShardCorrupt naming every shard that fails.
         """
-        problems = []
-        order = self._index.order
-        for record in order:
-            try:
-                verify_shard(self.root, record)
-            except ShardCorrupt as err:
-                problems.append(str(err))
-        if problems:
-            raise ShardCorrupt(f"{len(problems)} corrupt shard(s): " + "; ".join(problems))
-        return len(order)
+        return self.output.verify(self._index.order)
 
     # -- map-style access
 
@@ -248,7 +191,7 @@ class HiddenStatesDataset:
             for j in range(len(reader)):
                 yield reader.sample(j, backend=backend)
 
-    def shards(self, records: Iterable[dict[str, Any]] | None = None) -> Iterator[ShardReader]:
+    def shards(self, records: Iterable[CommitRecord] | None = None) -> Iterator[ShardReader]:
         """Committed shards as ShardReaders (with `.record`), in unit order.
 
         With follow=True: each shard once, as its commit appears (new ones in unit
@@ -261,7 +204,7 @@ class HiddenStatesDataset:
         for record in records:
             yield self._reader(record)
 
-    def _follow_records(self) -> Iterator[dict[str, Any]]:
+    def _follow_records(self) -> Iterator[CommitRecord]:
         seen: set[int] = set()
         last_new = time.monotonic()
         while True:
@@ -269,9 +212,9 @@ class HiddenStatesDataset:
             # last commit, so that listing is then sure to hold every unit.
             done = self.complete
             self.refresh()
-            fresh = [r for r in self._index.order if r["unit"] not in seen]
+            fresh = [r for r in self._index.order if r.unit not in seen]
             for record in fresh:
-                seen.add(record["unit"])
+                seen.add(record.unit)
                 yield record
             if fresh:
                 last_new = time.monotonic()
@@ -286,11 +229,7 @@ class HiddenStatesDataset:
             time.sleep(self.poll_interval)
 
     def _check_all_units(self, seen: set[int]) -> None:
-        units = self.manifest.get("units")
-        if not isinstance(units, list):
-            return
-        planned = {int(u["unit"]) for u in units if isinstance(u, dict) and "unit" in u}
-        missing = planned - seen
+        missing = {u.unit for u in self.manifest.units} - seen
         if missing:
             logger.warning(
                 "%s is marked complete but %d planned unit(s) have no commit record, e.g. %s",
@@ -310,34 +249,21 @@ class HiddenStatesDataset:
                 self._resolved = "torch" if has_torch else "numpy"
         return self._resolved
 
-    def _reader(self, record: dict[str, Any]) -> ShardReader:
+    def _reader(self, record: CommitRecord) -> ShardReader:
         if self._pid != os.getpid():
             # Forked (e.g. a DataLoader worker): the parent's lock may be held; start clean.
-            self._init_process_state()
-        unit = int(record["unit"])
+            self._after_fork()
+        unit = record.unit
         with self._lock:
             reader = self._readers.get(unit)
             if reader is not None:
                 self._readers.move_to_end(unit)
                 return reader
-        reader = self._open(record)
+        reader = self.output.open_shard(record)
         with self._lock:
             self._readers[unit] = reader
             while len(self._readers) > self.max_open_shards:
                 # Dropped, not closed: a caller may still be iterating it. The mapping
                 # (and its file descriptor) goes when the last reference does.
                 self._readers.popitem(last=False)
-        return reader
-
-    def _open(self, record: dict[str, Any]) -> ShardReader:
-        reader = ShardReader(shard_file(self.root, record), record=record)
-        layers = self.manifest.get("layers")
-        if layers is not None and list(layers) != reader.layers:
-            raise ShardCorrupt(
-                f"{reader.path}: layers {reader.layers} differ from the manifest's {layers}"
-            )
-        if len(reader) != int(record["samples"]):
-            raise ShardCorrupt(
-                f"{reader.path}: {len(reader)} samples, its commit record says {record['samples']}"
-            )
         return reader

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hsx.layout import DRAFT_CHECKPOINTS, DRAFT_METRICS
+from hsx.output.layout import DRAFT_CHECKPOINTS, DRAFT_METRICS
 
 
 def read_metrics(root: str | Path) -> list[dict[str, Any]]:
@@ -35,6 +35,6 @@ def checkpoints(root: str | Path) -> list[Path]:
 
 
 def checkpoint_step(path: Path) -> int | None:
-    """The step of a checkpoint folder named by `hsx.layout.checkpoint_name`, else None."""
+    """The step of a checkpoint folder named by `hsx.output.layout.checkpoint_name`, else None."""
     prefix, _, step = path.name.partition("-")
     return int(step) if prefix == "step" and step.isdigit() else None

@@ -132,15 +132,18 @@ def export_speculators(
     from hsx.dataset import HiddenStatesDataset
 
     started = time.monotonic()
+    from hsx.output import OutputCorrupt, StorageError
+
     try:
         # One shard mapped at a time: the export reads each shard once, in order, and
         # keeping old mappings would make the process's RSS grow with the output.
         ds = HiddenStatesDataset(uri, backend="torch", max_open_shards=1)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, StorageError, OutputCorrupt) as err:
         raise ExportError(str(err)) from None
     layers, num_layers = _check_source(ds, allow_incomplete=allow_incomplete)
     dest_path = Path(dest).expanduser().resolve()
-    _check_dest(dest_path, ds.root.resolve(), force=force)
+    source_root = ds.output.local_root
+    _check_dest(dest_path, source_root.resolve() if source_root else None, force=force)
 
     total = len(ds)
     dest_path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,15 +159,15 @@ def export_speculators(
             "format": "speculators-offline-data",
             "exported_by": f"hsx {_hsx_version()}",
             "source": str(uri),
-            "source_format_version": ds.manifest.get("format_version"),
-            "job_fingerprint": ds.manifest.get("job_fingerprint"),
-            "model": ds.manifest.get("model"),
-            "architecture": ds.manifest.get("architecture"),
+            "source_format_version": ds.manifest.format_version,
+            "job_fingerprint": ds.manifest.job_fingerprint,
+            "model": ds.manifest.model,
+            "architecture": ds.manifest.architecture,
             "num_layers": num_layers,
-            "hidden_size": ds.manifest.get("hidden_size"),
+            "hidden_size": ds.manifest.hidden_size,
             "layers": layers,
             "target_layer_ids": layers[:-1],
-            "source_storage_dtype": ds.manifest.get("storage_dtype"),
+            "source_storage_dtype": ds.manifest.storage_dtype,
             "hidden_states_dtype": "bf16",
             "source_complete": ds.complete,
             "samples": written,
@@ -187,7 +190,7 @@ def export_speculators(
     return ExportSummary(
         dest=str(dest_path), source=str(uri), samples=written, tokens=tokens, bytes=nbytes,
         layers=layers, target_layer_ids=layers[:-1],
-        source_storage_dtype=str(ds.manifest.get("storage_dtype")),
+        source_storage_dtype=ds.manifest.storage_dtype,
         source_complete=ds.complete, not_exported=len(ds.errors()),
         seconds=time.monotonic() - started,
     )
@@ -195,12 +198,7 @@ def export_speculators(
 
 def _check_source(ds: Any, *, allow_incomplete: bool) -> tuple[list[int], int]:
     """Refuse outputs speculators would misread; returns (layer ids, N)."""
-    manifest = ds.manifest
-    layers = [int(k) for k in manifest.get("layers") or []]
-    num_layers = manifest.get("num_layers")
-    if num_layers is None:
-        raise ExportError(f"{ds.uri}: manifest has no num_layers")
-    num_layers = int(num_layers)
+    layers, num_layers = list(ds.manifest.layers), ds.manifest.num_layers
     if len(layers) < 2:
         raise ExportError(
             f"{ds.uri}: layers {layers}: speculators needs at least one auxiliary layer "
@@ -227,9 +225,11 @@ def _check_source(ds: Any, *, allow_incomplete: bool) -> tuple[list[int], int]:
     return layers, num_layers
 
 
-def _check_dest(dest: Path, source: Path, *, force: bool) -> None:
-    """Refuse a destination whose contents an export would clobber or that overlaps the source."""
-    if dest == source or dest.is_relative_to(source) or source.is_relative_to(dest):
+def _check_dest(dest: Path, source: Path | None, *, force: bool) -> None:
+    """Refuse a destination whose contents an export would clobber or that overlaps the
+    source (`source`: the output's folder, None for an object store)."""
+    if source is not None and (
+            dest == source or dest.is_relative_to(source) or source.is_relative_to(dest)):
         raise ExportError(f"{dest}: the destination must not contain or lie inside the source")
     if not dest.exists():
         return

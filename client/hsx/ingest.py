@@ -1,7 +1,8 @@
 """Dataset ingestion: rows -> token ids, loss masks and lengths, plus a table of bad rows.
 
 `ingest` reads a dataset (JSONL, Parquet, or a Hugging Face `save_to_disk` folder),
-tokenizes each row and writes two Arrow IPC files into the output directory:
+tokenizes each row and writes two Arrow IPC files into the output (through
+`hsx.output.Output`, which owns their schemas and readers):
 
 - `inputs.arrow`: one row per good sample — sample_index, input_ids, loss_mask, length —
   in ascending sample_index. It travels with the hidden states, so a trainer needs
@@ -32,8 +33,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,22 +41,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from hsx import layout
+from hsx.output import Output
+from hsx.output.layout import ERRORS, INPUTS
+from hsx.output.tables import ERRORS_SCHEMA, INPUTS_SCHEMA
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-INPUTS_SCHEMA = pa.schema(
-    [
-        ("sample_index", pa.int64()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.uint8())),
-        ("length", pa.int32()),
-    ]
-)
-ERRORS_SCHEMA = pa.schema([("sample_index", pa.int64()), ("reason", pa.string())])
 
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT speaker names, and the roles themselves, mapped to chat-template roles.
@@ -558,34 +549,6 @@ def _chat_samples(tokenizer: PreTrainedTokenizerBase, chats: list[_Chat],
 # ----------------------------------------------------------------------------- writing
 
 
-class _ArrowFileSink:
-    """An Arrow IPC file written batch by batch under .tmp/ and renamed into place."""
-
-    def __init__(self, out_dir: Path, name: str, schema: pa.Schema) -> None:
-        tmp_dir = out_dir / layout.TMP_DIR
-        tmp_dir.mkdir(parents=True, exist_ok=True)
-        self.final = out_dir / name
-        self.tmp = tmp_dir / f"{name}.{uuid.uuid4().hex}"
-        self._sink = pa.OSFile(str(self.tmp), "wb")
-        self._writer = pa.ipc.new_file(self._sink, schema)
-
-    def write(self, batch: pa.RecordBatch) -> None:
-        if batch.num_rows:
-            self._writer.write_batch(batch)
-
-    def commit(self) -> None:
-        self._writer.close()
-        self._sink.close()
-        os.replace(self.tmp, self.final)
-
-    def abort(self) -> None:
-        try:
-            self._writer.close()
-            self._sink.close()
-        finally:
-            self.tmp.unlink(missing_ok=True)
-
-
 def _inputs_batch(indices: list[int], samples: list[_Sample]) -> pa.RecordBatch:
     lengths = np.fromiter((len(s.input_ids) for s in samples), dtype=np.int32,
                           count=len(samples))
@@ -638,17 +601,17 @@ def ingest(
     dataset: str | Path,
     tokenizer_path: str,
     max_seq_len: int,
-    out_dir: str | Path,
+    output: Output | str | Path,
     *,
     chat_template_kwargs: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
     batch_rows: int = 1024,
     progress: Callable[[int], None] | None = None,
 ) -> IngestResult:
-    """Tokenize every row of `dataset` into `<out_dir>/inputs.arrow` and `errors.arrow`.
+    """Tokenize every row of `dataset` into the output's inputs.arrow and errors.arrow.
 
-    Each output file appears only once complete (written under .tmp/, then renamed), so
-    a reader never sees half of one. `progress`, if given, is called after each batch
+    Each table appears only once complete (staged, then published whole), so a reader
+    never sees half of one. `progress`, if given, is called after each batch
     with the number of rows read so far.
     """
     if max_seq_len < 1:
@@ -665,10 +628,9 @@ def ingest(
         logger.warning("tokenizer %s has no chat template: rows with messages will be "
                        "recorded as errors", tokenizer_path)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    inputs = _ArrowFileSink(out, layout.INPUTS, INPUTS_SCHEMA)
-    errors = _ArrowFileSink(out, layout.ERRORS, ERRORS_SCHEMA)
+    out = Output.of(output)
+    inputs = out.table_writer(INPUTS)
+    errors = out.table_writer(ERRORS)
     counts = np.zeros(max_seq_len + 1, dtype=np.int64)
     num_rows = num_errors = num_tokens = num_loss = num_truncated = 0
     try:
@@ -713,8 +675,8 @@ def ingest(
         lengths=_summarize(counts),
         tokenizer_fingerprint=tok_fp,
         dataset_fingerprint=data_fp,
-        inputs_path=str(inputs.final),
-        errors_path=str(errors.final),
+        inputs_path=inputs.url,
+        errors_path=errors.url,
     )
     logger.info("ingested %s (%s): %d samples, %d errors, %d tokens", dataset, source.kind,
                 result.num_samples, num_errors, num_tokens)
@@ -753,23 +715,6 @@ def _process_batch(rows: list[Row], tokenizer: PreTrainedTokenizerBase, vocab_si
                      "(max_seq_len); the row would train on nothing")
         final.append(r)
     return final
-
-
-def read_inputs(out_dir: str | Path) -> pa.Table:
-    """The inputs table written by `ingest`, memory-mapped (no copy into memory)."""
-    return _read_arrow_file(Path(out_dir) / layout.INPUTS)
-
-
-def read_errors(out_dir: str | Path) -> pa.Table:
-    """The errors table written by `ingest` (sample_index, reason)."""
-    return _read_arrow_file(Path(out_dir) / layout.ERRORS)
-
-
-def _read_arrow_file(path: Path) -> pa.Table:
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; has the dataset been ingested?")
-    with pa.memory_map(str(path)) as source:
-        return pa.ipc.open_file(source).read_all()
 
 
 # ----------------------------------------------------------------------------- fingerprints

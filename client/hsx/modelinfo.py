@@ -26,7 +26,7 @@ class ModelConfigError(ValueError):
 NO_EMBEDDING_ID_IN_VLLM = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"})
 
 # Bytes of hidden states per token and captured layer, per storage dtype: bf16 values; fp8
-# values plus one float32 scale per token and layer (hsx.shards.quantize_fp8).
+# values plus one float32 scale per token and layer (hsx.output.shards.quantize_fp8).
 STORAGE_BYTES_PER_VALUE = {"bf16": 2.0, "fp8": 1.0}
 STORAGE_BYTES_PER_ROW = {"bf16": 0, "fp8": 4}
 

@@ -158,7 +158,13 @@ class JobSpec(BaseModel):
             "or `input_ids` (optionally `loss_mask`)."
         ),
     )
-    output: str = Field(..., min_length=1, description="Output directory path or file:// URI.")
+    output: str = Field(
+        ..., min_length=1,
+        description=(
+            "Output location: a directory path, a file:// URI, or an object-store prefix "
+            "(s3://bucket/prefix; credentials and endpoint from the AWS_* variables)."
+        ),
+    )
     layers: list[int] | None = Field(
         None,
         description=(

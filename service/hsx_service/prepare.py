@@ -12,28 +12,18 @@ the same job twice does nothing.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from hsx import __version__
-from hsx.layout import (
-    COMPLETE,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    LAYER_CONVENTION,
-    MANIFEST,
-    TMP_DIR,
-)
 from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
+from hsx.output import JobMismatch, Manifest, Output, StorageError, UnitPlan
+from hsx.output.layout import LAYER_CONVENTION
 from hsx.plan import WorkUnit, plan_units
-from hsx.shards import committed_units
 from hsx.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -48,45 +38,56 @@ class JobRefused(ValueError):
 
 @dataclass
 class PreparedJob:
+    """A job whose output holds its manifest: the plan, and what is left to do."""
+
     spec: JobSpec
     model: ModelInfo
-    layers: list[int]
-    output: Path
-    manifest: dict[str, Any]
+    output: Output
+    manifest: Manifest
     units: list[WorkUnit]
     pending: list[WorkUnit]
     complete: bool
 
+    @classmethod
+    def of(cls, spec: JobSpec, model: ModelInfo, output: Output) -> PreparedJob:
+        """The job as its output says: planned units, those without a commit record."""
+        manifest = output.manifest()
+        units = manifest.work_units
+        done = output.committed_units()
+        return cls(spec=spec, model=model, output=output, manifest=manifest, units=units,
+                   pending=[u for u in units if u.unit not in done],
+                   complete=output.is_complete())
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.manifest.layers)
+
     @property
     def samples_total(self) -> int:
-        return int(self.manifest["num_samples"])
+        return self.manifest.num_samples
 
     @property
     def tokens_total(self) -> int:
-        return sum(u.tokens for u in self.units)
+        return self.manifest.tokens_total
 
 
-def output_path(output: str) -> Path:
-    """Local path of an output URI; other schemes are refused with the reason."""
-    from hsx.dataset import resolve_output
-
+def open_output(output: str) -> Output:
+    """The Output of a job's `output` field; JobRefused naming it when the URI is bad."""
     try:
-        return resolve_output(output)
-    except ValueError as err:
+        return Output(output)
+    except (ValueError, StorageError) as err:
         raise JobRefused(f"output: {err}") from None
 
 
-def _check_writable(root: Path) -> None:
+def check_writable(output: Output) -> None:
+    """JobRefused, naming the location (a bucket: its name) and why, unless it is writable."""
     try:
-        (root / TMP_DIR).mkdir(parents=True, exist_ok=True)
-        probe = root / TMP_DIR / f"probe-{uuid.uuid4().hex[:8]}"
-        probe.write_bytes(b"hsx")
-        probe.unlink()
-    except OSError as err:
-        raise JobRefused(f"output: {root} is not writable: {err.strerror or err}") from None
+        output.check_writable()
+    except StorageError as err:
+        raise JobRefused(f"output: {err}") from None
 
 
-def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Path]:
+def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Output]:
     """The checks that need no engine; raise JobRefused on the first problem."""
     try:
         info = read_model_info(spec.model)
@@ -106,9 +107,9 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Path]:
             "tensor_parallel_size: the hf engine runs on one device; use engine: vllm for "
             "tensor parallelism"
         )
-    root = output_path(spec.output)
-    _check_writable(root)
-    return info, layers, root
+    output = open_output(spec.output)
+    check_writable(output)
+    return info, layers, output
 
 
 # The estimate refuses only a job it finds clearly too big: a dataset's first rows are
@@ -116,21 +117,22 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Path]:
 ESTIMATE_MARGIN = 2.0
 
 
-def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], root: Path,
+def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], output: Output,
                            quota_bytes: int | None = None) -> None:
     """Refuse, before ingestion, a new job whose output is estimated (from its first rows
     and its row count) at more than ESTIMATE_MARGIN x the quota or the free space.
 
     For the coordinator's submit, so that such a job gets a 422 instead of failing after
     ingestion; `prepare` checks the exact size once the dataset is tokenized. Takes what
-    `preflight` returned.
+    `preflight` returned. An object store has no free space to check, only the quota.
     """
-    if (root / MANIFEST).exists():
+    if output.has_manifest():
         return  # a rerun: ingested already, prepare checks the exact size
     quota = output_quota(quota_bytes)
-    free = shutil.disk_usage(root).free  # preflight has made it
-    limit, what = (quota, "the quota") if quota is not None and quota < free else (
-        free, f"the free space of {root}")
+    limit_what = _size_limit(output, quota)
+    if limit_what is None:
+        return
+    limit, what = limit_what
     from hsx.ingest import estimate_tokens
 
     try:
@@ -213,6 +215,15 @@ def output_quota(quota_bytes: int | None = None) -> int | None:
         raise JobRefused(f"{QUOTA_ENV}={raw!r} is not a number of bytes") from None
 
 
+def _size_limit(output: Output, quota: int | None) -> tuple[int, str] | None:
+    """(bytes, what they are) of the tighter of the quota and the free space, if any."""
+    root = output.local_root
+    free = shutil.disk_usage(root).free if root is not None else None  # preflight made it
+    if quota is not None and (free is None or quota < free):
+        return quota, "the quota"
+    return None if free is None else (free, f"the free space of {root}")
+
+
 def check_output_size(job: PreparedJob, quota_bytes: int | None = None) -> int:
     """Refuse a job whose pending output exceeds the quota or the output's free space.
 
@@ -230,8 +241,9 @@ def check_output_size(job: PreparedJob, quota_bytes: int | None = None) -> int:
             f"more than the quota of {_human(quota)}; use fewer layers, storage_dtype fp8, "
             "or a smaller dataset"
         )
-    free = shutil.disk_usage(job.output).free
-    if need > free:
+    root = job.output.local_root  # an object store has no free space to check
+    free = shutil.disk_usage(root).free if root is not None else None
+    if free is not None and need > free:
         raise JobRefused(
             f"output: the job would write about {_human(need)} but {job.output} has only "
             f"{_human(free)} free; free space, choose another output, or use fewer layers "
@@ -248,100 +260,53 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _publish_once(path: Path, payload: dict[str, Any]) -> bool:
-    """Write JSON to `path` only if absent (atomic). False when it already existed."""
-    tmp = path.parent / TMP_DIR / f"{path.name}.{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        tmp.unlink()
-
-
 def prepare(spec: JobSpec) -> PreparedJob:
     """Preflight, then make (or find) the output's manifest, inputs and plan."""
-    info, layers, root = preflight(spec)
-    manifest_file = root / MANIFEST
+    info, layers, output = preflight(spec)
     from hsx.ingest import dataset_fingerprint, ingest
 
-    if manifest_file.exists():
-        manifest = json.loads(manifest_file.read_text())
-        _check_same_job(manifest, spec, root, dataset_fingerprint(spec.dataset))
-    else:
+    manifest = output.read_manifest()
+    data_fp = dataset_fingerprint(spec.dataset) if manifest is not None else ""
+    if manifest is None:
         result = ingest(
             spec.dataset,
             spec.tokenizer or spec.model,
             spec.max_seq_len,
-            root,
+            output,
             chat_template_kwargs=spec.chat_template_kwargs,
             trust_remote_code=spec.trust_remote_code,
         )
-        from hsx.ingest import read_inputs
-
-        lengths = read_inputs(root).column("length").to_numpy()
+        data_fp = result.dataset_fingerprint
+        lengths = output.inputs().column("length").to_numpy()
         units = plan_units(lengths.tolist(), spec.unit_tokens)
-        manifest = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "hsx_version": __version__,
-            "job_fingerprint": spec.data_fingerprint(),
-            "dataset_fingerprint": result.dataset_fingerprint,
-            "model": spec.model,
-            "architecture": info.architecture,
-            "num_layers": info.num_layers,
-            "hidden_size": info.hidden_size,
-            "layers": layers,
-            "layer_convention": LAYER_CONVENTION,
-            "storage_dtype": spec.storage_dtype,
-            "engine": spec.engine,
-            "tokenizer_fingerprint": result.tokenizer_fingerprint,
-            "max_seq_len": spec.max_seq_len,
-            "num_samples": result.num_samples,
-            "num_errors": result.num_errors,
-            "num_tokens": result.num_tokens,
-            "units": [u.to_json() for u in units],
-            "created_at": time.time(),
-            "spec": spec.model_dump(mode="json"),
-        }
-        if not _publish_once(manifest_file, manifest):
-            # Another driver prepared the same output at the same moment.
-            manifest = json.loads(manifest_file.read_text())
-            _check_same_job(manifest, spec, root, result.dataset_fingerprint)
-
-    units = [WorkUnit.from_json(u) for u in manifest["units"]]
-    done = committed_units(root)
-    job = PreparedJob(
-        spec=spec,
-        model=info,
-        layers=list(manifest["layers"]),
-        output=root,
-        manifest=manifest,
-        units=units,
-        pending=[u for u in units if u.unit not in done],
-        complete=(root / COMPLETE).exists(),
-    )
+        # Another driver may have prepared the same output at the same moment: the
+        # manifest published first is the one, and it must be this same job.
+        manifest = output.publish_manifest(Manifest(
+            hsx_version=__version__,
+            job_fingerprint=spec.data_fingerprint(),
+            dataset_fingerprint=data_fp,
+            model=spec.model,
+            architecture=info.architecture,
+            num_layers=info.num_layers,
+            hidden_size=info.hidden_size,
+            layers=layers,
+            layer_convention=LAYER_CONVENTION,
+            storage_dtype=spec.storage_dtype,
+            engine=spec.engine,
+            tokenizer_fingerprint=result.tokenizer_fingerprint,
+            max_seq_len=spec.max_seq_len,
+            num_samples=result.num_samples,
+            num_errors=result.num_errors,
+            num_tokens=result.num_tokens,
+            units=[UnitPlan.of(u) for u in units],
+            created_at=time.time(),
+            spec=spec.model_dump(mode="json"),
+        ))
+    try:
+        manifest.check_same_job(spec.data_fingerprint(), data_fp, output=str(output),
+                                dataset=spec.dataset)
+    except JobMismatch as err:
+        raise JobRefused(str(err)) from None
+    job = PreparedJob.of(spec, info, output)
     check_output_size(job)
     return job
-
-
-def _check_same_job(manifest: dict[str, Any], spec: JobSpec, root: Path, data_fp: str) -> None:
-    if manifest.get("job_fingerprint") != spec.data_fingerprint():
-        raise JobRefused(
-            f"output: {root} already holds a different job (model, dataset, layers, "
-            "engine, max_seq_len, storage_dtype or unit_tokens differ); choose another "
-            "output or remove that one"
-        )
-    if manifest.get("dataset_fingerprint") != data_fp:
-        raise JobRefused(
-            f"dataset: {spec.dataset} changed since {root} was started (size or time "
-            "differ); choose another output to extract the new version"
-        )
-
-
-def mark_complete(job: PreparedJob, summary: dict[str, Any]) -> None:
-    _publish_once(job.output / COMPLETE, summary)

@@ -1,11 +1,14 @@
 """The job driver: prepared work units, fed to ExtractionWorker actors on Ray.
 
-`run_job` is what `hsx extract` calls, in one process tree: it starts (or joins) Ray,
-gets `replicas` workers from an `EnginePool`, and hands each idle worker the next
-pending unit — workers pull, so a slow engine never holds up the others. A worker that
-dies (its process killed, its engine dead) is restarted by Ray and its unit goes back
-to the queue; a unit that fails `max_attempts` times fails the job. Whatever happens,
-the output stays consistent: a unit is done exactly when its commit record exists.
+`run_job` is the one job driver: `hsx extract` calls it in one process tree, and the
+coordinator's scheduler calls it with hooks that keep its ledger and its subscribers
+up to date. It prepares the job (preflight, ingestion, plan: prepare.py), starts (or
+joins) Ray, gets `replicas` workers from an `EnginePool`, and hands each idle worker the
+next pending unit — workers pull, so a slow engine never holds up the others. A worker
+that dies (its process killed, its engine dead) is restarted by Ray and its unit goes
+back to the queue; a unit that fails `max_attempts` times fails the job. When every unit
+is committed it publishes complete.json. Whatever happens, the output stays consistent:
+a unit is done exactly when its commit record exists.
 
 The `EnginePool` keeps actors by engine configuration, so several jobs on the same
 model in one process (tests, a service) reuse warm engines instead of starting new ones.
@@ -25,11 +28,11 @@ from typing import Any
 
 from hsx import __version__
 from hsx.modelinfo import ModelInfo
+from hsx.output import OutputTotals
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
-from hsx.shards import clean_orphans, read_commits
 from hsx.spec import JobSpec
-from hsx_service.prepare import JobRefused, PreparedJob, mark_complete, preflight, prepare
+from hsx_service.prepare import JobRefused, PreparedJob, preflight, prepare
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,10 @@ START_GRACE_S = 120.0
 
 class JobFailed(RuntimeError):
     """The job stopped; committed units stay valid and a rerun resumes the rest."""
+
+
+class JobCancelled(RuntimeError):
+    """The job was cancelled: dispatch stopped, the units handed out committed."""
 
 
 @dataclass
@@ -53,6 +60,12 @@ class JobSummary:
     seconds: float
     nothing_to_do: bool = False
     restarts: int = 0
+
+    @classmethod
+    def of(cls, totals: OutputTotals, output: str, seconds: float, **extra: Any) -> JobSummary:
+        return cls(output=output, samples=totals.samples, errors=totals.errors,
+                   tokens=totals.tokens, bytes=totals.bytes, shards=totals.units_done,
+                   seconds=seconds, **extra)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -302,8 +315,10 @@ def _first_line(err: BaseException) -> str:
 
 @dataclass
 class DispatchHooks:
-    """What a driver wants to hear while units run (the CLI: progress; the service: all)."""
+    """What a driver wants to hear while a job runs (the CLI: progress; the service: all)."""
 
+    # The job is prepared (its output has a manifest and a plan); no engine started yet.
+    on_prepared: Callable[[PreparedJob], None] | None = None
     on_progress: Callable[[JobProgress], None] | None = None
     on_unit_done: Callable[[Any], None] | None = None  # UnitReport
     # (unit, attempt, message, gave_up): an attempt failed; gave_up after the last one.
@@ -323,39 +338,48 @@ def run_job(
     spec: JobSpec,
     *,
     pool: EnginePool | None = None,
-    on_progress: Callable[[JobProgress], None] | None = None,
-    on_prepared: Callable[[PreparedJob], None] | None = None,
+    hooks: DispatchHooks | None = None,
     max_attempts: int = MAX_ATTEMPTS,
 ) -> JobSummary:
-    """Run a job to completion. Raises JobRefused before starting anything, JobFailed after."""
+    """Run a job to completion: prepare, dispatch the pending units, publish complete.json.
+
+    Raises JobRefused before anything heavy starts; JobFailed (units given up, engines
+    that cannot start) or JobCancelled (`hooks.cancelled`) after. A job found complete
+    returns at once (`nothing_to_do`). Without a `pool` one is made and shut down after.
+    """
+    hooks = hooks or DispatchHooks()
     started = time.time()
     job = prepare(spec)
-    if on_prepared is not None:
-        on_prepared(job)
+    if hooks.on_prepared is not None:
+        hooks.on_prepared(job)
     if job.complete and not job.pending:
-        return summarize(job, started, nothing_to_do=True)
+        return JobSummary.of(job.output.totals(), str(job.output), time.time() - started,
+                             nothing_to_do=True)
     result = DispatchResult()
     if job.pending:
         owned = pool is None
         pool = pool or EnginePool()
         try:
-            result = execute(job, pool, DispatchHooks(on_progress=on_progress), max_attempts)
+            result = execute(job, pool, hooks, max_attempts)
         finally:
             if owned:
                 pool.shutdown()
-    summary = summarize(job, started)
-    summary.restarts = result.restarts
+    if result.cancelled:
+        raise JobCancelled("cancelled")
     if result.failed_units:
         raise JobFailed(failed_units_message(result.failed_units, len(job.units), max_attempts))
-    finish(job, summary)
-    return summary
+    return finish(job, started, restarts=result.restarts)
 
 
-def finish(job: PreparedJob, summary: JobSummary) -> None:
-    """Publish complete.json: every unit is committed."""
-    mark_complete(
-        job, {**summary.as_dict(), "hsx_version": __version__, "completed_at": time.time()}
+def finish(job: PreparedJob, started: float, *, restarts: int = 0) -> JobSummary:
+    """Every unit is committed: drop what attempts left behind, publish complete.json."""
+    job.output.clean_orphans()  # no attempt runs now: what no record names is garbage
+    summary = JobSummary.of(job.output.totals(), str(job.output), time.time() - started,
+                            restarts=restarts)
+    job.output.mark_complete(
+        {**summary.as_dict(), "hsx_version": __version__, "completed_at": time.time()}
     )
+    return summary
 
 
 def failed_units_message(failed: dict[int, str], total: int, max_attempts: int) -> str:
@@ -363,39 +387,6 @@ def failed_units_message(failed: dict[int, str], total: int, max_attempts: int) 
     return (
         f"{len(failed)} of {total} units failed {max_attempts} times and were given up "
         f"(units {sorted(failed)[:10]}); last error: {last}"
-    )
-
-
-def summarize(job: PreparedJob, started: float, nothing_to_do: bool = False) -> JobSummary:
-    commits = read_commits(job.output)
-    unit_errors = sum(len(c.get("errors", [])) for c in commits)
-    return JobSummary(
-        output=str(job.output),
-        samples=sum(int(c["samples"]) for c in commits),
-        errors=int(job.manifest.get("num_errors", 0)) + unit_errors,
-        tokens=sum(int(c["tokens"]) for c in commits),
-        bytes=sum(int(c["bytes"]) for c in commits),
-        shards=len(commits),
-        seconds=time.time() - started,
-        nothing_to_do=nothing_to_do,
-    )
-
-
-def initial_progress(job: PreparedJob) -> JobProgress:
-    """Progress of an output as found: what earlier runs already committed counts."""
-    commits = read_commits(job.output)
-    ingest_errors = int(job.manifest.get("num_errors", 0))
-    unit_errors = sum(len(c.get("errors", [])) for c in commits)
-    return JobProgress(
-        samples_total=job.samples_total,
-        tokens_total=job.tokens_total,
-        samples_done=sum(int(c["samples"]) for c in commits) + unit_errors,
-        tokens_done=sum(int(c["tokens"]) for c in commits),
-        samples_failed=unit_errors + ingest_errors,
-        shards=len(commits),
-        bytes=sum(int(c["bytes"]) for c in commits),
-        units_total=len(job.units),
-        units_done=len(commits),
     )
 
 
@@ -416,13 +407,13 @@ def execute(
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     spec = job.spec
-    clean_orphans(job.output)
+    job.output.clean_orphans()
     config = engine_config_for(spec, job.model, job.layers)
     ensure_ray(spec.ray_address, spec.replicas * spec.tensor_parallel_size)
     check_capacity(spec)
     slots = pool.slots(spec.engine, config, spec.replicas, spec)
     result = DispatchResult()
-    progress = initial_progress(job)
+    progress = job.output.totals().progress()
     queue: deque[WorkUnit] = deque(job.pending)
     attempts: dict[int, int] = {}
     alone: set[int] = set()  # units that were on a failed worker: retried one at a time
@@ -487,7 +478,7 @@ def execute(
             if queue[0].unit in alone and slot.inflight:
                 break
             unit = queue.popleft()
-            ref = slot.actor.run_unit.remote(str(job.output), spec.storage_dtype, unit,
+            ref = slot.actor.run_unit.remote(job.output, spec.storage_dtype, unit,
                                              spec.checksum)
             slot.inflight[ref] = unit
             slot.state = "busy"

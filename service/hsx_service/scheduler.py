@@ -2,10 +2,10 @@
 
 Routes call `submit`, `get`, `list`, `cancel`, `errors`, `subscribe` — all quick: they
 validate, read the ledger and enqueue. One background thread takes the oldest queued
-job and runs it to the end with the same `execute` the CLI uses (runner.py): prepare
+job and runs it to the end with the job driver the CLI uses (`runner.run_job`): prepare
 (ingest, plan), then units fed to `replicas` engine actors, restarts and retries
-included. Progress goes to the ledger (units, attempts, commits) and to subscribers
-(the SSE streams).
+included, then complete.json. Its hooks send progress to the ledger (units, attempts,
+commits) and to subscribers (the SSE streams).
 
 On `start` the ledger is reconciled with the outputs — the outputs' commit records are
 the truth — and every job that was running when the coordinator stopped is queued
@@ -24,9 +24,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from hsx.output import OutputCorrupt, StorageError
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
-from hsx.shards import committed_units, read_commits
 from hsx.spec import JobSpec, TrainSpec
 from hsx.wire import ErrorPage, ErrorRecord, JobState, JobStatus, TrainStatus, WorkerStatus
 from hsx_service.errors import JobConflict, JobNotFound, NotReady
@@ -35,23 +35,19 @@ from hsx_service.prepare import (
     JobRefused,
     PreparedJob,
     check_estimated_output,
-    output_path,
+    open_output,
     preflight,
-    prepare,
 )
 from hsx_service.runner import (
     MAX_ATTEMPTS,
     DispatchHooks,
     EnginePool,
+    JobCancelled,
     JobFailed,
     check_capacity,
     engine_key,
     ensure_ray,
-    execute,
-    failed_units_message,
-    finish,
-    initial_progress,
-    summarize,
+    run_job,
 )
 from hsx_service.training import Trainings
 
@@ -110,9 +106,9 @@ class Scheduler:
                 logger.info("resuming job %s after a coordinator restart", row.id)
                 self.ledger.set_state(row.id, JobState.queued)
             if not row.state.finished:
-                root = output_path(row.output)
-                if root.exists():
-                    self.ledger.reconcile_units(row.id, committed_units(root))
+                output = open_output(row.output)
+                if output.has_manifest():
+                    self.ledger.reconcile_units(row.id, output.committed_units())
 
     # ------------------------------------------------------------ routes' API
 
@@ -125,9 +121,11 @@ class Scheduler:
             return self._same_or_conflict(existing, spec), False
         check_estimated_output(spec, *preflight(spec))
         check_capacity(spec)
-        root = str(output_path(spec.output).resolve())
+        if spec.train is not None:
+            draft_root(spec.output)
+        location = open_output(spec.output).location
         for other in self.ledger.jobs():
-            if not other.state.finished and str(output_path(other.output).resolve()) == root:
+            if not other.state.finished and open_output(other.output).location == location:
                 raise JobConflict(f"output {spec.output} is in use by job {other.id}")
         row = self.ledger.insert_job(job_id, spec, spec.output)
         if row is None:  # another request inserted the same id just now
@@ -172,11 +170,12 @@ class Scheduler:
         if not self._ready:
             raise NotReady("the coordinator is still starting")
         row = self._row(job_id)
+        root = draft_root(row.output)
         if row.state in (JobState.failed, JobState.cancelled) and not (
-            output_path(row.output) / "manifest.json").exists():
+                open_output(row.output).has_manifest()):
             raise JobRefused(f"job {job_id} is {row.state.value} and left no output to train on")
         check_draft_layers(row.spec)
-        self.trainings.start(job_id, output_path(row.output), spec)
+        self.trainings.start(job_id, root, spec)
         return self.train_status(job_id)
 
     def train_status(self, job_id: str) -> TrainStatus:
@@ -185,7 +184,7 @@ class Scheduler:
         if training is None:
             raise JobNotFound(
                 f"job {job_id} has no training; POST /v1/jobs/{job_id}/train starts one")
-        return self.trainings.status(training, output_path(row.output))
+        return self.trainings.status(training, draft_root(row.output))
 
     def subscribe(self, job_id: str) -> queue.Queue[JobStatus | None]:
         row = self._row(job_id)
@@ -268,12 +267,12 @@ class Scheduler:
         """Numbers of a job that is not running now, read back from its output."""
         if row.id in self._finished:
             return self._finished[row.id]
-        root = output_path(row.output)
-        if not (root / "manifest.json").exists():
-            return None
         try:
-            progress = initial_progress(prepare_readonly(row.spec, root))
-        except (OSError, ValueError):
+            output = open_output(row.output)
+            if not output.has_manifest():
+                return None
+            progress = output.totals().progress()
+        except (OSError, ValueError, JobRefused, StorageError, OutputCorrupt):
             return None
         progress.units_failed = len(self.ledger.failed_units(row.id))
         if row.state.finished:
@@ -281,28 +280,13 @@ class Scheduler:
         return progress
 
     def _error_records(self, row: JobRow) -> builtins.list[ErrorRecord]:
-        root = output_path(row.output)
-        records: dict[int, str] = {}
-        if (root / "errors.arrow").exists():
-            from hsx.ingest import read_errors
-
-            table = read_errors(root)
-            for index, reason in zip(table.column("sample_index").to_pylist(),
-                                     table.column("reason").to_pylist(), strict=True):
-                records[int(index)] = str(reason)
-        if root.exists():
-            for commit in read_commits(root):
-                for err in commit.get("errors", []):
-                    records[int(err["sample_index"])] = str(err["reason"])
-        failed = self.ledger.failed_units(row.id)
-        if failed:
-            from hsx.ingest import read_inputs
-
-            indices = read_inputs(root).column("sample_index")
-            for unit, start, end, error in failed:
-                for index in indices.slice(start, end - start).to_pylist():
-                    records[int(index)] = f"unit {unit} was given up: {error}"
-        return [ErrorRecord(sample_index=i, reason=r) for i, r in sorted(records.items())]
+        output = open_output(row.output)
+        if not output.has_manifest():
+            return []
+        given_up = [(start, end, f"unit {unit} was given up: {error}")
+                    for unit, start, end, error in self.ledger.failed_units(row.id)]
+        return [ErrorRecord(sample_index=e.sample_index, reason=e.reason)
+                for e in output.errors(given_up=given_up)]
 
     def _publish(self, job_id: str, *, force: bool = False, final: bool = False) -> None:
         now = time.monotonic()
@@ -324,7 +308,9 @@ class Scheduler:
     def _loop(self) -> None:
         ensure_ray(getattr(self.settings, "ray_address", None), cpus_needed=1)
         self._reconcile()
-        self.trainings.resume_all({row.id: output_path(row.output) for row in self.ledger.jobs()})
+        self.trainings.resume_all({
+            row.id: root for row in self.ledger.jobs()
+            if (root := open_output(row.output).local_root) is not None})
         self._ready = True
         while not self._stop.is_set():
             row = self.ledger.next_queued()
@@ -343,22 +329,22 @@ class Scheduler:
         job_id = row.id
         self.ledger.set_state(job_id, JobState.running)
         self._publish(job_id, force=True)
-        started = time.time()
-        try:
-            job = prepare(row.spec)
-        except JobRefused as err:
-            self._end(job_id, JobState.failed, str(err))
-            return
-        self.ledger.plan(job_id, [(u.unit, u.row_start, u.row_end, u.tokens) for u in job.units])
-        self.ledger.reconcile_units(job_id, {u.unit for u in job.units} - {
-            u.unit for u in job.pending})
-        self._live[job_id] = initial_progress(job)
-        if row.spec.train is not None and self.ledger.training(job_id) is None:
-            # Started now, it follows the shards as they are committed (or waits for the
-            # end when `follow` is off).
-            self.trainings.start(job_id, job.output, row.spec.train)
+
+        def prepared(job: PreparedJob) -> None:
+            self.ledger.plan(job_id, [(u.unit, u.row_start, u.row_end, u.tokens)
+                                      for u in job.units])
+            self.ledger.reconcile_units(job_id, {u.unit for u in job.units} - {
+                u.unit for u in job.pending})
+            self._live[job_id] = job.output.totals().progress()
+            if row.spec.train is not None and self.ledger.training(job_id) is None:
+                # Started now, it follows the shards as they are committed (or waits for
+                # the end when `follow` is off).
+                self.trainings.start(job_id, draft_root(row.output), row.spec.train)
+            # Engines stay warm between jobs on the same config; others give their place.
+            self.pool.keep_only(engine_key(row.spec, job.model, job.layers))
 
         hooks = DispatchHooks(
+            on_prepared=prepared,
             on_progress=lambda p: self._on_progress(job_id, p),
             on_unit_done=lambda report: self.ledger.unit_committed(job_id, report),
             on_unit_error=lambda unit, attempt, msg, gave_up: self._on_unit_error(
@@ -366,23 +352,13 @@ class Scheduler:
             on_restart=lambda _name: self.ledger.add_restart(job_id),
             cancelled=lambda: job_id in self._cancel,
         )
-        # Engines stay warm between jobs on the same config; others give their place.
-        self.pool.keep_only(engine_key(row.spec, job.model, job.layers))
         try:
-            result = execute(job, self.pool, hooks, self.max_attempts) if job.pending else None
-        except JobRefused as err:
+            run_job(row.spec, pool=self.pool, hooks=hooks, max_attempts=self.max_attempts)
+        except (JobRefused, JobFailed) as err:
             self._end(job_id, JobState.failed, str(err))
-            return
-        except JobFailed as err:
-            self._end(job_id, JobState.failed, str(err))
-            return
-        if result is not None and result.cancelled:
+        except JobCancelled:
             self._end(job_id, JobState.cancelled, "cancelled")
-        elif result is not None and result.failed_units:
-            message = failed_units_message(result.failed_units, len(job.units), self.max_attempts)
-            self._end(job_id, JobState.failed, message)
         else:
-            finish(job, summarize(job, started))
             self._end(job_id, JobState.succeeded, None)
 
     def _on_progress(self, job_id: str, progress: JobProgress) -> None:
@@ -408,17 +384,30 @@ class Scheduler:
         self._publish(job_id, force=True, final=True)
 
 
+def draft_root(output: str) -> Path:
+    """The local folder a job's draft is trained into (its output's draft/ lives there).
+
+    JobRefused for an object-store output: the coordinator's trainer publishes
+    checkpoints by directory rename and hard links, so it needs a local (or mounted)
+    output; `hsx train URI --draft-dir DIR` trains from a bucket into a local folder.
+    """
+    root = open_output(output).local_root
+    if root is None:
+        raise JobRefused(
+            f"train: {output} is an object store, and the coordinator trains drafts into "
+            "the output's draft/ folder on a file system; run `hsx train "
+            f"{output} --draft-dir DIR` to train from it into a local folder"
+        )
+    return root
+
+
 def check_draft_layers(spec: JobSpec) -> None:
     """Refuse training a job whose layers cannot feed an EAGLE-3 draft (JobRefused)."""
-    import json
-
-    from hsx.layout import MANIFEST
     from hsx.modelinfo import draft_aux_layers, read_model_info
 
-    manifest_file = output_path(spec.output) / MANIFEST
-    if manifest_file.exists():
-        manifest = json.loads(manifest_file.read_text())
-        layers, n = [int(k) for k in manifest["layers"]], int(manifest["num_layers"])
+    manifest = open_output(spec.output).read_manifest()
+    if manifest is not None:
+        layers, n = manifest.layers, manifest.num_layers
     else:
         info = read_model_info(spec.model)
         layers, n = spec.layers or info.default_layers(spec.engine), info.num_layers
@@ -426,20 +415,3 @@ def check_draft_layers(spec: JobSpec) -> None:
         draft_aux_layers(layers, n)
     except ValueError as err:
         raise JobRefused(f"train: {err}") from None
-
-
-def prepare_readonly(spec: JobSpec, root: Path) -> PreparedJob:
-    """A PreparedJob for an output that exists, without ingesting or writing anything."""
-    import json
-
-    from hsx.layout import COMPLETE, MANIFEST
-    from hsx.modelinfo import read_model_info
-
-    manifest = json.loads((root / MANIFEST).read_text())
-    units = [WorkUnit.from_json(u) for u in manifest["units"]]
-    done = committed_units(root)
-    return PreparedJob(
-        spec=spec, model=read_model_info(spec.model), layers=list(manifest["layers"]),
-        output=root, manifest=manifest, units=units,
-        pending=[u for u in units if u.unit not in done], complete=(root / COMPLETE).exists(),
-    )

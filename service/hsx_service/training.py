@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.draft import checkpoint_step, checkpoints, read_metrics
-from hsx.layout import DRAFT_DIR, DRAFT_METRICS, DRAFT_STATE
+from hsx.output.layout import DRAFT_DIR, DRAFT_METRICS, DRAFT_STATE
 from hsx.spec import TrainSpec
 from hsx.wire import TrainPoint, TrainState, TrainStatus
 from hsx_service.errors import JobConflict

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from hsx.dataset import HiddenStatesDataset
-from hsx.layout import COMMITS_DIR
+from hsx.output.layout import COMMITS_DIR
 from hsx.spec import JobSpec
 from hsx_service.prepare import preflight
-from hsx_service.runner import EnginePool, JobSummary, engine_key, run_job
+from hsx_service.runner import DispatchHooks, EnginePool, JobSummary, engine_key, run_job
 from hsx_workers.tiny_models import ChatDataset, make_chat_dataset, make_tiny_model
 
 from ..integration.helpers import by_sample, relative_error, worker_processes
@@ -101,7 +101,7 @@ def test_every_good_row_once_in_committed_verified_shards(
     assert ds.complete
     assert ds.verify() == len(ds.records)
     assert sorted(vllm_samples) == gpu_dataset.good_indices
-    assert ds.manifest["layers"] == LAYERS
+    assert ds.manifest.layers == LAYERS
     record("gpu-extract", samples=vllm_run.summary.samples, tokens=vllm_run.summary.tokens,
            shards=vllm_run.summary.shards, seconds=vllm_run.summary.seconds,
            device=torch.cuda.get_device_name(0))
@@ -206,7 +206,8 @@ def test_two_engines_on_two_gpus_work_at_once(
     gpu_pool.keep_only(engine_key(spec, info, layers))
     gpu_pool.start(spec)
     seen: list[dict[str, str]] = []
-    summary = run_job(spec, pool=gpu_pool, on_progress=lambda p: seen.append(dict(p.workers)))
+    summary = run_job(spec, pool=gpu_pool,
+                      hooks=DispatchHooks(on_progress=lambda p: seen.append(dict(p.workers))))
     busy_at_once = max(sum(s == "busy" for s in workers.values()) for workers in seen)
     two = by_sample(Path(spec.output))
     assert sorted(two) == sorted(vllm_samples)

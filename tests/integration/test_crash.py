@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from hsx.dataset import HiddenStatesDataset
-from hsx.layout import COMMITS_DIR, SHARDS_DIR, TMP_DIR
+from hsx.output.layout import COMMITS_DIR, SHARDS_DIR, TMP_DIR
 from hsx_workers.tiny_models import ChatDataset
 
 from .helpers import by_sample, kill_tree, relative_error, worker_processes
@@ -56,13 +56,13 @@ def _start(job: Path) -> subprocess.Popen[str]:
 
 
 def _wait_for_partial_shard(output: Path, proc: subprocess.Popen[str], min_commits: int) -> None:
-    """Until a unit is mid-write (its .partial holds data) after `min_commits` commits."""
+    """Until a unit is mid-write (its staging file holds data) after `min_commits` commits."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"hsx extract ended early: {proc.communicate()}")
         commits = list((output / COMMITS_DIR).glob("*.json"))
-        partial = [p for p in (output / TMP_DIR).glob("*.partial") if p.stat().st_size > 65536]
+        partial = [p for p in (output / TMP_DIR).glob("shards--*.part") if p.stat().st_size > 65536]
         if len(commits) >= min_commits and partial:
             return
         _assert_only_complete_shards_visible(output)
@@ -122,7 +122,7 @@ def test_killed_worker_leaves_nothing_partial_and_the_job_completes(
     assert ds.verify() == len(ds.records)
     assert sorted(by_sample(output)) == chat_dataset.good_indices
     # The killed attempt's leftovers never became shards.
-    named = {Path(r["shard"]).name for r in ds.records}
+    named = {Path(r.shard).name for r in ds.records}
     assert {p.name for p in (output / SHARDS_DIR).iterdir()} == named
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from hsx.dataset import HiddenStatesDataset
-from hsx.ingest import read_inputs
+from hsx.output import Output
 from hsx.progress import JobProgress
-from hsx_service.runner import JobSummary, run_job
+from hsx_service.runner import DispatchHooks, JobSummary, run_job
 from hsx_workers.tiny_models import ChatDataset
 
 from .helpers import by_sample, relative_error, snapshot
@@ -46,7 +46,7 @@ def _run(spec: Any, pool: Any) -> Run:
     def on_progress(p: JobProgress) -> None:
         seen.append(p.as_dict())
 
-    summary = run_job(spec, pool=pool, on_progress=on_progress)
+    summary = run_job(spec, pool=pool, hooks=DispatchHooks(on_progress=on_progress))
     return Run(Path(spec.output), summary, seen)
 
 
@@ -76,14 +76,14 @@ def test_every_good_row_is_in_exactly_one_shard(
         assert REASON_WORDS[kind] in errors[index].lower(), (kind, errors[index])
     assert ds.verify() == len(ds.records)
     # Inputs travel with the data: the shards' tokens are the ingested ones.
-    inputs = read_inputs(vllm_run.output)
+    inputs = Output(vllm_run.output).inputs()
     rows = dict(zip(inputs.column("sample_index").to_pylist(),
                     inputs.column("input_ids").to_pylist(), strict=True))
     for index, sample in vllm_samples.items():
         assert sample["input_ids"].tolist() == rows[index]
         assert sample["hidden_states"].shape == (len(rows[index]), 4, 256)
-    assert ds.manifest["layers"] == [1, 2, 3, 4]
-    assert ds.manifest["num_layers"] == 4
+    assert ds.manifest.layers == [1, 2, 3, 4]
+    assert ds.manifest.num_layers == 4
 
 
 def test_lengths_are_mixed(vllm_samples: dict[int, Any]) -> None:
@@ -142,7 +142,7 @@ def test_fp8_round_trip_and_half_size(
 ) -> None:
     run = _run(make_job(tmp_path / "fp8", engine="vllm", storage_dtype="fp8"), engine_pool)
     ds = HiddenStatesDataset(run.output)
-    assert ds.manifest["storage_dtype"] == "fp8"
+    assert ds.manifest.storage_dtype == "fp8"
     fp8 = by_sample(run.output)
     assert sorted(fp8) == sorted(vllm_samples)
     worst = 0.0

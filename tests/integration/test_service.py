@@ -33,7 +33,7 @@ from hsx.client import (
     JobRefusedError,
     UnauthorizedError,
 )
-from hsx.layout import COMMITS_DIR, TMP_DIR
+from hsx.output.layout import COMMITS_DIR, TMP_DIR
 from hsx.wire import JobState, JobStatus
 from hsx_workers.tiny_models import ChatDataset
 
@@ -203,7 +203,7 @@ def test_cancel(coordinator: Coordinator, tiny_llama: Path, chat_dataset: ChatDa
     assert final.units_done < final.units_total
     output = Path(final.output)
     assert not (output / "complete.json").exists()
-    assert not list((output / TMP_DIR).glob("*.partial")), "a unit was left half-written"
+    assert not list((output / TMP_DIR).glob("shards--*.part")), "a unit was left half-written"
     # What was committed before the cancel is whole.
     from hsx.dataset import HiddenStatesDataset
 
@@ -220,7 +220,7 @@ def test_killed_worker_actor_is_restarted_and_the_job_completes(
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         commits = list((output / COMMITS_DIR).glob("*.json"))
-        partial = [p for p in (output / TMP_DIR).glob("*.partial") if p.stat().st_size > 65536]
+        partial = [p for p in (output / TMP_DIR).glob("shards--*.part") if p.stat().st_size > 65536]
         if commits and partial:
             break
         time.sleep(0.005)

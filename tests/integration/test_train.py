@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from hsx.client import JobRefusedError, NotFoundError
-from hsx.layout import DRAFT_CHECKPOINTS, DRAFT_DIR
+from hsx.output.layout import DRAFT_CHECKPOINTS, DRAFT_DIR
 from hsx.wire import JobState, JobStatus, TrainState, TrainStatus
 from hsx_service.runner import run_job
 from hsx_workers.learnable import ChainLanguage, make_learnable_model, write_language_dataset

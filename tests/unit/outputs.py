@@ -1,4 +1,4 @@
-"""Building hsx outputs by hand in unit tests (no engines)."""
+"""Building hsx outputs by hand in tests (no engines), on local disk or in a bucket."""
 
 from __future__ import annotations
 
@@ -7,10 +7,55 @@ from typing import Any
 
 import pyarrow as pa
 
-from hsx.layout import INPUTS
+from hsx.output import Manifest, Output, UnitPlan
+from hsx.output.layout import INPUTS, LAYER_CONVENTION
 
 
-def write_inputs_table(root: Path, rows: list[int], samples: list[dict[str, Any]]) -> None:
+def make_manifest(
+    *,
+    layers: list[int],
+    hidden_size: int,
+    num_layers: int,
+    units: list[tuple[int, int]] | dict[int, list[int]],
+    storage_dtype: str = "bf16",
+    model: str = "tiny",
+    num_samples: int | None = None,
+    **extra: Any,
+) -> Manifest:
+    """A manifest as `prepare` writes one. `units`: row ranges [start, end) per unit, or
+    unit -> the rows it holds (contiguous)."""
+    ranges = ([(rows[0], rows[-1] + 1) if rows else (0, 0) for _, rows in sorted(units.items())]
+              if isinstance(units, dict) else list(units))
+    numbers = sorted(units) if isinstance(units, dict) else list(range(len(ranges)))
+    fields: dict[str, Any] = {
+        "hsx_version": "test", "job_fingerprint": "job", "dataset_fingerprint": "data",
+        "model": model, "architecture": "LlamaForCausalLM", "num_layers": num_layers,
+        "hidden_size": hidden_size, "layers": layers, "layer_convention": LAYER_CONVENTION,
+        "storage_dtype": storage_dtype, "engine": "vllm", "tokenizer_fingerprint": "tok",
+        "max_seq_len": 4096,
+        "num_samples": num_samples if num_samples is not None else max(
+            (end for _, end in ranges), default=0),
+        "num_errors": 0, "num_tokens": 0,
+        "units": [UnitPlan(unit=u, rows=r, tokens=0) for u, r in zip(numbers, ranges,
+                                                                     strict=True)],
+        "created_at": 0.0, "spec": {},
+        **extra,
+    }
+    return Manifest.model_validate(fields)
+
+
+def write_manifest(output: Output | Path | str, manifest: Manifest) -> Output:
+    """Publish `manifest` into the output (making a local folder first)."""
+    out = Output.of(output)
+    root = out.local_root
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+    out.publish_manifest(manifest)
+    return out
+
+
+def write_inputs_table(output: Output | Path | str, rows: list[int],
+                       samples: list[dict[str, Any]]) -> None:
     """inputs.arrow as ingestion writes it: one row per sample, in `rows` order."""
     table = pa.table({
         "sample_index": pa.array(rows, pa.int64()),
@@ -18,5 +63,7 @@ def write_inputs_table(root: Path, rows: list[int], samples: list[dict[str, Any]
         "loss_mask": pa.array([s["loss_mask"].tolist() for s in samples], pa.list_(pa.uint8())),
         "length": pa.array([len(s["input_ids"]) for s in samples], pa.int32()),
     })
-    with pa.OSFile(str(root / INPUTS), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-        w.write_table(table)
+    writer = Output.of(output).table_writer(INPUTS)
+    for batch in table.to_batches():
+        writer.write(batch)
+    writer.commit()

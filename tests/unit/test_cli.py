@@ -68,7 +68,7 @@ def no_engines(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         ({"model": "/nonexistent/model"}, "model: directory /nonexistent/model does not exist"),
         ({"dataset": "/nonexistent/data.jsonl"}, "dataset: /nonexistent/data.jsonl does not exist"),
         ({"engine": "hf", "tensor_parallel_size": 2}, "tensor_parallel_size"),
-        ({"output": "s3://bucket/x"}, "s3:// outputs are not supported yet"),
+        ({"output": "ftp://bucket/x"}, "output: unsupported storage URI 'ftp://bucket/x'"),
     ],
 )
 def test_refused_before_any_engine(
@@ -142,7 +142,7 @@ def test_cli_missing_job_file(tmp_path: Path) -> None:
 
 def test_import_hsx_stays_light() -> None:
     code = (
-        "import sys, hsx, hsx.spec, hsx.shards, hsx.dataset, hsx.ingest, hsx.cli, "
+        "import sys, hsx, hsx.spec, hsx.output, hsx.dataset, hsx.ingest, hsx.cli, "
         "hsx.plan, hsx.progress, hsx.modelinfo; hsx.HiddenStatesDataset; hsx.JobSpec; "
         "hsx.Client; print(','.join(m for m in ('torch', 'vllm', 'ray', 'transformers', "
         "'fastapi', 'uvicorn', 'hsx_service') if m in sys.modules))"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
 import subprocess
@@ -20,9 +19,10 @@ import pytest
 import torch
 
 from hsx.dataset import HiddenStatesDataset
-from hsx.layout import COMPLETE, ERRORS, MANIFEST
-from hsx.shards import ShardCorrupt, ShardWriter
-from tests.unit.outputs import write_inputs_table
+from hsx.output import CommitRecord, Output, ShardCorrupt, ShardWriter
+from hsx.output.layout import COMPLETE, ERRORS
+from tests.unit.outputs import make_manifest, write_inputs_table
+from tests.unit.outputs import write_manifest as publish_manifest
 
 LAYERS = [1, 3, 4, 6]
 HIDDEN = 16
@@ -42,25 +42,27 @@ def sample(idx: int) -> dict[str, Any]:
     }
 
 
-def write_manifest(root: Path, units: dict[int, list[int]], storage: str = "bf16") -> None:
-    root.mkdir(parents=True, exist_ok=True)
+def write_manifest(root: Path | str, units: dict[int, list[int]], storage: str = "bf16"
+                   ) -> None:
+    """A manifest planning `units` (unit -> sample indices, one inputs row each) and the
+    inputs table; works for a local folder and a bucket URI alike."""
     rows = sorted(i for ids in units.values() for i in ids)
-    manifest = {
-        "format": "hsx-hidden-states", "format_version": 1, "layers": LAYERS,
-        "hidden_size": HIDDEN, "num_layers": 6, "storage_dtype": storage,
-        "num_samples": len(rows),
-        "units": [{"unit": u, "rows": [0, 0], "tokens": 0} for u in sorted(units)],
-    }
-    (root / MANIFEST).write_text(json.dumps(manifest))
+    ranges, start = [], 0
+    for u in sorted(units):
+        ranges.append((start, start + len(units[u])))
+        start += len(units[u])
+    publish_manifest(root, make_manifest(
+        layers=LAYERS, hidden_size=HIDDEN, num_layers=6, storage_dtype=storage,
+        units=ranges, num_samples=len(rows)))
     samples = [sample(i) for i in rows]
     write_inputs_table(root, rows, samples)
 
 
 def write_unit(
-    root: Path, unit: int, ids: list[int], storage: str = "bf16",
+    root: Path | str, unit: int, ids: list[int], storage: str = "bf16",
     errors: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    with ShardWriter(root, unit, layers=LAYERS, hidden_size=HIDDEN,
+) -> CommitRecord:
+    with ShardWriter(Output(root).storage, unit, layers=LAYERS, hidden_size=HIDDEN,
                      storage_dtype=storage) as w:  # type: ignore[arg-type]
         for i in ids:
             s = sample(i)
@@ -106,8 +108,8 @@ def test_len_and_getitem_in_unit_order(output: Path) -> None:
         ds[12]
     for i in np.random.default_rng(0).permutation(12):
         check(ds[int(i)], torch_out=False)
-    assert ds.manifest["layers"] == LAYERS
-    assert [r["unit"] for r in ds.records] == [0, 1, 2]
+    assert ds.manifest.layers == LAYERS
+    assert [r.unit for r in ds.records] == [0, 1, 2]
     assert [s["sample_index"] for s in ds] == list(range(12))
     assert ds.verify() == 3
 
@@ -138,8 +140,9 @@ def test_fp8_output_is_dequantized(tmp_path: Path) -> None:
 def test_uri_forms_and_missing_output(output: Path, tmp_path: Path) -> None:
     assert len(HiddenStatesDataset(f"file://{output}")) == 12
     assert len(HiddenStatesDataset(str(output))) == 12
-    with pytest.raises(ValueError, match="s3:// outputs are not supported yet"):
-        HiddenStatesDataset("s3://bucket/job")
+    assert len(HiddenStatesDataset(Output(output))) == 12
+    with pytest.raises(ValueError, match="unsupported storage URI"):
+        HiddenStatesDataset("ftp://host/job")
     with pytest.raises(FileNotFoundError, match=f"no hsx output at {tmp_path / 'nope'}"):
         HiddenStatesDataset(tmp_path / "nope")
 
@@ -211,7 +214,7 @@ def test_follow_shards_and_timeout(output: Path) -> None:
     seen = []
     with pytest.raises(TimeoutError, match="no new shard"):
         for reader in ds.shards():
-            seen.append(reader.record["unit"] if reader.record else None)
+            seen.append(reader.record.unit if reader.record else None)
     assert seen == [0, 1, 2]
     (output / COMPLETE).write_text("{}")
     assert [r.unit for r in ds.shards()] == [0, 1, 2]
@@ -219,7 +222,7 @@ def test_follow_shards_and_timeout(output: Path) -> None:
 
 def test_verify_reports_corrupt_shards(output: Path) -> None:
     ds = HiddenStatesDataset(output)
-    path = output / ds.records[1]["shard"]
+    path = output / ds.records[1].shard
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -241,10 +244,9 @@ def collate_list(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return batch
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_dataloader_with_two_workers(output: Path, context: str) -> None:
-    ds = HiddenStatesDataset(output)
-    ds[0]  # the parent has open shards when workers start
+def read_with_workers(ds: HiddenStatesDataset, context: str) -> list[int]:
+    """Every sample through a DataLoader with two workers, checked; their indices."""
+    ds[0]  # the parent has open shards (and connections) when workers start
     loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
         ds,  # type: ignore[arg-type]  # map-style by protocol, not by base class
         batch_size=3, num_workers=2, collate_fn=collate_list,
@@ -255,14 +257,19 @@ def test_dataloader_with_two_workers(output: Path, context: str) -> None:
         for s in batch:
             check(s, torch_out=True)
             seen.append(s["sample_index"])
-    assert sorted(seen) == list(range(12))
+    return sorted(seen)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_with_two_workers(output: Path, context: str) -> None:
+    assert read_with_workers(HiddenStatesDataset(output), context) == list(range(12))
 
 
 def test_import_does_not_pull_heavy_modules() -> None:
     code = textwrap.dedent(
         """
         import sys
-        import hsx.shards, hsx.dataset
+        import hsx.output, hsx.dataset
         from hsx.dataset import HiddenStatesDataset
         heavy = sorted(m for m in ("torch", "vllm", "ray") if m in sys.modules)
         print(heavy)

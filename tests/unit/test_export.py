@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -21,9 +21,9 @@ import torch
 from hsx.cli import main
 from hsx.dataset import HiddenStatesDataset
 from hsx.export import EXPORT_RECORD, ExportError, export_speculators
-from hsx.layout import COMPLETE, MANIFEST
-from hsx.shards import ShardWriter
-from tests.unit.outputs import write_inputs_table
+from tests.unit.outputs import make_manifest, write_inputs_table, write_manifest
+
+P = TypeVar("P", Path, str)
 
 _speculators_data = pytest.importorskip("speculators.train.data")
 ArrowDataset = _speculators_data.ArrowDataset
@@ -46,33 +46,31 @@ def sample(idx: int) -> dict[str, Any]:
     }
 
 
-def make_output(root: Path, storage: str = "bf16", complete: bool = True) -> Path:
-    """An hsx output: manifest.json, inputs.arrow, committed shards (and complete.json)."""
-    root.mkdir(parents=True)
+def make_output(root: P, storage: str = "bf16", complete: bool = True,
+                num_layers: int = NUM_LAYERS) -> P:
+    """An hsx output (a folder, or a bucket URI): manifest.json, inputs.arrow, committed
+    shards (and complete.json)."""
     rows = [i for ids in UNITS.values() for i in ids] + [4]
     rows.sort()
     units, start = [], 0
-    for u, ids in UNITS.items():
-        n = len(ids) + (1 if u == 1 else 0)  # unit 1 also planned sample 4
-        units.append({"unit": u, "rows": [start, start + n], "tokens": 0})
+    for ids in UNITS.values():
+        n = len(ids) + (1 if ids == UNITS[1] else 0)  # unit 1 also planned sample 4
+        units.append((start, start + n))
         start += n
-    manifest = {
-        "format": "hsx-hidden-states", "format_version": 1, "model": "tiny",
-        "architecture": "LlamaForCausalLM", "num_layers": NUM_LAYERS, "hidden_size": HIDDEN,
-        "layers": LAYERS, "storage_dtype": storage, "num_samples": len(rows), "units": units,
-    }
-    (root / MANIFEST).write_text(json.dumps(manifest))
+    output = write_manifest(root, make_manifest(
+        layers=LAYERS, hidden_size=HIDDEN, num_layers=num_layers, storage_dtype=storage,
+        units=units, num_samples=len(rows)))
     samples = [sample(i) for i in rows]
-    write_inputs_table(root, rows, samples)
+    write_inputs_table(output, rows, samples)
     for u in (2, 0, 1):  # commit order must not matter
-        with ShardWriter(root, u, layers=LAYERS, hidden_size=HIDDEN,
-                         storage_dtype=storage) as w:  # type: ignore[arg-type]
+        with output.shard_writer(u, layers=LAYERS, hidden_size=HIDDEN,
+                                 storage_dtype=storage) as w:
             for i in UNITS[u]:
                 s = sample(i)
                 w.add(i, s["input_ids"], s["loss_mask"], s["hidden_states"])
             w.commit(errors=[{"sample_index": 4, "reason": "engine failed"}] if u == 1 else [])
     if complete:
-        (root / COMPLETE).write_text("{}")
+        output.mark_complete({})
     return root
 
 
@@ -176,10 +174,8 @@ def test_refusals(tmp_path: Path) -> None:
     assert not (tmp_path / "r").exists()
     assert export_speculators(running, tmp_path / "r", allow_incomplete=True).samples == 9
 
-    no_last = make_output(tmp_path / "nolast")
-    manifest = json.loads((no_last / MANIFEST).read_text())
-    manifest["num_layers"] = 9  # the stored ids no longer end with the last layer
-    (no_last / MANIFEST).write_text(json.dumps(manifest))
+    # The stored ids no longer end with the last layer.
+    no_last = make_output(tmp_path / "nolast", num_layers=9)
     with pytest.raises(ExportError, match="final layer"):
         export_speculators(no_last, tmp_path / "n")
     with pytest.raises(ExportError, match="no hsx output"):

@@ -12,23 +12,28 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from hsx import layout
 from hsx.ingest import (
-    ERRORS_SCHEMA,
-    INPUTS_SCHEMA,
     DatasetFormatError,
     DatasetNotFoundError,
     IngestResult,
     dataset_fingerprint,
     ingest,
     load_tokenizer,
-    read_errors,
-    read_inputs,
     tokenizer_fingerprint,
 )
+from hsx.output import Output, layout
+from hsx.output.tables import ERRORS_SCHEMA, INPUTS_SCHEMA
 from hsx_workers.tiny_models import CHAT_TEMPLATE, ChatDataset, build_tokenizer, write_rows
 
 EOT = "<|eot_id|>"
+
+
+def read_inputs(out: Path) -> pa.Table:
+    return Output(out).inputs()
+
+
+def read_errors(out: Path) -> pa.Table:
+    return Output(out).ingest_errors()
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +439,10 @@ def test_batch_size_does_not_change_the_output(tiny_tokenizer: Path,
     assert small.equals(read_inputs(tmp_path / "b"))
     assert read_errors(tmp_path / "a").equals(read_errors(tmp_path / "b"))
     with pa.memory_map(str(tmp_path / "a" / layout.INPUTS)) as source:
-        assert pa.ipc.open_file(source).num_record_batches > 1  # written batch by batch
+        reader = pa.ipc.open_file(source)
+        # Batches of a fixed row count, recorded for readers that fetch one at a time.
+        assert reader.schema.metadata[b"hsx.rows_per_batch"] == b"1024"
+        assert reader.get_batch(0).num_rows == small.num_rows
 
 
 def test_output_files(tiny_tokenizer: Path, tok: Any, tmp_path: Path) -> None:
@@ -446,7 +454,7 @@ def test_output_files(tiny_tokenizer: Path, tok: Any, tmp_path: Path) -> None:
     assert errors.schema.equals(ERRORS_SCHEMA)
     assert errors.num_rows == 0  # written even when empty
     assert list((out / layout.TMP_DIR).iterdir()) == []
-    assert result.inputs_path == str(out / layout.INPUTS)
+    assert result.inputs_path == Output(out).url(layout.INPUTS)
     summary = result.lengths
     lengths = sorted(len(tok(t)["input_ids"]) for t in texts)
     assert (summary.min, summary.p50, summary.max) == tuple(lengths)

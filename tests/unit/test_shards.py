@@ -19,18 +19,15 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import load_file as np_load_file
 
-from hsx.layout import COMMITS_DIR, SHARDS_DIR, TMP_DIR
-from hsx.shards import (
+from hsx.output import CommitRecord, Output, OutputCorrupt, Storage
+from hsx.output.layout import COMMITS_DIR, SHARDS_DIR, TMP_DIR
+from hsx.output.shards import (
     FP8_MAX,
     ShardCorrupt,
     ShardReader,
     ShardWriter,
-    clean_orphans,
-    committed_units,
     dequantize_fp8,
     quantize_fp8,
-    read_commits,
-    record_checksums,
     verify_shard,
 )
 
@@ -57,7 +54,7 @@ def make_samples(
 
 def write_unit(
     root: Path, unit: int, samples: list[dict[str, Any]], storage: str = "bf16", **kw: Any
-) -> dict[str, Any]:
+) -> CommitRecord:
     hidden = samples[0]["hidden_states"].shape[-1] if samples else kw.pop("hidden_size", 32)
     with ShardWriter(root, unit, layers=LAYERS, hidden_size=hidden,
                      storage_dtype=storage, **kw) as w:  # type: ignore[arg-type]
@@ -68,6 +65,23 @@ def write_unit(
     return result.record
 
 
+def verify(root: Path, record: CommitRecord) -> None:
+    verify_shard(Storage.for_uri(root), record)
+
+
+def read_commits(root: Path) -> list[CommitRecord]:
+    return Output(root).commits()
+
+
+def committed_units(root: Path) -> set[int]:
+    return Output(root).committed_units()
+
+
+def names(folder: Path) -> list[str]:
+    """The files in a folder of the output (none when it was never made)."""
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
 def bits(a: np.ndarray) -> np.ndarray:
     return np.asarray(a).view(np.uint16)
 
@@ -76,10 +90,10 @@ def test_bf16_round_trip_numpy_exact(tmp_path: Path) -> None:
     samples = make_samples(7)
     samples[3]["hidden_states"] = samples[3]["hidden_states"].astype(BF16)  # bf16 input too
     record = write_unit(tmp_path, 3, samples)
-    assert record["samples"] == 7
-    assert record["tokens"] == sum(len(s["input_ids"]) for s in samples)
-    assert record["sample_indices_first"] == 100 and record["sample_indices_last"] == 118
-    with ShardReader(tmp_path / record["shard"]) as r:
+    assert record.samples == 7
+    assert record.tokens == sum(len(s["input_ids"]) for s in samples)
+    assert record.sample_indices_first == 100 and record.sample_indices_last == 118
+    with ShardReader(tmp_path / record.shard) as r:
         assert len(r) == 7 and r.layers == LAYERS and r.unit == 3
         for i, s in enumerate(samples):
             got = r.sample(i)
@@ -102,7 +116,7 @@ def test_bf16_round_trip_torch_exact(tmp_path: Path, dtype: torch.dtype) -> None
             t = x.shape[0]
             w.add(k, torch.arange(t), torch.ones(t, dtype=torch.bool), x)
         record = w.commit().record
-    r = ShardReader(tmp_path / record["shard"])
+    r = ShardReader(tmp_path / record.shard)
     for k, x in enumerate(tensors):
         got = r.sample(k, backend="torch")["hidden_states"]
         assert got.dtype == torch.bfloat16
@@ -121,7 +135,7 @@ def test_caller_may_reuse_its_buffer_after_add(tmp_path: Path) -> None:
         w.add(1, [1, 2, 3, 4], [1, 1, 1, 1], buf_pt)
         buf_pt.fill_(7)
         record = w.commit().record
-    r = ShardReader(tmp_path / record["shard"])
+    r = ShardReader(tmp_path / record.shard)
     for i in range(2):
         assert (r.sample(i)["hidden_states"].astype(np.float32) == 1).all()
 
@@ -137,7 +151,7 @@ def test_fp8_round_trip_within_e4m3_tolerance(tmp_path: Path, source: str) -> No
     with ShardWriter(tmp_path, 1, layers=LAYERS, hidden_size=256, storage_dtype="fp8") as w:
         w.add(0, np.arange(64), np.ones(64), hs)
         record = w.commit().record
-    r = ShardReader(tmp_path / record["shard"])
+    r = ShardReader(tmp_path / record.shard)
     got = r.sample(0)["hidden_states"]
     assert got.dtype == BF16 and got.shape == x.shape
     deq = got.astype(np.float32)
@@ -181,7 +195,7 @@ def test_fp8_shard_is_about_half_the_size(tmp_path: Path) -> None:
                          storage_dtype=storage) as w:  # type: ignore[arg-type]
             for k in range(3):
                 w.add(k, np.arange(500), np.ones(500), x[k * 500 : (k + 1) * 500])
-            sizes[storage] = w.commit().record["bytes"]
+            sizes[storage] = w.commit().record.bytes
     assert 0.45 <= sizes["fp8"] / sizes["bf16"] <= 0.6
 
 
@@ -189,7 +203,7 @@ def test_fp8_shard_is_about_half_the_size(tmp_path: Path) -> None:
 def test_safetensors_library_reads_shard(tmp_path: Path, storage: str) -> None:
     samples = make_samples(5, hidden=24)
     record = write_unit(tmp_path, 9, samples, storage)
-    path = tmp_path / record["shard"]
+    path = tmp_path / record.shard
     ours = ShardReader(path)
     names = {"hidden_states", "offsets", "sample_index", "input_ids", "loss_mask"}
     if storage == "fp8":
@@ -223,10 +237,10 @@ def test_safetensors_library_reads_shard(tmp_path: Path, storage: str) -> None:
 def test_header_region_grows_when_too_small(tmp_path: Path) -> None:
     samples = make_samples(4)
     record = write_unit(tmp_path, 0, samples, header_reserve=64)
-    path = tmp_path / record["shard"]
-    verify_shard(tmp_path, record)
+    path = tmp_path / record.shard
+    verify(tmp_path, record)
     with safe_open(str(path), framework="pt") as f:
-        assert f.get_tensor("offsets").tolist()[-1] == record["tokens"]
+        assert f.get_tensor("offsets").tolist()[-1] == record.tokens
     r = ShardReader(path)
     np.testing.assert_array_equal(
         bits(r.sample(2)["hidden_states"]), bits(samples[2]["hidden_states"].astype(BF16))
@@ -238,18 +252,19 @@ def test_unit_without_samples(tmp_path: Path) -> None:
     with ShardWriter(tmp_path, 4, layers=LAYERS, hidden_size=8, storage_dtype="fp8") as w:
         result = w.commit(errors=[{"sample_index": 11, "reason": "engine failed"}])
     record = result.record
-    assert record["samples"] == 0 and record["sample_indices_first"] is None
-    assert record["errors"] == [{"sample_index": 11, "reason": "engine failed"}]
-    with safe_open(str(tmp_path / record["shard"]), framework="pt") as f:
+    assert record.samples == 0 and record.sample_indices_first is None
+    assert [e.model_dump() for e in record.errors] == [
+        {"sample_index": 11, "reason": "engine failed"}]
+    with safe_open(str(tmp_path / record.shard), framework="pt") as f:
         assert tuple(f.get_tensor("hidden_states").shape) == (0, len(LAYERS), 8)
-    assert len(ShardReader(tmp_path / record["shard"])) == 0
-    verify_shard(tmp_path, record)
+    assert len(ShardReader(tmp_path / record.shard)) == 0
+    verify(tmp_path, record)
 
 
 def test_random_access_matches_what_was_written(tmp_path: Path) -> None:
     samples = make_samples(60, hidden=16, seed=5)
     record = write_unit(tmp_path, 2, samples)
-    r = ShardReader(tmp_path / record["shard"])
+    r = ShardReader(tmp_path / record.shard)
     order = np.random.default_rng(6).permutation(60)
     for i in order:
         s = samples[i]
@@ -302,8 +317,29 @@ def test_context_manager_aborts_on_exception(tmp_path: Path) -> None:
         w.add(s["sample_index"], s["input_ids"], s["loss_mask"], s["hidden_states"])
         raise RuntimeError("boom")
     assert not any((tmp_path / TMP_DIR).iterdir())
-    assert not any((tmp_path / SHARDS_DIR).iterdir())
+    assert names(tmp_path / SHARDS_DIR) == []
     assert committed_units(tmp_path) == set()
+
+
+def commit_side_by_side(writers: list[ShardWriter]) -> CommitRecord:
+    """Commit every writer at the same moment (a thread each); exactly one must win, and
+    every one must report the winner's record, which is returned."""
+    barrier = threading.Barrier(len(writers))
+    results: dict[str, Any] = {}
+
+    def run(w: ShardWriter) -> None:
+        barrier.wait()
+        results[w.attempt] = w.commit()
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [r.record for r in results.values() if r.won]
+    assert len(won) == 1 and len(results) == len(writers)
+    assert all(r.record == won[0] for r in results.values())  # losers report the winner
+    return won[0]
 
 
 def test_commit_is_create_if_absent(tmp_path: Path) -> None:
@@ -316,28 +352,13 @@ def test_commit_is_create_if_absent(tmp_path: Path) -> None:
     for w in writers:
         for s in samples:
             w.add(s["sample_index"], s["input_ids"], s["loss_mask"], s["hidden_states"])
-    barrier = threading.Barrier(2)
-    results: dict[str, Any] = {}
-
-    def run(w: ShardWriter) -> None:
-        barrier.wait()
-        results[w.attempt] = w.commit()
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in writers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    won = [a for a, r in results.items() if r.won]
-    assert len(won) == 1
-    winner = results[won[0]].record
-    loser = next(r for r in results.values() if not r.won)
-    assert loser.record == winner  # the loser reports the winner's record
-    assert [p.name for p in (tmp_path / SHARDS_DIR).iterdir()] == [Path(winner["shard"]).name]
-    assert [r["attempt"] for r in read_commits(tmp_path)] == won
+    winner = commit_side_by_side(writers)
+    won = [winner.attempt]
+    assert names(tmp_path / SHARDS_DIR) == [Path(winner.shard).name]
+    assert [r.attempt for r in read_commits(tmp_path)] == won
     assert committed_units(tmp_path) == {7}
     assert not any((tmp_path / TMP_DIR).iterdir())
-    verify_shard(tmp_path, winner)
+    verify(tmp_path, winner)
 
     # A third attempt much later loses too and leaves nothing behind.
     late = ShardWriter(tmp_path, 7, layers=LAYERS, hidden_size=32, storage_dtype="bf16")
@@ -350,7 +371,7 @@ CRASH_SCRIPT = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from hsx.shards import ShardWriter
+    from hsx.output.shards import ShardWriter
 
     w = ShardWriter(sys.argv[1], 5, layers=[2, 4, 5, 8], hidden_size=64, storage_dtype="bf16")
     for k in range(4):
@@ -381,14 +402,14 @@ def test_sigkill_mid_write_leaves_nothing_visible(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert committed_units(tmp_path) == {0}
-    assert [r["unit"] for r in read_commits(tmp_path)] == [0]
+    assert [r.unit for r in read_commits(tmp_path)] == [0]
     # A shard renamed into shards/ whose commit never happened is invisible too.
     (tmp_path / SHARDS_DIR / "unit-000005-dead.safetensors").write_bytes(b"x" * 100)
-    assert clean_orphans(tmp_path) == 2
+    assert Output(tmp_path).clean_orphans() == 2
     assert not any((tmp_path / TMP_DIR).iterdir())
     assert len(list((tmp_path / SHARDS_DIR).iterdir())) == 1
-    verify_shard(tmp_path, read_commits(tmp_path)[0])
-    assert clean_orphans(tmp_path) == 0
+    verify(tmp_path, read_commits(tmp_path)[0])
+    assert Output(tmp_path).clean_orphans() == 0
 
 
 def test_checksum_is_blake3_and_sha256_on_request(tmp_path: Path) -> None:
@@ -398,14 +419,15 @@ def test_checksum_is_blake3_and_sha256_on_request(tmp_path: Path) -> None:
 
     record = write_unit(tmp_path / "b", 0, make_samples(3))
     sha = write_unit(tmp_path / "s", 0, make_samples(3), checksum="sha256")
-    data = (tmp_path / "b" / record["shard"]).read_bytes()
+    data = (tmp_path / "b" / record.shard).read_bytes()
     header_end = 8 + int.from_bytes(data[:8], "little")
-    assert record["checksum"] == {"algorithm": "blake3",
+    assert record.checksum is not None and sha.checksum is not None
+    assert record.checksum.model_dump() == {"algorithm": "blake3",
                                   "header": blake3.blake3(data[:header_end]).hexdigest(),
                                   "data": blake3.blake3(data[header_end:]).hexdigest()}
-    assert sha["checksum"]["algorithm"] == "sha256"
-    assert sha["checksum"]["data"] == hashlib.sha256(data[header_end:]).hexdigest()
-    verify_shard(tmp_path / "s", sha)
+    assert sha.checksum.algorithm == "sha256"
+    assert sha.checksum.data == hashlib.sha256(data[header_end:]).hexdigest()
+    verify(tmp_path / "s", sha)
     with pytest.raises(ValueError, match="checksum must be"):
         ShardWriter(tmp_path, 1, layers=LAYERS, hidden_size=32, storage_dtype="bf16",
                     checksum="md5")  # type: ignore[arg-type]
@@ -413,16 +435,19 @@ def test_checksum_is_blake3_and_sha256_on_request(tmp_path: Path) -> None:
 
 def test_records_from_before_checksum_named_its_algorithm_still_verify(tmp_path: Path) -> None:
     record = write_unit(tmp_path, 0, make_samples(3), checksum="sha256")
-    old = {k: v for k, v in record.items() if k != "checksum"}
-    old["header_sha256"] = record["checksum"]["header"]
-    old["data_sha256"] = record["checksum"]["data"]
-    verify_shard(tmp_path, old)
-    assert record_checksums(old) == ("sha256", old["header_sha256"], old["data_sha256"])
-    old["data_sha256"] = "0" * 64
+    assert record.checksum is not None
+    fields = record.model_dump(exclude={"checksum"})
+    fields["header_sha256"] = record.checksum.header
+    fields["data_sha256"] = record.checksum.data
+    old = CommitRecord.parse(json.dumps(fields).encode(), "old record")
+    verify(tmp_path, old)
+    assert old.checksums() == ("sha256", fields["header_sha256"], fields["data_sha256"])
+    bad = CommitRecord.model_validate({**fields, "data_sha256": "0" * 64})
     with pytest.raises(ShardCorrupt, match="data checksum mismatch"):
-        verify_shard(tmp_path, old)
-    with pytest.raises(ShardCorrupt, match="has no checksum"):
-        verify_shard(tmp_path, {k: v for k, v in old.items() if "sha256" not in k})
+        verify(tmp_path, bad)
+    none = CommitRecord.model_validate({k: v for k, v in fields.items() if "sha256" not in k})
+    with pytest.raises(OutputCorrupt, match="has no checksum"):
+        verify(tmp_path, none)
 
 
 @pytest.mark.parametrize("source", ["numpy", "torch"])
@@ -436,7 +461,7 @@ def test_fp8_quantized_elsewhere_is_stored_as_it_is(tmp_path: Path, source: str)
             w.add(smp["sample_index"], smp["input_ids"], smp["loss_mask"], q, scales=scales)
             encoded.append((q, scales))
         w.commit()
-    reader = ShardReader(tmp_path / read_commits(tmp_path)[0]["shard"])
+    reader = ShardReader(tmp_path / read_commits(tmp_path)[0].shard)
     for i, (q, scales) in enumerate(encoded):
         raw = reader.sample(i, dequantize=False)
         q_np = q.view(torch.uint8).numpy() if source == "torch" else q.view(np.uint8)
@@ -463,8 +488,8 @@ def test_quantize_fp8_without_check_marks_bad_rows_with_nan_scales() -> None:
 
 def test_verify_catches_flipped_bytes(tmp_path: Path) -> None:
     record = write_unit(tmp_path, 0, make_samples(4))
-    path = tmp_path / record["shard"]
-    verify_shard(tmp_path, record)
+    path = tmp_path / record.shard
+    verify(tmp_path, record)
     original = path.read_bytes()
     header_end = 8 + int.from_bytes(original[:8], "little")
 
@@ -475,24 +500,24 @@ def test_verify_catches_flipped_bytes(tmp_path: Path) -> None:
 
     path.write_bytes(flipped(header_end + 100))
     with pytest.raises(ShardCorrupt, match="data checksum mismatch"):
-        verify_shard(tmp_path, record)
+        verify(tmp_path, record)
     path.write_bytes(flipped(len(original) - 1))  # last byte of loss_mask
     with pytest.raises(ShardCorrupt, match="data checksum mismatch"):
-        verify_shard(tmp_path, record)
+        verify(tmp_path, record)
     path.write_bytes(flipped(20))
     with pytest.raises(ShardCorrupt, match="header checksum mismatch"):
-        verify_shard(tmp_path, record)
+        verify(tmp_path, record)
     path.write_bytes(flipped(header_end - 1))  # in the space padding
     with pytest.raises(ShardCorrupt, match="header checksum mismatch"):
-        verify_shard(tmp_path, record)
+        verify(tmp_path, record)
     path.write_bytes(original[:-1])
     with pytest.raises(ShardCorrupt, match="bytes, its commit record says"):
-        verify_shard(tmp_path, record)
+        verify(tmp_path, record)
     path.unlink()
     with pytest.raises(ShardCorrupt, match="missing"):
-        verify_shard(tmp_path, record)
+        verify(tmp_path, record)
     path.write_bytes(original)
-    verify_shard(tmp_path, record)
+    verify(tmp_path, record)
 
 
 def test_reader_refuses_foreign_files(tmp_path: Path) -> None:
@@ -501,15 +526,17 @@ def test_reader_refuses_foreign_files(tmp_path: Path) -> None:
     save_file({"x": np.zeros(3, np.float32)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ShardCorrupt, match="not an hsx shard"):
         ShardReader(tmp_path / "other.safetensors")
-    bad = {"unit": 0, "shard": "../../etc/passwd", "bytes": 1}
-    with pytest.raises(ShardCorrupt, match="bad shard"):
-        verify_shard(tmp_path, bad)
+    bad = {"unit": 0, "shard": "../../etc/passwd", "attempt": "a", "samples": 0, "tokens": 0,
+           "bytes": 1}
+    with pytest.raises(OutputCorrupt, match="bad shard"):
+        CommitRecord.parse(json.dumps(bad).encode(), "a record")
 
 
 def test_read_commits_sorted_and_ignores_other_files(tmp_path: Path) -> None:
     for unit in (12, 3, 7):
         write_unit(tmp_path, unit, make_samples(1, seed=unit))
     (tmp_path / COMMITS_DIR / "notes.txt").write_text("hi")
-    assert [r["unit"] for r in read_commits(tmp_path)] == [3, 7, 12]
+    assert [r.unit for r in read_commits(tmp_path)] == [3, 7, 12]
     assert committed_units(tmp_path) == {3, 7, 12}
+    assert Output(tmp_path).read_commit(7) == read_commits(tmp_path)[1]
     assert read_commits(tmp_path / "nowhere") == []

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from hsx.cli import main
-from hsx.layout import COMPLETE, DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_METRICS, MANIFEST
-from hsx.shards import ShardWriter
+from hsx.output import Output, ShardWriter
+from hsx.output.layout import COMPLETE, DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_METRICS
 from hsx.spec import JobSpec, SpecError, TrainSpec, parse_job
 from hsx_workers.trainer import (
     DraftTrainer,
@@ -34,7 +34,7 @@ from hsx_workers.trainer import (
     token_frequencies,
     vocab_mappings,
 )
-from tests.unit.outputs import write_inputs_table
+from tests.unit.outputs import make_manifest, write_inputs_table, write_manifest
 
 pytest.importorskip("speculators.models.eagle3")
 
@@ -65,14 +65,8 @@ def make_output(root: Path, model: Path, units: tuple[int, ...] = (0, 1, 2),
                 complete: bool = True) -> Path:
     root.mkdir(parents=True)
     rows = sorted(i for ids in UNITS.values() for i in ids)
-    manifest = {
-        "format": "hsx-hidden-states", "format_version": 1, "model": str(model),
-        "architecture": "LlamaForCausalLM", "num_layers": 4, "hidden_size": HIDDEN,
-        "layers": LAYERS, "storage_dtype": "bf16", "num_samples": len(rows),
-        "units": [{"unit": u, "rows": [ids[0], ids[-1] + 1], "tokens": 0}
-                  for u, ids in UNITS.items()],
-    }
-    (root / MANIFEST).write_text(json.dumps(manifest))
+    write_manifest(root, make_manifest(layers=LAYERS, hidden_size=HIDDEN, num_layers=4,
+                                       units=UNITS, model=str(model)))
     write_inputs_table(root, rows, [sample(i) for i in rows])
     for u in units:
         write_unit(root, u)
@@ -124,7 +118,7 @@ def test_speculators_sample_layout_and_shift() -> None:
 
 def test_token_frequencies_and_vocab_mapping(tmp_path: Path, tiny_llama: Path) -> None:
     root = make_output(tmp_path / "out", tiny_llama)
-    freqs = token_frequencies(root)
+    freqs = token_frequencies(Output(root))
     want: dict[int, int] = {}
     for i in range(18):
         s = sample(i)
@@ -141,11 +135,14 @@ def test_token_frequencies_and_vocab_mapping(tmp_path: Path, tiny_llama: Path) -
 
 
 def test_refusals() -> None:
+    def manifest(layers: list[int], n: int) -> Any:
+        return make_manifest(layers=layers, num_layers=n, hidden_size=HIDDEN, units={})
+
     with pytest.raises(TrainRefused, match="last layer"):
-        draft_layout({"layers": [1, 2, 3], "num_layers": 4})
+        draft_layout(manifest([1, 2, 3], 4))
     with pytest.raises(TrainRefused, match="at least one auxiliary"):
-        draft_layout({"layers": [4], "num_layers": 4})
-    assert draft_layout({"layers": [2, 4, 5, 8], "num_layers": 8}) == ([2, 4, 5], 8)
+        draft_layout(manifest([4], 4))
+    assert draft_layout(manifest([2, 4, 5, 8], 8)) == ([2, 4, 5], 8)
 
 
 def test_draft_layer_config_is_one_vllm_serves() -> None:

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hsx.output import Output
 from hsx.plan import WorkUnit
-from hsx.shards import read_commits, verify_shard
 from hsx_workers.engines.base import (
     WAIT,
     CaptureRequest,
@@ -125,10 +125,10 @@ def test_units_run_back_to_back_without_draining(tmp_path: Path,
     # the engine kept a full window instead of draining at the unit's end.
     assert engine.admitted_at_emit[3] == 7
     assert engine.admitted == list(range(12))
-    records = read_commits(out)
-    assert [r["samples"] for r in records] == [4, 4, 4]
+    records = Output(out).commits()
+    assert [r.samples for r in records] == [4, 4, 4]
     for record in records:
-        verify_shard(out, record)
+        Output(out).verify([record])
     worker.shutdown()
 
 
@@ -155,7 +155,7 @@ def test_unit_failure_does_not_touch_its_neighbours(tmp_path: Path,
                 outcomes.append(str(err))
     assert outcomes[0] == 4 and outcomes[2] == 4
     assert "sample 5" in str(outcomes[1])
-    assert sorted(r["unit"] for r in read_commits(out)) == [0, 2]
+    assert sorted(r.unit for r in Output(out).commits()) == [0, 2]
     assert not list((out / ".tmp").iterdir())  # the failed unit's file is gone
     worker.shutdown()
 
@@ -181,7 +181,7 @@ def test_engine_death_fails_every_unit_held(tmp_path: Path,
     for t in threads:
         t.join(timeout=30)
     # Unit 0 (samples 0-3) committed before sample 6 killed the engine; the others failed.
-    assert [r["unit"] for r in read_commits(out)] == [0]
+    assert [r.unit for r in Output(out).commits()] == [0]
     assert len(errors) == 2 and all("died on sample 6" in e for e in errors)
     with pytest.raises(EngineDead, match="engine is gone"):
         worker.run_unit(str(out), "bf16", _units(12, 4)[1])

@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hsx.output import Output
 
 
 @dataclass
@@ -31,13 +34,13 @@ class Acceptance:
         return asdict(self)
 
 
-def prompts_from_output(root: str | Path, n: int = 8, prefix: int = 8) -> list[list[int]]:
+def prompts_from_output(output: Output | str | Path, n: int = 8, prefix: int = 8
+                        ) -> list[list[int]]:
     """The first `prefix` tokens of the first `n` samples of an output's inputs.arrow."""
-    from hsx.dataset import resolve_output
-    from hsx.ingest import read_inputs
+    from hsx.output import Output
 
-    table = read_inputs(resolve_output(root))
-    ids = table.column("input_ids").to_pylist()[:n]
+    table = Output.of(output).input_rows(0, n)
+    ids = table.column("input_ids").to_pylist()
     return [list(map(int, row[:prefix])) for row in ids if row]
 
 

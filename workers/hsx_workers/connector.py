@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     PendingSave,
 )
 
-from hsx.shards import background_priority
+from hsx.output.shards import background_priority
 from hsx_workers.hostcopy import gather_to_host, slots_of_blocks
 from hsx_workers.spool import publish_spool_file
 from hsx_workers.vllm_compat import extract_states

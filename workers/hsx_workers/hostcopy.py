@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hsx.shards import quantize_fp8
+from hsx.output.shards import quantize_fp8
 
 Extract = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -68,7 +68,7 @@ def gather_to_host(
     """Start copying one request's states to host memory; return (event, host tensors).
 
     The tensors are `hidden_states` [T, L, H] (bf16 as cached, or float8_e4m3fn when
-    `fp8`) and, with `fp8`, `scales` [T, L] (hsx.shards.quantize_fp8's per-row scales,
+    `fp8`) and, with `fp8`, `scales` [T, L] (hsx.output.shards.quantize_fp8's per-row scales,
     NaN for a row that is not finite: checking here would wait for the device).
     They are valid once `event.synchronize()` returns (at once on CPU).
     """

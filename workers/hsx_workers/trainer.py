@@ -3,6 +3,9 @@
 `DraftTrainer(output, spec).run()` is the whole loop; the Ray actor in
 trainer_actor.py and `hsx train` both call it.
 
+- Output: read through `hsx.output.Output`, on local disk or an object store; the
+  draft goes to `<output>/draft/`, or under `draft_root` (a local folder, which an
+  object-store output needs: `hsx train URI --draft-dir DIR`).
 - Data: committed shards through `HiddenStatesDataset`. The first epoch follows the
   extraction (`spec.follow`): a shard is trained on as soon as its commit lands, in
   commit order; later epochs shuffle units. Samples are turned into speculators'
@@ -40,20 +43,17 @@ from typing import Any
 
 import torch
 
-from hsx.dataset import HiddenStatesDataset, resolve_output
+from hsx.dataset import HiddenStatesDataset
 from hsx.draft import checkpoints, read_metrics
-from hsx.ingest import read_inputs
-from hsx.layout import (
-    COMPLETE,
+from hsx.modelinfo import draft_aux_layers
+from hsx.output import Manifest, Output, ShardReader
+from hsx.output.layout import (
     DRAFT_CHECKPOINTS,
     DRAFT_DIR,
     DRAFT_METRICS,
     DRAFT_STATE,
-    MANIFEST,
     checkpoint_name,
 )
-from hsx.modelinfo import draft_aux_layers
-from hsx.shards import ShardReader
 from hsx.spec import TrainSpec
 
 logger = logging.getLogger(__name__)
@@ -95,11 +95,11 @@ class StepMetrics:
 # ---------------------------------------------------------------------- pieces
 
 
-def draft_layout(manifest: dict[str, Any]) -> tuple[list[int], int]:
+def draft_layout(manifest: Manifest) -> tuple[list[int], int]:
     """(aux layer ids, num_layers N) for a draft trained on this output, or TrainRefused."""
-    n = int(manifest["num_layers"])
+    n = manifest.num_layers
     try:
-        return draft_aux_layers([int(k) for k in manifest["layers"]], n), n
+        return draft_aux_layers(manifest.layers, n), n
     except ValueError as err:
         raise TrainRefused(str(err)) from None
 
@@ -141,11 +141,11 @@ def draft_layer_config(text: Any, num_layers: int, num_aux: int) -> Any:
     return layer
 
 
-def token_frequencies(root: Path) -> Counter[int]:
+def token_frequencies(output: Output) -> Counter[int]:
     """Counts of loss-masked tokens of every ingested sample (what the draft must say)."""
     import numpy as np
 
-    table = read_inputs(root)
+    table = output.inputs()
     ids = table.column("input_ids").combine_chunks().flatten().to_numpy(zero_copy_only=False)
     mask = table.column("loss_mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
     chosen = ids[mask.astype(bool)]
@@ -183,8 +183,8 @@ def to_speculators_sample(sample: dict[str, Any], dtype: torch.dtype) -> dict[st
 
 def unit_of(reader: ShardReader) -> int:
     if reader.record is None:
-        raise ValueError(f"{reader.path}: opened without its commit record")
-    return int(reader.record["unit"])
+        raise ValueError(f"{reader.name}: opened without its commit record")
+    return reader.record.unit
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -203,14 +203,23 @@ class DraftTrainer:
 
     def __init__(
         self,
-        output: str | Path,
+        output: str | Path | Output,
         spec: TrainSpec,
         *,
+        draft_root: str | Path | None = None,
         on_metrics: Callable[[StepMetrics], None] | None = None,
         stop: threading.Event | None = None,
         poll_interval: float = 0.5,
     ) -> None:
-        self.root = resolve_output(output)
+        self.output = Output.of(output)
+        root = Path(draft_root) if draft_root is not None else self.output.local_root
+        if root is None:
+            raise TrainRefused(
+                f"{self.output} is an object store: checkpoints are published by folder "
+                "renames and hard links, so the draft needs a local folder (draft_root; "
+                "`hsx train URI --draft-dir DIR`)"
+            )
+        self.root = root  # the folder that holds draft/: the output's own on local disk
         self.spec = spec
         self.on_metrics = on_metrics
         self.stop = stop or threading.Event()
@@ -226,28 +235,29 @@ class DraftTrainer:
 
     # -- setup
 
-    def _manifest(self) -> dict[str, Any]:
-        path = self.root / MANIFEST
+    def _manifest(self) -> Manifest:
         deadline = time.monotonic() + 3600
-        while not path.exists():  # the trainer may start before ingestion ends
+        # The trainer may start before ingestion ends.
+        while (manifest := self.output.read_manifest()) is None:
             if self.stop.is_set() or time.monotonic() > deadline:
-                raise TrainRefused(f"no hsx output at {self.root}: {path} never appeared")
+                raise TrainRefused(f"no hsx output at {self.output}: its manifest never "
+                                   "appeared")
             time.sleep(self.poll_interval)
-        return dict(json.loads(path.read_text()))
+        return manifest
 
-    def _build_model(self, manifest: dict[str, Any]) -> Any:
+    def _build_model(self, manifest: Manifest) -> Any:
         from speculators.models.eagle3 import Eagle3DraftModel
         from transformers import AutoConfig
 
         aux, _ = draft_layout(manifest)
-        model_path = str(manifest["model"])
-        trust = bool(manifest.get("spec", {}).get("trust_remote_code", False))
+        model_path = manifest.model
+        trust = manifest.trust_remote_code
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
         text = draft_layer_config(getattr(config, "text_config", None) or config,
                                   self.spec.num_layers, len(aux))
-        freqs = token_frequencies(self.root)
+        freqs = token_frequencies(self.output)
         if not freqs:
-            raise TrainRefused(f"{self.root}: no loss-masked token in inputs.arrow")
+            raise TrainRefused(f"{self.output}: no loss-masked token in inputs.arrow")
         d2t, t2d, draft_vocab = vocab_mappings(
             freqs, self.spec.draft_vocab_size, int(text.vocab_size)
         )
@@ -301,7 +311,7 @@ class DraftTrainer:
             shards = ds.shards()  # follow=True: as commits land
         else:
             ds.refresh()
-            records = [r for r in ds.records if int(r["unit"]) not in done]
+            records = [r for r in ds.records if r.unit not in done]
             random.Random(self.spec.seed * 1000 + epoch).shuffle(records)
             shards = ds.shards(records)
         for reader in shards:
@@ -311,7 +321,7 @@ class DraftTrainer:
                 yield reader
 
     def _wait_for_complete(self) -> None:
-        while not (self.root / COMPLETE).exists() and not self.stop.is_set():
+        while not self.output.is_complete() and not self.stop.is_set():
             time.sleep(self.poll_interval)
 
     def _batches(self, epoch: int, dtype: torch.dtype) -> Iterator[Batch]:
@@ -321,10 +331,10 @@ class DraftTrainer:
 
         if not self.spec.follow:
             self._wait_for_complete()
-        ds = HiddenStatesDataset(self.root, follow=True, backend="torch",
+        ds = HiddenStatesDataset(self.output, follow=True, backend="torch",
                                  poll_interval=self.poll_interval)
-        aux = len(ds.manifest["layers"]) - 1
-        collate = CollateFn(self.spec.batch_tokens, int(ds.manifest["hidden_size"]),
+        aux = len(ds.manifest.layers) - 1
+        collate = CollateFn(self.spec.batch_tokens, ds.manifest.hidden_size,
                             num_target_layers=aux, dtype=dtype, preprocess=shift_batch)
         rng = random.Random(self.spec.seed * 7919 + epoch)
         pending: list[dict[str, Any]] = []

@@ -4,7 +4,8 @@ The class is plain Python; the job driver wraps it with `ray.remote` (one actor 
 engine, resources for its tensor-parallel ranks). A unit's life:
 
 1. `run_unit` reads its rows (sample_index, input_ids, loss_mask) from the output's
-   inputs table and queues it;
+   inputs table (`Output.input_rows`: on an object store only the table's batches that
+   hold them) and queues it;
 2. one capture loop per worker streams the queued units' requests through the engine
    back to back, so the engine never drains between units: while the tail of one unit
    computes, the next unit's requests are already in flight. Results come back in
@@ -31,11 +32,11 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from hsx.output import Output, ShardWriter
+from hsx.output.shards import DEFAULT_CHECKSUM, background_priority
 from hsx.plan import WorkUnit
-from hsx.shards import DEFAULT_CHECKSUM, ShardWriter, background_priority
 from hsx_workers.engines.base import (
     WAIT,
     CaptureRequest,
@@ -69,7 +70,7 @@ class UnitReport:
 class _UnitRun:
     """One unit on its way through this worker."""
 
-    output: Path
+    output: Output
     storage_dtype: str
     checksum: str
     unit: WorkUnit
@@ -91,9 +92,9 @@ class ExtractionWorker:
         self.name = name
         self.config = engine_config
         self._lock = threading.Lock()
-        # The inputs table of the output last worked on (memory-mapped); an engine
+        # The output last worked on, which keeps its inputs table open; an engine
         # serves any job whose engine config matches, one output at a time.
-        self._inputs: tuple[Path, Any] | None = None
+        self._output: Output | None = None
         self._queued: deque[_UnitRun] = deque()  # waiting for the capture loop
         self._routing: deque[_UnitRun] = deque()  # fed to the engine, results pending
         self._loop: threading.Thread | None = None  # the capture loop taking units
@@ -116,15 +117,15 @@ class ExtractionWorker:
             runs = list(self._routing)
         return {run.unit.unit: (run.done, run.tokens_done) for run in runs}
 
-    def _rows(self, output: Path, unit: WorkUnit) -> list[tuple[int, list[int], list[int]]]:
+    def _rows(self, output: Output, unit: WorkUnit
+              ) -> tuple[Output, list[tuple[int, list[int], list[int]]]]:
+        """The worker's Output for `output` (kept between units) and the unit's rows."""
         with self._lock:
-            if self._inputs is None or self._inputs[0] != output:
-                from hsx.ingest import read_inputs
-
-                self._inputs = (output, read_inputs(output))
-            inputs = self._inputs[1]
-        table = inputs.slice(unit.row_start, unit.samples)
-        return list(
+            if self._output is None or self._output.uri != output.uri:
+                self._output = output
+            output = self._output
+            table = output.input_rows(unit.row_start, unit.row_end)
+        return output, list(
             zip(
                 table.column("sample_index").to_pylist(),
                 table.column("input_ids").to_pylist(),
@@ -133,15 +134,16 @@ class ExtractionWorker:
             )
         )
 
-    def run_unit(self, output: str, storage_dtype: str, unit: WorkUnit,
+    def run_unit(self, output: Output | str, storage_dtype: str, unit: WorkUnit,
                  checksum: str = DEFAULT_CHECKSUM) -> UnitReport:
         """Extract one unit into its shard and commit it; blocks until it is committed.
 
-        Units queued by concurrent calls run back to back through one engine, in the
-        order the calls arrived.
+        `output` is the job's Output (it carries the storage settings the driver
+        resolved) or its URI. Units queued by concurrent calls run back to back through
+        one engine, in the order the calls arrived.
         """
-        run = _UnitRun(Path(output), storage_dtype, checksum, unit,
-                       self._rows(Path(output), unit))
+        out, rows = self._rows(Output.of(output), unit)
+        run = _UnitRun(out, storage_dtype, checksum, unit, rows)
         with self._lock:
             if self._dead is not None:
                 raise EngineDead(f"{self.name}: the engine is gone: {self._dead}")
@@ -206,8 +208,8 @@ class ExtractionWorker:
             try:
                 if not run.rows:
                     raise ValueError(f"unit {run.unit.unit} has no rows")
-                run.writer = ShardWriter(
-                    run.output, run.unit.unit, layers=self.config.layers,
+                run.writer = run.output.shard_writer(
+                    run.unit.unit, layers=self.config.layers,
                     hidden_size=self.config.hidden_size,
                     storage_dtype=run.storage_dtype,  # type: ignore[arg-type]
                     checksum=run.checksum,  # type: ignore[arg-type]
@@ -261,10 +263,10 @@ class ExtractionWorker:
         run.future.set_result(UnitReport(
             unit=run.unit.unit,
             won=outcome.won,
-            samples=int(record["samples"]),
-            tokens=int(record["tokens"]),
-            bytes=int(record["bytes"]),
-            errors=list(record.get("errors", [])),
+            samples=record.samples,
+            tokens=record.tokens,
+            bytes=record.bytes,
+            errors=[e.model_dump() for e in record.errors],
             seconds=time.monotonic() - run.started,
             worker=self.name,
         ))

@@ -1,12 +1,27 @@
-"""The output of a job: where its objects live and how they are written and read.
+"""The output of a job: the one owner of everything hsx writes into it and reads from it.
 
-Storage is the layer every reader and writer of an output goes through: local disk
-(a path or `file://`) and object stores (`s3://`, `gs://`, `az://`) behind one small
-interface (`Storage.for_uri`). See `hsx.output.storage`.
+- `Output(uri)` (output.py): the location and every operation on it — the typed
+  `Manifest` (published once), the inputs and errors tables, `CommitRecord`s, shard
+  writers and readers, totals, the error list, the complete marker, orphan clean-up and
+  verification. Everything else in hsx goes through it.
+- The shard format (shards.py): `ShardWriter`, `ShardReader`, fp8 quantization.
+- `Storage` (storage.py): where the objects live — local disk (a path or `file://`) or
+  an object store (`s3://`, `gs://`, `az://`) — behind a few operations.
+- The names of the objects (layout.py) and the format's JSON records (records.py).
 """
 
 from __future__ import annotations
 
+from hsx.output.output import Output, OutputNotFound, OutputTotals
+from hsx.output.records import (
+    CommitRecord,
+    JobMismatch,
+    Manifest,
+    OutputCorrupt,
+    SampleError,
+    UnitPlan,
+)
+from hsx.output.shards import CommitResult, ShardCorrupt, ShardReader, ShardWriter
 from hsx.output.storage import (
     ObjectExistsError,
     ObjectInfo,
@@ -17,10 +32,23 @@ from hsx.output.storage import (
 )
 
 __all__ = [
+    "CommitRecord",
+    "CommitResult",
+    "JobMismatch",
+    "Manifest",
     "ObjectExistsError",
     "ObjectInfo",
     "ObjectNotFoundError",
     "ObjectWriter",
+    "Output",
+    "OutputCorrupt",
+    "OutputNotFound",
+    "OutputTotals",
+    "SampleError",
+    "ShardCorrupt",
+    "ShardReader",
+    "ShardWriter",
     "Storage",
     "StorageError",
+    "UnitPlan",
 ]

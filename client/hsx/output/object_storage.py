@@ -113,6 +113,9 @@ class ObjectStoreStorage(Storage):
         norm = f"{scheme.lower()}://{bucket}" + (f"/{prefix}" if prefix else "")
         if scheme.lower() == "s3":
             settings = S3Settings.resolve(bucket, options)
+            # A pickled storage (a Ray actor's, a DataLoader worker's) uses the endpoint
+            # and credentials resolved here, not whatever its process's environment says.
+            saved.update(settings.as_options())
             multipart = S3MultipartClient(settings, prefix) if settings.static else None
             if multipart is None:
                 logger.info(
@@ -159,7 +162,8 @@ class ObjectStoreStorage(Storage):
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Rebuilt from the URI in another process (Ray actors, DataLoader workers).
+        # Rebuilt from the URI and the resolved settings in another process (Ray actors,
+        # DataLoader workers).
         options = {**self._options, "part_size": self.part_size, "max_inflight": self.max_inflight}
         return (_rebuild, (self.uri, options))
 

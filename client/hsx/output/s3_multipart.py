@@ -112,6 +112,18 @@ class S3Settings:
             ),
         )
 
+    def as_options(self) -> dict[str, Any]:
+        """These settings as `Storage.for_uri` options (what a pickled storage carries)."""
+        options: dict[str, Any] = {
+            "region": self.region, "allow_http": self.allow_http,
+            "virtual_hosted_style_request": self.virtual_hosted_style,
+        }
+        for name in ("endpoint", "access_key_id", "secret_access_key", "session_token"):
+            value = getattr(self, name)
+            if value:
+                options[name] = value
+        return options
+
     def base_url(self) -> tuple[str, str]:
         """(scheme://host, path prefix) of the bucket: path style behind an endpoint."""
         if self.endpoint is None:

@@ -36,7 +36,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from hsx.layout import TMP_DIR
+from hsx.output.layout import TMP_DIR
 
 STAGING_DIR = TMP_DIR
 """Folder (under the root) where a local storage stages objects before publishing them.

@@ -1,5 +1,9 @@
 """Names of the objects in a job's output location (see docs/FORMAT.md).
 
+The same keys on local disk and in an object store (`s3://bucket/prefix/<key>`); only
+`.tmp/` (local staging) and `draft/` (written by the trainer on a file system) are
+local-disk things.
+
 ```
 <output>/
   manifest.json                    job description: model, layer ids, dtype, units
@@ -8,7 +12,7 @@
   shards/unit-000042-<attempt>.safetensors   one shard per work unit
   commits/unit-000042.json         the commit record that makes that shard visible
   complete.json                    written once every unit is committed
-  .tmp/                            in-progress files; never read by readers
+  .tmp/                            in-progress files (local disk); never read by readers
   draft/                           the EAGLE-3 draft trained on it (speculators format):
     config.json, model.safetensors   the newest checkpoint; vLLM loads this folder
     checkpoints/step-000200/         whole checkpoints (weights + trainer_state.pt)

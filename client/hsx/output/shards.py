@@ -7,17 +7,18 @@ concatenated along tokens (docs/FORMAT.md has the byte-level description):
 - `offsets` [n+1] I64, `sample_index` [n] I64, `input_ids` [T_total] I32,
   `loss_mask` [T_total] U8
 
-Who calls what:
+Who calls what (through `hsx.output.Output`, which owns the rest of the output):
 
 - Workers (inside Ray actors) write with `ShardWriter`: `add()` per sample, then
-  `commit()`. The commit record `commits/unit-XXXXXX.json` is created if absent, so when
-  Ray runs a unit twice exactly one attempt becomes visible and the other deletes its file.
-- The job driver calls `clean_orphans()` at start (when no attempt runs) and
-  `read_commits()` / `committed_units()` to rebuild its ledger from the output.
-- Readers (`hsx.dataset.HiddenStatesDataset`, trainers) list commit records and open
-  the shards they name with `ShardReader`: mmap, zero-copy views, O(1) per sample.
-  Nothing else in the output is ever read, so a crash at any moment leaves nothing
-  visible but whole, committed shards.
+  `commit()`. The shard streams through the output's `Storage` (a local file, or a
+  multipart upload to an object store) and becomes an object only when whole; the
+  commit record `commits/unit-XXXXXX.json` is then created if absent, so when Ray runs
+  a unit twice exactly one attempt becomes visible and the other deletes its shard.
+- Readers (`hsx.dataset.HiddenStatesDataset`, trainers) open the shards that commit
+  records name with `ShardReader`: memory-mapped on local disk (zero-copy views), ranged
+  reads on object stores (one GET per sample); O(1) per sample either way. Nothing else
+  in the output is ever read, so a crash at any moment leaves nothing visible but whole,
+  committed shards.
 
 This module imports numpy only; torch is imported inside functions, and only when the
 caller handed in a torch tensor or asked for torch output.
@@ -28,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import hashlib
-import io
 import json
 import logging
 import math
@@ -37,7 +37,6 @@ import os
 import queue
 import re
 import secrets
-import shutil
 import struct
 import sys
 import threading
@@ -45,20 +44,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 import ml_dtypes
 import numpy as np
 
-from hsx.layout import (
-    COMMITS_DIR,
-    SHARD_FORMAT_NAME,
-    SHARDS_DIR,
-    TMP_DIR,
-    commit_path,
-    shard_path,
-    unit_name,
-)
+from hsx.output.layout import SHARD_FORMAT_NAME, commit_path, shard_path, unit_name
+from hsx.output.records import CommitRecord, OutputCorrupt
+from hsx.output.storage import ObjectExistsError, ObjectWriter, Storage, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +74,8 @@ writer rewrite the file with a larger region instead of failing."""
 
 _HEADER_PREFIX = 8  # little-endian u64 header length, as safetensors defines
 _QUEUE_DEPTH = 4  # samples in flight between add() and the writer thread
-_SYNC_EVERY = 256 * 2**20  # bytes written between background fdatasyncs
 _HASH_CHUNK = 16 * 1024 * 1024
-_COMMIT_NAME = re.compile(r"^unit-(\d{6,})\.json$")
+_REMOTE_HEAD = _HEADER_PREFIX + DEFAULT_HEADER_RESERVE  # first GET of a remote shard
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -100,8 +92,8 @@ _NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
 _HIDDEN_DTYPE: dict[str, str] = {"bf16": "BF16", "fp8": "F8_E4M3"}
 
 
-class ShardCorrupt(Exception):
-    """A shard or commit record whose bytes are not what was committed, or not a shard."""
+class ShardCorrupt(OutputCorrupt):
+    """A shard whose bytes are not what its commit record says, or not a shard."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +105,7 @@ class CommitResult:
     """
 
     won: bool
-    record: dict[str, Any]
+    record: CommitRecord
 
 
 # --------------------------------------------------------------------------- helpers
@@ -123,15 +115,6 @@ def _is_torch_tensor(x: object) -> bool:
     # torch can only have made `x` if it is already imported; never import it to check.
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename/link/unlink inside `path` durable (POSIX needs the directory synced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _now_iso() -> str:
@@ -219,21 +202,6 @@ def dequantize_fp8(q: Any, scales: Any) -> Any:
     return out.astype(_BF16)
 
 
-def unit_of_commit_name(name: str) -> int | None:
-    """The unit a file in commits/ is the record of, or None for any other name."""
-    m = _COMMIT_NAME.match(name)
-    return int(m.group(1)) if m else None
-
-
-def shard_file(root: str | Path, record: Mapping[str, Any]) -> Path:
-    """The absolute path of the shard a commit record names (refusing paths outside root)."""
-    rel = str(record.get("shard", ""))
-    parts = Path(rel).parts
-    if not rel or Path(rel).is_absolute() or ".." in parts or parts[0] != SHARDS_DIR:
-        raise ShardCorrupt(f"commit record of unit {record.get('unit')} names bad shard {rel!r}")
-    return Path(root) / rel
-
-
 # --------------------------------------------------------------------------- writing
 
 
@@ -270,68 +238,41 @@ def new_hasher(algorithm: str) -> Any:
     raise ValueError(f"checksum must be 'blake3' or 'sha256', got {algorithm!r}")
 
 
-def record_checksums(record: Mapping[str, Any]) -> tuple[str, str, str]:
-    """(algorithm, header digest, data digest) of a commit record, old records included.
-
-    Records name their algorithm under `checksum`; those written before it existed
-    carry `header_sha256` and `data_sha256`.
-    """
-    checksum = record.get("checksum")
-    if isinstance(checksum, Mapping):
-        try:
-            return str(checksum["algorithm"]), str(checksum["header"]), str(checksum["data"])
-        except KeyError as err:
-            raise ShardCorrupt(f"commit record of unit {record.get('unit')}: checksum lacks "
-                               f"{err}") from None
-    if "data_sha256" in record and "header_sha256" in record:
-        return "sha256", str(record["header_sha256"]), str(record["data_sha256"])
-    raise ShardCorrupt(f"commit record of unit {record.get('unit')} has no checksum")
-
-
 class _DataStream:
-    """Appends sample buffers to the shard file, hashing and syncing beside the writes.
+    """Appends sample buffers to the shard's object writer, hashing beside the writes.
 
-    Three threads, so the caller (the engine thread) produces the next sample while
-    this one reaches the disk: one writes, one hashes (a hash in series with the writes
-    halved the writer's rate on an H200 node), and one starts `fdatasync` every
-    `_SYNC_EVERY` bytes, so the fsync at commit has little left to flush. Write, hash
-    and sync all release the GIL. The bounded queues keep at most `_QUEUE_DEPTH` samples
-    in memory. An error is kept and re-raised to the caller at its next call.
+    Two threads, so the caller (the engine thread) produces the next sample while this
+    one reaches the storage: one writes, one hashes (a hash in series with the writes
+    halved the writer's rate on an H200 node). The writer syncs in the background on
+    local disk (`fdatasync` every 256 MiB, so the fsync at commit has little left) and
+    uploads parts in the background on object stores. Write and hash release the GIL.
+    The bounded queues keep at most `_QUEUE_DEPTH` samples in memory. An error is kept
+    and re-raised to the caller at its next call.
     """
 
-    def __init__(self, f: IO[bytes], name: str, checksum: str) -> None:
-        self._f = f
+    def __init__(self, sink: ObjectWriter, name: str, checksum: str) -> None:
+        self._sink = sink
         self.sha = new_hasher(checksum)
         self.nbytes = 0
-        self._unsynced = 0
         self._error: BaseException | None = None
         self._writes: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._hashes: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
-        self._syncs: queue.Queue[bool | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._run, args=(q, fn), name=f"hsx-shard-{name}-{what}",
                              daemon=True)
             for q, fn, what in (
                 (self._writes, self._write, "write"),
                 (self._hashes, self._hash, "hash"),
-                (self._syncs, self._sync, "sync"),
             )
         ]
         for thread in self._threads:
             thread.start()
 
     def _write(self, item: np.ndarray) -> None:
-        self._f.write(item.data)
-        self._unsynced += item.nbytes
-        if self._unsynced >= _SYNC_EVERY:
-            self._unsynced = 0
-            self._syncs.put(True)
+        self._sink.write(item.data)
 
     def _hash(self, item: np.ndarray) -> None:
         self.sha.update(item.data)
-
-    def _sync(self, _item: bool) -> None:
-        os.fdatasync(self._f.fileno())
 
     def _run(self, items: queue.Queue[Any], handle: Any) -> None:
         background_priority()
@@ -367,7 +308,7 @@ class _DataStream:
         self._raise_pending()
 
     def close(self, *, check: bool = True) -> None:
-        queues: list[queue.Queue[Any]] = [self._writes, self._hashes, self._syncs]
+        queues: list[queue.Queue[Any]] = [self._writes, self._hashes]
         for items, thread in zip(queues, self._threads, strict=True):
             if thread.is_alive():
                 items.put(None)
@@ -387,18 +328,22 @@ class ShardWriter:
                 w.add(s.index, s.input_ids, s.loss_mask, s.hidden_states)
             result = w.commit(errors=[{"sample_index": 7, "reason": "too long"}])
 
-    The file grows in `.tmp/` as samples arrive: a reserved header region, then each
-    sample's hidden states streamed (and hashed) as they come, so a unit is never held
-    in memory whole. `commit()` appends the small tensors, fills in the header, fsyncs,
-    renames the file into `shards/`, and creates `commits/unit-XXXXXX.json` if absent.
-    Leaving the `with` block by an exception (or without committing) aborts: the
-    temporary file is deleted. A crash leaves only files that readers never look at;
-    `clean_orphans()` removes them.
+    `out` is the output's `Storage`, or a path or URI for one. The shard streams
+    through `Storage.open_writer` with the header region (8 bytes + `header_reserve`)
+    as its head: each sample's hidden states are written (and hashed) as they come, so
+    a unit is never held in memory whole. On local disk that is a file in `.tmp/`
+    (fsynced in the background, the header written in place at commit, fsync, rename
+    into `shards/`); on an object store a multipart upload whose first part, holding
+    the header, goes last. `commit()` appends the small tensors, hands over the header,
+    and once the shard exists whole creates `commits/unit-XXXXXX.json` if absent
+    (`os.link` on disk, a conditional PUT on object stores). Leaving the `with` block by
+    an exception (or without committing) aborts: the file or upload is dropped. A crash
+    leaves only what readers never look at; `Output.clean_orphans()` removes it.
     """
 
     def __init__(
         self,
-        root: str | Path,
+        output: Storage | str | os.PathLike[str],
         unit: int,
         *,
         layers: Sequence[int],
@@ -419,7 +364,7 @@ class ShardWriter:
         attempt = attempt if attempt is not None else secrets.token_hex(4)
         if not re.fullmatch(r"[A-Za-z0-9_.]+", attempt):
             raise ValueError(f"attempt must be letters, digits, '_' or '.', got {attempt!r}")
-        self.root = Path(root)
+        self.storage = output if isinstance(output, Storage) else Storage.for_uri(output)
         self.unit = unit
         self.layers = [int(k) for k in layers]
         self.hidden_size = int(hidden_size)
@@ -428,14 +373,11 @@ class ShardWriter:
         self.checksum = checksum
         new_hasher(checksum)  # refuses an unknown algorithm before any file exists
         self._header_len = _round_up(max(header_reserve, 64), 8)
-
-        for sub in (TMP_DIR, SHARDS_DIR, COMMITS_DIR):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
-        self.tmp_path = self.root / TMP_DIR / f"{unit_name(unit)}-{attempt}.safetensors.partial"
-        self._f: IO[bytes] = open(self.tmp_path, "xb")  # noqa: SIM115 (closed in commit/abort)
-        # Placeholder header region; the real header is written into it at commit.
-        self._f.write(bytes(_HEADER_PREFIX + self._header_len))
-        self._stream = _DataStream(self._f, f"{unit_name(unit)}-{attempt}", checksum)
+        self.key = shard_path(unit, attempt)
+        # The header region is the writer's head: filled in at commit.
+        self._sink = self.storage.open_writer(self.key, head_size=_HEADER_PREFIX +
+                                              self._header_len)
+        self._stream = _DataStream(self._sink, f"{unit_name(unit)}-{attempt}", checksum)
         self._offsets: list[int] = [0]
         self._sample_indices: list[int] = []
         self._seen: set[int] = set()
@@ -457,7 +399,7 @@ class ShardWriter:
     ) -> None:
         if self._state == "open":
             if exc_type is None:
-                logger.warning("%s: left without commit(); discarding it", self.tmp_path.name)
+                logger.warning("%s: left without commit(); discarding it", self.key)
             self.abort()
 
     # -- public
@@ -539,10 +481,9 @@ class ShardWriter:
         self._offsets.append(self._offsets[-1] + t)
 
     def flush(self) -> None:
-        """Wait until every added sample has reached the file (not fsynced)."""
+        """Wait until every added sample has been handed to the storage (not synced)."""
         self._check_open()
         self._stream.flush()
-        self._f.flush()
 
     def commit(self, errors: Iterable[Mapping[str, Any]] = ()) -> CommitResult:
         """Finish, publish and return the unit's commit record (see the class docstring).
@@ -563,20 +504,14 @@ class ShardWriter:
         if both:
             raise ValueError(f"samples {sorted(both)} are both written and listed as errors")
         try:
-            data_sha, header_sha, size = self._finish_file()
+            data_sha, header_sha, size = self._finish_object()
         except BaseException:
             self.abort()
             raise
-        unit = unit_name(self.unit)
-        rel = shard_path(self.unit, self.attempt)
-        final = self.root / rel
-        os.replace(self.tmp_path, final)
-        _fsync_dir(final.parent)
         self._state = "committed"
-
-        record: dict[str, Any] = {
+        record = CommitRecord.model_validate({
             "unit": self.unit,
-            "shard": rel,
+            "shard": self.key,
             "attempt": self.attempt,
             "samples": self.num_samples,
             "tokens": self.num_tokens,
@@ -586,50 +521,59 @@ class ShardWriter:
             "sample_indices_last": self._sample_indices[-1] if self._sample_indices else None,
             "errors": error_rows,
             "committed_at": _now_iso(),
-        }
-        tmp_record = self.root / TMP_DIR / f"{unit}-{self.attempt}.commit.json"
-        with open(tmp_record, "w") as f:
-            json.dump(record, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        commit = self.root / commit_path(self.unit)
+        })
+        unit = unit_name(self.unit)
+        key = commit_path(self.unit)
         try:
-            # link() fails if the name exists: the create-if-absent step that makes
-            # exactly one attempt of a unit visible, with the record already complete.
-            os.link(tmp_record, commit)
-        except FileExistsError:
-            tmp_record.unlink()
-            final.unlink()
-            _fsync_dir(final.parent)
-            existing = json.loads(commit.read_text())
+            # The create-if-absent step that makes exactly one attempt of a unit
+            # visible, with the record already complete.
+            self.storage.create(key, record.to_json())
+        except ObjectExistsError:
+            existing = self._read_record(key)
+            if existing is None:
+                raise StorageError(
+                    f"{self.storage.url(key)} exists and yet cannot be read") from None
+            if existing.attempt == self.attempt:
+                # Ours: a retried create whose first try had landed.
+                return CommitResult(won=True, record=existing)
+            self.storage.delete(self.key)
             logger.info(
                 "%s: attempt %s lost to attempt %s; its shard is deleted",
-                unit, self.attempt, existing.get("attempt"),
+                unit, self.attempt, existing.attempt,
             )
             return CommitResult(won=False, record=existing)
         except BaseException:
-            # Not published: take our shard back out so it does not linger as an orphan.
-            tmp_record.unlink(missing_ok=True)
-            final.unlink(missing_ok=True)
+            # Perhaps published after all (a create retried after its answer was lost):
+            # our shard may be deleted only when the record is surely not ours.
+            try:
+                existing = self._read_record(key)
+            except (StorageError, OSError, OutputCorrupt):
+                raise  # unknown: the shard stays, an orphan at worst (clean_orphans)
+            if existing is not None and existing.attempt == self.attempt:
+                return CommitResult(won=True, record=existing)
+            with contextlib.suppress(StorageError, OSError):
+                self.storage.delete(self.key)
             raise
-        tmp_record.unlink()
-        _fsync_dir(commit.parent)
         logger.info(
             "%s committed: %d samples, %d tokens, %d bytes (attempt %s)",
-            unit, record["samples"], record["tokens"], size, self.attempt,
+            unit, record.samples, record.tokens, size, self.attempt,
         )
         return CommitResult(won=True, record=record)
 
+    def _read_record(self, key: str) -> CommitRecord | None:
+        try:
+            data = self.storage.read(key)
+        except FileNotFoundError:
+            return None
+        return CommitRecord.parse(data, self.storage.url(key))
+
     def abort(self) -> None:
-        """Discard this attempt: stop the writer thread and delete the temporary file."""
+        """Discard this attempt: stop the writer threads and drop the unfinished object."""
         if self._state != "open":
             return
         self._state = "aborted"
         self._stream.close(check=False)
-        with contextlib.suppress(OSError):
-            self._f.close()
-        self.tmp_path.unlink(missing_ok=True)
+        self._sink.abort()
 
     # -- internals
 
@@ -735,8 +679,12 @@ class ShardWriter:
             pos += arr.nbytes
         return json.dumps(header, separators=(",", ":")).encode()
 
-    def _finish_file(self) -> tuple[str, str, int]:
-        """Write the tail and header, fsync; return (data digest, header digest, size)."""
+    def _finish_object(self) -> tuple[str, str, int]:
+        """Write the tail, hand over the header; return (data digest, header digest, size).
+
+        A header larger than its reserved region gets a larger region (the storage
+        moves the body behind it on local disk; part 1 just grows on S3).
+        """
         self._stream.close()
         expected = self.num_tokens * len(self.layers) * self.hidden_size
         expected *= _NUMPY_DTYPES[_HIDDEN_DTYPE[self.storage_dtype]].itemsize
@@ -748,196 +696,225 @@ class ShardWriter:
         data_sha = self._stream.sha
         for _, _, _, arr in small:
             buf = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
-            self._f.write(buf)
+            self._sink.write(buf)
             data_sha.update(buf)
         header = self._header(small)
-        if len(header) > self._header_len:
-            self._grow_header(_round_up(len(header) * 2, 8))
-        block = struct.pack("<Q", self._header_len) + header.ljust(self._header_len, b" ")
-        self._f.seek(0)
-        self._f.write(block)
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        size = os.fstat(self._f.fileno()).st_size
-        self._f.close()
+        header_len = self._header_len
+        if len(header) > header_len:
+            logger.info("%s: header needs %d bytes; its region grows", self.key, len(header))
+            header_len = _round_up(len(header), 8)
+        block = struct.pack("<Q", header_len) + header.ljust(header_len, b" ")
+        size = self._sink.finish(block).size
         header_sha = new_hasher(self.checksum)
         header_sha.update(block)
         return data_sha.hexdigest(), header_sha.hexdigest(), size
-
-    def _grow_header(self, new_len: int) -> None:
-        """Move the data behind a larger header region (rare: see DEFAULT_HEADER_RESERVE)."""
-        logger.info("%s: header needs %d bytes; rewriting", self.tmp_path.name, new_len)
-        self._f.flush()
-        grown = self.tmp_path.with_name(self.tmp_path.name + ".grow")
-        with open(self.tmp_path, "rb") as src, open(grown, "wb") as dst:
-            dst.write(bytes(_HEADER_PREFIX + new_len))
-            src.seek(_HEADER_PREFIX + self._header_len)
-            shutil.copyfileobj(src, dst, _HASH_CHUNK)
-        self._f.close()
-        os.replace(grown, self.tmp_path)
-        self._f = open(self.tmp_path, "r+b")  # noqa: SIM115 (closed in _finish_file)
-        self._header_len = new_len
 
 
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
 
-# --------------------------------------------------------------------------- listing
+# --------------------------------------------------------------------------- checking
 
 
-def read_commits(root: str | Path) -> list[dict[str, Any]]:
-    """Every commit record in the output, sorted by unit."""
-    commits = Path(root) / COMMITS_DIR
-    if not commits.is_dir():
-        return []
-    records = []
-    with os.scandir(commits) as entries:
-        for entry in entries:
-            unit = unit_of_commit_name(entry.name)
-            if unit is not None:
-                records.append(load_commit(Path(entry.path), unit))
-    records.sort(key=lambda r: r["unit"])
-    return records
+def verify_shard(storage: Storage, record: CommitRecord) -> None:
+    """Check a committed shard against its record's size and checksums; raise ShardCorrupt.
 
-
-def load_commit(path: Path, unit: int | None = None) -> dict[str, Any]:
-    """One commit record, checked to be a JSON object for the unit its name says."""
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ShardCorrupt(f"cannot read commit record {path}: {err}") from err
-    if not isinstance(record, dict) or not isinstance(record.get("unit"), int):
-        raise ShardCorrupt(f"commit record {path} is not an hsx commit record")
-    if unit is not None and record["unit"] != unit:
-        raise ShardCorrupt(f"commit record {path} is for unit {record['unit']}")
-    return record
-
-
-def committed_units(root: str | Path) -> set[int]:
-    """Units with a commit record (cheap: reads directory names only)."""
-    commits = Path(root) / COMMITS_DIR
-    if not commits.is_dir():
-        return set()
-    with os.scandir(commits) as entries:
-        return {u for e in entries if (u := unit_of_commit_name(e.name)) is not None}
-
-
-def clean_orphans(root: str | Path) -> int:
-    """Delete everything in `.tmp/` and every shard no commit record names.
-
-    Only safe while no attempt is running (the driver calls it at job start): a running
-    attempt's shard is an "orphan" between its rename and its commit record.
-    Returns the number of files and folders removed.
+    Reads the whole shard once: from the file on local disk, by ranged reads (16 MiB
+    each) from an object store.
     """
-    root = Path(root)
-    removed = 0
-    tmp = root / TMP_DIR
-    if tmp.is_dir():
-        for entry in tmp.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink(missing_ok=True)
-            removed += 1
-    shards = root / SHARDS_DIR
-    if shards.is_dir():
-        named = {str(r.get("shard")) for r in read_commits(root)}
-        for entry in shards.iterdir():
-            if f"{SHARDS_DIR}/{entry.name}" not in named:
-                entry.unlink(missing_ok=True)
-                removed += 1
-        _fsync_dir(shards)
-    if removed:
-        logger.info("removed %d orphaned files from %s", removed, root)
-    return removed
-
-
-def verify_shard(root: str | Path, record: Mapping[str, Any]) -> None:
-    """Check a committed shard against its record's size and checksums; raise ShardCorrupt."""
-    path = shard_file(root, record)
-    what = f"shard {path} (unit {record.get('unit')})"
+    what = f"shard {storage.url(record.shard)} (unit {record.unit})"
+    info = storage.head(record.shard)
+    if info is None:
+        raise ShardCorrupt(f"{what} is missing")
+    size = info.size
+    if size != record.bytes:
+        raise ShardCorrupt(f"{what} has {size} bytes, its commit record says {record.bytes}")
+    if size < _HEADER_PREFIX:
+        raise ShardCorrupt(f"{what} is truncated")
+    algorithm, header_digest, data_digest = record.checksums()
     try:
-        f = open(path, "rb")  # noqa: SIM115
-    except FileNotFoundError:
-        raise ShardCorrupt(f"{what} is missing") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size != record.get("bytes"):
-            raise ShardCorrupt(
-                f"{what} has {size} bytes, its commit record says {record.get('bytes')}"
-            )
-        prefix = f.read(_HEADER_PREFIX)
-        if len(prefix) != _HEADER_PREFIX:
-            raise ShardCorrupt(f"{what} is truncated")
+        header_sha, data_sha = new_hasher(algorithm), new_hasher(algorithm)
+    except ValueError as err:
+        raise ShardCorrupt(f"{what}: {err}") from None
+    with _ByteSource.open(storage, record.shard, size) as source:
+        prefix = source.read(0, _HEADER_PREFIX)
         (n,) = struct.unpack("<Q", prefix)
         if _HEADER_PREFIX + n > size:
             raise ShardCorrupt(f"{what}: header checksum mismatch (header length {n} is corrupt)")
-        algorithm, header_digest, data_digest = record_checksums(record)
-        try:
-            header_sha = new_hasher(algorithm)
-        except ValueError as err:
-            raise ShardCorrupt(f"{what}: {err}") from None
         header_sha.update(prefix)
-        _hash_range(f, n, header_sha)
+        source.hash_range(_HEADER_PREFIX, n, header_sha)
         if header_sha.hexdigest() != header_digest:
             raise ShardCorrupt(f"{what}: header checksum mismatch")
-        data_sha = new_hasher(algorithm)
-        _hash_range(f, size - _HEADER_PREFIX - n, data_sha)
+        source.hash_range(_HEADER_PREFIX + n, size - _HEADER_PREFIX - n, data_sha)
         if data_sha.hexdigest() != data_digest:
             raise ShardCorrupt(f"{what}: data checksum mismatch")
 
 
-def _hash_range(f: io.BufferedReader, n: int, sha: Any) -> None:
-    buf = bytearray(min(n, _HASH_CHUNK) or 1)
-    view = memoryview(buf)
-    while n > 0:
-        got = f.readinto(view[: min(n, len(buf))])
-        if not got:
-            raise ShardCorrupt(f"{getattr(f, 'name', 'shard')} ended early")
-        sha.update(view[:got])
-        n -= got
+class _ByteSource:
+    """The bytes of one stored shard: a memory map on local disk, ranged reads elsewhere."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+
+    @staticmethod
+    def open(storage: Storage, key: str, size: int | None = None) -> _ByteSource:
+        path = storage.local_path(key)
+        if path is not None:
+            return _MappedSource(path)
+        if size is None:
+            size = storage.size(key)
+        return _RangedSource(storage, key, size)
+
+    @property
+    def mapping(self) -> mmap.mmap | None:
+        """The whole shard mapped in memory (local disk), else None."""
+        return None
+
+    def read(self, start: int, length: int) -> memoryview:
+        """Bytes [start, start + length) as a writable buffer (a view where mapped)."""
+        raise NotImplementedError
+
+    def hash_range(self, start: int, length: int, sha: Any) -> None:
+        while length > 0:
+            piece = min(length, _HASH_CHUNK)
+            sha.update(self.read(start, piece))
+            start += piece
+            length -= piece
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> _ByteSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _MappedSource(_ByteSource):
+    """A local shard file, mapped copy-on-write (`ACCESS_COPY`): nothing is ever written
+    back, and torch can wrap the pages without its "non-writable buffer" caveat."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            f = open(path, "rb")  # noqa: SIM115
+        except FileNotFoundError:
+            raise ShardCorrupt(f"shard {path} is missing") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            self._mm: mmap.mmap | None = (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            )
+        super().__init__(str(path), size)
+
+    @property
+    def mapping(self) -> mmap.mmap | None:
+        return self._mm
+
+    def read(self, start: int, length: int) -> memoryview:
+        if self._mm is None or start + length > self.size:
+            raise ShardCorrupt(f"{self.name}: ended early (wanted bytes up to "
+                               f"{start + length} of {self.size})")
+        return memoryview(self._mm)[start : start + length]
+
+    def hash_range(self, start: int, length: int, sha: Any) -> None:
+        # Plain reads: hashing through the map would fault in and keep every page.
+        with open(self.name, "rb") as f:
+            f.seek(start)
+            buf = bytearray(min(length, _HASH_CHUNK) or 1)
+            view = memoryview(buf)
+            while length > 0:
+                got = f.readinto(view[: min(length, len(buf))])
+                if not got:
+                    raise ShardCorrupt(f"{self.name} ended early")
+                sha.update(view[:got])
+                length -= got
+
+    def close(self) -> None:
+        # Never mm.close(): torch.frombuffer views do not pin the buffer export, so
+        # closing would leave them pointing at unmapped memory. Views keep it alive.
+        self._mm = None
+
+
+class _RangedSource(_ByteSource):
+    """A shard in an object store: each read is one ranged GET."""
+
+    def __init__(self, storage: Storage, key: str, size: int) -> None:
+        super().__init__(storage.url(key), size)
+        self._storage = storage
+        self._key = key
+
+    def read(self, start: int, length: int) -> memoryview:
+        if start + length > self.size:
+            raise ShardCorrupt(f"{self.name}: ended early (wanted bytes up to "
+                               f"{start + length} of {self.size})")
+        if length == 0:
+            return memoryview(bytearray())
+        # One copy into memory we own: writable, so torch wraps it without a warning.
+        return memoryview(bytearray(self._storage.read_range(self._key, start, length)))
 
 
 # --------------------------------------------------------------------------- reading
 
 
-class ShardReader:
-    """One shard, memory-mapped: zero-copy views and O(1) access to any sample.
+def _torch_dtype(name: str) -> Any:
+    import torch
 
-    The file is mapped copy-on-write (`ACCESS_COPY`): nothing is ever written back to
-    it, and torch can wrap the pages without its "non-writable buffer" caveat. numpy
-    views are marked read-only. Views stay valid after `close()` or after the reader is
-    dropped: they keep the mapping alive themselves.
+    return {
+        "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32,
+        "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,
+    }[name]
+
+
+class ShardReader:
+    """One shard: O(1) access to any sample, on local disk or in an object store.
+
+    On local disk (`ShardReader(path)`, or `ShardReader.open(storage, key)` on a local
+    storage) the file is memory-mapped copy-on-write: tensors are zero-copy views of its
+    pages, numpy views are read-only, and views stay valid after `close()` or after the
+    reader is dropped (they keep the mapping alive themselves).
+
+    On an object store (`ShardReader.open` where the storage has no local files) the
+    reader fetches the header (one ranged GET of the reserved region) and every tensor
+    but `hidden_states` (the small ones: offsets, sample_index, input_ids, loss_mask,
+    scales; one GET, ~5-9 bytes per token) when it opens, and then one sample's hidden
+    states with one ranged GET when that sample is asked for. Nothing else is cached.
 
     `sample(i)` returns {"sample_index", "input_ids", "loss_mask", "hidden_states"} as
     numpy (default) or torch (`backend="torch"`). fp8 shards are dequantized to bf16
     unless `dequantize=False`, which adds the raw "scales" [T, L] instead.
     """
 
-    def __init__(self, path: str | Path, *, record: Mapping[str, Any] | None = None) -> None:
-        self.path = Path(path)
-        self.record = dict(record) if record is not None else None
-        with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < _HEADER_PREFIX:
-                raise ShardCorrupt(f"{self.path}: not a shard ({size} bytes)")
-            self._mm: mmap.mmap | None = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        mm = self._mm
-        (n,) = struct.unpack_from("<Q", mm, 0)
+    def __init__(
+        self, path: str | os.PathLike[str] | _ByteSource, *, record: CommitRecord | None = None
+    ) -> None:
+        source = path if isinstance(path, _ByteSource) else _MappedSource(Path(path))
+        self._source: _ByteSource | None = source
+        self.name = source.name
+        """The shard's path or URL, for messages."""
+        self.record = record
+        size = source.size
+        if size < _HEADER_PREFIX:
+            raise ShardCorrupt(f"{self.name}: not a shard ({size} bytes)")
+        head = source.read(0, min(size, _REMOTE_HEAD))
+        (n,) = struct.unpack_from("<Q", head, 0)
         if _HEADER_PREFIX + n > size:
-            raise ShardCorrupt(f"{self.path}: header length {n} exceeds the file ({size} bytes)")
+            raise ShardCorrupt(f"{self.name}: header length {n} exceeds the file ({size} bytes)")
+        raw = head[_HEADER_PREFIX : _HEADER_PREFIX + n] if _HEADER_PREFIX + n <= len(head) \
+            else source.read(_HEADER_PREFIX, n)
         try:
-            header = json.loads(bytes(mm[_HEADER_PREFIX : _HEADER_PREFIX + n]))
+            header = json.loads(bytes(raw))
         except ValueError as err:
-            raise ShardCorrupt(f"{self.path}: header is not JSON: {err}") from err
+            raise ShardCorrupt(f"{self.name}: header is not JSON: {err}") from err
         self._data_start = _HEADER_PREFIX + n
         meta = header.pop("__metadata__", None) or {}
         if meta.get("format") != SHARD_FORMAT_NAME:
-            raise ShardCorrupt(f"{self.path}: not an hsx shard (format {meta.get('format')!r})")
+            raise ShardCorrupt(f"{self.name}: not an hsx shard (format {meta.get('format')!r})")
         if meta.get("format_version") != SHARD_FORMAT_VERSION:
             raise ShardCorrupt(
-                f"{self.path}: shard format_version {meta.get('format_version')!r} is not "
+                f"{self.name}: shard format_version {meta.get('format_version')!r} is not "
                 f"supported (this hsx reads {SHARD_FORMAT_VERSION!r}); upgrade hsx"
             )
         self.metadata: dict[str, str] = meta
@@ -947,43 +924,62 @@ class ShardReader:
             self.hidden_size = int(meta["hidden_size"])
             self.storage_dtype: StorageDtype = meta["storage_dtype"]
         except (KeyError, TypeError, ValueError) as err:
-            raise ShardCorrupt(f"{self.path}: bad shard metadata: {err!r}") from err
+            raise ShardCorrupt(f"{self.name}: bad shard metadata: {err!r}") from err
         if self.storage_dtype not in _HIDDEN_DTYPE:
-            raise ShardCorrupt(f"{self.path}: unknown storage_dtype {self.storage_dtype!r}")
+            raise ShardCorrupt(f"{self.name}: unknown storage_dtype {self.storage_dtype!r}")
         self._tensors: dict[str, dict[str, Any]] = header
         self._np_views: dict[str, np.ndarray] = {}
         self._torch_views: dict[str, Any] = {}
-        for name in ("hidden_states", "offsets", "sample_index", "input_ids", "loss_mask"):
-            self._check_tensor(name, size)
+        names = ["hidden_states", "offsets", "sample_index", "input_ids", "loss_mask"]
         if self.storage_dtype == "fp8":
-            self._check_tensor("scales", size)
+            names.append("scales")
+        for name in names:
+            self._check_tensor(name, size)
+        # Off the map: every tensor but hidden_states, in one read.
+        self._small: tuple[int, int, memoryview] | None = None
+        if source.mapping is None:
+            spans = [self._tensors[k]["data_offsets"] for k in names[1:]]
+            lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+            self._small = (lo, hi, source.read(self._data_start + lo, hi - lo))
         # Small, and read on every sample: copy once instead of re-viewing.
         self.offsets = self.tensor("offsets").copy()
         self.sample_indices = self.tensor("sample_index").copy()
         if len(self.offsets) != len(self.sample_indices) + 1:
-            raise ShardCorrupt(f"{self.path}: offsets and sample_index lengths disagree")
+            raise ShardCorrupt(f"{self.name}: offsets and sample_index lengths disagree")
         self.num_tokens = int(self._tensors["hidden_states"]["shape"][0])
         if self.offsets[0] != 0 or self.offsets[-1] != self.num_tokens:
-            raise ShardCorrupt(f"{self.path}: offsets do not span the {self.num_tokens} tokens")
+            raise ShardCorrupt(f"{self.name}: offsets do not span the {self.num_tokens} tokens")
+
+    @classmethod
+    def open(cls, storage: Storage, key: str, *, record: CommitRecord | None = None
+             ) -> ShardReader:
+        """The shard stored under `key`: mapped on local disk, by ranged reads elsewhere."""
+        size = record.bytes if record is not None else None
+        return cls(_ByteSource.open(storage, key, size), record=record)
+
+    @property
+    def path(self) -> Path | None:
+        """The local file, when the shard is on local disk."""
+        return Path(self.name) if isinstance(self._source, _MappedSource) else None
 
     def _check_tensor(self, name: str, size: int) -> None:
         info = self._tensors.get(name)
         if info is None:
-            raise ShardCorrupt(f"{self.path}: tensor {name!r} is missing")
+            raise ShardCorrupt(f"{self.name}: tensor {name!r} is missing")
         dtype = _NUMPY_DTYPES.get(info.get("dtype", ""))
         if dtype is None:
-            raise ShardCorrupt(f"{self.path}: tensor {name!r} has bad dtype {info.get('dtype')}")
+            raise ShardCorrupt(f"{self.name}: tensor {name!r} has bad dtype {info.get('dtype')}")
         start, end = info["data_offsets"]
         if end - start != math.prod(info["shape"]) * dtype.itemsize:
-            raise ShardCorrupt(f"{self.path}: tensor {name!r} shape and byte range disagree")
+            raise ShardCorrupt(f"{self.name}: tensor {name!r} shape and byte range disagree")
         if start < 0 or self._data_start + end > size:
-            raise ShardCorrupt(f"{self.path}: tensor {name!r} lies outside the file (truncated?)")
+            raise ShardCorrupt(f"{self.name}: tensor {name!r} lies outside the file (truncated?)")
 
     def __len__(self) -> int:
         return len(self.sample_indices)
 
     def __repr__(self) -> str:
-        return f"ShardReader({str(self.path)!r}, samples={len(self)}, tokens={self.num_tokens})"
+        return f"ShardReader({self.name!r}, samples={len(self)}, tokens={self.num_tokens})"
 
     def __enter__(self) -> ShardReader:
         return self
@@ -993,61 +989,78 @@ class ShardReader:
 
     def close(self) -> None:
         """Drop this reader's mapping. Views handed out keep it alive until they go."""
-        # Never mm.close(): torch.frombuffer views do not pin the buffer export, so
-        # closing would leave them pointing at unmapped memory.
-        self._mm = None
+        if self._source is not None:
+            self._source.close()
+        self._source = None
         self._np_views.clear()
         self._torch_views.clear()
 
-    def _map(self) -> mmap.mmap:
-        if self._mm is None:
-            raise ValueError(f"{self.path}: reader is closed")
-        return self._mm
+    def _open_source(self) -> _ByteSource:
+        if self._source is None:
+            raise ValueError(f"{self.name}: reader is closed")
+        return self._source
+
+    def _buffer(self, name: str, first: int = 0, rows: int | None = None
+                ) -> tuple[Any, int, list[int]]:
+        """(buffer, byte offset in it, shape) of rows [first, first + rows) of a tensor."""
+        info = self._tensors.get(name)
+        if info is None:
+            raise KeyError(f"{self.name}: no tensor {name!r}")
+        shape = list(info["shape"])
+        start, _ = info["data_offsets"]
+        if rows is not None:
+            row_bytes = math.prod(shape[1:]) * _NUMPY_DTYPES[info["dtype"]].itemsize
+            start += first * row_bytes
+            shape[0] = rows
+        source = self._open_source()
+        mapping = source.mapping
+        if mapping is not None:
+            return mapping, self._data_start + start, shape
+        small = self._small
+        nbytes = math.prod(shape) * _NUMPY_DTYPES[info["dtype"]].itemsize
+        if small is not None and small[0] <= start and start + nbytes <= small[1]:
+            return small[2], start - small[0], shape
+        return source.read(self._data_start + start, nbytes), 0, shape
 
     def tensor(self, name: str) -> np.ndarray:
-        """A whole tensor as a read-only numpy view on the file (bf16/fp8 via ml_dtypes)."""
+        """A whole tensor as a read-only numpy array (bf16/fp8 via ml_dtypes): a view of
+        the mapped file on local disk; on an object store hidden_states is fetched whole."""
         view = self._np_views.get(name)
         if view is None:
-            info = self._tensors.get(name)
-            if info is None:
-                raise KeyError(f"{self.path}: no tensor {name!r}")
-            dtype = _NUMPY_DTYPES[info["dtype"]]
-            start, _ = info["data_offsets"]
-            count = math.prod(info["shape"])
-            if count == 0:
-                view = np.zeros(info["shape"], dtype)
-            else:
-                view = np.frombuffer(
-                    self._map(), dtype=dtype, count=count, offset=self._data_start + start
-                ).reshape(info["shape"])
-            view.flags.writeable = False
-            self._np_views[name] = view
+            view = self._numpy(name)
+            if name != "hidden_states" or self._small is None:
+                self._np_views[name] = view
+        return view
+
+    def _numpy(self, name: str, first: int = 0, rows: int | None = None) -> np.ndarray:
+        buf, offset, shape = self._buffer(name, first, rows)
+        dtype = _NUMPY_DTYPES[self._tensors[name]["dtype"]]
+        count = math.prod(shape)
+        if count == 0:
+            view = np.zeros(shape, dtype)
+        else:
+            view = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+        view.flags.writeable = False
         return view
 
     def torch_tensor(self, name: str) -> Any:
-        """A whole tensor as a torch tensor sharing the mapped pages (zero copy)."""
+        """A whole tensor as a torch tensor sharing the mapped pages (zero copy on disk)."""
         view = self._torch_views.get(name)
         if view is None:
-            import torch
-
-            dtypes = {
-                "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32,
-                "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,
-            }
-            info = self._tensors.get(name)
-            if info is None:
-                raise KeyError(f"{self.path}: no tensor {name!r}")
-            start, _ = info["data_offsets"]
-            count = math.prod(info["shape"])
-            if count == 0:
-                view = torch.zeros(info["shape"], dtype=dtypes[info["dtype"]])
-            else:
-                view = torch.frombuffer(
-                    self._map(), dtype=dtypes[info["dtype"]], count=count,
-                    offset=self._data_start + start,
-                ).view(info["shape"])
-            self._torch_views[name] = view
+            view = self._torch(name)
+            if name != "hidden_states" or self._small is None:
+                self._torch_views[name] = view
         return view
+
+    def _torch(self, name: str, first: int = 0, rows: int | None = None) -> Any:
+        import torch
+
+        buf, offset, shape = self._buffer(name, first, rows)
+        dtype = _torch_dtype(self._tensors[name]["dtype"])
+        count = math.prod(shape)
+        if count == 0:
+            return torch.zeros(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
 
     def sample(
         self, i: int, *, backend: Backend = "numpy", dequantize: bool = True
@@ -1057,7 +1070,7 @@ class ShardReader:
         if i < 0:
             i += n
         if not 0 <= i < n:
-            raise IndexError(f"sample {i} out of range for {self.path.name} ({n} samples)")
+            raise IndexError(f"sample {i} out of range for {self.name} ({n} samples)")
         if backend not in ("numpy", "torch"):
             raise ValueError(f"backend must be 'numpy' or 'torch', got {backend!r}")
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
@@ -1067,7 +1080,11 @@ class ShardReader:
             "input_ids": get("input_ids")[a:b],
             "loss_mask": get("loss_mask")[a:b],
         }
-        hidden = get("hidden_states")[a:b]
+        if self._small is None:
+            hidden = get("hidden_states")[a:b]
+        else:  # one ranged read of just this sample's rows
+            rows = self._torch if backend == "torch" else self._numpy
+            hidden = rows("hidden_states", a, b - a)
         if self.storage_dtype == "fp8":
             scales = get("scales")[a:b]
             if dequantize:

@@ -1,0 +1,351 @@
+"""`Output`: an hsx output location, and everything hsx reads from or writes into it.
+
+Every reader and writer goes through `Output(uri)` (a path, `file://`, `s3://`, `gs://`
+or `az://` URI): the job driver (manifest, orphans, totals, the complete marker),
+ingestion (the inputs and errors tables), workers (input rows, shard writers),
+`HiddenStatesDataset`, the trainer, the exporter, the scheduler and the CLI. The layout
+is the same on local disk and on object stores (docs/FORMAT.md); `Storage` underneath
+does the few operations that differ.
+
+An `Output` pickles as its storage (Ray actors, DataLoader workers get their own
+connections); what it caches (the manifest, the inputs table's reader) is rebuilt there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import re
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from hsx.output.layout import (
+    COMMITS_DIR,
+    COMPLETE,
+    ERRORS,
+    INPUTS,
+    MANIFEST,
+    SHARDS_DIR,
+    commit_path,
+)
+from hsx.output.records import CommitRecord, Manifest, OutputCorrupt, SampleError
+from hsx.output.shards import ShardCorrupt, ShardReader, ShardWriter, verify_shard
+from hsx.output.storage import ObjectExistsError, Storage
+from hsx.output.tables import (
+    ERRORS_SCHEMA,
+    INPUTS_SCHEMA,
+    TableRows,
+    TableWriter,
+    read_table,
+)
+from hsx.progress import JobProgress
+
+logger = logging.getLogger(__name__)
+
+_COMMIT_NAME = re.compile(r"^unit-(\d{6,})\.json$")
+_READ_THREADS = 8  # commit records fetched side by side from an object store
+
+
+class OutputNotFound(FileNotFoundError):
+    """No hsx output at the location (it has no manifest)."""
+
+
+@dataclass(frozen=True)
+class OutputTotals:
+    """What an output holds, counted from its manifest and commit records."""
+
+    samples_total: int  # good samples planned (rows of inputs.arrow)
+    tokens_total: int
+    units_total: int
+    units_done: int  # = shards
+    samples: int  # committed samples, with hidden states
+    tokens: int
+    bytes: int
+    unit_errors: int  # samples a worker could not extract (commit records' errors)
+    ingest_errors: int  # rows refused at ingestion
+
+    @property
+    def errors(self) -> int:
+        return self.unit_errors + self.ingest_errors
+
+    def progress(self) -> JobProgress:
+        """The numbers as job progress: what earlier runs committed counts as done."""
+        return JobProgress(
+            samples_total=self.samples_total,
+            tokens_total=self.tokens_total,
+            samples_done=self.samples + self.unit_errors,
+            tokens_done=self.tokens,
+            samples_failed=self.errors,
+            shards=self.units_done,
+            bytes=self.bytes,
+            units_total=self.units_total,
+            units_done=self.units_done,
+        )
+
+
+def unit_of_commit_key(key: str) -> int | None:
+    """The unit a key under commits/ is the record of, or None for any other key."""
+    folder, _, name = key.rpartition("/")
+    m = _COMMIT_NAME.match(name)
+    return int(m.group(1)) if m and folder == COMMITS_DIR else None
+
+
+class Output:
+    """One output location; see the module docstring."""
+
+    def __init__(self, uri: str | os.PathLike[str] | Storage, **options: Any) -> None:
+        """`uri`: a path or URI (`options` go to `Storage.for_uri`), or a Storage."""
+        if isinstance(uri, Storage):
+            if options:
+                raise ValueError("options are for a URI, not for a Storage")
+            self.storage = uri
+        else:
+            text = os.fspath(uri)
+            if "://" not in text:
+                text = os.path.expanduser(text)
+            self.storage = Storage.for_uri(text, **options)
+        self._init_caches()
+
+    def _init_caches(self) -> None:
+        self._manifest: Manifest | None = None
+        self._inputs: TableRows | None = None
+
+    @classmethod
+    def of(cls, output: Output | str | os.PathLike[str]) -> Output:
+        """`output` itself if it is an Output, else the Output at that URI."""
+        return output if isinstance(output, Output) else cls(output)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"storage": self.storage}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.storage = state["storage"]
+        self._init_caches()
+
+    def __repr__(self) -> str:
+        return f"Output({self.uri!r})"
+
+    @property
+    def uri(self) -> str:
+        """The location as a URI (`file:///...` on local disk)."""
+        return self.storage.uri
+
+    @property
+    def local_root(self) -> Path | None:
+        """The folder on local disk, or None on an object store."""
+        path = self.storage.local_path(MANIFEST)
+        return None if path is None else path.parent
+
+    @property
+    def location(self) -> str:
+        """A name that two spellings of one location share (symlinks resolved on disk)."""
+        root = self.local_root
+        return str(root.resolve()) if root is not None else self.uri
+
+    def __str__(self) -> str:
+        root = self.local_root
+        return str(root) if root is not None else self.uri
+
+    def url(self, key: str) -> str:
+        return self.storage.url(key)
+
+    # ------------------------------------------------------------------ manifest
+
+    def read_manifest(self) -> Manifest | None:
+        """The manifest, or None when there is none (yet). Read once, then kept."""
+        if self._manifest is None:
+            try:
+                data = self.storage.read(MANIFEST)
+            except FileNotFoundError:
+                return None
+            self._manifest = Manifest.parse(data, self.url(MANIFEST))
+        return self._manifest
+
+    def manifest(self) -> Manifest:
+        """The manifest; OutputNotFound (naming the location) when there is none."""
+        manifest = self.read_manifest()
+        if manifest is None:
+            raise OutputNotFound(f"no hsx output at {self}: {self.url(MANIFEST)} does not exist")
+        return manifest
+
+    def has_manifest(self) -> bool:
+        return self._manifest is not None or self.storage.exists(MANIFEST)
+
+    def publish_manifest(self, manifest: Manifest) -> Manifest:
+        """Publish the manifest once (create-if-absent); the one that is there after.
+
+        When another driver published one first, that one is returned: check it with
+        `Manifest.check_same_job` before using it.
+        """
+        try:
+            self.storage.create(MANIFEST, manifest.to_json())
+        except ObjectExistsError:
+            self._manifest = None
+            return self.manifest()
+        self._manifest = manifest
+        return manifest
+
+    # ------------------------------------------------------------------ tables
+
+    def table_writer(self, name: str) -> TableWriter:
+        """A writer of `inputs.arrow` or `errors.arrow` (visible once committed)."""
+        schemas = {INPUTS: INPUTS_SCHEMA, ERRORS: ERRORS_SCHEMA}
+        if name not in schemas:
+            raise ValueError(f"{name!r} is not a table of an output ({sorted(schemas)})")
+        return TableWriter(self.storage, name, schemas[name])
+
+    def inputs(self) -> pa.Table:
+        """The whole inputs table (memory-mapped on local disk)."""
+        return read_table(self.storage, INPUTS)
+
+    def input_rows(self, start: int, stop: int) -> pa.Table:
+        """Rows [start, stop) of the inputs table; on an object store only their batches
+        are read. The reader is kept, so a worker's next unit costs no footer read."""
+        if self._inputs is None:
+            self._inputs = TableRows(self.storage, INPUTS)
+        return self._inputs.slice(start, stop)
+
+    def ingest_errors(self) -> pa.Table:
+        """The rows refused at ingestion (an empty table when there were none)."""
+        if not self.storage.exists(ERRORS):
+            return ERRORS_SCHEMA.empty_table()
+        return read_table(self.storage, ERRORS)
+
+    # ------------------------------------------------------------------ commits
+
+    def committed_units(self) -> set[int]:
+        """Units with a commit record (cheap: a listing, no record is read)."""
+        return {u for info in self.storage.list(COMMITS_DIR)
+                if (u := unit_of_commit_key(info.key)) is not None}
+
+    def read_commit(self, unit: int) -> CommitRecord:
+        key = commit_path(unit)
+        record = CommitRecord.parse(self.storage.read(key), self.url(key))
+        if record.unit != unit:
+            raise OutputCorrupt(f"{self.url(key)} is the record of unit {record.unit}")
+        return record
+
+    def commits(self, skip: Collection[int] = ()) -> list[CommitRecord]:
+        """Every commit record, sorted by unit; those of units in `skip` are not read."""
+        units = sorted(self.committed_units().difference(skip))
+        if self.local_root is not None or len(units) < 2:
+            return [self.read_commit(u) for u in units]
+        with concurrent.futures.ThreadPoolExecutor(min(_READ_THREADS, len(units))) as pool:
+            return list(pool.map(self.read_commit, units))
+
+    # ------------------------------------------------------------------ shards
+
+    def shard_writer(self, unit: int, **options: Any) -> ShardWriter:
+        """A ShardWriter of one attempt of `unit` (options as ShardWriter takes them)."""
+        return ShardWriter(self.storage, unit, **options)
+
+    def open_shard(self, record: CommitRecord) -> ShardReader:
+        """The shard a commit record names, checked against the record and the manifest."""
+        reader = ShardReader.open(self.storage, record.shard, record=record)
+        layers = self.manifest().layers
+        if layers != reader.layers:
+            raise ShardCorrupt(
+                f"{reader.name}: layers {reader.layers} differ from the manifest's {layers}"
+            )
+        if len(reader) != record.samples:
+            raise ShardCorrupt(
+                f"{reader.name}: {len(reader)} samples, its commit record says {record.samples}"
+            )
+        return reader
+
+    def verify(self, records: Iterable[CommitRecord] | None = None) -> int:
+        """Check every committed shard's size and checksums (the whole of each is read);
+        returns how many. Raises ShardCorrupt naming every shard that fails."""
+        records = self.commits() if records is None else list(records)
+        problems = []
+        for record in records:
+            try:
+                verify_shard(self.storage, record)
+            except OutputCorrupt as err:
+                problems.append(str(err))
+        if problems:
+            raise ShardCorrupt(f"{len(problems)} corrupt shard(s): " + "; ".join(problems))
+        return len(records)
+
+    # ------------------------------------------------------------------ totals, errors
+
+    def totals(self, records: Iterable[CommitRecord] | None = None) -> OutputTotals:
+        """The output's numbers (from `records` when given, else every commit record)."""
+        manifest = self.manifest()
+        records = self.commits() if records is None else list(records)
+        return OutputTotals(
+            samples_total=manifest.num_samples,
+            tokens_total=manifest.tokens_total,
+            units_total=len(manifest.units),
+            units_done=len(records),
+            samples=sum(r.samples for r in records),
+            tokens=sum(r.tokens for r in records),
+            bytes=sum(r.bytes for r in records),
+            unit_errors=sum(len(r.errors) for r in records),
+            ingest_errors=manifest.num_errors,
+        )
+
+    def errors(
+        self,
+        records: Iterable[CommitRecord] | None = None,
+        given_up: Iterable[tuple[int, int, str]] = (),
+    ) -> list[SampleError]:
+        """Every sample without hidden states and why, by sample_index: rows refused at
+        ingestion, samples workers could not extract (commit records; `records` when
+        given, else all), and the samples of units given up (`given_up`: inputs.arrow
+        row ranges [start, stop) with the reason, which the job driver knows)."""
+        reasons: dict[int, str] = {}
+        table = self.ingest_errors()
+        for index, reason in zip(table.column("sample_index").to_pylist(),
+                                 table.column("reason").to_pylist(), strict=True):
+            reasons[int(index)] = str(reason)
+        for record in self.commits() if records is None else records:
+            for err in record.errors:
+                reasons[err.sample_index] = err.reason
+        for start, stop, reason in given_up:
+            for index in self.input_rows(start, stop).column("sample_index").to_pylist():
+                reasons[int(index)] = reason
+        return [SampleError(sample_index=i, reason=r) for i, r in sorted(reasons.items())]
+
+    # ------------------------------------------------------------------ complete marker
+
+    def is_complete(self) -> bool:
+        """True once every unit is committed (complete.json exists): nothing changes now."""
+        return self.storage.exists(COMPLETE)
+
+    def mark_complete(self, summary: Mapping[str, Any]) -> bool:
+        """Publish complete.json (once; False if it was there already)."""
+        try:
+            self.storage.create(COMPLETE, (json.dumps(dict(summary), indent=1) + "\n").encode())
+        except ObjectExistsError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def check_writable(self) -> None:
+        """StorageError, naming the location and the problem, unless it can be written."""
+        self.storage.check_writable()
+
+    def clean_orphans(self) -> int:
+        """Remove what crashed or losing attempts left: unfinished writes (staging files,
+        multipart uploads) and shards no commit record names. Returns how many.
+
+        Only while no attempt of this output runs: a running attempt's shard is an
+        "orphan" between its upload and its commit record.
+        """
+        removed = self.storage.abort_incomplete_writes()
+        named = {r.shard for r in self.commits()}
+        for info in self.storage.list(SHARDS_DIR):
+            if info.key not in named:
+                self.storage.delete(info.key)
+                removed += 1
+        if removed:
+            logger.info("removed %d orphaned objects from %s", removed, self)
+        return removed

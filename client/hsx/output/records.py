@@ -1,0 +1,210 @@
+"""The small JSON objects of an output, typed: the manifest and the commit records.
+
+docs/FORMAT.md is the byte-level description; these models are its one parser. Both
+formats allow fields they do not name (FORMAT.md: "new fields are added without a
+version change"), so the models keep unknown fields (`extra="allow"`) instead of
+refusing them: an output written by a newer hsx of the same format version stays
+readable. What they do name is checked, and a file that does not parse raises
+`OutputCorrupt` naming it.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hsx.output.layout import FORMAT_VERSION, SHARDS_DIR
+from hsx.plan import WorkUnit
+
+
+class OutputCorrupt(Exception):
+    """An object of an output is not what hsx wrote there: unreadable, or not whole."""
+
+
+class JobMismatch(ValueError):
+    """The output holds another job, or its dataset changed; the message says which."""
+
+
+class UnitPlan(BaseModel):
+    """One planned work unit, as the manifest stores it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    unit: int = Field(..., ge=0, description="Unit number; its shard holds these rows.")
+    rows: tuple[int, int] = Field(
+        ..., description="Half-open range [start, end) of inputs.arrow rows in the unit."
+    )
+    tokens: int = Field(..., ge=0, description="Total tokens of those rows.")
+
+    @classmethod
+    def of(cls, unit: WorkUnit) -> UnitPlan:
+        return cls(unit=unit.unit, rows=(unit.row_start, unit.row_end), tokens=unit.tokens)
+
+    def work_unit(self) -> WorkUnit:
+        return WorkUnit(self.unit, self.rows[0], self.rows[1], self.tokens)
+
+
+class Manifest(BaseModel):
+    """manifest.json: the job an output holds. Written once, before any unit runs."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    format: Literal["hsx-hidden-states"] = Field("hsx-hidden-states", description="Format name.")
+    format_version: int = Field(
+        FORMAT_VERSION, description="Format version; a reader refuses one it does not know."
+    )
+    hsx_version: str = Field(..., description="Version of hsx that prepared the output.")
+    job_fingerprint: str = Field(
+        ..., description="Hash of the job fields that decide the content; equal on a rerun."
+    )
+    dataset_fingerprint: str = Field(
+        ..., description="Hash of the dataset files' names, sizes and times at ingestion."
+    )
+    model: str = Field(..., description="Target model (directory or hub id).")
+    architecture: str = Field(..., description="The model's architecture class.")
+    num_layers: int = Field(..., ge=1, description="N, decoder layers of the (text) model.")
+    hidden_size: int = Field(..., ge=1, description="H, the hidden size.")
+    layers: list[int] = Field(
+        ..., min_length=1, description="Layer ids stored, ascending (dimension 1 of states)."
+    )
+    layer_convention: str = Field(..., description="What a layer id means, in words.")
+    storage_dtype: Literal["bf16", "fp8"] = Field(..., description="Dtype of the states.")
+    engine: str = Field(..., description="Capture engine that wrote the shards.")
+    tokenizer_fingerprint: str = Field(..., description="Hash of the tokenizer files used.")
+    max_seq_len: int = Field(..., ge=1, description="Samples were truncated to this length.")
+    num_samples: int = Field(..., ge=0, description="Good samples (rows of inputs.arrow).")
+    num_errors: int = Field(..., ge=0, description="Rows refused at ingestion (errors.arrow).")
+    num_tokens: int = Field(..., ge=0, description="Tokens of all good samples.")
+    units: list[UnitPlan] = Field(..., description="The plan: every work unit, in order.")
+    created_at: float = Field(..., description="When the output was prepared (Unix time).")
+    spec: dict[str, Any] = Field(..., description="The job spec that prepared the output.")
+
+    @field_validator("format_version")
+    @classmethod
+    def _known_version(cls, version: int) -> int:
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"format_version {version} is not supported (this hsx reads "
+                f"{FORMAT_VERSION}); upgrade hsx"
+            )
+        return version
+
+    @property
+    def work_units(self) -> list[WorkUnit]:
+        return [u.work_unit() for u in self.units]
+
+    @property
+    def tokens_total(self) -> int:
+        """Tokens of every planned unit (equals num_tokens)."""
+        return sum(u.tokens for u in self.units)
+
+    @property
+    def trust_remote_code(self) -> bool:
+        """Whether the job that prepared the output allowed the model's own code."""
+        return bool(self.spec.get("trust_remote_code", False))
+
+    def check_same_job(self, job_fingerprint: str, dataset_fingerprint: str, *, output: str,
+                       dataset: str) -> None:
+        """JobMismatch unless a job with these fingerprints may resume this output."""
+        if self.job_fingerprint != job_fingerprint:
+            raise JobMismatch(
+                f"output: {output} already holds a different job (model, dataset, layers, "
+                "engine, max_seq_len, storage_dtype or unit_tokens differ); choose another "
+                "output or remove that one"
+            )
+        if self.dataset_fingerprint != dataset_fingerprint:
+            raise JobMismatch(
+                f"dataset: {dataset} changed since {output} was started (size or time "
+                "differ); choose another output to extract the new version"
+            )
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(indent=1).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> Manifest:
+        return _parse(cls, data, where)
+
+
+class Checksum(BaseModel):
+    """The digests of a shard: `header` over bytes [0, 8 + N), `data` over the rest."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    algorithm: str = Field(..., description="blake3 or sha256.")
+    header: str = Field(..., description="Lowercase hex digest of the header bytes.")
+    data: str = Field(..., description="Lowercase hex digest of the data section.")
+
+
+class SampleError(BaseModel):
+    """A sample with no hidden states, and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sample_index: int = Field(..., ge=0, description="Row of the sample in the source dataset.")
+    reason: str = Field(..., description="Why it has no hidden states, in words.")
+
+
+class CommitRecord(BaseModel):
+    """commits/unit-XXXXXX.json: the record that makes one unit's shard visible."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    unit: int = Field(..., ge=0, description="The unit committed.")
+    shard: str = Field(..., description="The shard's key, relative to the output.")
+    attempt: str = Field(..., description="The attempt that won the commit.")
+    samples: int = Field(..., ge=0, description="Samples in the shard.")
+    tokens: int = Field(..., ge=0, description="Tokens in the shard.")
+    bytes: int = Field(..., ge=0, description="Size of the shard in bytes.")
+    checksum: Checksum | None = Field(
+        None, description="Digests of the shard (records before it carry *_sha256)."
+    )
+    header_sha256: str | None = Field(None, description="Older records: header SHA-256.")
+    data_sha256: str | None = Field(None, description="Older records: data SHA-256.")
+    sample_indices_first: int | None = Field(
+        None, description="First sample_index in the shard (None without samples)."
+    )
+    sample_indices_last: int | None = Field(
+        None, description="Last sample_index in the shard (None without samples)."
+    )
+    errors: list[SampleError] = Field(
+        default_factory=list, description="The unit's samples that could not be extracted."
+    )
+    committed_at: str = Field("", description="When the record was created (ISO 8601).")
+
+    @field_validator("shard")
+    @classmethod
+    def _shard_in_shards(cls, shard: str) -> str:
+        parts = shard.split("/")
+        if len(parts) != 2 or parts[0] != SHARDS_DIR or parts[1] in ("", ".", ".."):
+            raise ValueError(f"names bad shard {shard!r}")
+        return shard
+
+    def checksums(self) -> tuple[str, str, str]:
+        """(algorithm, header digest, data digest), from `checksum` or older records' keys."""
+        if self.checksum is not None:
+            return self.checksum.algorithm, self.checksum.header, self.checksum.data
+        if self.header_sha256 is not None and self.data_sha256 is not None:
+            return "sha256", self.header_sha256, self.data_sha256
+        raise OutputCorrupt(f"commit record of unit {self.unit} has no checksum")
+
+    def to_json(self) -> builtins.bytes:
+        legacy = {"header_sha256", "data_sha256"} if self.checksum is not None else None
+        return self.model_dump_json(indent=1, exclude=legacy).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, data: builtins.bytes, where: str) -> CommitRecord:
+        return _parse(cls, data, where)
+
+
+def _parse(model: type[Any], data: bytes, where: str) -> Any:
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'document'}: {e['msg']}"
+            for e in err.errors()[:3]
+        )
+        raise OutputCorrupt(f"{where} is not a valid hsx {model.__name__}: {problems}") from None

@@ -1,0 +1,180 @@
+"""Extraction into a bucket, end to end: real vLLM CPU engines, real Ray, real SeaweedFS.
+
+- A job with `output: s3://...` (credentials from the AWS_* variables) runs through the
+  job driver `hsx extract` uses, on the session's warm engines: every good row exactly
+  once, bad rows in `errors()`, every checksum verified from the bucket, tensors equal
+  to the same job on local disk.
+- A worker killed while its shard streams as a multipart upload: no partial object is
+  ever listed, the unit is retried, the job completes, no upload or orphan is left, and
+  a rerun has nothing to do.
+- `HiddenStatesDataset("s3://...")`, `hsx export --format speculators` from the bucket,
+  and `hsx train s3://... --draft-dir DIR` read the same output.
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from hsx.dataset import HiddenStatesDataset
+from hsx.output import Output
+from hsx.output.layout import DRAFT_CHECKPOINTS, SHARDS_DIR
+from hsx.output.object_storage import ObjectStoreStorage
+from hsx_service.runner import JobSummary, run_job
+from hsx_workers.tiny_models import ChatDataset, make_chat_dataset
+from tests.s3server import SeaweedS3
+
+from .helpers import by_sample, relative_error
+
+pytestmark = [pytest.mark.integration, pytest.mark.s3]
+
+
+@pytest.fixture(scope="module")
+def aws(s3_server: SeaweedS3) -> Iterator[SeaweedS3]:
+    """The bucket's endpoint and credentials in the usual AWS_* variables."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in s3_server.env.items():
+            patch.setenv(name, value)
+        yield s3_server
+
+
+def _uri(server: SeaweedS3, name: str) -> str:
+    return f"s3://{server.bucket}/{name}-{secrets.token_hex(4)}"
+
+
+@pytest.fixture(scope="module")
+def s3_run(aws: SeaweedS3, make_job: Any, engine_pool: Any) -> tuple[str, JobSummary]:
+    uri = _uri(aws, "extract")
+    return uri, run_job(make_job(uri), pool=engine_pool)
+
+
+def test_extraction_into_a_bucket(
+    s3_run: tuple[str, JobSummary], chat_dataset: ChatDataset, make_job: Any,
+    engine_pool: Any, tmp_path: Path,
+) -> None:
+    uri, summary = s3_run
+    assert summary.output == uri and not summary.nothing_to_do
+    assert summary.samples == len(chat_dataset.good_indices)
+    assert summary.errors == len(chat_dataset.bad)
+    ds = HiddenStatesDataset(uri)
+    assert ds.complete and ds.verify() == len(ds.records) == summary.shards
+    assert sorted(e["sample_index"] for e in ds.errors()) == sorted(chat_dataset.bad)
+    in_bucket = by_sample(uri)  # type: ignore[arg-type]  # asserts no sample twice
+    assert sorted(in_bucket) == chat_dataset.good_indices
+    # The same job on local disk gives the same data.
+    local = tmp_path / "local"
+    run_job(make_job(local), pool=engine_pool)
+    on_disk = by_sample(local)
+    assert sorted(on_disk) == sorted(in_bucket)
+    for index, sample in in_bucket.items():
+        ref = on_disk[index]
+        assert sample["input_ids"].tolist() == ref["input_ids"].tolist()
+        assert sample["loss_mask"].tolist() == ref["loss_mask"].tolist()
+        assert relative_error(sample["hidden_states"], ref["hidden_states"]).max() < 1e-2
+    # Nothing but committed shards and the output's own objects are in the bucket.
+    out = Output(uri)
+    assert {i.key for i in out.storage.list(SHARDS_DIR)} == {r.shard for r in ds.records}
+    storage = out.storage
+    assert isinstance(storage, ObjectStoreStorage) and storage.multipart is not None
+    assert storage.multipart.list_uploads() == []
+
+
+def _worker_pid(engine_pool: Any, spec: Any) -> int:
+    import ray
+
+    from hsx.modelinfo import read_model_info
+    from hsx_service.runner import engine_key
+
+    slots = engine_pool.actors[engine_key(spec, read_model_info(spec.model), spec.layers)]
+    return int(ray.get(slots[0].actor.pid.remote(), timeout=60))
+
+
+def test_a_worker_killed_mid_upload_leaves_no_partial_object(
+    aws: SeaweedS3, make_job: Any, engine_pool: Any, s3_run: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # Units of ~40k tokens of the tiny model (2 KiB each: ~80 MiB per shard), so a shard
+    # streams as a multipart upload for a while (parts of 16 MiB; the first kept for
+    # the header) before it completes.
+    data = make_chat_dataset(tmp_path_factory.mktemp("big") / "chat.jsonl", n=800, seed=1)
+    uri = _uri(aws, "killed")
+    spec = make_job(uri, dataset=str(data.path), unit_tokens=40000)
+    pid = _worker_pid(engine_pool, spec)
+    storage = Output(uri).storage
+    assert isinstance(storage, ObjectStoreStorage) and storage.multipart is not None
+    outcome: dict[str, Any] = {}
+
+    def shard_uploads() -> list[str]:  # not the probe of the writability check
+        assert storage.multipart is not None
+        return [k for k, _ in storage.multipart.list_uploads() if k.startswith(SHARDS_DIR)]
+
+    def run() -> None:
+        try:
+            outcome["summary"] = run_job(spec, pool=engine_pool)
+        except BaseException as err:  # re-raised below
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name="killed-job")
+    thread.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not shard_uploads():
+            assert time.monotonic() < deadline and thread.is_alive(), outcome
+            time.sleep(0.01)
+        psutil.Process(pid).send_signal(signal.SIGKILL)
+        # While the unit is retried: every shard a reader can see is whole.
+        killed = shard_uploads()
+        assert killed, "the upload completed before the worker died"
+        assert not {i.key for i in storage.list(SHARDS_DIR)} & set(killed)
+        if Output(uri).has_manifest():
+            HiddenStatesDataset(uri).verify()
+    finally:
+        thread.join(timeout=600)
+    if "error" in outcome:
+        raise outcome["error"]
+    summary: JobSummary = outcome["summary"]
+    assert summary.restarts >= 1
+    ds = HiddenStatesDataset(uri)
+    assert ds.complete and ds.verify() == len(ds.records)
+    assert sorted(by_sample(uri)) == data.good_indices  # type: ignore[arg-type]
+    # The dead attempt's upload was aborted; only shards named by records are left.
+    assert storage.multipart.list_uploads() == []
+    assert {i.key for i in storage.list(SHARDS_DIR)} == {r.shard for r in ds.records}
+    assert run_job(spec, pool=engine_pool).nothing_to_do
+
+
+def test_export_and_training_read_the_bucket(
+    s3_run: tuple[str, JobSummary], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from speculators.train.data import ArrowDataset
+
+    from hsx.cli import main
+
+    uri, summary = s3_run
+    dest = tmp_path / "speculators"
+    assert main(["export", "--format", "speculators", uri, str(dest), "--json"]) == 0
+    exported = ArrowDataset(max_len=256, datapath=dest, on_missing="raise")
+    assert len(exported) == summary.samples
+    ds = HiddenStatesDataset(uri, backend="torch")
+    first = exported[0]
+    assert isinstance(first, dict)
+    assert first["input_ids"].tolist() == ds[0]["input_ids"].long().tolist()
+    # Training from the bucket; checkpoints go to a local folder (the trainer publishes
+    # them by folder renames and hard links).
+    assert main(["train", uri]) == 2
+    assert "--draft-dir" in capsys.readouterr().err
+    draft = tmp_path / "draft-root"
+    assert main(["train", uri, "--draft-dir", str(draft), "--set", "max_steps=2",
+                 "--set", "batch_tokens=512", "--set", "checkpoint_every=2",
+                 "--set", "draft_vocab_size=256"]) == 0
+    captured = capsys.readouterr()
+    assert "trained 2 steps" in captured.out + captured.err
+    assert [p.name for p in (draft / DRAFT_CHECKPOINTS).iterdir()] == ["step-00000002"]
