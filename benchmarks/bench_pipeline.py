@@ -224,7 +224,7 @@ class HsxRunner:
 
     def warmup(self) -> None:
         self._run_units(self.warm_job)
-        shutil.rmtree(self.warm_job.output)
+        shutil.rmtree(str(self.warm_job.output))
 
     def _capture_only(self, rep: int) -> dict[str, Any]:
         """Diagnostic: VllmEngine.capture over every prompt, results dropped (no shard)."""

@@ -78,7 +78,7 @@ def write_hsx(root: Path, samples: list[Sample]) -> dict[str, Any]:
     end = time.perf_counter()
     if not result.won:
         raise RuntimeError("commit lost: the output directory was not fresh")
-    return {"seconds": end - start, "bytes": int(result.record["bytes"]),
+    return {"seconds": end - start, "bytes": result.record.bytes,
             "add_s": added - start, "commit_s": end - added}
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from hsx import __version__
 from hsx.modelinfo import ModelInfo
-from hsx.output import OutputTotals
+from hsx.output import OutputCorrupt, OutputTotals, StorageError
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
 from hsx.spec import JobSpec
@@ -349,26 +349,33 @@ def run_job(
     """
     hooks = hooks or DispatchHooks()
     started = time.time()
-    job = prepare(spec)
+    try:
+        job = prepare(spec)
+    except (StorageError, OutputCorrupt) as err:  # the output failed while being prepared
+        raise JobRefused(f"output: {err}") from err
     if hooks.on_prepared is not None:
         hooks.on_prepared(job)
-    if job.complete and not job.pending:
-        return JobSummary.of(job.output.totals(), str(job.output), time.time() - started,
-                             nothing_to_do=True)
-    result = DispatchResult()
-    if job.pending:
-        owned = pool is None
-        pool = pool or EnginePool()
-        try:
-            result = execute(job, pool, hooks, max_attempts)
-        finally:
-            if owned:
-                pool.shutdown()
-    if result.cancelled:
-        raise JobCancelled("cancelled")
-    if result.failed_units:
-        raise JobFailed(failed_units_message(result.failed_units, len(job.units), max_attempts))
-    return finish(job, started, restarts=result.restarts)
+    try:
+        if job.complete and not job.pending:
+            return JobSummary.of(job.output.totals(), str(job.output), time.time() - started,
+                                 nothing_to_do=True)
+        result = DispatchResult()
+        if job.pending:
+            owned = pool is None
+            pool = pool or EnginePool()
+            try:
+                result = execute(job, pool, hooks, max_attempts)
+            finally:
+                if owned:
+                    pool.shutdown()
+        if result.cancelled:
+            raise JobCancelled("cancelled")
+        if result.failed_units:
+            raise JobFailed(
+                failed_units_message(result.failed_units, len(job.units), max_attempts))
+        return finish(job, started, restarts=result.restarts)
+    except (StorageError, OutputCorrupt) as err:  # committed units stay valid
+        raise JobFailed(f"output: {err}") from err
 
 
 def finish(job: PreparedJob, started: float, *, restarts: int = 0) -> JobSummary:

@@ -334,3 +334,24 @@ def test_ranged_reader_of_an_fp8_shard_matches_the_mapped_one(tmp_path: Path) ->
                                           np.asarray(y).view(np.uint8)), name
     assert np.array_equal(ranged.tensor("hidden_states").view(np.uint8),
                           mapped.tensor("hidden_states").view(np.uint8))
+
+
+class RefusedCreate(LocalStorage):
+    """A store that refuses to create commit records (a permission, a full bucket)."""
+
+    def create(self, key: str, data: bytes) -> None:
+        if key.startswith(COMMITS_DIR):
+            raise StorageError(f"{key}: access denied")
+        super().create(key, data)
+
+
+def test_a_commit_that_fails_takes_its_shard_back(tmp_path: Path) -> None:
+    root = tmp_path / "out"
+    write_planned(root, UNITS)
+    out = Output(RefusedCreate(root))
+    w = out.shard_writer(0, layers=LAYERS, hidden_size=16, storage_dtype="bf16")
+    s = sample(0)
+    w.add(0, s["input_ids"], s["loss_mask"], s["hidden_states"])
+    with pytest.raises(StorageError, match="access denied"):
+        w.commit()
+    assert out.committed_units() == set() and out.storage.list(SHARDS_DIR) == []

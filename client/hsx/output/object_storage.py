@@ -13,12 +13,19 @@ ranged GET; `list` lists a folder. Large objects stream:
   temporary file and uploaded, head first, when it is finished.
 
 Whatever the path, nothing is visible under the key until the upload completes.
+
+obstore runs on a tokio runtime, which does not survive `fork()`: in a process forked
+after obstore ran in its parent (a DataLoader worker, by default on Linux), its calls
+would hang. There the reads a dataset makes (read, read_range, head, list) go through
+hsx's own S3 client (httpx, which opens new connections after a fork) when the bucket
+has static credentials; anything else says what to do instead of hanging.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
 import secrets
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -49,6 +56,31 @@ _S3_OWN_OPTIONS = frozenset({
 })
 _SPOOL_CHUNK = 8 * 2**20
 _QUICK_RETRY = {"max_retries": 1, "retry_timeout": _dt.timedelta(seconds=10)}
+
+
+_OBSTORE_PID: int | None = None
+"""The process whose obstore calls started obstore's runtime (see the module docstring)."""
+
+
+def _forked() -> bool:
+    """True in a process forked after obstore ran in its parent."""
+    return _OBSTORE_PID is not None and os.getpid() != _OBSTORE_PID
+
+
+def _obstore(uri: str, what: str) -> Any:
+    """The obstore module, or StorageError where it would hang (a forked process)."""
+    global _OBSTORE_PID
+    if _forked():
+        raise StorageError(
+            f"{uri}: cannot {what} in a process forked after obstore ran in its parent "
+            "(its tokio runtime does not survive fork); give the bucket static credentials "
+            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY), or start workers with 'spawn' or "
+            "'forkserver' (DataLoader(multiprocessing_context=...))"
+        )
+    import obstore
+
+    _OBSTORE_PID = os.getpid()
+    return obstore
 
 
 def _first_line(err: BaseException) -> str:
@@ -170,16 +202,14 @@ class ObjectStoreStorage(Storage):
     # -- small objects
 
     def create(self, key: str, data: bytes) -> None:
-        import obstore
-
+        obstore = _obstore(self.uri, "write")
         try:
             obstore.put(self.store, check_key(key), data, mode="create", use_multipart=False)
         except Exception as err:
             raise _translate(err, self.url(key)) from err
 
     def put(self, key: str, data: bytes) -> None:
-        import obstore
-
+        obstore = _obstore(self.uri, "write")
         try:
             obstore.put(self.store, check_key(key), data)
         except Exception as err:
@@ -200,21 +230,38 @@ class ObjectStoreStorage(Storage):
 
     # -- reading
 
-    def read(self, key: str) -> bytes:
-        import obstore
+    def _forked_client(self) -> S3MultipartClient | None:
+        """hsx's own S3 client where obstore cannot run (see the module docstring)."""
+        return self.multipart if _forked() else None
 
+    def read(self, key: str) -> bytes:
+        http = self._forked_client()
+        if http is not None:
+            data = http.get_object(check_key(key))
+            if data is None:
+                raise ObjectNotFoundError(f"{self.url(key)} does not exist")
+            return data
+        obstore = _obstore(self.uri, "read")
         try:
             return bytes(obstore.get(self.store, check_key(key)).bytes())
         except Exception as err:
             raise _translate(err, self.url(key)) from err
 
     def read_range(self, key: str, start: int, length: int) -> memoryview:
-        import obstore
-
         if start < 0 or length < 0:
             raise ValueError(f"bad range start={start} length={length}")
         if length == 0:
             return memoryview(b"")
+        http = self._forked_client()
+        if http is not None:
+            got = http.get_object(check_key(key), start, length)
+            if got is None:
+                raise ObjectNotFoundError(f"{self.url(key)} does not exist")
+            if len(got) != length:
+                raise StorageError(f"{self.url(key)}: asked bytes [{start}, {start + length}), "
+                                   f"got {len(got)}")
+            return memoryview(got)
+        obstore = _obstore(self.uri, "read")
         try:
             data = memoryview(obstore.get_range(self.store, check_key(key), start=start,
                                                 length=length))
@@ -227,8 +274,11 @@ class ObjectStoreStorage(Storage):
         return data
 
     def head(self, key: str) -> ObjectInfo | None:
-        import obstore
-
+        http = self._forked_client()
+        if http is not None:
+            size = http.head_object(check_key(key))
+            return None if size is None else ObjectInfo(key, size)
+        obstore = _obstore(self.uri, "read")
         try:
             meta = obstore.head(self.store, check_key(key))
         except FileNotFoundError:
@@ -238,9 +288,12 @@ class ObjectStoreStorage(Storage):
         return ObjectInfo(key, int(meta["size"]))
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        import obstore
-
         folder = check_key(prefix, folder=True)
+        http = self._forked_client()
+        if http is not None:
+            return sorted((ObjectInfo(k, n) for k, n in http.list_objects(folder)),
+                          key=lambda info: info.key)
+        obstore = _obstore(self.uri, "list")
         out: list[ObjectInfo] = []
         try:
             for batch in obstore.list(self.store, folder or None, chunk_size=1000):
@@ -251,8 +304,7 @@ class ObjectStoreStorage(Storage):
         return out
 
     def delete(self, key: str) -> None:
-        import obstore
-
+        obstore = _obstore(self.uri, "delete")
         try:
             obstore.delete(self.store, check_key(key))
         except FileNotFoundError:
@@ -268,8 +320,7 @@ class ObjectStoreStorage(Storage):
         Also refuses a store that ignores conditional creates (`If-None-Match: *`): on
         it, two attempts of a unit could both "win".
         """
-        import obstore
-
+        obstore = _obstore(self.uri, "write")
         if self.multipart is not None:
             self._check_bucket()
         store = self._make_store(_QUICK_RETRY)
@@ -364,8 +415,7 @@ class ObstoreStreamWriter(ObjectWriter):
     the upload; an abort drops the writer unclosed, which aborts the upload."""
 
     def __init__(self, storage: ObjectStoreStorage, key: str) -> None:
-        import obstore
-
+        obstore = _obstore(storage.uri, "write")
         super().__init__(storage, key, 0)
         self._store = storage
         self._file: Any = obstore.open_writer(
@@ -412,8 +462,7 @@ class StagedObjectWriter(ObjectWriter):
             yield chunk
 
     def _finish(self, head: bytes) -> int:
-        import obstore
-
+        obstore = _obstore(self._store.uri, "write")
         self._file.flush()
         try:
             obstore.put(

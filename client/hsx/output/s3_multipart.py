@@ -263,13 +263,15 @@ class S3MultipartClient:
         body: bytes | Sequence[memoryview] = b"",
         *,
         sign_payload: bool = True,
+        headers: Mapping[str, str] | None = None,
         ok: Callable[[int], bool] = lambda s: 200 <= s < 300,
     ) -> S3Response:
         """Send one request (to the bucket when `key` is None); retried on transient errors.
 
         `body` is bytes or a sequence of buffers sent one after the other without being
-        joined first (a part is 16 MiB: one copy fewer). Returns the response when
-        `ok(status)`; raises StorageError otherwise.
+        joined first (a part is 16 MiB: one copy fewer). `headers` are sent unsigned
+        (e.g. Range). Returns the response when `ok(status)`; raises StorageError
+        otherwise.
         """
         import httpx
 
@@ -291,13 +293,14 @@ class S3MultipartClient:
             payload_hash = _UNSIGNED
         what = f"{method} {self.url(key) if key is not None else f's3://{self.settings.bucket}'}"
         for attempt in range(1, self.max_attempts + 1):
-            headers = sign_v4(self.settings, method, self._host, path, query, payload_hash)
+            signed = sign_v4(self.settings, method, self._host, path, query, payload_hash)
+            signed.update(headers or {})
             stream = None
             if length:
-                headers["content-length"] = str(length)
+                signed["content-length"] = str(length)
                 stream = _send_pieces(pieces)
             try:
-                resp = self._client().request(method, url, content=stream, headers=headers)
+                resp = self._client().request(method, url, content=stream, headers=signed)
             except httpx.TransportError as err:
                 if attempt == self.max_attempts:
                     raise StorageError(
@@ -351,6 +354,30 @@ class S3MultipartClient:
         """The object's size, or None if it does not exist."""
         resp = self.request("HEAD", key, ok=lambda s: s in (200, 404))
         return int(resp.headers["content-length"]) if resp.status == 200 else None
+
+    def get_object(self, key: str, start: int = 0, length: int | None = None) -> bytes | None:
+        """The object (or `length` bytes from `start`), or None if it does not exist."""
+        headers = {} if length is None else {"range": f"bytes={start}-{start + length - 1}"}
+        resp = self.request("GET", key, headers=headers, ok=lambda s: s in (200, 206, 404))
+        return None if resp.status == 404 else resp.body
+
+    def list_objects(self, folder: str) -> list[tuple[str, int]]:
+        """(key relative to the prefix, size) of every object under `folder` (ListObjectsV2)."""
+        base = f"{self.prefix}/" if self.prefix else ""
+        params = {"list-type": "2", "prefix": base + (f"{folder}/" if folder else "")}
+        out: list[tuple[str, int]] = []
+        while True:
+            root = ET.fromstring(self.request("GET", None, params).body)
+            for item in root.iter():
+                if item.tag.rsplit("}", 1)[-1] != "Contents":
+                    continue
+                fields = {c.tag.rsplit("}", 1)[-1]: c.text or "" for c in item}
+                out.append((fields.get("Key", "")[len(base):], int(fields.get("Size", "0"))))
+            token = [e.text for e in root.iter() if e.tag.rsplit("}", 1)[-1] ==
+                     "NextContinuationToken"]
+            if not token or not token[0]:
+                return out
+            params = {**params, "continuation-token": token[0]}
 
     def put_object(self, key: str, body: Sequence[memoryview]) -> None:
         self.request("PUT", key, body=body, sign_payload=False)

@@ -546,14 +546,15 @@ class ShardWriter:
             # Perhaps published after all (a create retried after its answer was lost):
             # our shard may be deleted only when the record is surely not ours.
             try:
-                existing = self._read_record(key)
+                existing, known = self._read_record(key), True
             except (StorageError, OSError, OutputCorrupt):
-                raise  # unknown: the shard stays, an orphan at worst (clean_orphans)
+                existing, known = None, False  # the shard stays: an orphan at worst
             if existing is not None and existing.attempt == self.attempt:
                 return CommitResult(won=True, record=existing)
-            with contextlib.suppress(StorageError, OSError):
-                self.storage.delete(self.key)
-            raise
+            if known:
+                with contextlib.suppress(StorageError, OSError):
+                    self.storage.delete(self.key)
+            raise  # the create's own error
         logger.info(
             "%s committed: %d samples, %d tokens, %d bytes (attempt %s)",
             unit, record.samples, record.tokens, size, self.attempt,
