@@ -178,3 +178,22 @@ def test_export_and_training_read_the_bucket(
     captured = capsys.readouterr()
     assert "trained 2 steps" in captured.out + captured.err
     assert [p.name for p in (draft / DRAFT_CHECKPOINTS).iterdir()] == ["step-00000002"]
+
+
+def test_hsx_extract_into_the_bucket_again_has_nothing_to_do(
+    s3_run: tuple[str, JobSummary], make_job: Any, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    import yaml
+
+    from hsx.cli import main
+
+    uri, _ = s3_run
+    job = tmp_path / "job.yaml"
+    spec = make_job(tmp_path / "elsewhere").model_dump(mode="json", exclude_defaults=True)
+    job.write_text(yaml.safe_dump(spec))
+    assert main(["extract", str(job), "--output", uri, "--json", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["nothing_to_do"] and summary["output"] == uri
