@@ -32,6 +32,7 @@ from hsx_service.runner import DispatchResult, initial_progress
 from hsx_service.scheduler import Scheduler, thin_curve
 from hsx_workers.tiny_models import ChatDataset
 from hsx_workers.worker import UnitReport
+from tests.unit.test_deploy import board_metric_names
 
 
 def _status(job_id: str, **fields: Any) -> JobStatus:
@@ -204,6 +205,17 @@ def test_a_job_page_remembers_and_metrics_follow_the_run(
         assert name in names, name
     assert f'hsx_job_engines{{job="{job.id}",state="busy"}} 2.0' in seen["metrics"]
     assert f'hsx_job_restarts_total{{job="{job.id}"}} 1.0' in seen["metrics"]
+
+    # Every name the Grafana board queries is in this real coordinator's /metrics: the
+    # job's while it ran, the training's once the job has one.
+    scheduler.ledger.put_training(job.id, TrainSpec())
+    draft = Path(prepared.output) / "draft"
+    draft.mkdir()
+    (draft / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    after = _sample_names(_scrape(scheduler))
+    assert {"hsx_train_loss", "hsx_train_step", "hsx_train_state"} <= after
+    missing = board_metric_names() - names - after
+    assert not missing, f"the Grafana board queries what /metrics lacks: {missing}"
 
     # A coordinator started again on the same ledger (and the output gone: nothing is
     # read back from it) shows the same finished job.
