@@ -24,7 +24,8 @@ error when its stream breaks before the job ends; its latency is the age of each
 Each window records the load average and the CPU seconds of the coordinator's own
 process and of the rest of its process tree (Ray, the engine). `--profile` runs py-spy
 (`pip install py-spy`) on the coordinator during the last load window (`--nonblocking`,
-so the profiler does not stop it) and stores the hottest functions.
+so the profiler does not stop it; `--gil`, so only threads running Python count) and
+stores the hottest functions; the raw stacks go to results/api-profile-LABEL.txt.tmp.
 
     .venv/bin/python benchmarks/bench_api.py --label after [--quick] [--profile]
 """
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                     raw = work / "profile.txt"
                     spy = subprocess.Popen(
                         [_py_spy(), "record", "--pid", str(server.pid), "--duration",
-                         str(int(window)), "--rate", "100", "--nonblocking", "--threads",
+                         str(int(window)), "--rate", "100", "--nonblocking", "--gil", "--threads",
                          "--format", "raw", "--output", str(raw)],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 stats = asyncio.run(_load(url, job_id, args.pollers, args.followers,
@@ -343,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                     spy.wait(timeout=60)
                     if raw.exists():
                         profile = _profile_summary(raw)
+                        # The raw stacks stay out of git (*.tmp); the summary is kept.
                         shutil.copy(raw, args.out.with_name(
-                            f"api-profile{'-' + args.label if args.label else ''}.txt"))
+                            f"api-profile{'-' + args.label if args.label else ''}.txt.tmp"))
                 entry.update(
                     requests=len(stats.latencies_ms), errors=stats.errors,
                     error_kinds=dict(stats.error_kinds),
