@@ -54,7 +54,15 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, machine_info, ratio, save_section, table, verdict
+from common import (
+    RESULTS_DIR,
+    machine_info,
+    process_cpu_seconds,
+    ratio,
+    save_section,
+    table,
+    verdict,
+)
 
 TOKEN = "bench-token"
 TARGETS = {"errors": 0, "p99_ms": 100.0, "tokens_per_s_ratio": 0.95}
@@ -270,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between one poller's requests")
     parser.add_argument("--window", type=float, default=20.0, help="seconds per window")
     parser.add_argument("--rounds", type=int, default=3, help="load windows (each between quiet)")
-    parser.add_argument("--samples", type=int, default=20000, help="rows of the job's dataset")
+    parser.add_argument("--samples", type=int, default=60000, help="rows of the job's dataset")
     parser.add_argument("--profile", action="store_true", help="py-spy the last load window")
     parser.add_argument("--label", default="", help="results section suffix, e.g. before/after")
     parser.add_argument("--note", help="free text stored with the results")
@@ -278,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     window = 6.0 if args.quick else args.window
     rounds = 1 if args.quick else args.rounds
-    samples = 8000 if args.quick else args.samples
+    samples = 15000 if args.quick else args.samples
 
     from hsx_workers.tiny_models import make_chat_dataset, make_tiny_model
 
@@ -323,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(window / 2)
         kinds = ["quiet"] + ["load", "quiet"] * rounds
         for i, kind in enumerate(kinds):
-            cpu0 = _tree_cpu(server.pid)
+            cpu0, own0 = _tree_cpu(server.pid), process_cpu_seconds()
             t0, load0 = time.time(), os.getloadavg()
             entry: dict[str, Any] = {"kind": kind, "start": t0}
             if kind == "quiet":
@@ -359,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             t1 = time.time()
             cpu1 = _tree_cpu(server.pid)
             entry.update(end=t1, loadavg_start=list(load0), loadavg_end=list(os.getloadavg()),
-                         coordinator_cpu_s=cpu1[0] - cpu0[0], rest_cpu_s=cpu1[1] - cpu0[1])
+                         coordinator_cpu_s=cpu1[0] - cpu0[0], rest_cpu_s=cpu1[1] - cpu0[1],
+                         load_generator_cpu_s=process_cpu_seconds() - own0)
             windows.append(entry)
         final_state = _status(http, job_id)["state"]
         with contextlib.suppress(httpx.HTTPError):
@@ -408,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
         "requests": requests, "errors": errors,
         "p50_ms": _pct(latencies, 0.5), "p99_ms": p99, "max_ms": max(latencies, default=None),
         "sse_events": sum(w["sse_events"] for w in load), "sse_age_p99_ms": sse_p99,
+        "load_generator_cpu_s_per_window": (
+            sum(w["load_generator_cpu_s"] for w in load) / len(load)),
+        "engine_and_ray_cpu_s_per_window": {
+            "quiet": sum(w["rest_cpu_s"] for w in quiet) / len(quiet),
+            "load": sum(w["rest_cpu_s"] for w in load) / len(load)},
         "coordinator_cpu_ms_per_request": (
             1000 * (coord_cpu_load - coord_cpu_quiet * len(load) / len(quiet)) / requests
             if requests else None),
@@ -422,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     if final_state != "running":
-        print(f"warning: the job was {final_state} by the end; windows may be partial")
+        # A window after the job's end would count as slowness: no result from this run.
+        raise SystemExit(f"the job was {final_state} before the last window ended: nothing "
+                         f"saved; run again with more --samples (now {samples})")
     section = "api_polling" + (f"-{args.label}" if args.label else "")
     save_section(args.out, section, payload, machine_info())
     print(table(
@@ -434,6 +450,11 @@ def main(argv: list[str] | None = None) -> int:
             ["p99 latency ms", p99, "< 100", payload["verdicts"]["p99"]],
             ["SSE event age p99 ms", sse_p99, "-", "-"],
             ["coordinator CPU ms per request", payload["coordinator_cpu_ms_per_request"],
+             "-", "-"],
+            ["load generator CPU s per load window",
+             payload["load_generator_cpu_s_per_window"], "-", "-"],
+            ["engine + Ray CPU s per window (quiet / load)",
+             "{quiet:.1f} / {load:.1f}".format(**payload["engine_and_ray_cpu_s_per_window"]),
              "-", "-"],
             ["tokens/s quiet", rate(quiet), "-", "-"],
             ["tokens/s under load", rate(load), "-", "-"],

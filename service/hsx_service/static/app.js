@@ -563,12 +563,13 @@
       const t = totals.get(w.name);
       return el("li", { class: "worker", "data-worker": w.name, "data-state": w.state },
         el("span", { class: `dot state-${w.state}` }),
-        el("span", { class: "worker-name mono", text: w.name }),
+        el("div", { class: "worker-who" },
+          el("div", { class: "worker-name mono", text: w.name }),
+          el("div", { class: "worker-totals muted", "data-units": t ? String(t.units) : "0",
+            "data-tokens": t ? String(t.tokens) : "0", text: workerTotalsText(t),
+            title: t ? `${fmtInt(t.samples)} samples, ${fmtInt(t.tokens)} tokens, `
+              + `${fmtInt(t.bytes)} bytes in ${fmtDuration(t.seconds)} of unit time` : "" })),
         el("span", { class: `pill state-${w.state}`, text: w.state }),
-        el("span", { class: "worker-totals muted", "data-units": t ? String(t.units) : "0",
-          "data-tokens": t ? String(t.tokens) : "0", text: workerTotalsText(t),
-          title: t ? `${fmtInt(t.samples)} samples, ${fmtInt(t.tokens)} tokens, `
-            + `${fmtInt(t.bytes)} bytes in ${fmtDuration(t.seconds)} of unit time` : "" }),
         el("span", { class: "worker-unit muted", text: w.unit != null ? `unit ${w.unit}` : "" }));
     });
     if (!items.length) {
@@ -912,9 +913,10 @@
     const now = live ? Math.max(Date.now(), lastT) : lastT;
     const t0 = !points.length ? now - CHART_MIN_SPAN_MS
       : (ended ? points[0].x : Math.max(points[0].x, now - CHART_WINDOW_MS));
-    const t1 = Math.max(now, t0 + CHART_MIN_SPAN_MS);
-    // Time labels on round clock times (every 5 s, 10 s, ... 6 h), at most five.
-    const stepS = [5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600]
+    // An ended job's curve spans the chart, however short its run was.
+    const t1 = Math.max(now, t0 + (ended && points.length > 1 ? 1000 : CHART_MIN_SPAN_MS));
+    // Time labels on round clock times (every 1 s, 2 s, 5 s, ... 6 h), at most five.
+    const stepS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600]
       .find((st) => (t1 - t0) / (st * 1000) <= 5) || 21600;
     const step = stepS * 1000;
     const ticks = [];
