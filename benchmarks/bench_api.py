@@ -384,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             os.killpg(server.pid, 9)
 
     commits = _commits(output)
+    shutil.rmtree(work, ignore_errors=True)  # GBs of shards; kept only when a run fails
     for entry in windows:
         tokens = _tokens_between(commits, entry["start"], entry["end"])
         entry["tokens"] = tokens
