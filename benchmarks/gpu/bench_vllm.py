@@ -38,6 +38,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -138,12 +139,22 @@ class Bench:
         cmd = [sys.executable, __file__, "--child", variant, "--workdir", str(self.work),
                "--reps", str(self.args.reps), "--length", str(self.length),
                "--prompts", str(self.prompts)] + (["--cpu"] if self.cpu else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                              timeout=self.args.child_timeout)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        log_path = self.work / f"{variant}.log"
+        with open(log_path, "w") as log_file:
+            # Its own session: on a timeout the whole tree goes, vLLM's engine processes too.
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                    env=env, start_new_session=True)
+            try:
+                stdout, _ = proc.communicate(timeout=self.args.child_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise RuntimeError(f"{variant} child timed out; its log: "
+                                   f"{log_path.read_text()[-3000:]}") from None
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"{variant} child failed ({proc.returncode}): "
-                               f"{proc.stderr[-3000:]}")
+                               f"{log_path.read_text()[-3000:]}")
         return dict(json.loads(lines[-1]))
 
     def drop(self) -> dict[str, Any]:

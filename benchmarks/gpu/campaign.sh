@@ -39,7 +39,8 @@ for s in "$@"; do
     bench)
       step bench
       timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases disk drop hsx --profile \
-        --out "$RES/vllm-single.json" 2> "$RES/vllm-single.log" ;;
+        --out "$RES/vllm-single.json" 2> "$RES/vllm-single.log"
+      cp /tmp/hsx-bench-vllm/*.log /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null ;;
     tests)
       step tests
       timeout 900 python3 -m pytest tests/gpu -p no:cacheprovider -q -rA \
