@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -216,8 +217,9 @@ def test_kimi_k25_loads_in_transformers_with_every_weight(tiny_kimi: Path) -> No
     import torch
     from transformers import AutoModelForImageTextToText
 
-    model, info = AutoModelForImageTextToText.from_pretrained(
+    loaded: Any = AutoModelForImageTextToText.from_pretrained(
         str(tiny_kimi), dtype=torch.bfloat16, output_loading_info=True)
+    model, info = loaded
     assert type(model).__name__ == "Kimi_K25ForConditionalGeneration"
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
