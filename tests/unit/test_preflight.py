@@ -396,6 +396,20 @@ def test_refused_engine_args_vllm_lacks_or_hsx_sets(configs: dict[str, Path],
                     vllm={"load_format": "dummy", "max_num_seqs": 8}))
 
 
+def test_refused_eager_mla_on_the_cpu_build(configs: dict[str, Path], chat_dataset: ChatDataset,
+                                            tmp_path: Path) -> None:
+    from hsx_workers.vllm_compat import cpu_build
+
+    spec = _spec(configs["deepseek_v3"], chat_dataset, tmp_path / "o", layers=[1, 2, 3],
+                 vllm={"enforce_eager": True})
+    if cpu_build():
+        assert "multi-head latent attention" in _run_refused(spec)
+    # Compiled (the default) is right on CPU; dense models are fine in eager mode.
+    preflight(_spec(configs["deepseek_v3"], chat_dataset, tmp_path / "o", layers=[1, 2, 3]))
+    preflight(_spec(configs["llama"], chat_dataset, tmp_path / "o",
+                    vllm={"enforce_eager": True}))
+
+
 def test_supported_vllm_range() -> None:
     from hsx_workers.vllm_compat import version_problem, vllm_version
 
