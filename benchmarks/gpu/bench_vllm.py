@@ -33,10 +33,12 @@ The results file is rewritten after every phase, so a run cut short keeps what i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -137,12 +139,22 @@ class Bench:
         cmd = [sys.executable, __file__, "--child", variant, "--workdir", str(self.work),
                "--reps", str(self.args.reps), "--length", str(self.length),
                "--prompts", str(self.prompts)] + (["--cpu"] if self.cpu else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                              timeout=self.args.child_timeout)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        log_path = self.work / f"{variant}.log"
+        with open(log_path, "w") as log_file:
+            # Its own session: on a timeout the whole tree goes, vLLM's engine processes too.
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                    env=env, start_new_session=True)
+            try:
+                stdout, _ = proc.communicate(timeout=self.args.child_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise RuntimeError(f"{variant} child timed out; its log: "
+                                   f"{log_path.read_text()[-3000:]}") from None
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"{variant} child failed ({proc.returncode}): "
-                               f"{proc.stderr[-3000:]}")
+                               f"{log_path.read_text()[-3000:]}")
         return dict(json.loads(lines[-1]))
 
     def drop(self) -> dict[str, Any]:
@@ -161,7 +173,7 @@ class Bench:
                        output=str(output), layers=self.layers, max_seq_len=self.length + 64,
                        storage_dtype=dtype, vllm=vllm, **over)
 
-    def _job(self, spec: Any) -> dict[str, Any]:
+    def _job(self, spec: Any, profile: bool = False) -> dict[str, Any]:
         """run_job on the shared pool; tokens/s from the end of prepare to the last commit."""
         from hsx_service.prepare import preflight
         from hsx_service.runner import DispatchHooks, EnginePool, engine_key, run_job
@@ -174,12 +186,18 @@ class Bench:
         shutil.rmtree(spec.output, ignore_errors=True)
         marks: dict[str, float] = {}
         peak = SpoolPeak()
-        with peak:
+        spy = _actor_profiler(self.work / f"profile-{spec.storage_dtype}.txt") if profile else None
+        with peak, spy or contextlib.nullcontext():
             def prepared(_job: Any) -> None:
                 marks["start"] = time.perf_counter()
 
             summary = run_job(spec, pool=self._pool, hooks=DispatchHooks(on_prepared=prepared))
             seconds = time.perf_counter() - marks["start"]
+        profiled = {}
+        if spy is not None:
+            from cpu_profile import breakdown
+
+            profiled = {"profile_cpu_seconds": breakdown(spy.out, spy.pid)}
         from hsx.dataset import HiddenStatesDataset
 
         ds = HiddenStatesDataset(spec.output)
@@ -192,7 +210,7 @@ class Bench:
         return {"tokens": summary.tokens, "seconds": round(seconds, 3),
                 "tokens_per_s": round(summary.tokens / seconds),
                 "bytes": summary.bytes, "shards": summary.shards,
-                "spool_peak_bytes": peak.peak, "restarts": summary.restarts}
+                "spool_peak_bytes": peak.peak, "restarts": summary.restarts, **profiled}
 
     def hsx(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -200,10 +218,15 @@ class Bench:
             for rep in range(self.args.reps):
                 for where, folder in (("tmpfs", self.tmpfs), ("disk", self.work)):
                     key = f"{dtype}-{where}"
+                    # The last tmpfs run of each dtype again under py-spy (not timed).
                     run = self._job(self._spec(folder / f"out-{key}", dtype))
                     out.setdefault(key, []).append(run)
                     log(f"hsx {key} rep {rep}: {run['tokens_per_s']:,} tok/s "
                         f"(spool peak {run['spool_peak_bytes'] / 2**30:.2f} GiB)")
+            if self.args.profile:
+                run = self._job(self._spec(self.tmpfs / f"out-{dtype}-prof", dtype), profile=True)
+                out[f"{dtype}-tmpfs-profiled"] = run
+                log(f"hsx {dtype} tmpfs under py-spy: {run['tokens_per_s']:,} tok/s")
         return out
 
     def replicas2(self) -> dict[str, Any]:
@@ -311,6 +334,18 @@ class SpoolPeak:
         self._thread.join()
 
 
+def _actor_profiler(out: Path) -> Any:
+    """py-spy on the extraction actor's process tree (vLLM's engine processes included)."""
+    import psutil
+
+    from cpu_profile import Profiler
+
+    for proc in psutil.process_iter(["cmdline"]):
+        if "ExtractionWorker" in " ".join(proc.info["cmdline"] or []):
+            return Profiler(proc.pid, out)
+    raise RuntimeError("no ExtractionWorker process to profile")
+
+
 def child(args: argparse.Namespace) -> int:
     """drop / bare: vLLM's LLM.generate over the rows, `reps` times, timed."""
     from vllm import LLM, SamplingParams
@@ -390,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--child-timeout", type=float, default=600)
     p.add_argument("--cpu", action="store_true", help="check the script on CPU (tiny model)")
+    p.add_argument("--profile", action="store_true",
+                   help="one more tmpfs run per dtype under py-spy: where the actor and the "
+                        "engine spend their CPU time")
     p.add_argument("--child", choices=["drop", "bare"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.cpu:
