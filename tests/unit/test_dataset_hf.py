@@ -111,3 +111,21 @@ def test_empty_output_is_refused(tmp_path: Path) -> None:
     write_manifest(root, {0: [0]})
     with pytest.raises(ValueError, match="no committed shard"):
         HiddenStatesDataset(root).to_hf_dataset()
+
+
+def test_an_output_read_by_ranged_reads_gives_the_same_rows(output: Path) -> None:
+    """An object-store output (ranged reads, nothing mapped): the same rows, fetched."""
+    from hsx.output import Output
+    from tests.unit.test_output import RangedStorage
+
+    local = HiddenStatesDataset(output, backend="numpy").to_hf_dataset()
+    ranged = HiddenStatesDataset(Output(RangedStorage(output)), backend="numpy")
+    hf = ranged.to_hf_dataset()
+    assert hf.column_names == local.column_names and hf.num_rows == local.num_rows == 12
+    for i in (0, 7, 11):
+        assert hf.with_format("arrow")[i] == local.with_format("arrow")[i]
+    got = list(ranged.to_hf_iterable())
+    assert [s["sample_index"] for s in got] == list(range(12))
+    for s in got:
+        want = sample(s["sample_index"])["hidden_states"].astype(BF16)
+        np.testing.assert_array_equal(s["hidden_states"], want)
