@@ -61,6 +61,7 @@ from hsx_service.prepare import (
     output_path,
     preflight,
     prepare,
+    warm_preflight,
 )
 from hsx_service.runner import (
     MAX_ATTEMPTS,
@@ -374,6 +375,7 @@ class Scheduler:
 
     def _loop(self) -> None:
         ensure_ray(getattr(self.settings, "ray_address", None), cpus_needed=1)
+        warm_preflight()
         self._reconcile()
         self.trainings.resume_all({row.id: output_path(row.output) for row in self.ledger.jobs()})
         self._ready = True

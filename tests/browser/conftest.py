@@ -65,9 +65,13 @@ def _chromium() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
-    """One headless chromium for the session, with a fresh profile directory."""
+    """One headless chromium for the browser tests, with a fresh profile directory.
+
+    It quits when they end: a page left open keeps repainting (a running job's progress
+    bar is animated) and would take CPU from every test after it.
+    """
     chromium = _chromium()
     if chromium is None or not CHROMEDRIVER.exists():
         pytest.skip("chromium and /usr/bin/chromedriver are needed (apt install chromium-driver)")

@@ -84,7 +84,7 @@ def start_coordinator(ledger: Path, roots: list[Path], log: Path) -> Coordinator
         stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"hsx serve exited: {log.read_text()[-3000:]}")
