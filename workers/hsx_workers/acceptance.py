@@ -102,7 +102,7 @@ def _counter(metrics: dict[str, Any], name: str) -> Any:
 
 def measure_acceptance(
     target: str, draft: str, prompts: list[EvalPrompt], *, k: int = 3,
-    max_model_len: int = 4096, enforce_eager: bool = True,
+    enforce_eager: bool = True,
 ) -> Acceptance:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -110,9 +110,10 @@ def measure_acceptance(
 
     if not prompts:
         raise ValueError("no prompts to generate from")
-    longest = max(len(p.token_ids) + p.max_tokens for p in prompts)
+    # As long as the longest prompt and answer need (and the draft's k tokens past it).
+    longest = max(len(p.token_ids) + p.max_tokens for p in prompts) + k + 1
     llm = LLM(
-        model=target, max_model_len=max(max_model_len, longest), disable_log_stats=False,
+        model=target, max_model_len=longest, disable_log_stats=False,
         enforce_eager=enforce_eager,
         speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k},
     )
