@@ -518,3 +518,22 @@ def test_two_workers_train_their_own_units_and_resume(tmp_path: Path,
     assert [x["step"] for x in lines] == [1, 2, 3, 4, 5]  # the main worker's records only
     state = json.loads((root / DRAFT_DIR / "train.json").read_text())
     assert state["state"] == "done" and state["plan"]["workers"] == 2
+
+
+def test_learnable_targets_final_norm_has_outliers_and_the_same_function(
+        tiny_llama: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hsx_workers.learnable import NORM_OUTLIER, NORM_OUTLIERS, _spread_final_norm
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(16, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        weight = model.model.norm.weight.clone()
+        _spread_final_norm(model, 0)
+        after = model(input_ids=ids).logits
+    assert torch.allclose(before, after, atol=1e-4)
+    factors = model.model.norm.weight / weight
+    assert int((factors == NORM_OUTLIER).sum()) == NORM_OUTLIERS
+    assert float(factors[factors != NORM_OUTLIER].max()) <= 2.0 + 1e-6

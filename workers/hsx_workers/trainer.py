@@ -89,6 +89,10 @@ class TrainRefused(ValueError):
     """The output cannot train a draft (wrong layers, no samples); the message says why."""
 
 
+class WorkerDied(RuntimeError):
+    """A Ray Train worker's process died: a new run resumes from the newest checkpoint."""
+
+
 # ---------------------------------------------------------------------- the plan
 
 
@@ -585,12 +589,19 @@ class DraftTrainer:
         if self.device is None:
             raise RuntimeError("the device is resolved before the model is built")
         attn = "simple_flex_attention" if self.device.type == "cuda" else "eager"
-        return Eagle3DraftModel.from_training_args(
+        model = Eagle3DraftModel.from_training_args(
             text, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab,
             norm_before_residual=self.spec.norm_before_residual,
             ttt_steps=self.spec.ttt_steps, verifier_name_or_path=model_path,
             target_layer_ids=aux, draft_attn_impl=attn, trust_remote_code=trust,
         )
+        # speculators starts the draft's lm_head as the target's but its final norm at
+        # ones: a head that is neither. Starting the norm as the target's too makes the
+        # draft's head the target's own (what it predicts), which matters where the
+        # target's final norm has outlier weights, as real models' do.
+        with torch.no_grad():
+            model.norm.weight.copy_(model.verifier_norm.weight)
+        return model
 
     def _optimizer(self, model: Any, plan: Plan) -> tuple[torch.optim.Optimizer, Any]:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -1164,11 +1175,15 @@ def train_distributed(
     try:
         trainer.fit()
     except Exception as err:
+        from ray.exceptions import RayActorError
+
         cause = _root_cause(err)
         if isinstance(cause, TrainRefused):
             raise cause from None
-        raise RuntimeError(f"distributed training failed: {type(cause).__name__}: "
-                           f"{cause}") from err
+        message = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+        if isinstance(cause, RayActorError):
+            raise WorkerDied(f"a training worker died: {message}") from err
+        raise RuntimeError(f"distributed training failed: {message}") from err
     finally:
         done.set()
         (root / DRAFT_STOP).unlink(missing_ok=True)
@@ -1177,11 +1192,15 @@ def train_distributed(
 
 
 def _root_cause(err: BaseException) -> BaseException:
-    """The worker's own exception inside Ray Train's wrappers, where one is there."""
+    """The worker's own exception inside Ray Train's wrappers (a worker group's first
+    failure, a controller's failure, a task's cause), where one is there."""
     seen = set()
     while id(err) not in seen:
         seen.add(id(err))
-        nxt = getattr(err, "cause", None) or err.__cause__
+        failures = getattr(err, "worker_failures", None)
+        nxt = (next(iter(failures.values())) if isinstance(failures, dict) and failures
+               else getattr(err, "controller_failure", None) or getattr(err, "cause", None)
+               or err.__cause__)
         if not isinstance(nxt, BaseException):
             break
         err = nxt
