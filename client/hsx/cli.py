@@ -343,6 +343,15 @@ def _train_remote(args: argparse.Namespace, spec: Any) -> int:
         return _error(f"training of {args.target} {final.state.value}: {final.error}",
                       EXIT_FAILED)
     console().print(f"[green]trained[/] {final.step} steps -> {final.draft}")
+    if final.best_step is not None and final.best_expected_acceptance_length is not None:
+        console().print(f"draft/ holds step {final.best_step}, expected acceptance length "
+                        f"{final.best_expected_acceptance_length:.2f} on held-out samples")
+    if final.eval is not None:
+        console().print(
+            f"vLLM: {final.eval.error}" if final.eval.error else
+            f"vLLM: mean acceptance length {final.eval.mean_acceptance_length:.2f} at "
+            f"k={final.eval.k} on {final.eval.prompts} held-out prompts",
+            markup=False, highlight=False)
     return 0
 
 

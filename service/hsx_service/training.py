@@ -268,7 +268,11 @@ class Trainings:
             except (RayActorError, ActorDiedError) as err:
                 return "died", str(err).splitlines()[0]
             except RayTaskError as err:
+                from hsx_workers.trainer import WorkerDied
+
                 cause = err.cause if err.cause is not None else err
+                if isinstance(cause, WorkerDied):  # one of its Ray Train workers
+                    return "died", str(cause)
                 return "failed", f"{type(cause).__name__}: {cause}"
             return ("stopped" if result.get("stopped") else "done"), None
 
