@@ -7,7 +7,7 @@ not timed; each process warms up on a few prompts before the timed repetitions):
           with `hsx_service.prepare.prepare(JobSpec)` (ingest of pre-tokenized rows,
           manifest, plan; not timed), then `ExtractionWorker("vllm", ...).run_unit` runs
           every unit: VllmEngine steps vLLM's LLMEngine, HsxHiddenStatesConnector spools
-          each request's states, ShardWriter streams them into a shard with sha256 and
+          each request's states, ShardWriter streams them into a shard with its checksum and
           commits it (fsync, rename, commit record). Timed: first unit start to last
           commit.
 - `drop`  the ceiling: `extract_hidden_states` with drop_connector.py, which copies each
@@ -53,10 +53,13 @@ from hsx.spec import JobSpec
 VARIANTS = ("hsx", "hsx-omp1", "drop", "files", "bare")
 # Diagnostics, run only when named with --variants: `hsx-capture` is hsx-omp1's engine
 # path (VllmEngine.capture: connector, spool file, load) without the shard writer.
-DIAGNOSTIC_VARIANTS = ("hsx-capture",)
+DIAGNOSTIC_VARIANTS = ("hsx-capture", "hsx-nice0")
+# Environment of a diagnostic variant: hsx-nice0 is hsx with its background threads
+# (shard writer, committer, connector's spool writers) at normal priority.
+VARIANT_ENV = {"hsx-nice0": {"HSX_BACKGROUND_NICE": "0"}}
 TARGETS = {"hsx/drop": 0.9, "hsx/files": 1.0}
 REPORT_ONLY = ("hsx-omp1/drop", "hsx-omp1/files", "hsx/bare", "drop/bare", "files/drop",
-               "hsx-capture/drop", "hsx-omp1/hsx-capture")
+               "hsx-capture/drop", "hsx-omp1/hsx-capture", "hsx-nice0/drop", "hsx/hsx-nice0")
 MAX_SEQ_LEN = 1024
 MIN_PROMPT, MAX_PROMPT = 64, 1024
 WARMUP_PROMPTS = 8
@@ -209,7 +212,15 @@ class HsxRunner:
         return prepare(spec)
 
     def _run_units(self, job: Any) -> list[Any]:
-        return [self.worker.run_unit(str(job.output), "bf16", u) for u in job.pending]
+        """Every unit, handed to the worker as the job driver does: DISPATCH_DEPTH at once."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from hsx_service.runner import DISPATCH_DEPTH
+
+        with ThreadPoolExecutor(DISPATCH_DEPTH) as pool:
+            futures = [pool.submit(self.worker.run_unit, str(job.output), "bf16", u)
+                       for u in job.pending]
+            return [f.result() for f in futures]
 
     def warmup(self) -> None:
         self._run_units(self.warm_job)
@@ -467,7 +478,8 @@ def _write_jsonl(path: Path, prompts: list[list[int]]) -> None:
 
 def bench_model(shape: ModelShape, *, quick: bool, reps: int, work: Path, log: IO[str],
                 seed: int, variants: tuple[str, ...] = VARIANTS,
-                prompts_n: int | None = None, unit_tokens: int | None = None) -> dict[str, Any]:
+                prompts_n: int | None = None, unit_tokens: int | None = None,
+                profile_dir: Path | None = None) -> dict[str, Any]:
     from hsx_workers.tiny_models import make_tiny_model
 
     model_dir = work / f"model-{shape.name}"
@@ -492,6 +504,7 @@ def bench_model(shape: ModelShape, *, quick: bool, reps: int, work: Path, log: I
     env["TOKENIZERS_PARALLELISM"] = "false"
 
     children: dict[str, Child] = {}
+    profiles: dict[str, Any] = {}
     engine_start: dict[str, float] = {}
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
@@ -512,7 +525,7 @@ def bench_model(shape: ModelShape, *, quick: bool, reps: int, work: Path, log: I
             log.write(f"\n===== {shape.name} / {variant}: starting\n")
             log.flush()
             print(f"  [{shape.name}] starting {variant} engine ...", flush=True)
-            child = Child(variant, cfg_path, log, env)
+            child = Child(variant, cfg_path, log, {**env, **VARIANT_ENV.get(variant, {})})
             children[variant] = child
             ready = child.recv(START_TIMEOUT_S)
             engine_start[variant] = round(ready["engine_start_s"], 1)
@@ -527,6 +540,23 @@ def bench_model(shape: ModelShape, *, quick: bool, reps: int, work: Path, log: I
                 runs[variant].append(res)
                 print(f"  [{shape.name}] rep {rep} {variant:5s} {res['tokens_per_s']:>10,.0f} tok/s"
                       f"  ({res['seconds']:.2f} s)", flush=True)
+        if profile_dir is not None:
+            # One more run of each variant under py-spy, outside the timed repetitions.
+            from cpu_profile import Profiler, breakdown
+
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            for variant in variants:
+                child = children[variant]
+                raw = profile_dir / f"{shape.name}-{variant}.txt"
+                with Profiler(child.proc.pid, raw):
+                    child.send(cmd="run", rep=reps)
+                    res = child.recv(RUN_TIMEOUT_S)
+                profiles[variant] = {
+                    "tokens_per_s": res["tokens"] / res["seconds"],
+                    "seconds": res["seconds"],
+                    "cpu_seconds": breakdown(raw, child.proc.pid),
+                }
+                print(f"  [{shape.name}] profiled {variant}: {profiles[variant]}", flush=True)
     finally:
         for child in children.values():
             child.stop()
@@ -545,6 +575,7 @@ def bench_model(shape: ModelShape, *, quick: bool, reps: int, work: Path, log: I
         "tokens_per_s_median": med,
         "ratios": ratios,
         "runs": runs,
+        **({"profiles": profiles} if profiles else {}),
     }
 
 
@@ -593,7 +624,7 @@ def print_table(result: dict[str, Any]) -> None:
 def run(*, quick: bool, out: Path, models: list[str] | None = None, reps: int | None = None,
         workdir: Path | None = None, log_path: Path | None = None, note: str | None = None,
         variants: list[str] | None = None, prompts: int | None = None,
-        unit_tokens: int | None = None) -> dict[str, Any]:
+        unit_tokens: int | None = None, profile_dir: Path | None = None) -> dict[str, Any]:
     names = models or (["tiny"] if quick else ["tiny", "large"])
     base = workdir or Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="hsx-bench-pipeline-", dir=base))
@@ -621,7 +652,7 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, reps: int | 
                 result["models"][name] = bench_model(
                     MODELS[name], quick=quick, reps=reps or MODELS[name].reps, work=work,
                     log=log, seed=i, variants=tuple(variants or VARIANTS), prompts_n=prompts,
-                    unit_tokens=unit_tokens,
+                    unit_tokens=unit_tokens, profile_dir=profile_dir,
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -644,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="results JSON (default results/cpu.json)")
     p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
     p.add_argument("--note", help="free text stored with the results")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="after the timed repetitions, run each variant once more under py-spy "
+                        "(raw stacks into DIR) and store where its CPU time went")
     p.add_argument("--child", choices=VARIANTS + DIAGNOSTIC_VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--config", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--fd", type=int, help=argparse.SUPPRESS)
@@ -658,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run(quick=args.quick, out=out, models=args.models, reps=args.reps, workdir=args.workdir,
         note=args.note, variants=args.variants, prompts=args.prompts,
-        unit_tokens=args.unit_tokens)
+        unit_tokens=args.unit_tokens, profile_dir=args.profile)
     return 0
 
 

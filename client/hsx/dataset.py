@@ -297,6 +297,66 @@ class HiddenStatesDataset:
                 self.uri, len(missing), sorted(missing)[:5],
             )
 
+    # -- Hugging Face datasets
+
+    def to_hf_dataset(self) -> Any:
+        """The committed samples as a map-style `datasets.Dataset`, without copying.
+
+        Its Arrow columns are views of the memory-mapped shards (one chunk per shard):
+        `sample_index` int64, `input_ids` list<int32>, `loss_mask` list<uint8>, and
+        `hidden_states` [T][L][H] as the stored bit patterns — uint16 for bf16 (Arrow has
+        no bfloat16), uint8 for fp8 e4m3 with its per-token, per-layer `scales` [T][L]
+        float32 beside it. Rows come in the order of `ds[i]`; the table holds the shards
+        committed when this is called.
+
+        Reading rows through `datasets`' numpy or torch formats copies them and turns
+        integers into int64 (its rule); `with_format("arrow")` stays zero-copy, and
+        `np.asarray(...).astype(np.uint16).view(ml_dtypes.bfloat16)` gives bf16 states
+        back. For training, `to_hf_iterable()` yields the tensors themselves.
+        """
+        import datasets
+        import numpy as np
+        import pyarrow as pa
+
+        chunks: dict[str, list[pa.Array]] = {}
+        for reader in self.shards(list(self._index.order)):
+            offsets = pa.array(np.asarray(reader.offsets, dtype=np.int32))
+            hidden = reader.tensor("hidden_states")
+            bits = hidden.view(np.uint16 if hidden.dtype.itemsize == 2 else np.uint8)
+            _, layers, hidden_size = bits.shape
+            columns = {
+                "sample_index": pa.array(np.asarray(reader.sample_indices, dtype=np.int64)),
+                "input_ids": pa.ListArray.from_arrays(offsets, _arrow(reader.tensor("input_ids"))),
+                "loss_mask": pa.ListArray.from_arrays(offsets, _arrow(reader.tensor("loss_mask"))),
+                "hidden_states": pa.ListArray.from_arrays(offsets, _fixed(_arrow(bits),
+                                                                          layers, hidden_size)),
+            }
+            if reader.storage_dtype == "fp8":
+                columns["scales"] = pa.ListArray.from_arrays(
+                    offsets, _fixed(_arrow(reader.tensor("scales")), layers))
+            for name, array in columns.items():
+                chunks.setdefault(name, []).append(array)
+        if not chunks:
+            raise ValueError(f"{self.uri} has no committed shard yet")
+        table = pa.table({name: pa.chunked_array(arrays) for name, arrays in chunks.items()})
+        info = datasets.DatasetInfo(description=(
+            f"hsx hidden states of {self.uri}: layers {self.manifest.get('layers')}, "
+            f"storage {self.manifest.get('storage_dtype', 'bf16')} (hidden_states holds its "
+            "bit patterns)"))
+        return datasets.Dataset(datasets.table.InMemoryTable(table), info=info)
+
+    def to_hf_iterable(self) -> Any:
+        """The committed samples as a `datasets.IterableDataset` yielding what `ds[i]`
+        gives: the zero-copy views of the mapped shards (torch tensors with the torch
+        backend, bf16 states; fp8 dequantized), passed through untouched as long as no
+        format is set on it. Shards are spread over a DataLoader's workers (each gets
+        whole shards); `.shuffle(seed, buffer_size)` shuffles shards and samples.
+        """
+        import datasets
+
+        return datasets.IterableDataset.from_generator(
+            _hf_samples, gen_kwargs={"shards": list(self._index.order), "dataset": self})
+
     # -- internals
 
     def _backend(self) -> Literal["torch", "numpy"]:
@@ -341,3 +401,29 @@ class HiddenStatesDataset:
                 f"{reader.path}: {len(reader)} samples, its commit record says {record['samples']}"
             )
         return reader
+
+
+def _hf_samples(shards: list[dict[str, Any]], dataset: HiddenStatesDataset) -> Iterator[Any]:
+    """The generator behind `to_hf_iterable` (module level: it pickles to workers)."""
+    backend = dataset._backend()
+    for reader in dataset.shards(shards):
+        for j in range(len(reader)):
+            yield reader.sample(j, backend=backend)
+
+
+def _arrow(array: Any) -> Any:
+    """A flat Arrow array over a numpy array's memory (no copy; it keeps the array alive)."""
+    import pyarrow as pa
+
+    flat = array.reshape(-1)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(flat.dtype), flat.size,
+                                 [None, pa.py_buffer(flat)])
+
+
+def _fixed(values: Any, *sizes: int) -> Any:
+    """`values` grouped into nested fixed-size lists, innermost size last."""
+    import pyarrow as pa
+
+    for size in reversed(sizes):
+        values = pa.FixedSizeListArray.from_arrays(values, size)
+    return values

@@ -64,6 +64,11 @@ logger = logging.getLogger(__name__)
 
 StorageDtype = Literal["bf16", "fp8"]
 Backend = Literal["numpy", "torch"]
+Checksum = Literal["blake3", "sha256"]
+
+DEFAULT_CHECKSUM: Checksum = "blake3"
+"""BLAKE3 runs at several GB/s on one core (sha256 at 0.7-1.4 GB/s, below a fast disk:
+it was the writer's limit); sha256 stays available, and records of either are read."""
 
 SHARD_FORMAT_VERSION = "1"
 FP8_MAX = 448.0
@@ -169,24 +174,29 @@ def _torch_bf16_to_numpy(t: Any) -> np.ndarray:
     return np.asarray(t.view(torch.int16).numpy()).view(_BF16)
 
 
-def quantize_fp8(x: Any) -> tuple[Any, Any]:
+def quantize_fp8(x: Any, *, check: bool = True) -> tuple[Any, Any]:
     """Quantize `x` [..., H] to float8_e4m3fn with one scale per row (per token and layer).
 
     scale = absmax(row) / 448 (1.0 for an all-zero row), q = x / scale, so every row
     uses the whole e4m3 range and the relative error stays ~2^-4 of the row's absmax.
     numpy input gives numpy (ml_dtypes.float8_e4m3fn, float32); a torch tensor is
     quantized with torch on its own device. Non-finite input raises ValueError: its
-    scale would silently turn the whole row into garbage.
+    scale would silently turn the whole row into garbage. With `check=False` (a device
+    tensor, where checking would wait for the device) such a row's scale is NaN instead,
+    for whoever reads the scales on the host to refuse.
     """
     if _is_torch_tensor(x):
         import torch
 
         xf = x.detach().to(torch.float32)
         absmax = xf.abs().amax(dim=-1)
-        if not bool(torch.isfinite(absmax).all()):
+        finite = torch.isfinite(absmax)
+        if check and not bool(finite.all()):
             raise ValueError("hidden states contain inf or nan; fp8 scales would be undefined")
         scales = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
         q = (xf / scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        if not check:
+            scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
         return q, scales
     xa = np.asarray(x).astype(np.float32, copy=False)
     absmax = np.abs(xa).max(axis=-1) if xa.shape[-1] else np.zeros(xa.shape[:-1], np.float32)
@@ -227,21 +237,71 @@ def shard_file(root: str | Path, record: Mapping[str, Any]) -> Path:
 # --------------------------------------------------------------------------- writing
 
 
+BACKGROUND_NICE_ENV = "HSX_BACKGROUND_NICE"
+
+
+def background_priority() -> None:
+    """Give the calling thread the lowest CPU priority (nice 19; $HSX_BACKGROUND_NICE).
+
+    For the threads that move and hash captured states (the shard writer's, the
+    committer, the connector's spool writers): they then run on cores the engine leaves
+    idle instead of preempting it. On a CPU engine every preemption of one of its
+    OpenMP threads stalls the whole parallel region; on a GPU node cores are plenty and
+    nothing changes. Linux sets nice per thread; elsewhere this does nothing.
+    """
+    raw = os.environ.get(BACKGROUND_NICE_ENV, "19").strip() or "0"
+    try:
+        nice = int(raw)
+    except ValueError:
+        nice = 19
+    if nice > 0 and hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(nice, 19))
+
+
+def new_hasher(algorithm: str) -> Any:
+    """A fresh hash object (`update`, `hexdigest`) of a checksum algorithm hsx writes."""
+    if algorithm == "blake3":
+        import blake3
+
+        return blake3.blake3()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"checksum must be 'blake3' or 'sha256', got {algorithm!r}")
+
+
+def record_checksums(record: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(algorithm, header digest, data digest) of a commit record, old records included.
+
+    Records name their algorithm under `checksum`; those written before it existed
+    carry `header_sha256` and `data_sha256`.
+    """
+    checksum = record.get("checksum")
+    if isinstance(checksum, Mapping):
+        try:
+            return str(checksum["algorithm"]), str(checksum["header"]), str(checksum["data"])
+        except KeyError as err:
+            raise ShardCorrupt(f"commit record of unit {record.get('unit')}: checksum lacks "
+                               f"{err}") from None
+    if "data_sha256" in record and "header_sha256" in record:
+        return "sha256", str(record["header_sha256"]), str(record["data_sha256"])
+    raise ShardCorrupt(f"commit record of unit {record.get('unit')} has no checksum")
+
+
 class _DataStream:
     """Appends sample buffers to the shard file, hashing and syncing beside the writes.
 
     Three threads, so the caller (the engine thread) produces the next sample while
-    this one reaches the disk: one writes, one hashes (sha256 runs at about the disk's
-    speed, so in series with the writes it halved the writer's rate on an H200 node),
-    and one starts `fdatasync` every `_SYNC_EVERY` bytes, so the fsync at commit has
-    little left to flush. Write, hash and sync all release the GIL. The bounded queues
-    keep at most `_QUEUE_DEPTH` samples in memory. An error is kept and re-raised to the
-    caller at its next call.
+    this one reaches the disk: one writes, one hashes (a hash in series with the writes
+    halved the writer's rate on an H200 node), and one starts `fdatasync` every
+    `_SYNC_EVERY` bytes, so the fsync at commit has little left to flush. Write, hash
+    and sync all release the GIL. The bounded queues keep at most `_QUEUE_DEPTH` samples
+    in memory. An error is kept and re-raised to the caller at its next call.
     """
 
-    def __init__(self, f: IO[bytes], name: str) -> None:
+    def __init__(self, f: IO[bytes], name: str, checksum: str) -> None:
         self._f = f
-        self.sha = hashlib.sha256()
+        self.sha = new_hasher(checksum)
         self.nbytes = 0
         self._unsynced = 0
         self._error: BaseException | None = None
@@ -274,6 +334,7 @@ class _DataStream:
         os.fdatasync(self._f.fileno())
 
     def _run(self, items: queue.Queue[Any], handle: Any) -> None:
+        background_priority()
         while True:
             item = items.get()
             try:
@@ -345,6 +406,7 @@ class ShardWriter:
         storage_dtype: StorageDtype,
         attempt: str | None = None,
         header_reserve: int = DEFAULT_HEADER_RESERVE,
+        checksum: Checksum = DEFAULT_CHECKSUM,
     ) -> None:
         if unit < 0:
             raise ValueError(f"unit must be >= 0, got {unit}")
@@ -363,6 +425,8 @@ class ShardWriter:
         self.hidden_size = int(hidden_size)
         self.storage_dtype: StorageDtype = storage_dtype
         self.attempt = attempt
+        self.checksum = checksum
+        new_hasher(checksum)  # refuses an unknown algorithm before any file exists
         self._header_len = _round_up(max(header_reserve, 64), 8)
 
         for sub in (TMP_DIR, SHARDS_DIR, COMMITS_DIR):
@@ -371,7 +435,7 @@ class ShardWriter:
         self._f: IO[bytes] = open(self.tmp_path, "xb")  # noqa: SIM115 (closed in commit/abort)
         # Placeholder header region; the real header is written into it at commit.
         self._f.write(bytes(_HEADER_PREFIX + self._header_len))
-        self._stream = _DataStream(self._f, f"{unit_name(unit)}-{attempt}")
+        self._stream = _DataStream(self._f, f"{unit_name(unit)}-{attempt}", checksum)
         self._offsets: list[int] = [0]
         self._sample_indices: list[int] = []
         self._seen: set[int] = set()
@@ -414,6 +478,7 @@ class ShardWriter:
         hidden_states: Any,
         *,
         take: bool = False,
+        scales: Any = None,
     ) -> None:
         """Append one sample. `hidden_states` is [T, L, H]: a numpy array (float32,
         float16 or ml_dtypes.bfloat16) or a torch tensor on any device (bf16/fp16/fp32);
@@ -422,6 +487,10 @@ class ShardWriter:
         `take=True` hands the buffer over: the caller will not touch it again, so the
         writer thread may read it as it is instead of copying it first (a copy that
         cost the capture loop most of its CPU on a 2-core machine).
+
+        `scales` [T, L] says `hidden_states` is already quantized (float8_e4m3fn, with
+        `quantize_fp8`'s scales, as the connector does on the device): an fp8 shard
+        stores both as they are.
         """
         self._check_open()
         sample_index = int(sample_index)
@@ -456,7 +525,10 @@ class ShardWriter:
         if mask.size and (mask.min() < 0 or mask.max() > 1):
             raise ValueError(f"{where}: loss_mask values must be 0 or 1")
 
-        payload, scales = self._encode(hidden_states, where, take)
+        if scales is None:
+            payload, scales = self._encode(hidden_states, where, take)
+        else:
+            payload, scales = self._take_quantized(hidden_states, scales, where, take)
         self._stream.put(payload)
         self._input_ids.append(ids.astype(np.int32))
         self._loss_mask.append(mask.astype(np.uint8))
@@ -509,8 +581,7 @@ class ShardWriter:
             "samples": self.num_samples,
             "tokens": self.num_tokens,
             "bytes": size,
-            "data_sha256": data_sha,
-            "header_sha256": header_sha,
+            "checksum": {"algorithm": self.checksum, "header": header_sha, "data": data_sha},
             "sample_indices_first": self._sample_indices[0] if self._sample_indices else None,
             "sample_indices_last": self._sample_indices[-1] if self._sample_indices else None,
             "errors": error_rows,
@@ -565,6 +636,29 @@ class ShardWriter:
     def _check_open(self) -> None:
         if self._state != "open":
             raise RuntimeError(f"ShardWriter for {unit_name(self.unit)} is already {self._state}")
+
+    def _take_quantized(self, q: Any, scales: Any, where: str,
+                        take: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Already-quantized states and their scales, as the bytes to stream."""
+        if self.storage_dtype != "fp8":
+            raise ValueError(f"{where}: quantized states (scales given) in a "
+                             f"{self.storage_dtype} shard")
+        if _is_torch_tensor(q):
+            import torch
+
+            q = _to_host(q.contiguous()).view(torch.uint8).numpy().view(_FP8)
+            scales = _to_host(scales).numpy()
+        q, scales = np.asarray(q), np.asarray(scales, np.float32)
+        if q.dtype != _FP8:
+            raise ValueError(f"{where}: quantized states must be float8_e4m3fn, got {q.dtype}")
+        if scales.shape != q.shape[:2]:
+            raise ValueError(f"{where}: scales shape {scales.shape}, expected {q.shape[:2]}")
+        if not np.isfinite(scales).all():
+            raise ValueError(f"{where}: fp8 scales are not finite (inf or nan in the states)")
+        out = np.ascontiguousarray(q)
+        if np.may_share_memory(out, q) and not take:
+            out = out.copy()
+        return out, scales
 
     def _encode(self, hs: Any, where: str, take: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """The bytes to stream for one sample (owned by us) and, for fp8, its scales."""
@@ -642,7 +736,7 @@ class ShardWriter:
         return json.dumps(header, separators=(",", ":")).encode()
 
     def _finish_file(self) -> tuple[str, str, int]:
-        """Write the tail and header, fsync; return (data_sha256, header_sha256, size)."""
+        """Write the tail and header, fsync; return (data digest, header digest, size)."""
         self._stream.close()
         expected = self.num_tokens * len(self.layers) * self.hidden_size
         expected *= _NUMPY_DTYPES[_HIDDEN_DTYPE[self.storage_dtype]].itemsize
@@ -666,7 +760,9 @@ class ShardWriter:
         os.fsync(self._f.fileno())
         size = os.fstat(self._f.fileno()).st_size
         self._f.close()
-        return data_sha.hexdigest(), hashlib.sha256(block).hexdigest(), size
+        header_sha = new_hasher(self.checksum)
+        header_sha.update(block)
+        return data_sha.hexdigest(), header_sha.hexdigest(), size
 
     def _grow_header(self, new_len: int) -> None:
         """Move the data behind a larger header region (rare: see DEFAULT_HEADER_RESERVE)."""
@@ -777,13 +873,18 @@ def verify_shard(root: str | Path, record: Mapping[str, Any]) -> None:
         (n,) = struct.unpack("<Q", prefix)
         if _HEADER_PREFIX + n > size:
             raise ShardCorrupt(f"{what}: header checksum mismatch (header length {n} is corrupt)")
-        header_sha = hashlib.sha256(prefix)
+        algorithm, header_digest, data_digest = record_checksums(record)
+        try:
+            header_sha = new_hasher(algorithm)
+        except ValueError as err:
+            raise ShardCorrupt(f"{what}: {err}") from None
+        header_sha.update(prefix)
         _hash_range(f, n, header_sha)
-        if header_sha.hexdigest() != record.get("header_sha256"):
+        if header_sha.hexdigest() != header_digest:
             raise ShardCorrupt(f"{what}: header checksum mismatch")
-        data_sha = hashlib.sha256()
+        data_sha = new_hasher(algorithm)
         _hash_range(f, size - _HEADER_PREFIX - n, data_sha)
-        if data_sha.hexdigest() != record.get("data_sha256"):
+        if data_sha.hexdigest() != data_digest:
             raise ShardCorrupt(f"{what}: data checksum mismatch")
 
 

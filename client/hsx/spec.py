@@ -35,9 +35,16 @@ class SpecError(ValueError):
 
 
 class VllmOptions(BaseModel):
-    """Engine settings passed through to vLLM's `LLM(...)` for the `vllm` engine."""
+    """Engine settings passed through to vLLM's `LLM(...)` for the `vllm` engine.
 
-    model_config = ConfigDict(extra="forbid")
+    The fields below are the ones hsx documents defaults for. Any other key is an engine
+    argument passed to vLLM as it is (`load_format: dummy`, `max_num_seqs`,
+    `kv_cache_dtype`, `quantization`, ...): a job that names a key the installed vLLM does
+    not know, or one hsx sets itself for capture (`speculative_config`, `model`, ...), is
+    refused before any engine starts, naming the key.
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     dtype: str = Field("auto", description="Model dtype for vLLM (auto, bfloat16, float16).")
     max_num_batched_tokens: int | None = Field(
@@ -50,6 +57,20 @@ class VllmOptions(BaseModel):
         1, ge=1, description="KV cache size in GiB for vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE)."
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs / torch.compile.")
+    max_inflight_tokens: int = Field(
+        65536,
+        gt=0,
+        description=(
+            "Prompt tokens hsx keeps inside one engine at once (queued, computing, or "
+            "waiting in its spool). It bounds the spool in /dev/shm to this many tokens' "
+            "states; it must stay well above vLLM's per-step token budget to keep the "
+            "engine's batches full."
+        ),
+    )
+
+    def engine_args(self) -> dict[str, Any]:
+        """The extra keys: vLLM engine arguments passed through as they are."""
+        return dict(self.model_extra or {})
 
 
 TrainDevice = Literal["auto", "cpu", "cuda"]
@@ -248,6 +269,13 @@ class JobSpec(BaseModel):
     )
     storage_dtype: StorageDtype = Field(
         "bf16", description="How states are stored: `bf16`, or `fp8` (e4m3, per-token scales)."
+    )
+    checksum: Literal["blake3", "sha256"] = Field(
+        "blake3",
+        description=(
+            "Checksum of every shard, kept in its commit record and verified by readers: "
+            "`blake3` (several GB/s per core) or `sha256`."
+        ),
     )
     unit_tokens: int = Field(
         65536,

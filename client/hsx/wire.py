@@ -55,6 +55,17 @@ class WorkerStatus(BaseModel):
     unit: int | None = Field(None, description="Work unit it is running, if any.")
 
 
+class WorkerTotals(BaseModel):
+    """What one worker (engine) committed for a job, over all of the job's runs."""
+
+    name: str = Field(..., description="Worker (engine) name within the job.")
+    units: int = Field(0, description="Units it committed (units another attempt won excluded).")
+    samples: int = Field(0, description="Samples in those units.")
+    tokens: int = Field(0, description="Tokens in those units.")
+    bytes: int = Field(0, description="Bytes of the shards it committed.")
+    seconds: float = Field(0.0, description="Time its committed units took, summed.")
+
+
 class JobStatus(BaseModel):
     id: str = Field(..., description="Job id.")
     name: str | None = Field(None, description="The spec's name.")
@@ -76,18 +87,49 @@ class JobStatus(BaseModel):
     units_done: int = Field(0, description="Work units committed.")
     units_failed: int = Field(0, description="Work units given up after repeated failures.")
     tokens_per_s: float = Field(0.0, description="Extraction rate of the current run.")
+    tokens_per_s_avg: float = Field(
+        0.0,
+        description=(
+            "Average extraction rate over the time the job ran (all its runs); kept once "
+            "the job has ended."
+        ),
+    )
     eta_s: float | None = Field(None, description="Seconds left at the current rate.")
     workers: list[WorkerStatus] = Field(default_factory=list, description="Engines.")
+    worker_totals: list[WorkerTotals] = Field(
+        default_factory=list, description="Per worker: what it committed (kept after the end)."
+    )
     restarts: int = Field(0, description="Worker restarts during this job.")
     last_error: str | None = Field(None, description="The last error seen, if any.")
     spec: JobSpec | None = Field(None, description="The job as submitted.")
     updated_at: float | None = Field(
-        None, description="Server Unix time this status was read (clients plot against it)."
+        None,
+        description=(
+            "Server Unix time this status was made. The server makes one at every change "
+            "(while a job extracts, at least every second) and serves it to every reader."
+        ),
     )
 
 
 class JobList(BaseModel):
     jobs: list[JobStatus]
+
+
+class ThroughputPoint(BaseModel):
+    at: float = Field(..., description="Server Unix time.")
+    tokens_per_s: float = Field(..., description="Tokens/s over the interval ending at `at`.")
+    tokens_done: int = Field(..., description="Tokens extracted by then.")
+
+
+class Throughput(BaseModel):
+    """`GET /v1/jobs/{id}/throughput`: the job's tokens/s over time, kept after it ends."""
+
+    job_id: str = Field(..., description="Job id.")
+    tokens_per_s_avg: float = Field(0.0, description="Average over the time the job ran.")
+    points: list[ThroughputPoint] = Field(
+        default_factory=list,
+        description="In time order, at most 600 (longer runs are averaged into buckets).",
+    )
 
 
 class ErrorRecord(BaseModel):

@@ -5,27 +5,35 @@ through `get_settings` and `get_scheduler`, so a test can hand the app its own (
 `app.dependency_overrides`).
 
 `SchedulerAPI` is the whole surface the routes use. `hsx_service.scheduler.Scheduler`
-provides it; unit tests provide a fake. Sync methods are expected to be fast (memory or
-one SQLite read); routes call them from FastAPI's thread pool.
+provides it; unit tests provide a fake. Statuses are read from its `board` (memory, in
+the event loop); the other methods are expected to be fast (memory or a little SQLite)
+and are called from FastAPI's thread pool.
+
+The dependencies here are `async def`: they only read memory, and FastAPI runs a plain
+`def` dependency in its thread pool — a thread hop per dependency per request.
 """
 
 from __future__ import annotations
 
 import hmac
-import queue
+from collections.abc import Iterable
 from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client.core import Metric
 
 from hsx.spec import JobSpec, TrainSpec
-from hsx.wire import ErrorPage, JobState, JobStatus, TrainStatus
+from hsx.wire import ErrorPage, JobStatus, Throughput, TrainStatus
+from hsx_service.board import StatusBoard
 from hsx_service.config import Settings
 from hsx_service.errors import NotReady
 
 
 class SchedulerAPI(Protocol):
     """What the routes call. Raises JobRefused, JobNotFound, JobConflict, NotReady."""
+
+    board: StatusBoard  # every job's latest status: GET /v1/jobs..., the event streams
 
     @property
     def ready(self) -> bool: ...
@@ -36,35 +44,29 @@ class SchedulerAPI(Protocol):
 
     def submit(self, spec: JobSpec, job_id: str | None) -> tuple[JobStatus, bool]: ...
 
-    def get(self, job_id: str) -> JobStatus: ...
-
-    def list(self, state: JobState | None) -> list[JobStatus]: ...
-
     def cancel(self, job_id: str) -> JobStatus: ...
 
     def errors(self, job_id: str, offset: int, limit: int) -> ErrorPage: ...
+
+    def throughput(self, job_id: str) -> Throughput: ...
 
     def train(self, job_id: str, spec: TrainSpec) -> TrainStatus: ...
 
     def train_status(self, job_id: str) -> TrainStatus: ...
 
-    def subscribe(self, job_id: str) -> queue.Queue[JobStatus | None]: ...
-
-    def unsubscribe(self, job_id: str, q: queue.Queue[JobStatus | None]) -> None: ...
-
-    def metrics(self) -> dict[str, float]: ...
+    def collect_metrics(self) -> Iterable[Metric]: ...
 
 
 class Unauthorized(Exception):
     """A /v1 call without the right API token (401; main.py maps it)."""
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_scheduler(request: Request) -> SchedulerAPI:
+async def get_scheduler(request: Request) -> SchedulerAPI:
     scheduler: SchedulerAPI | None = getattr(request.app.state, "scheduler", None)
     if scheduler is None:
         # Only between create_app and the lifespan's start; say so rather than crash.
@@ -81,7 +83,7 @@ def _same(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-def require_token(
+async def require_token(
     request: Request,
     settings: Annotated[Settings, Depends(get_settings)],
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],

@@ -2,16 +2,25 @@
 
 The output location is the truth about what is done (its commit records); the ledger is
 what the coordinator needs to answer quickly and to resume: which jobs exist, in which
-order they queue, their specs and states, and the history of attempts. After a crash it
-is reconciled from the outputs (`Scheduler.start`).
+order they queue, their specs and states, the history of attempts, and what a job's page
+shows after the job has ended (its numbers, its throughput curve, its workers' totals).
+After a crash it is reconciled from the outputs (`Scheduler.start`).
 
-One connection per thread (sqlite3 objects are not shared across threads); every write
-is one short transaction.
+One connection per thread (sqlite3 objects are not shared across threads). Writes that
+decide something (a job inserted, a state change, a plan) are one short transaction
+each, done before the call returns. The bookkeeping of a running job (unit commits and
+failures, restarts, throughput points, totals) is written behind: queued in memory and
+applied in one transaction at most `write_interval` seconds later by a writer thread,
+so the thread that drives the engines never waits on SQLite. Every read and every
+deciding write first applies what is queued, so the ledger always reads its own writes;
+a crash loses at most `write_interval` seconds of bookkeeping, which the reconcile with
+the outputs repairs where it matters (which units are committed).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -23,6 +32,8 @@ from typing import Any
 
 from hsx.spec import JobSpec, TrainSpec
 from hsx.wire import JobState, TrainState
+
+logger = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -67,6 +78,28 @@ CREATE TABLE IF NOT EXISTS commits (
     seconds REAL NOT NULL,
     PRIMARY KEY (job_id, unit)
 );
+CREATE TABLE IF NOT EXISTS throughput (
+    job_id TEXT NOT NULL,
+    at REAL NOT NULL,                -- Unix time
+    tokens_per_s REAL NOT NULL,      -- over the interval ending here
+    tokens_done INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS throughput_job ON throughput (job_id, at);
+CREATE TABLE IF NOT EXISTS job_totals (
+    job_id TEXT PRIMARY KEY,
+    totals TEXT NOT NULL,            -- JSON: JobTotals
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS worker_totals (
+    job_id TEXT NOT NULL,
+    worker TEXT NOT NULL,
+    units INTEGER NOT NULL,
+    samples INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    seconds REAL NOT NULL,
+    PRIMARY KEY (job_id, worker)
+);
 CREATE TABLE IF NOT EXISTS trainings (
     job_id TEXT PRIMARY KEY,
     spec TEXT NOT NULL,              -- TrainSpec JSON
@@ -94,11 +127,20 @@ class JobRow:
     restarts: int
 
 
+Statement = tuple[str, tuple[Any, ...]]
+
+
 class Ledger:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, write_interval: float = 0.5):
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.write_interval = write_interval
         self._local = threading.local()
+        self._pending: list[Statement] = []
+        self._pending_lock = threading.Lock()
+        self._flush_lock = threading.Lock()  # batches are applied one at a time, in order
+        self._writer: threading.Thread | None = None
+        self._closing = threading.Event()
         # executescript manages its own transaction.
         self._conn().executescript(SCHEMA)
 
@@ -113,7 +155,7 @@ class Ledger:
         return conn
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
         db = self._conn()
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -122,6 +164,57 @@ class Ledger:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """A write that decides something: what is queued goes first, then this."""
+        self.flush()
+        with self._transaction() as db:
+            yield db
+
+    def _read(self, sql: str, params: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+        self.flush()
+        return self._conn().execute(sql, params)
+
+    # ---------------------------------------------------------------- write-behind
+
+    def _defer(self, *statements: Statement) -> None:
+        """Queue bookkeeping writes; the writer thread applies them within write_interval."""
+        with self._pending_lock:
+            self._pending.extend(statements)
+            writer = self._writer
+            if writer is None and not self._closing.is_set():
+                writer = self._writer = threading.Thread(
+                    target=self._write_behind, name="hsx-ledger-writer", daemon=True)
+                writer.start()
+        if writer is None:  # closed: nobody will come back for them
+            self.flush()
+
+    def _write_behind(self) -> None:
+        while not self._closing.wait(self.write_interval):
+            try:
+                self.flush()
+            except sqlite3.Error:
+                logger.exception("ledger: a batch of bookkeeping writes failed")
+
+    def flush(self) -> None:
+        """Apply the queued writes now, in this thread, in one transaction."""
+        with self._flush_lock:
+            with self._pending_lock:
+                batch, self._pending = self._pending, []
+            if not batch:
+                return
+            with self._transaction() as db:
+                for sql, params in batch:
+                    db.execute(sql, params)
+
+    def close(self) -> None:
+        """Stop the writer thread after applying everything queued."""
+        self._closing.set()
+        writer = self._writer
+        if writer is not None:
+            writer.join(timeout=10)
+        self.flush()
 
     # ---------------------------------------------------------------- trainings
 
@@ -141,12 +234,12 @@ class Ledger:
         return row
 
     def training(self, job_id: str) -> TrainRow | None:
-        row = self._conn().execute(
+        row = self._read(
             "SELECT * FROM trainings WHERE job_id = ?", (job_id,)).fetchone()
         return _train_row(row) if row else None
 
     def trainings(self) -> list[TrainRow]:
-        rows = self._conn().execute("SELECT * FROM trainings ORDER BY created_at").fetchall()
+        rows = self._read("SELECT * FROM trainings ORDER BY created_at").fetchall()
         return [_train_row(r) for r in rows]
 
     def set_training(self, job_id: str, state: TrainState, error: str | None = None,
@@ -176,20 +269,20 @@ class Ledger:
         return row
 
     def job(self, job_id: str) -> JobRow | None:
-        row = self._conn().execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        row = self._read("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return _job_row(row) if row else None
 
     def jobs(self, state: JobState | None = None) -> list[JobRow]:
         if state is None:
-            rows = self._conn().execute("SELECT * FROM jobs ORDER BY seq").fetchall()
+            rows = self._read("SELECT * FROM jobs ORDER BY seq").fetchall()
         else:
-            rows = self._conn().execute(
+            rows = self._read(
                 "SELECT * FROM jobs WHERE state = ? ORDER BY seq", (state.value,)
             ).fetchall()
         return [_job_row(r) for r in rows]
 
     def next_queued(self) -> JobRow | None:
-        row = self._conn().execute(
+        row = self._read(
             "SELECT * FROM jobs WHERE state = ? ORDER BY seq LIMIT 1", (JobState.queued.value,)
         ).fetchone()
         return _job_row(row) if row else None
@@ -216,16 +309,16 @@ class Ledger:
                 )
 
     def set_error(self, job_id: str, error: str) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE jobs SET last_error = ? WHERE id = ?", (error, job_id))
+        """The job's last error (written behind)."""
+        self._defer(("UPDATE jobs SET last_error = ? WHERE id = ?", (error, job_id)))
 
     def request_cancel(self, job_id: str) -> None:
         with self._tx() as db:
             db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
 
     def add_restart(self, job_id: str) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE jobs SET restarts = restarts + 1 WHERE id = ?", (job_id,))
+        """One more worker restart (written behind)."""
+        self._defer(("UPDATE jobs SET restarts = restarts + 1 WHERE id = ?", (job_id,)))
 
     # ---------------------------------------------------------------- units
 
@@ -253,42 +346,48 @@ class Ledger:
             )
 
     def unit_committed(self, job_id: str, report: Any) -> None:
+        """A unit's attempt ended with its commit record (a UnitReport; written behind).
+
+        The worker's totals count the units it won (a duplicate's data was discarded).
+        """
         outcome = "committed" if report.won else "duplicate"
-        with self._tx() as db:
-            db.execute(
-                "UPDATE units SET state = 'committed', attempts = attempts + 1 "
-                "WHERE job_id = ? AND unit = ?",
-                (job_id, report.unit),
-            )
-            db.execute(
-                "INSERT INTO attempts (job_id, unit, attempt, at, outcome) "
-                "SELECT ?, ?, attempts, ?, ? FROM units WHERE job_id = ? AND unit = ?",
-                (job_id, report.unit, time.time(), outcome, job_id, report.unit),
-            )
-            db.execute(
-                "INSERT OR REPLACE INTO commits "
-                "(job_id, unit, samples, failed, tokens, bytes, seconds) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (job_id, report.unit, report.samples, len(report.errors), report.tokens,
-                 report.bytes, report.seconds),
-            )
+        statements: list[Statement] = [
+            ("UPDATE units SET state = 'committed', attempts = attempts + 1 "
+             "WHERE job_id = ? AND unit = ?", (job_id, report.unit)),
+            ("INSERT INTO attempts (job_id, unit, attempt, at, outcome) "
+             "SELECT ?, ?, attempts, ?, ? FROM units WHERE job_id = ? AND unit = ?",
+             (job_id, report.unit, time.time(), outcome, job_id, report.unit)),
+            ("INSERT OR REPLACE INTO commits "
+             "(job_id, unit, samples, failed, tokens, bytes, seconds) "
+             "VALUES (?, ?, ?, ?, ?, ?, ?)",
+             (job_id, report.unit, report.samples, len(report.errors), report.tokens,
+              report.bytes, report.seconds)),
+        ]
+        if report.won:
+            statements.append((
+                "INSERT INTO worker_totals (job_id, worker, units, samples, tokens, bytes, "
+                "seconds) VALUES (?, ?, 1, ?, ?, ?, ?) ON CONFLICT (job_id, worker) DO UPDATE "
+                "SET units = units + 1, samples = samples + excluded.samples, "
+                "tokens = tokens + excluded.tokens, bytes = bytes + excluded.bytes, "
+                "seconds = seconds + excluded.seconds",
+                (job_id, report.worker or "?", report.samples, report.tokens, report.bytes,
+                 report.seconds)))
+        self._defer(*statements)
 
     def unit_failed(self, job_id: str, unit: int, attempt: int, error: str, gave_up: bool) -> None:
-        with self._tx() as db:
-            db.execute(
-                "UPDATE units SET state = ?, attempts = ?, last_error = ? "
-                "WHERE job_id = ? AND unit = ?",
-                ("failed" if gave_up else "pending", attempt, error, job_id, unit),
-            )
-            db.execute(
-                "INSERT INTO attempts (job_id, unit, attempt, at, outcome, error) "
-                "VALUES (?, ?, ?, ?, 'failed', ?)",
-                (job_id, unit, attempt, time.time(), error),
-            )
+        """An attempt of a unit failed; `gave_up` after the last one (written behind)."""
+        self._defer(
+            ("UPDATE units SET state = ?, attempts = ?, last_error = ? "
+             "WHERE job_id = ? AND unit = ?",
+             ("failed" if gave_up else "pending", attempt, error, job_id, unit)),
+            ("INSERT INTO attempts (job_id, unit, attempt, at, outcome, error) "
+             "VALUES (?, ?, ?, ?, 'failed', ?)",
+             (job_id, unit, attempt, time.time(), error)),
+        )
 
     def failed_units(self, job_id: str) -> list[tuple[int, int, int, str]]:
         """(unit, row_start, row_end, last_error) of units given up."""
-        rows = self._conn().execute(
+        rows = self._read(
             "SELECT unit, row_start, row_end, last_error FROM units "
             "WHERE job_id = ? AND state = 'failed' ORDER BY unit",
             (job_id,),
@@ -296,10 +395,49 @@ class Ledger:
         return [(r["unit"], r["row_start"], r["row_end"], r["last_error"] or "") for r in rows]
 
     def unit_seconds(self) -> tuple[float, int]:
-        """Sum and count of unit durations, over every job (for /metrics)."""
-        row = self._conn().execute("SELECT COALESCE(SUM(seconds), 0), COUNT(*) FROM commits")
+        """Sum and count of unit durations, over every job."""
+        row = self._read("SELECT COALESCE(SUM(seconds), 0), COUNT(*) FROM commits")
         total, count = row.fetchone()
         return float(total), int(count)
+
+    # ---------------------------------------------------------------- what a job page shows
+
+    def add_throughput(self, job_id: str, at: float, tokens_per_s: float,
+                       tokens_done: int) -> None:
+        """One point of the job's throughput curve (written behind)."""
+        self._defer(("INSERT INTO throughput (job_id, at, tokens_per_s, tokens_done) "
+                     "VALUES (?, ?, ?, ?)", (job_id, at, tokens_per_s, tokens_done)))
+
+    def throughput(self, job_id: str) -> list[tuple[float, float, int]]:
+        """The job's throughput curve: (Unix time, tokens/s, tokens done), in time order."""
+        rows = self._read(
+            "SELECT at, tokens_per_s, tokens_done FROM throughput WHERE job_id = ? ORDER BY at",
+            (job_id,),
+        ).fetchall()
+        return [(float(r[0]), float(r[1]), int(r[2])) for r in rows]
+
+    def put_totals(self, job_id: str, totals: dict[str, Any]) -> None:
+        """The job's numbers as last seen (a JSON object; written behind)."""
+        self._defer(("INSERT OR REPLACE INTO job_totals (job_id, totals, updated_at) "
+                     "VALUES (?, ?, ?)", (job_id, json.dumps(totals), time.time())))
+
+    def totals(self) -> dict[str, dict[str, Any]]:
+        """Every job's numbers as last put, by job id."""
+        rows = self._read("SELECT job_id, totals FROM job_totals").fetchall()
+        return {r["job_id"]: json.loads(r["totals"]) for r in rows}
+
+    def worker_totals(self, job_id: str | None = None) -> dict[str, list[dict[str, Any]]]:
+        """Per worker: units, samples, tokens, bytes and seconds it committed, by job id."""
+        sql = "SELECT * FROM worker_totals"
+        rows = self._read(sql + " WHERE job_id = ? ORDER BY worker", (job_id,)).fetchall() \
+            if job_id is not None else self._read(sql + " ORDER BY job_id, worker").fetchall()
+        out: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            out.setdefault(r["job_id"], []).append({
+                "name": r["worker"], "units": int(r["units"]), "samples": int(r["samples"]),
+                "tokens": int(r["tokens"]), "bytes": int(r["bytes"]),
+                "seconds": float(r["seconds"])})
+        return out
 
 
 @dataclass

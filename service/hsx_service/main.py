@@ -19,6 +19,10 @@ Every non-2xx response carries an `ErrorBody` (hsx.wire):
 | anything else | 500 | InternalError |
 
 `field` is the dotted location of the culprit as the client sent it (`spec.layers`).
+
+Each app owns its Prometheus registry (`app.state.registry`), with one collector that
+asks the app's scheduler at every scrape (routes/ops.py): two apps in one process (tests,
+the demo) never share metrics, and nothing lands in prometheus_client's global registry.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hsx import __version__
@@ -43,6 +48,7 @@ from hsx_service.config import Settings
 from hsx_service.deps import Unauthorized
 from hsx_service.errors import JobConflict, JobNotFound, JobRefused, NotReady, refused_field
 from hsx_service.routes import jobs, models, ops
+from hsx_service.routes.ops import SchedulerCollector
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +92,8 @@ def create_app(settings: Settings | None = None, scheduler: Any | None = None) -
     )
     app.state.settings = settings
     app.state.scheduler = scheduler
+    app.state.registry = CollectorRegistry(auto_describe=False)
+    app.state.registry.register(SchedulerCollector(lambda: app.state.scheduler))
     _redact_access_logs()
     _add_error_handlers(app)
     app.include_router(jobs.router)

@@ -98,6 +98,7 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Path]:
     except ModelConfigError as err:
         raise JobRefused(str(err)) from None
     check_capturable(spec, info, layers)
+    check_engine_args(spec, info)
     if not Path(spec.dataset).exists():
         raise JobRefused(f"dataset: {spec.dataset} does not exist")
     if spec.engine == "hf" and spec.tensor_parallel_size > 1:
@@ -176,6 +177,34 @@ def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
             f"model: {info.architecture} cannot be captured with engine {spec.engine}: "
             + " ".join(report.reasons)
         )
+
+
+def check_engine_args(spec: JobSpec, info: ModelInfo) -> None:
+    """Refuse `vllm:` keys that the installed vLLM does not take, or that hsx sets itself,
+    and settings under which the installed vLLM is known to capture wrong states."""
+    passed = spec.vllm.engine_args()
+    if spec.engine != "vllm":
+        if passed:
+            raise JobRefused(f"vllm: {', '.join(sorted(passed))} are vLLM engine arguments, "
+                             f"but the job's engine is {spec.engine}")
+        return
+    try:
+        from hsx_workers import vllm_compat
+    except ImportError:  # the workers' package is not installed here
+        return
+    problem = vllm_compat.capture_problem(uses_mla=info.uses_mla,
+                                          enforce_eager=spec.vllm.enforce_eager)
+    if problem:
+        raise JobRefused(f"vllm.enforce_eager: {problem}")
+    if not passed:
+        return
+    try:
+        known: frozenset[str] | None = vllm_compat.engine_arg_names()
+    except ImportError:  # no vLLM here: the engine's own start says what it refuses
+        known = None
+    problem = vllm_compat.engine_args_problem(passed, known)
+    if problem:
+        raise JobRefused(f"vllm: {problem}")
 
 
 def output_quota(quota_bytes: int | None = None) -> int | None:

@@ -67,6 +67,9 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int]) -> Any
     if spec.vllm.enforce_eager:
         options["enforce_eager"] = True
     options["gpu_memory_utilization"] = spec.vllm.gpu_memory_utilization
+    options["max_inflight_tokens"] = spec.vllm.max_inflight_tokens
+    if spec.vllm.engine_args():
+        options["engine_args"] = spec.vllm.engine_args()
     return EngineConfig(
         model=spec.model,
         layers=layers,
@@ -77,6 +80,7 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int]) -> Any
         trust_remote_code=spec.trust_remote_code,
         dtype=spec.vllm.dtype,
         options=options,
+        storage_dtype=spec.storage_dtype,
     )
 
 
@@ -122,16 +126,26 @@ def _cpu_binding(replica: int, replicas: int, tp: int) -> str | None:
     return "|".join(ranks)
 
 
+DISPATCH_DEPTH = 2
+"""Units queued on one worker at a time: while one commits or finishes its last
+requests, the next one's requests already keep the engine busy (worker.py)."""
+
+
 @dataclass
 class _Slot:
     name: str
     actor: Any
     state: str = "starting"  # starting | idle | busy
     ready_ref: Any = None
-    unit: WorkUnit | None = None
-    ref: Any = None
+    # The units this worker holds, in dispatch order: object ref of run_unit -> unit.
+    inflight: dict[Any, WorkUnit] = field(default_factory=dict)
     units_run: int = 0
     placement_group: Any = None
+
+    @property
+    def unit(self) -> WorkUnit | None:
+        """The oldest unit this worker holds (the one it works on first)."""
+        return next(iter(self.inflight.values()), None)
 
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -183,7 +197,8 @@ class EnginePool:
             options: dict[str, Any] = {
                 "max_restarts": -1,
                 "max_task_retries": 0,
-                "max_concurrency": 2,  # progress() answers while run_unit runs
+                # run_unit calls wait side by side (DISPATCH_DEPTH); progress() answers.
+                "max_concurrency": DISPATCH_DEPTH + 2,
                 "runtime_env": {"env_vars": env},
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=pg,
@@ -389,9 +404,13 @@ def execute(
 ) -> DispatchResult:
     """Feed the job's pending units to its workers until none is left (or cancelled).
 
-    A unit that fails `max_attempts` times is given up: it stays uncommitted (a rerun
-    retries it) and the others go on. On cancel, dispatch stops and running units end
-    by committing; nothing half-written becomes visible either way.
+    Each worker holds up to DISPATCH_DEPTH units, so its engine never drains between
+    them. A worker that fails (its process died, or a unit raised) is restarted, and
+    every unit it held counts an attempt and is retried alone on a worker, so a unit
+    that kills engines is told apart from the units that were beside it. A unit that
+    fails `max_attempts` times is given up: it stays uncommitted (a rerun retries it)
+    and the others go on. On cancel, dispatch stops and the units already handed out
+    end by committing; nothing half-written becomes visible either way.
     """
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -406,7 +425,8 @@ def execute(
     progress = initial_progress(job)
     queue: deque[WorkUnit] = deque(job.pending)
     attempts: dict[int, int] = {}
-    live: dict[str, tuple[int, int]] = {}  # slot -> (samples, tokens) of its running unit
+    alone: set[int] = set()  # units that were on a failed worker: retried one at a time
+    live: dict[int, tuple[int, int]] = {}  # unit -> (samples, tokens) while it runs
     last_poll = 0.0
 
     def emit(extra_live: bool) -> None:
@@ -423,24 +443,29 @@ def execute(
         if hooks.on_progress is not None:
             hooks.on_progress(shown)
 
-    def fail_unit(slot: _Slot, err: BaseException) -> None:
-        unit = slot.unit
-        if unit is None:
-            raise JobFailed(f"{slot.name}: {_first_line(err)}") from err
+    def fail_slot(slot: _Slot, err: BaseException, kill: bool) -> None:
+        """Every unit the worker held failed an attempt; restart the worker."""
         message = _first_line(err)
-        attempts[unit.unit] = attempts.get(unit.unit, 0) + 1
-        gave_up = attempts[unit.unit] >= max_attempts
-        logger.warning("unit %d failed on %s (attempt %d): %s",
-                       unit.unit, slot.name, attempts[unit.unit], message)
-        if hooks.on_unit_error is not None:
-            hooks.on_unit_error(unit, attempts[unit.unit], message, gave_up)
-        if gave_up:
-            result.failed_units[unit.unit] = message
-            progress.units_failed += 1
-        else:
-            queue.appendleft(unit)
-        slot.unit, slot.ref = None, None
-        live.pop(slot.name, None)
+        if not slot.inflight:
+            raise JobFailed(f"{slot.name}: {message}") from err
+        retry = []
+        for unit in slot.inflight.values():
+            attempts[unit.unit] = attempts.get(unit.unit, 0) + 1
+            gave_up = attempts[unit.unit] >= max_attempts
+            logger.warning("unit %d failed on %s (attempt %d): %s",
+                           unit.unit, slot.name, attempts[unit.unit], message)
+            if hooks.on_unit_error is not None:
+                hooks.on_unit_error(unit, attempts[unit.unit], message, gave_up)
+            live.pop(unit.unit, None)
+            if gave_up:
+                result.failed_units[unit.unit] = message
+                progress.units_failed += 1
+            else:
+                alone.add(unit.unit)
+                retry.append(unit)
+        queue.extendleft(reversed(retry))
+        slot.inflight.clear()
+        restart(slot, kill)
 
     def restart(slot: _Slot, kill: bool) -> None:
         pool.restarts += 1
@@ -453,6 +478,22 @@ def execute(
         if hooks.on_restart is not None:
             hooks.on_restart(slot.name)
 
+    def dispatch(slot: _Slot) -> bool:
+        """Hand the slot units up to its depth; a unit retried alone gets a slot to itself."""
+        sent = False
+        while queue and len(slot.inflight) < DISPATCH_DEPTH:
+            if any(u.unit in alone for u in slot.inflight.values()):
+                break
+            if queue[0].unit in alone and slot.inflight:
+                break
+            unit = queue.popleft()
+            ref = slot.actor.run_unit.remote(str(job.output), spec.storage_dtype, unit,
+                                             spec.checksum)
+            slot.inflight[ref] = unit
+            slot.state = "busy"
+            sent = True
+        return sent
+
     # Engines that start together begin together: a job with `replicas: 2` should not
     # be finished by the first engine while the second is still loading. A slow
     # starter holds the others back for START_GRACE_S at most.
@@ -460,7 +501,7 @@ def execute(
     first_ready: float | None = None
 
     emit(False)
-    while any(s.state == "busy" for s in slots) or (queue and not result.cancelled):
+    while any(s.inflight for s in slots) or (queue and not result.cancelled):
         if not gate_open:
             gate_open = all(s.state != "starting" for s in slots) or (
                 first_ready is not None and time.monotonic() - first_ready > START_GRACE_S
@@ -471,24 +512,28 @@ def execute(
             emit(False)
             continue
         dispatched = False
-        for slot in slots:
-            if slot.state == "idle" and queue and gate_open:
-                unit = queue.popleft()
-                slot.unit, slot.state = unit, "busy"
-                slot.ref = slot.actor.run_unit.remote(str(job.output), spec.storage_dtype, unit)
-                dispatched = True
+        if gate_open:
+            for slot in slots:
+                if slot.state in ("idle", "busy"):
+                    dispatched = dispatch(slot) or dispatched
         if dispatched:
             if progress.rate_since is None:
                 progress.rate_since = time.time()
             emit(False)
-        waiting = {s.ref if s.state == "busy" else s.ready_ref: s for s in slots
-                   if s.state in ("busy", "starting")}
+        waiting: dict[Any, _Slot] = {}
+        for slot in slots:
+            if slot.state == "starting":
+                waiting[slot.ready_ref] = slot
+            for ref in slot.inflight:
+                waiting[ref] = slot
         if not waiting:
             raise JobFailed("no engine is running and work remains")
         done, _ = ray.wait(list(waiting), num_returns=1, timeout=POLL_S)
         for ref in done:
             slot = waiting[ref]
             if slot.state == "starting":
+                if ref is not slot.ready_ref:
+                    continue  # a unit of the worker before its restart: already failed
                 try:
                     ray.get(ref)
                     slot.state = "idle"
@@ -501,19 +546,21 @@ def execute(
                 if first_ready is None:
                     first_ready = time.monotonic()
                 continue
+            if ref not in slot.inflight:
+                continue  # failed with its worker earlier in this round
             try:
                 report = ray.get(ref)
-            except RayActorError as err:  # the actor process died mid-unit
-                fail_unit(slot, err)
-                restart(slot, kill=False)
+            except RayActorError as err:  # the actor process died
+                fail_slot(slot, err, kill=False)
                 continue
-            except RayTaskError as err:  # the unit raised: restart the engine, retry
-                fail_unit(slot, err)
-                restart(slot, kill=True)
+            except RayTaskError as err:  # a unit raised: restart the engine, retry its units
+                fail_slot(slot, err, kill=True)
                 continue
-            slot.state, slot.unit, slot.ref = "idle", None, None
+            unit = slot.inflight.pop(ref)
+            alone.discard(unit.unit)
+            slot.state = "busy" if slot.inflight else "idle"
             slot.units_run += 1
-            live.pop(slot.name, None)
+            live.pop(unit.unit, None)
             progress.units_done += 1
             progress.shards += 1
             progress.samples_done += report.samples + len(report.errors)
@@ -525,12 +572,14 @@ def execute(
                 hooks.on_unit_done(report)
         if time.monotonic() - last_poll >= POLL_S:
             last_poll = time.monotonic()
-            busy = [s for s in slots if s.state == "busy"]
+            busy = [s for s in slots if s.inflight]
             refs = [s.actor.progress.remote() for s in busy]
             try:
-                for slot, live_now in zip(busy, ray.get(refs, timeout=POLL_S), strict=True):
-                    if slot.unit is not None and live_now["unit"] == slot.unit.unit:
-                        live[slot.name] = (live_now["samples"], live_now["tokens"])
+                for slot, units in zip(busy, ray.get(refs, timeout=POLL_S), strict=True):
+                    held = {u.unit for u in slot.inflight.values()}
+                    for unit, counts in units.items():
+                        if unit in held:
+                            live[unit] = (int(counts[0]), int(counts[1]))
             except (GetTimeoutError, RayActorError, RayTaskError):
                 pass
             emit(True)

@@ -1,11 +1,19 @@
 """The coordinator's scheduler: jobs from the ledger, run one after another on Ray.
 
-Routes call `submit`, `get`, `list`, `cancel`, `errors`, `subscribe` — all quick: they
-validate, read the ledger and enqueue. One background thread takes the oldest queued
-job and runs it to the end with the same `execute` the CLI uses (runner.py): prepare
-(ingest, plan), then units fed to `replicas` engine actors, restarts and retries
-included. Progress goes to the ledger (units, attempts, commits) and to subscribers
-(the SSE streams).
+Routes call `submit`, `cancel`, `errors`, `throughput` — all quick: they validate, read
+the ledger and enqueue — and read statuses from `board` (board.py), where the scheduler
+posts every job's status when it changes: a GET or an event stream costs no SQLite and
+no status building, whatever the number of clients. One background thread takes the
+oldest queued job and runs it to the end with the same `execute` the CLI uses
+(runner.py): prepare (ingest, plan), then units fed to `replicas` engine actors,
+restarts and retries included. Progress goes to the board (a status at most every
+PUBLISH_INTERVAL_S, state changes at once), to the metrics (metrics.py) and to the
+ledger, whose bookkeeping of a running job is written behind (ledger.py), so the thread
+that drives the engines never waits on SQLite or on clients.
+
+What a job's page shows after the end is kept in the ledger as the job runs: its
+numbers, its throughput curve (a point every CURVE_INTERVAL_S) and average, and what
+each worker committed.
 
 On `start` the ledger is reconciled with the outputs — the outputs' commit records are
 the truth — and every job that was running when the coordinator stopped is queued
@@ -15,22 +23,37 @@ again, ahead of newer ones, so a `kill -9` costs only the units that were in fli
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
-import queue
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.core import Metric
 
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
 from hsx.shards import committed_units, read_commits
 from hsx.spec import JobSpec, TrainSpec
-from hsx.wire import ErrorPage, ErrorRecord, JobState, JobStatus, TrainStatus, WorkerStatus
+from hsx.wire import (
+    ErrorPage,
+    ErrorRecord,
+    JobState,
+    JobStatus,
+    Throughput,
+    ThroughputPoint,
+    TrainState,
+    TrainStatus,
+    WorkerStatus,
+    WorkerTotals,
+)
+from hsx_service.board import StatusBoard
 from hsx_service.errors import JobConflict, JobNotFound, NotReady
 from hsx_service.ledger import JobRow, Ledger
+from hsx_service.metrics import JobMetrics, is_recent
 from hsx_service.prepare import (
     JobRefused,
     PreparedJob,
@@ -58,6 +81,8 @@ from hsx_service.training import Trainings
 logger = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.25  # at most this often per job, for progress (not state) changes
+CURVE_INTERVAL_S = 2.0  # a throughput point this often while a job extracts
+CURVE_POINTS = 600  # most points `throughput` returns
 
 
 class Scheduler:
@@ -73,14 +98,26 @@ class Scheduler:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._live: dict[str, JobProgress] = {}  # running (or last run) job's progress
-        self._finished: dict[str, JobProgress] = {}  # numbers of ended jobs, read once
         self._cancel: set[str] = set()
-        self._subscribers: dict[str, builtins.list[queue.Queue[JobStatus | None]]] = (
-            defaultdict(list)
-        )
-        self._last_publish: dict[str, float] = {}
         self.trainings = Trainings(self.ledger)
+        self.board = StatusBoard()
+        self.job_metrics = JobMetrics()
+        self._publish_lock = threading.Lock()  # one status built and posted at a time
+        self._last_publish: dict[str, float] = {}
+        # The ledger's job rows as last read or written here (replaced, never mutated).
+        self._rows: dict[str, JobRow] = {}
+        self._live: dict[str, JobProgress] = {}  # progress of the job running now
+        # Numbers of jobs not running now (ledger job_totals), and of previous runs.
+        self._totals: dict[str, dict[str, Any]] = self.ledger.totals()
+        self._workers: dict[str, dict[str, WorkerTotals]] = {
+            job_id: {w["name"]: WorkerTotals(**w) for w in workers}
+            for job_id, workers in self.ledger.worker_totals().items()
+        }
+        self._run_base: dict[str, tuple[int, float]] = {}  # earlier runs' (tokens, seconds)
+        self._curve_mark: dict[str, tuple[float, int]] = {}  # last curve point (time, tokens)
+        for row in self.ledger.jobs():
+            self._rows[row.id] = row
+            self._publish(row.id, force=True)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -102,13 +139,14 @@ class Scheduler:
             self._thread.join(timeout=30)
         self.trainings.stop()
         self.pool.shutdown()
+        self.ledger.close()
 
     def _reconcile(self) -> None:
         """After a restart: running jobs go back to the queue, units agree with outputs."""
         for row in self.ledger.jobs():
             if row.state == JobState.running:
                 logger.info("resuming job %s after a coordinator restart", row.id)
-                self.ledger.set_state(row.id, JobState.queued)
+                self._set_state(row.id, JobState.queued)
             if not row.state.finished:
                 root = output_path(row.output)
                 if root.exists():
@@ -135,27 +173,31 @@ class Scheduler:
             if raced is None:
                 raise RuntimeError(f"ledger lost job {job_id}")
             return self._same_or_conflict(raced, spec), False
+        self._rows[job_id] = row
+        self._publish(job_id, force=True)
         with self._wake:
             self._wake.notify_all()
-        self._publish(job_id, force=True)
-        return self._status(row), True
+        return self.get(job_id), True
 
     def _same_or_conflict(self, row: JobRow, spec: JobSpec) -> JobStatus:
         if row.spec.model_dump() != spec.model_dump():
             raise JobConflict(f"job {row.id} already exists with a different spec")
-        return self._status(row)
+        return self.get(row.id)
 
     def get(self, job_id: str) -> JobStatus:
-        return self._status(self._row(job_id))
+        """The job's status as last posted on the board."""
+        post = self.board.get(job_id)
+        if post is None:
+            raise JobNotFound(job_id)
+        return post.status
 
     def list(self, state: JobState | None = None) -> builtins.list[JobStatus]:
-        return [self._status(row) for row in self.ledger.jobs(state)]
+        return [post.status for post in self.board.list(state)]
 
     def cancel(self, job_id: str) -> JobStatus:
         row = self._row(job_id)
         if row.state == JobState.queued:
-            self.ledger.set_state(job_id, JobState.cancelled)
-            self._publish(job_id, force=True, final=True)
+            self._set_state(job_id, JobState.cancelled)
         elif row.state == JobState.running:
             self.ledger.request_cancel(job_id)
             with self._lock:
@@ -187,87 +229,89 @@ class Scheduler:
                 f"job {job_id} has no training; POST /v1/jobs/{job_id}/train starts one")
         return self.trainings.status(training, output_path(row.output))
 
-    def subscribe(self, job_id: str) -> queue.Queue[JobStatus | None]:
-        row = self._row(job_id)
-        q: queue.Queue[JobStatus | None] = queue.Queue()
-        with self._lock:
-            self._subscribers[job_id].append(q)
-        q.put(self._status(row))
-        if row.state.finished:
-            q.put(None)
-        return q
+    def throughput(self, job_id: str) -> Throughput:
+        """The job's tokens/s over time (kept after it ends), at most CURVE_POINTS points."""
+        status = self.get(job_id)
+        points = [ThroughputPoint(at=at, tokens_per_s=round(rate, 1), tokens_done=tokens)
+                  for at, rate, tokens in thin_curve(self.ledger.throughput(job_id),
+                                                     CURVE_POINTS)]
+        return Throughput(job_id=job_id, tokens_per_s_avg=status.tokens_per_s_avg, points=points)
 
-    def unsubscribe(self, job_id: str, q: queue.Queue[JobStatus | None]) -> None:
-        with self._lock:
-            subs = self._subscribers.get(job_id, [])
-            if q in subs:
-                subs.remove(q)
-
-    def metrics(self) -> dict[str, float]:
-        db = self.ledger
-        rows = db._conn().execute(
-            "SELECT COALESCE(SUM(samples),0), COALESCE(SUM(failed),0), COALESCE(SUM(tokens),0), "
-            "COALESCE(SUM(bytes),0), COUNT(*) FROM commits"
-        ).fetchone()
-        seconds, count = db.unit_seconds()
-        jobs = db.jobs()
-        out: dict[str, float] = {
-            "hsx_samples_total": rows[0],
-            "hsx_samples_failed_total": rows[1],
-            "hsx_tokens_total": rows[2],
-            "hsx_bytes_total": rows[3],
-            "hsx_shards_total": rows[4],
-            "hsx_unit_seconds_sum": seconds,
-            "hsx_unit_seconds_count": count,
-            "hsx_queue_depth": sum(j.state == JobState.queued for j in jobs),
-            "hsx_worker_restarts_total": sum(j.restarts for j in jobs),
-        }
-        for state in JobState:
-            out[f'hsx_jobs{{state="{state.value}"}}'] = sum(j.state == state for j in jobs)
-        return out
+    def collect_metrics(self) -> Iterator[Metric]:
+        """The metric families of one /metrics scrape (metrics.py)."""
+        now = time.time()
+        statuses = self.list()
+        by_id = {s.id: s for s in statuses}
+        trainings: builtins.list[TrainStatus] = []
+        for row in self.ledger.trainings():
+            job = by_id.get(row.job_id)
+            if job is None or not (row.state in (TrainState.starting, TrainState.running)
+                                   or is_recent(job, now)):
+                continue
+            try:
+                trainings.append(self.trainings.status(row, output_path(job.output)))
+            except OSError:
+                logger.warning("metrics: cannot read the training of %s", row.job_id,
+                               exc_info=True)
+        return self.job_metrics.families(statuses, trainings, self._ready, now)
 
     # ------------------------------------------------------------ status
 
     def _row(self, job_id: str) -> JobRow:
-        row = self.ledger.job(job_id)
+        row = self._rows.get(job_id) or self.ledger.job(job_id)
         if row is None:
             raise JobNotFound(job_id)
         return row
 
+    def _set_state(self, job_id: str, state: JobState, error: str | None = None) -> None:
+        """Write a state change, refresh the row from the ledger, post the status."""
+        self.ledger.set_state(job_id, state, error)
+        row = self.ledger.job(job_id)
+        if row is not None:
+            self._rows[job_id] = row
+        self._publish(job_id, force=True)
+
     def _status(self, row: JobRow) -> JobStatus:
-        live = self._live.get(row.id)
+        live = self._live.get(row.id) if row.state == JobState.running else None
+        numbers = self._totals.get(row.id)
+        if live is None and numbers is None:
+            numbers = self._totals_from_output(row)
         status = JobStatus(
             id=row.id, name=row.spec.name, state=row.state, output=row.output,
             created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
             restarts=row.restarts, last_error=row.last_error, spec=row.spec,
             updated_at=time.time(),
         )
-        if live is None:
-            live = self._progress_from_output(row)
         if live is not None:
-            status.samples_total = live.samples_total
-            status.samples_done = live.samples_done
-            status.samples_failed = live.samples_failed
-            status.tokens_total = live.tokens_total
-            status.tokens_done = live.tokens_done
-            status.bytes = live.bytes
-            status.shards = live.shards
-            status.units_total = live.units_total
-            status.units_done = live.units_done
-            status.units_failed = live.units_failed
-            if row.state == JobState.running:
-                status.tokens_per_s = round(live.tokens_per_s(), 1)
-                status.eta_s = live.eta_s()
-                status.workers = [
-                    WorkerStatus(name=name, state=state, unit=live.worker_units.get(name))
-                    for name, state in sorted(live.workers.items())
-                ]
+            numbers = self._live_totals(row.id, live)
+            status.tokens_per_s = round(live.tokens_per_s(), 1)
+            status.eta_s = live.eta_s()
+            status.workers = [
+                WorkerStatus(name=name, state=state, unit=live.worker_units.get(name))
+                for name, state in sorted(live.workers.items())
+            ]
+        if numbers is not None:
+            for name in _STATUS_NUMBERS:
+                setattr(status, name, int(numbers.get(name, 0)))
+            seconds = float(numbers.get("run_seconds", 0.0))
+            if seconds > 0:
+                status.tokens_per_s_avg = round(float(numbers.get("run_tokens", 0)) / seconds, 1)
+        with self._lock:
+            status.worker_totals = sorted(self._workers.get(row.id, {}).values(),
+                                          key=lambda w: w.name)
         return status
 
-    def _progress_from_output(self, row: JobRow) -> JobProgress | None:
-        """Numbers of a job that is not running now, read back from its output."""
-        if row.id in self._finished:
-            return self._finished[row.id]
+    def _live_totals(self, job_id: str, live: JobProgress) -> dict[str, Any]:
+        """The numbers of a running job: its progress, plus its earlier runs' time."""
+        numbers = {name: getattr(live, name) for name in _STATUS_NUMBERS}
+        base_tokens, base_seconds = self._run_base.get(job_id, (0, 0.0))
+        ran = time.time() - live.rate_since if live.rate_since is not None else 0.0
+        numbers.update(run_tokens=base_tokens + live.rate_tokens, run_seconds=base_seconds + ran)
+        return numbers
+
+    def _totals_from_output(self, row: JobRow) -> dict[str, Any] | None:
+        """Numbers of a job the ledger has none for (it ran under an older hsx), read once
+        from its output and kept in the ledger."""
         root = output_path(row.output)
         if not (root / "manifest.json").exists():
             return None
@@ -276,9 +320,11 @@ class Scheduler:
         except (OSError, ValueError):
             return None
         progress.units_failed = len(self.ledger.failed_units(row.id))
+        numbers = {name: getattr(progress, name) for name in _STATUS_NUMBERS}
         if row.state.finished:
-            self._finished[row.id] = progress
-        return progress
+            self._totals[row.id] = numbers
+            self.ledger.put_totals(row.id, numbers)
+        return numbers
 
     def _error_records(self, row: JobRow) -> builtins.list[ErrorRecord]:
         root = output_path(row.output)
@@ -304,20 +350,25 @@ class Scheduler:
                     records[int(index)] = f"unit {unit} was given up: {error}"
         return [ErrorRecord(sample_index=i, reason=r) for i, r in sorted(records.items())]
 
-    def _publish(self, job_id: str, *, force: bool = False, final: bool = False) -> None:
+    def _publish(self, job_id: str, *, force: bool = False) -> None:
+        """Post the job's status on the board (progress at most every PUBLISH_INTERVAL_S)."""
         now = time.monotonic()
         if not force and now - self._last_publish.get(job_id, 0.0) < PUBLISH_INTERVAL_S:
             return
         self._last_publish[job_id] = now
-        with self._lock:
-            subs = list(self._subscribers.get(job_id, []))
-        if not subs:
+        row = self._rows.get(job_id)
+        if row is None:
             return
-        status = self.get(job_id)
-        for q in subs:
-            q.put(status)
-            if final:
-                q.put(None)
+        with self._publish_lock:
+            status = self._status(self._rows.get(job_id, row))
+            previous = self.board.get(job_id)
+            if (status.state == JobState.running and previous is not None
+                    and previous.status.state == JobState.running):
+                # Shown numbers never go back during a run: between two polls of the
+                # workers the progress counts committed units only.
+                status.samples_done = max(status.samples_done, previous.status.samples_done)
+                status.tokens_done = max(status.tokens_done, previous.status.tokens_done)
+            self.board.post(status)
 
     # ------------------------------------------------------------ the job thread
 
@@ -336,13 +387,11 @@ class Scheduler:
                 self._run(row)
             except Exception:  # never let one job's bug stop the scheduler
                 logger.exception("job %s: unexpected error", row.id)
-                self.ledger.set_state(row.id, JobState.failed, "internal error; see the logs")
-                self._publish(row.id, force=True, final=True)
+                self._end(row.id, JobState.failed, "internal error; see the logs")
 
     def _run(self, row: JobRow) -> None:
         job_id = row.id
-        self.ledger.set_state(job_id, JobState.running)
-        self._publish(job_id, force=True)
+        self._set_state(job_id, JobState.running)
         started = time.time()
         try:
             job = prepare(row.spec)
@@ -352,7 +401,7 @@ class Scheduler:
         self.ledger.plan(job_id, [(u.unit, u.row_start, u.row_end, u.tokens) for u in job.units])
         self.ledger.reconcile_units(job_id, {u.unit for u in job.units} - {
             u.unit for u in job.pending})
-        self._live[job_id] = initial_progress(job)
+        self._start_run(job_id, initial_progress(job))
         if row.spec.train is not None and self.ledger.training(job_id) is None:
             # Started now, it follows the shards as they are committed (or waits for the
             # end when `follow` is off).
@@ -360,10 +409,10 @@ class Scheduler:
 
         hooks = DispatchHooks(
             on_progress=lambda p: self._on_progress(job_id, p),
-            on_unit_done=lambda report: self.ledger.unit_committed(job_id, report),
+            on_unit_done=lambda report: self._on_unit_done(job_id, report),
             on_unit_error=lambda unit, attempt, msg, gave_up: self._on_unit_error(
                 job_id, unit, attempt, msg, gave_up),
-            on_restart=lambda _name: self.ledger.add_restart(job_id),
+            on_restart=lambda _name: self._on_restart(job_id),
             cancelled=lambda: job_id in self._cancel,
         )
         # Engines stay warm between jobs on the same config; others give their place.
@@ -385,27 +434,104 @@ class Scheduler:
             finish(job, summarize(job, started))
             self._end(job_id, JobState.succeeded, None)
 
+    # The hooks below run in the thread that drives the engines: memory, the board and
+    # queued ledger writes only.
+
+    def _start_run(self, job_id: str, progress: JobProgress) -> None:
+        previous = self._totals.pop(job_id, {})
+        self._run_base[job_id] = (int(previous.get("run_tokens", 0)),
+                                  float(previous.get("run_seconds", 0.0)))
+        self._curve_mark.pop(job_id, None)
+        self._live[job_id] = progress
+        self.job_metrics.run_started(job_id, progress.tokens_done, progress.samples_done,
+                                     progress.bytes, progress.shards)
+        self._publish(job_id, force=True)
+
     def _on_progress(self, job_id: str, progress: JobProgress) -> None:
         previous = self._live.get(job_id)
         self._live[job_id] = progress
         # A worker changing state is news; plain counters are throttled.
         changed = previous is None or previous.workers != progress.workers
         self._publish(job_id, force=changed)
+        self._curve(job_id, progress)
+
+    def _curve(self, job_id: str, progress: JobProgress, last: bool = False) -> None:
+        """A throughput point every CURVE_INTERVAL_S of dispatching (and at the end)."""
+        if progress.rate_since is None:
+            return  # engines still starting: nothing extracted in this run yet
+        now = time.time()
+        mark = self._curve_mark.get(job_id)
+        if mark is None:
+            mark = self._curve_mark[job_id] = (progress.rate_since,
+                                               progress.tokens_done - progress.rate_tokens)
+        post = self.board.get(job_id)
+        tokens = max(progress.tokens_done, post.status.tokens_done if post else 0)
+        elapsed = now - mark[0]
+        if elapsed < (0.5 if last else CURVE_INTERVAL_S):
+            return
+        self._curve_mark[job_id] = (now, tokens)
+        self.ledger.add_throughput(job_id, now, max(tokens - mark[1], 0) / elapsed, tokens)
+        self.ledger.put_totals(job_id, self._live_totals(job_id, progress))
+
+    def _on_unit_done(self, job_id: str, report: Any) -> None:
+        self.ledger.unit_committed(job_id, report)
+        self.job_metrics.unit_done(job_id, report)
+        if report.won:
+            with self._lock:
+                workers = self._workers.setdefault(job_id, {})
+                w = workers.get(report.worker) or WorkerTotals(name=report.worker or "?")
+                workers[w.name] = w.model_copy(update={
+                    "units": w.units + 1, "samples": w.samples + report.samples,
+                    "tokens": w.tokens + report.tokens, "bytes": w.bytes + report.bytes,
+                    "seconds": round(w.seconds + report.seconds, 3)})
+
+    def _on_restart(self, job_id: str) -> None:
+        self.ledger.add_restart(job_id)
+        row = self._rows.get(job_id)
+        if row is not None:
+            self._rows[job_id] = dataclasses.replace(row, restarts=row.restarts + 1)
+        self._publish(job_id, force=True)
 
     def _on_unit_error(
         self, job_id: str, unit: WorkUnit, attempt: int, message: str, gave_up: bool
     ) -> None:
+        error = f"unit {unit.unit} attempt {attempt}: {message}"
         self.ledger.unit_failed(job_id, unit.unit, attempt, message, gave_up)
-        self.ledger.set_error(job_id, f"unit {unit.unit} attempt {attempt}: {message}")
+        self.ledger.set_error(job_id, error)
+        self.job_metrics.unit_failed(job_id)
+        row = self._rows.get(job_id)
+        if row is not None:
+            self._rows[job_id] = dataclasses.replace(row, last_error=error)
+        self._publish(job_id, force=True)  # an error is news, like a worker's state
 
     def _end(self, job_id: str, state: JobState, error: str | None) -> None:
-        live = self._live.get(job_id)
+        live = self._live.pop(job_id, None)
         if live is not None:
-            live.workers.clear()
+            self._curve(job_id, live, last=True)
+            numbers = self._live_totals(job_id, live)
+            self._totals[job_id] = numbers
+            self.ledger.put_totals(job_id, numbers)
         with self._lock:
             self._cancel.discard(job_id)
-        self.ledger.set_state(job_id, state, error)
-        self._publish(job_id, force=True, final=True)
+        self._set_state(job_id, state, error)  # applies the queued writes first
+
+
+_STATUS_NUMBERS = ("samples_total", "samples_done", "samples_failed", "tokens_total",
+                   "tokens_done", "bytes", "shards", "units_total", "units_done", "units_failed")
+
+
+def thin_curve(points: builtins.list[tuple[float, float, int]],
+               most: int) -> builtins.list[tuple[float, float, int]]:
+    """At most `most` points: consecutive points averaged in equal groups (the last point
+    of each group keeps its time and tokens, the rate is the group's mean)."""
+    if len(points) <= most:
+        return points
+    size = -(-len(points) // most)
+    out = []
+    for i in range(0, len(points), size):
+        group = points[i : i + size]
+        out.append((group[-1][0], sum(p[1] for p in group) / len(group), group[-1][2]))
+    return out
 
 
 def check_draft_layers(spec: JobSpec) -> None:

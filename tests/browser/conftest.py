@@ -3,8 +3,8 @@
 `browser` (session-scoped) and `open_dashboard` are meant for any dashboard test, the ones
 against the real coordinator included. `fake_api` is a small FastAPI app on a loopback
 port that serves the real static files and fakes the `/v1` job API of client/hsx/wire.py
-with jobs (and their draft trainings) that progress in time, so the page runs end to end
-without Ray or vLLM.
+with jobs (their throughput curves and draft trainings included) that progress in time,
+so the page runs end to end without Ray or vLLM.
 
 The tests skip cleanly when chromium, chromedriver or selenium are missing
 (scripts/setup-env.sh installs Debian's chromium and chromium-driver when run as root).
@@ -268,6 +268,26 @@ class FakeJob:
         end = now if self.cancelled_at is None else min(now, self.cancelled_at)
         return min(1.0, max(0.0, (end - self.started_at) / self.duration_s))
 
+    @staticmethod
+    def rate(t: float) -> float:
+        """Tokens/s at time t (what the curve and the live status show)."""
+        return 52_000 + 9_000 * math.sin(t * 2.1) + 4_000 * math.sin(t * 5.3)
+
+    def throughput(self, now: float) -> dict[str, Any]:
+        """GET .../throughput: a point a second from the start to now (or the end)."""
+        end = min(now, self.started_at + self.duration_s)
+        if self.cancelled_at is not None:
+            end = min(end, self.cancelled_at)
+        points = []
+        t = self.started_at + 1.0
+        while t <= end:
+            points.append({"at": t, "tokens_per_s": self.rate(t),
+                           "tokens_done": int((t - self.started_at) / self.duration_s
+                                              * self.samples_total * 480)})
+            t += 1.0
+        avg = sum(p["tokens_per_s"] for p in points) / len(points) if points else 0.0
+        return {"job_id": self.id, "tokens_per_s_avg": avg, "points": points}
+
     def state(self, now: float) -> str:
         if self.cancelled_at is not None:
             return "cancelled"
@@ -287,7 +307,15 @@ class FakeJob:
         samples_done = int(fraction * self.samples_total)
         units_done = int(fraction * self.units_total)
         running = state == "running"
-        rate = 52_000 + 9_000 * math.sin(now * 2.1) + 4_000 * math.sin(now * 5.3)
+        rate = self.rate(now)
+        tokens_done = int(fraction * tokens_total)
+        worker_totals = [
+            {"name": f"engine-{i}", "units": units_done // self.replicas
+             + (1 if i < units_done % self.replicas else 0),
+             "samples": samples_done // self.replicas, "tokens": tokens_done // self.replicas,
+             "bytes": tokens_done // self.replicas * 4 * 4096 * 2, "seconds": 1.5 * units_done}
+            for i in range(self.replicas)
+        ] if units_done else []
         # One worker "dies" a third of the way through and comes back.
         died = fraction >= 1 / 3
         workers = []
@@ -319,13 +347,15 @@ class FakeJob:
             "samples_done": samples_done,
             "samples_failed": len(self.failed_samples(now)),
             "tokens_total": tokens_total,
-            "tokens_done": int(fraction * tokens_total),
+            "tokens_done": tokens_done,
             "bytes": int(fraction * tokens_total) * 4 * 4096 * 2,
             "shards": units_done,
             "units_total": self.units_total,
             "units_done": units_done,
             "units_failed": 0,
             "tokens_per_s": rate if running else 0.0,
+            "tokens_per_s_avg": self.throughput(now)["tokens_per_s_avg"],
+            "worker_totals": worker_totals,
             "eta_s": left if running else None,
             "workers": workers,
             "restarts": 1 if died else 0,
@@ -425,6 +455,13 @@ class FakeCoordinator:
                 for i in failed[offset : offset + limit]
             ]
             return {"items": items, "total": len(failed), "offset": offset, "limit": limit}
+
+        @api.get("/jobs/{job_id}/throughput")
+        async def job_throughput(job_id: str) -> Any:
+            job = find(job_id)
+            if job is None:
+                return error(404, "NotFound", f"no job {job_id!r}")
+            return job.throughput(time.time())
 
         @api.get("/jobs/{job_id}/train")
         async def training_status(job_id: str) -> Any:

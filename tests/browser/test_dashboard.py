@@ -102,6 +102,10 @@ def test_job_list_shows_jobs(browser: WebDriver, fake_api: FakeCoordinator) -> N
     assert rows["list-done"]["state"] == "succeeded"
     assert "100%" in rows["list-done"]["text"]
     assert "1,200 / 1,200" in rows["list-done"]["text"]
+    # An ended job: its average throughput and the size of its output.
+    assert re.search(r"\d+(\.\d)?k avg", rows["list-done"]["text"]), rows["list-done"]["text"]
+    assert "GiB" in rows["list-done"]["text"]
+    assert "avg" not in rows["list-queued"]["text"]
     assert rows["list-running"]["state"] == "running"
     assert "ultrachat-qwen" in rows["list-running"]["text"]
     assert rows["list-queued"]["state"] == "queued"
@@ -150,7 +154,7 @@ def test_job_page_follows_a_running_job(browser: WebDriver, fake_api: FakeCoordi
     assert {name for name, _ in workers} == {f"engine-{i}" for i in range(job.replicas)}
     assert {state for _, state in workers} <= {"starting", "idle", "busy", "dead"}
     wait(browser, lambda d: count(d, "#errors-table tbody tr") > 0, what="error rows")
-    wait(browser, lambda d: chart_points(d) >= 15, what="chart points")
+    wait(browser, lambda d: chart_points(d) >= 4, what="the throughput curve")
     wait(browser, lambda d: text(d, "#stat-restarts") == "1", what="a restart")
     assert "ActorDiedError" in text(browser, "#last-error")
     assert not browser.find_element(By.CSS_SELECTOR, "#cancel-btn").get_attribute("hidden")
@@ -163,7 +167,10 @@ def test_job_page_follows_a_running_job(browser: WebDriver, fake_api: FakeCoordi
     assert progress(browser) == 100
     assert text(browser, "#progress-text").startswith("1,200 / 1,200 samples")
     assert browser.find_element(By.CSS_SELECTOR, "#cancel-btn").get_attribute("hidden")
-    assert count(browser, "#workers li.worker") == 0
+    # The workers now show what each committed over the job.
+    assert_worker_totals(browser, job)
+    assert text(browser, "#stat-rate-label") == "Tokens/s (average)"
+    assert text(browser, "#stat-rate") != NO_VALUE
     assert text(browser, "#stat-shards") == "24"
     assert text(browser, "#stat-bytes").endswith("GiB")
 
@@ -178,8 +185,42 @@ def test_job_page_follows_a_running_job(browser: WebDriver, fake_api: FakeCoordi
     assert first_row.get_attribute("data-sample") == "12"
     save_screenshot(browser, "dashboard-final.png", full_page=True)
 
-    points = chart_points(browser)
-    assert points >= 30, points
+    # The whole run's curve: a point a second of its 18 s.
+    wait(browser, lambda d: chart_points(d) >= 16, what="the final curve")
+    assert text(browser, "#rate-chart-span") == "whole run"
+
+
+def assert_worker_totals(browser: WebDriver, job: FakeJob) -> None:
+    workers = browser.execute_script(
+        "return [...document.querySelectorAll('#workers li.worker')].map((w) =>"
+        " [w.dataset.worker, w.dataset.state, Number(w.querySelector('.worker-totals')"
+        ".dataset.units), w.querySelector('.worker-totals').textContent]);"
+    )
+    assert [w[0] for w in workers] == [f"engine-{i}" for i in range(job.replicas)]
+    assert {w[1] for w in workers} == {"ended"}
+    assert sum(w[2] for w in workers) == job.units_total
+    assert all(re.search(r"\d+ units · [\d.]+[kMG]? tok · [\d.]+ [KMG]iB", w[3]) for w in workers)
+
+
+def test_a_job_that_ended_before_the_page_opened(
+    browser: WebDriver, fake_api: FakeCoordinator
+) -> None:
+    """The page shows the stored curve, the average rate and each worker's totals."""
+    now = time.time()
+    job = fake_api.add_job(
+        FakeJob(id="ended-earlier", name="overnight", duration_s=40, created_at=now - 7200)
+    )
+    open_dashboard(browser, fake_api.base_url, job_id="ended-earlier")
+    wait(browser, lambda d: text(d, "#state") == "succeeded", what="the final state")
+    wait(browser, lambda d: chart_points(d) == 40, what="the stored curve")
+    assert not shown(browser, "#rate-chart-empty")
+    assert text(browser, "#rate-chart-span") == "whole run"
+    expected = job.throughput(now)["tokens_per_s_avg"]
+    assert text(browser, "#stat-rate") == f"{round(expected):,}"
+    assert text(browser, "#stat-rate-label") == "Tokens/s (average)"
+    assert_worker_totals(browser, job)
+    assert text(browser, "#conn") == ""  # nothing live to follow
+    save_screenshot(browser, "dashboard-ended.png", full_page=True)
 
 
 def test_cancel_a_running_job(browser: WebDriver, fake_api: FakeCoordinator) -> None:
@@ -215,7 +256,8 @@ def test_api_token(browser: WebDriver, fake_api: FakeCoordinator) -> None:
         # Later loads use the stored token, for fetch and for the SSE stream alike.
         open_dashboard(browser, fake_api.base_url, job_id="with-token")
         wait(browser, lambda d: text(d, "#state") == "running", what="running state")
-        wait(browser, lambda d: chart_points(d) >= 3, what="SSE with access_token")
+        wait(browser, lambda d: text(d, "#conn") == "live", what="SSE with access_token")
+        wait(browser, lambda d: chart_points(d) >= 1, what="the curve with the token")
     finally:
         fake_api.token = None
         browser.execute_script("localStorage.clear()")

@@ -10,11 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
 import pytest
 
 from hsx.wire import JobState
 from hsx_workers.tiny_models import ChatDataset
 from tests.integration.test_service import TOKEN, Coordinator, start_coordinator
+from tests.unit.test_deploy import board_metric_names
 
 from .conftest import open_dashboard, save_screenshot
 from .test_dashboard import chart_points, count, progress, text, wait
@@ -50,6 +52,13 @@ def test_dashboard_follows_a_real_job(
     wait(browser, lambda d: text(d, "#state") == "running" and count(d, "#workers li.worker"),
          timeout=300, what="a running job with its engine")
     wait(browser, lambda d: 0 < progress(d) < 100, timeout=300, what="progress mid-job")
+    # The Grafana board's queries against this real coordinator's /metrics, mid-job
+    # (the draft-training ones need a training: tests/unit/test_board.py has them).
+    scraped = {line.split("{")[0].split(" ")[0]
+               for line in httpx.get(f"{live_coordinator.url}/metrics").text.splitlines()
+               if line and not line.startswith("#")}
+    wanted = {n for n in board_metric_names() if not n.startswith("hsx_train_")}
+    assert wanted <= scraped, f"/metrics lacks what the board queries: {wanted - scraped}"
     first = progress(browser)
     wait(browser, lambda d: progress(d) > first or text(d, "#state") == "succeeded",
          timeout=120, what="progress moving")

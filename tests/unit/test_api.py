@@ -1,17 +1,17 @@
 """The REST routes against a fake scheduler, through a real uvicorn server on loopback.
 
-`FakeScheduler` implements exactly `hsx_service.deps.SchedulerAPI` in memory; it differs
-from the real scheduler in that nothing runs (a job advances only when the test calls
-`advance`, or on its own in `run_steps` updates when asked), preflight is only a
-stand-in (a layer id 99 is refused), and there is no ledger. `serving(app)` runs uvicorn
-in a thread on a free port and yields its base URL; tests/unit/test_client.py reuses both.
+`FakeScheduler` implements exactly `hsx_service.deps.SchedulerAPI` in memory, posting its
+statuses on a real `StatusBoard`; it differs from the real scheduler in that nothing runs
+(a job advances only when the test calls `advance`, or on its own in `run_steps` updates
+when asked), preflight is only a stand-in (a layer id 99 is refused), and there is no
+ledger. `serving(app)` runs uvicorn in a thread on a free port and yields its base URL;
+tests/unit/test_client.py reuses both.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import socket
 import threading
 import time
@@ -25,14 +25,23 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from hsx.spec import JobSpec
-from hsx.wire import ErrorPage, ErrorRecord, JobState, JobStatus, WorkerStatus
+from hsx.wire import (
+    ErrorPage,
+    ErrorRecord,
+    JobState,
+    JobStatus,
+    Throughput,
+    ThroughputPoint,
+    WorkerStatus,
+)
+from hsx_service.board import StatusBoard
 from hsx_service.config import Settings
 from hsx_service.errors import JobConflict, JobNotFound, JobRefused
 from hsx_service.main import create_app
 from hsx_service.routes import jobs as jobs_routes
-from hsx_service.routes.ops import render_metrics
 
 TOKEN = "s3cret-token"
 
@@ -41,19 +50,16 @@ class FakeScheduler:
     """An in-memory stand-in for `hsx_service.scheduler.Scheduler` (see module docstring)."""
 
     def __init__(
-        self, *, ready: bool = True, run_steps: int = 0, step_s: float = 0.05, greet: bool = True
+        self, *, ready: bool = True, run_steps: int = 0, step_s: float = 0.05
     ) -> None:
         self._lock = threading.Lock()
-        self.greet = greet
         self._ready = ready
         self.run_steps = run_steps
         self.step_s = step_s
-        self.jobs: dict[str, JobStatus] = {}
+        self.board = StatusBoard()
         self.specs: dict[str, JobSpec] = {}
         self.error_records: dict[str, list[ErrorRecord]] = {}
-        self.subscribers: dict[str, list[queue.Queue[JobStatus | None]]] = {}
         self.calls: list[str] = []
-        self.values: dict[str, float] = {"hsx_tokens_total": 1234, 'hsx_jobs{state="running"}': 1}
 
     # lifecycle
     @property
@@ -75,16 +81,17 @@ class FakeScheduler:
         if spec.layers and 99 in spec.layers:
             raise JobRefused("layers: ids [99] are outside 0..4")
         with self._lock:
-            if job_id is not None and job_id in self.jobs:
+            if job_id is not None and job_id in self.specs:
                 if self.specs[job_id] == spec:
-                    return self.jobs[job_id], False
+                    return self.get(job_id), False
                 raise JobConflict(f"job {job_id!r} exists with a different spec")
-            job_id = job_id or f"job-{len(self.jobs) + 1}"
+            job_id = job_id or f"job-{len(self.specs) + 1}"
             job = JobStatus(
                 id=job_id, name=spec.name, state=JobState.queued, output=spec.output,
                 created_at=time.time(), samples_total=100, tokens_total=10_000, spec=spec,
             )
-            self.jobs[job_id], self.specs[job_id] = job, spec
+            self.specs[job_id] = spec
+            self.board.post(job)
             self.error_records[job_id] = [
                 ErrorRecord(sample_index=i * 7, reason=f"row {i * 7}: empty") for i in range(25)
             ]
@@ -93,14 +100,10 @@ class FakeScheduler:
         return job, True
 
     def get(self, job_id: str) -> JobStatus:
-        with self._lock:
-            if job_id not in self.jobs:
-                raise JobNotFound(job_id)
-            return self.jobs[job_id]
-
-    def list(self, state: JobState | None) -> list[JobStatus]:
-        with self._lock:
-            return [j for j in self.jobs.values() if state is None or j.state == state]
+        post = self.board.get(job_id)
+        if post is None:
+            raise JobNotFound(job_id)
+        return post.status
 
     def cancel(self, job_id: str) -> JobStatus:
         job = self.get(job_id)
@@ -115,42 +118,30 @@ class FakeScheduler:
             items=records[offset:offset + limit], total=len(records), offset=offset, limit=limit
         )
 
-    def subscribe(self, job_id: str) -> queue.Queue[JobStatus | None]:
-        # Like the real one: the queue starts with the current status (and the end
-        # marker when the job has finished already).
+    def throughput(self, job_id: str) -> Throughput:
         job = self.get(job_id)
-        q: queue.Queue[JobStatus | None] = queue.Queue()
-        if self.greet:
-            q.put(job)
-            if job.state.finished:
-                q.put(None)
-        with self._lock:
-            self.subscribers.setdefault(job_id, []).append(q)
-        return q
+        points = [ThroughputPoint(at=job.created_at + i, tokens_per_s=5000.0 + i,
+                                  tokens_done=5000 * i) for i in range(1, 4)]
+        return Throughput(job_id=job_id, tokens_per_s_avg=5001.0, points=points)
 
-    def unsubscribe(self, job_id: str, q: queue.Queue[JobStatus | None]) -> None:
-        with self._lock:
-            self.subscribers.get(job_id, []).remove(q)
-
-    def metrics(self) -> dict[str, float]:
-        return dict(self.values)
+    def collect_metrics(self) -> list[Metric]:
+        jobs = [p.status for p in self.board.list()]
+        tokens = CounterMetricFamily("hsx_job_tokens", "Tokens.", labels=["job"])
+        by_state = GaugeMetricFamily("hsx_jobs", "Jobs by state.", labels=["state"])
+        for job in jobs:
+            tokens.add_metric([job.id], job.tokens_done)
+        for state in JobState:
+            by_state.add_metric([state.value], sum(j.state == state for j in jobs))
+        return [tokens, by_state]
 
     # test controls
     def advance(self, job_id: str, **changes: Any) -> JobStatus:
-        """Change a job and tell its subscribers, as the real scheduler does."""
+        """Change a job and post it on the board, as the real scheduler does."""
         with self._lock:
-            job = self.jobs[job_id].model_copy(update=changes)
-            self.jobs[job_id] = job
-            queues = list(self.subscribers.get(job_id, []))
-        for q in queues:
-            q.put(job)
-            if job.state.finished:
-                q.put(None)
+            job = self.get(job_id).model_copy(update={**changes, "updated_at": time.time()})
+            self.board.post(job)
         return job
 
-    def subscriber_count(self, job_id: str) -> int:
-        with self._lock:
-            return len(self.subscribers.get(job_id, []))
 
     def _run(self, job_id: str) -> None:
         time.sleep(self.step_s)
@@ -163,6 +154,7 @@ class FakeScheduler:
             self.advance(job_id, samples_done=100 * step // self.run_steps,
                          tokens_done=10_000 * step // self.run_steps, tokens_per_s=5000.0,
                          shards=step)
+        time.sleep(self.step_s)  # followers see the last step (a slow one would skip it)
         name = self.specs[job_id].name or ""
         final = JobState.failed if name.startswith("fail") else JobState.succeeded
         self.advance(job_id, state=final, finished_at=time.time(),
@@ -434,7 +426,7 @@ def test_token_is_required_on_v1_only(fake: FakeScheduler, tmp_path: Path) -> No
 # --- ops ----------------------------------------------------------------------------
 
 
-def test_health_ready_metrics(fake: FakeScheduler) -> None:
+def test_health_ready_metrics(fake: FakeScheduler, tmp_path: Path) -> None:
     fake.set_ready(False)
     with TestClient(create_app(Settings(), fake)) as c:
         assert fake.calls == ["start"]
@@ -445,34 +437,32 @@ def test_health_ready_metrics(fake: FakeScheduler) -> None:
         assert not_ready.headers["retry-after"]
         fake.set_ready(True)
         assert c.get("/readyz").json() == {"status": "ready"}
+        c.post("/v1/jobs", json={"id": "a", "spec": job_fields(tmp_path)})
+        fake.advance("a", state=JobState.running, tokens_done=1234)
         metrics = c.get("/metrics")
         assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
-        assert "hsx_tokens_total 1234\n" in metrics.text
-        assert 'hsx_jobs{state="running"} 1\n' in metrics.text
-    assert fake.calls == ["start", "stop"]
+        assert "# TYPE hsx_job_tokens_total counter\n" in metrics.text
+        assert 'hsx_job_tokens_total{job="a"} 1234.0\n' in metrics.text
+        assert 'hsx_jobs{state="running"} 1.0\n' in metrics.text
+        # A scraper that asks for OpenMetrics gets it.
+        om = c.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        assert om.headers["content-type"].startswith("application/openmetrics-text")
+        assert om.text.endswith("# EOF\n")
+    assert fake.calls == ["start", "submit", "stop"]
 
 
-def test_metrics_text_format() -> None:
-    text = render_metrics({
-        "hsx_unit_seconds_sum": 12.5, "hsx_unit_seconds_count": 4,
-        'hsx_tokens_total{job="a"}': 7, "hsx_new_thing": 2, "bad name!": 1,
-    })
-    lines = text.splitlines()
-    for name in ("hsx_tokens_total", "hsx_samples_total", "hsx_samples_failed_total",
-                 "hsx_bytes_total", "hsx_shards_total", "hsx_queue_depth",
-                 "hsx_worker_restarts_total"):
-        assert f"{name} 0" in lines, name
-    assert "# TYPE hsx_unit_seconds summary" in lines
-    assert "hsx_unit_seconds_sum 12.5" in lines
-    assert "hsx_unit_seconds_count 4" in lines
-    for state in JobState:
-        assert f'hsx_jobs{{state="{state.value}"}} 0' in lines
-    # A labelled sample of a known metric sits under its one TYPE line.
-    assert lines.count("# TYPE hsx_tokens_total counter") == 1
-    assert lines.index('hsx_tokens_total{job="a"} 7') == lines.index("hsx_tokens_total 0") + 1
-    assert "# TYPE hsx_new_thing untyped" in lines
-    assert "hsx_new_thing 2" in lines
-    assert not any(line.startswith("bad name") for line in lines)
+def test_each_app_has_its_own_registry(tmp_path: Path) -> None:
+    """Two apps in one process: each /metrics shows its own scheduler's jobs, and
+    nothing is registered in prometheus_client's global registry."""
+    from prometheus_client import REGISTRY
+
+    first, second = FakeScheduler(), FakeScheduler()
+    with TestClient(create_app(Settings(), first)) as a, \
+            TestClient(create_app(Settings(), second)) as b:
+        a.post("/v1/jobs", json={"id": "only-in-a", "spec": job_fields(tmp_path)})
+        assert 'job="only-in-a"' in a.get("/metrics").text
+        assert 'job="only-in-a"' not in b.get("/metrics").text
+    assert not [name for name in REGISTRY._names_to_collectors if name.startswith("hsx_")]
 
 
 def test_index_and_static(client: TestClient) -> None:
@@ -487,10 +477,9 @@ def test_index_and_static(client: TestClient) -> None:
 # --- through a real uvicorn ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("greet", [True, False], ids=["greeting", "silent"])
-def test_sse_through_real_uvicorn(greet: bool, tmp_path: Path) -> None:
-    """In order, ending with the job; whether or not subscribe() queues the current status."""
-    fake = FakeScheduler(greet=greet)
+def test_sse_through_real_uvicorn(tmp_path: Path) -> None:
+    """In order, ending with the job; an unchanged status is not an event."""
+    fake = FakeScheduler()
     app = create_app(Settings(api_token=TOKEN, allowed_roots=[tmp_path]), fake)
     headers = {"Authorization": f"Bearer {TOKEN}"}
     with serving(app) as url, httpx.Client(base_url=url, headers=headers, timeout=10) as http:
@@ -500,6 +489,14 @@ def test_sse_through_real_uvicorn(greet: bool, tmp_path: Path) -> None:
         assert http.get("/v1/jobs/live", headers={"Authorization": ""}).status_code == 401
 
         seen: list[JobStatus] = []
+        # After each event the job moves once (a follower that falls behind would get
+        # the newest status only); the second step changes nothing but the time.
+        steps: list[dict[str, Any]] = [
+            {"state": JobState.running, "samples_done": 10},
+            {},
+            {"samples_done": 60, "tokens_done": 6000},
+            {"state": JobState.succeeded, "samples_done": 100},
+        ]
         # The token in the query, as the dashboard's EventSource sends it.
         with httpx.stream("GET", f"{url}/v1/jobs/live/events?access_token={TOKEN}",
                           timeout=10) as response:
@@ -508,16 +505,14 @@ def test_sse_through_real_uvicorn(greet: bool, tmp_path: Path) -> None:
             for event, data in read_events(response):
                 assert event == "status"
                 seen.append(JobStatus.model_validate(json.loads(data)))
-                if len(seen) == 1:  # subscribed: now the job moves
-                    fake.advance("live", state=JobState.running, samples_done=10)
-                    fake.advance("live", state=JobState.running, samples_done=10)  # no change
-                    fake.advance("live", samples_done=60, tokens_done=6000)
-                    fake.advance("live", state=JobState.succeeded, samples_done=100)
+                fake.advance("live", **steps.pop(0)) if steps else None
+                if steps and not steps[0]:
+                    fake.advance("live", **steps.pop(0))  # no news: no event for it
         # The stream ended by itself once the job finished.
         assert [s.state for s in seen] == [JobState.queued, JobState.running,
                                            JobState.running, JobState.succeeded]
         assert [s.samples_done for s in seen] == [0, 10, 60, 100]
-        assert fake.subscriber_count("live") == 0
+        assert fake.board.following("live") == 0
 
         # A finished job: its status, then the end.
         with httpx.stream("GET", f"{url}/v1/jobs/live/events", headers=headers) as response:
@@ -528,7 +523,6 @@ def test_sse_keepalive_and_disconnect(
     fake: FakeScheduler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(jobs_routes, "KEEPALIVE_S", 0.2)
-    monkeypatch.setattr(jobs_routes, "POLL_S", 0.1)
     with serving(create_app(Settings(), fake)) as url:
         httpx.post(f"{url}/v1/jobs", json={"id": "idle", "spec": job_fields(tmp_path)})
         stop = threading.Event()
@@ -549,11 +543,11 @@ def test_sse_keepalive_and_disconnect(
         finally:
             stop.set()
         assert kinds == ["status", "comment", "comment"]
-        # The client went away: the server notices and unsubscribes.
+        # The client went away: the server notices and its stream stops waiting.
         deadline = time.monotonic() + 5
-        while fake.subscriber_count("idle") and time.monotonic() < deadline:
+        while fake.board.following("idle") and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert fake.subscriber_count("idle") == 0
+        assert fake.board.following("idle") == 0
 
 
 def test_real_uvicorn_serves_the_error_contract(fake: FakeScheduler, tmp_path: Path) -> None:
@@ -562,7 +556,7 @@ def test_real_uvicorn_serves_the_error_contract(fake: FakeScheduler, tmp_path: P
         assert bad.status_code == 422
         assert bad.json()["field"] == "spec.replica"
         metrics = httpx.get(f"{url}/metrics")
-        assert "# TYPE hsx_unit_seconds summary" in metrics.text
+        assert "# TYPE hsx_jobs gauge" in metrics.text
 
 
 def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

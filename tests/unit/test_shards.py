@@ -30,6 +30,7 @@ from hsx.shards import (
     dequantize_fp8,
     quantize_fp8,
     read_commits,
+    record_checksums,
     verify_shard,
 )
 
@@ -388,6 +389,76 @@ def test_sigkill_mid_write_leaves_nothing_visible(tmp_path: Path) -> None:
     assert len(list((tmp_path / SHARDS_DIR).iterdir())) == 1
     verify_shard(tmp_path, read_commits(tmp_path)[0])
     assert clean_orphans(tmp_path) == 0
+
+
+def test_checksum_is_blake3_and_sha256_on_request(tmp_path: Path) -> None:
+    import hashlib
+
+    import blake3
+
+    record = write_unit(tmp_path / "b", 0, make_samples(3))
+    sha = write_unit(tmp_path / "s", 0, make_samples(3), checksum="sha256")
+    data = (tmp_path / "b" / record["shard"]).read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    assert record["checksum"] == {"algorithm": "blake3",
+                                  "header": blake3.blake3(data[:header_end]).hexdigest(),
+                                  "data": blake3.blake3(data[header_end:]).hexdigest()}
+    assert sha["checksum"]["algorithm"] == "sha256"
+    assert sha["checksum"]["data"] == hashlib.sha256(data[header_end:]).hexdigest()
+    verify_shard(tmp_path / "s", sha)
+    with pytest.raises(ValueError, match="checksum must be"):
+        ShardWriter(tmp_path, 1, layers=LAYERS, hidden_size=32, storage_dtype="bf16",
+                    checksum="md5")  # type: ignore[arg-type]
+
+
+def test_records_from_before_checksum_named_its_algorithm_still_verify(tmp_path: Path) -> None:
+    record = write_unit(tmp_path, 0, make_samples(3), checksum="sha256")
+    old = {k: v for k, v in record.items() if k != "checksum"}
+    old["header_sha256"] = record["checksum"]["header"]
+    old["data_sha256"] = record["checksum"]["data"]
+    verify_shard(tmp_path, old)
+    assert record_checksums(old) == ("sha256", old["header_sha256"], old["data_sha256"])
+    old["data_sha256"] = "0" * 64
+    with pytest.raises(ShardCorrupt, match="data checksum mismatch"):
+        verify_shard(tmp_path, old)
+    with pytest.raises(ShardCorrupt, match="has no checksum"):
+        verify_shard(tmp_path, {k: v for k, v in old.items() if "sha256" not in k})
+
+
+@pytest.mark.parametrize("source", ["numpy", "torch"])
+def test_fp8_quantized_elsewhere_is_stored_as_it_is(tmp_path: Path, source: str) -> None:
+    samples = make_samples(3)
+    encoded = []
+    with ShardWriter(tmp_path, 0, layers=LAYERS, hidden_size=32, storage_dtype="fp8") as w:
+        for smp in samples:
+            x = smp["hidden_states"]
+            q, scales = quantize_fp8(torch.from_numpy(x) if source == "torch" else x)
+            w.add(smp["sample_index"], smp["input_ids"], smp["loss_mask"], q, scales=scales)
+            encoded.append((q, scales))
+        w.commit()
+    reader = ShardReader(tmp_path / read_commits(tmp_path)[0]["shard"])
+    for i, (q, scales) in enumerate(encoded):
+        raw = reader.sample(i, dequantize=False)
+        q_np = q.view(torch.uint8).numpy() if source == "torch" else q.view(np.uint8)
+        assert np.array_equal(raw["hidden_states"].view(np.uint8), q_np)
+        assert np.array_equal(raw["scales"], np.asarray(scales))
+    nan_scales = np.full((2, len(LAYERS)), np.nan, np.float32)
+    q, _ = quantize_fp8(np.ones((2, len(LAYERS), 32), np.float32))
+    with ShardWriter(tmp_path, 1, layers=LAYERS, hidden_size=32, storage_dtype="fp8") as w, \
+            pytest.raises(ValueError, match="not finite"):
+        w.add(1, [1, 2], [0, 1], q, scales=nan_scales)
+    with ShardWriter(tmp_path, 2, layers=LAYERS, hidden_size=32, storage_dtype="bf16") as w, \
+            pytest.raises(ValueError, match="in a bf16 shard"):
+        w.add(1, [1, 2], [0, 1], q, scales=nan_scales)
+
+
+def test_quantize_fp8_without_check_marks_bad_rows_with_nan_scales() -> None:
+    x = torch.ones((2, 3, 8))
+    x[1, 2, 5] = float("inf")
+    _, scales = quantize_fp8(x, check=False)
+    assert torch.isnan(scales[1, 2]) and torch.isfinite(scales[0]).all()
+    with pytest.raises(ValueError, match="inf or nan"):
+        quantize_fp8(x)
 
 
 def test_verify_catches_flipped_bytes(tmp_path: Path) -> None:

@@ -29,8 +29,15 @@ def test_unknown_field_is_named() -> None:
 
 
 def test_nested_unknown_field_is_named() -> None:
-    with pytest.raises(SpecError, match=r"vllm\.dtyp: unknown field"):
-        parse_job({**BASE, "vllm": {"dtyp": "bf16"}})
+    with pytest.raises(SpecError, match=r"train\.lrr: unknown field"):
+        parse_job({**BASE, "train": {"lrr": 1e-4}})
+
+
+def test_vllm_section_passes_other_keys_through_as_engine_args() -> None:
+    spec = parse_job({**BASE, "vllm": {"load_format": "dummy", "max_num_seqs": 64,
+                                       "gpu_memory_utilization": 0.5}})
+    assert spec.vllm.engine_args() == {"load_format": "dummy", "max_num_seqs": 64}
+    assert spec.vllm.gpu_memory_utilization == 0.5
 
 
 @pytest.mark.parametrize(

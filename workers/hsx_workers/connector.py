@@ -8,10 +8,12 @@ out when a request finishes. This one is loaded by module path
 
 - It runs on CPU as well as CUDA (hostcopy.py): on CUDA a side stream and pinned host
   memory, on CPU a plain gather, nothing pinned.
-- It writes into a spool directory private to one engine (tmpfs when there is room),
-  publishing each request's file by atomic rename, so a reader never sees half a file
-  and needs no lock files. The spool is a hand-off, not the output: the hsx engine
-  reads each file once, feeds it to the shard writer and deletes it.
+- It reads the cache with the installed vLLM's own gather (vllm_compat.py): the cache's
+  layout differs between the releases hsx supports.
+- With `storage_dtype: fp8` it quantizes on the device, so half the bytes cross to the
+  host and the actor has nothing left to compute.
+- It writes into the engine's spool (spool.py), publishing each request's file by
+  atomic rename, so a reader never sees half a file and needs no lock files.
 
 Who calls what (same split as every vLLM connector):
 - scheduler side (engine core process): `build_connector_meta` names the spool file of
@@ -19,51 +21,36 @@ Who calls what (same split as every vLLM connector):
   a save — both inherited from vLLM's example connector.
 - worker side (TP rank 0 only): `get_finished` gathers the states of finished
   requests out of the cache and writes them (`_submit_async_write`, overridden here).
+
+`kv_connector_extra_config`: `shared_storage_path` (the spool directory),
+`storage_dtype` (`bf16` or `fp8`), `num_writer_threads` (vLLM's, default 8).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
 )
 
+from hsx.shards import background_priority
 from hsx_workers.hostcopy import gather_to_host, slots_of_blocks
+from hsx_workers.spool import publish_spool_file
+from hsx_workers.vllm_compat import extract_states
 
 logger = logging.getLogger(__name__)
-
-SPOOL_SUFFIX = ".safetensors"
-PARTIAL_SUFFIX = ".partial"
-ERROR_SUFFIX = ".error"
-
-
-def publish_spool_file(filename: str, make: Callable[[], dict[str, torch.Tensor]]) -> None:
-    """Write `make()`'s tensors to `filename` and publish it by rename.
-
-    A failure (in `make` too) is published as `<file>.error`, so the reader stops
-    waiting at once with the reason instead of timing out.
-    """
-    partial_name = filename + PARTIAL_SUFFIX
-    try:
-        save_file(make(), partial_name)
-        os.replace(partial_name, filename)
-    except BaseException as err:
-        with open(filename + ERROR_SUFFIX, "w") as f:
-            f.write(f"{type(err).__name__}: {err}")
-        raise
 
 
 def _write_spool_file(tensors: dict[str, torch.Tensor], event: Any, filename: str) -> None:
     """Thread-pool job: wait for the device-to-host copy, then publish."""
+    background_priority()
 
     def copied() -> dict[str, torch.Tensor]:
         event.synchronize()
@@ -89,11 +76,12 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
 
         slot_mapping = slots_of_blocks(pending.block_ids, self._block_size)
         stream = self._get_copy_stream() if self._kv_cache.is_cuda else None
-        event, host_states = gather_to_host(
-            self._kv_cache, slot_mapping, int(pending.token_ids.shape[0]), stream
+        fp8 = self._kv_transfer_config.get_from_extra_config("storage_dtype", "bf16") == "fp8"
+        event, tensors = gather_to_host(
+            self._kv_cache, slot_mapping, int(pending.token_ids.shape[0]), stream,
+            extract=extract_states, fp8=fp8,
         )
-
-        tensors = {"hidden_states": host_states, "token_ids": pending.token_ids.clone()}
+        tensors["token_ids"] = pending.token_ids.clone()
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         future: Future[None] = self._executor.submit(
             _write_spool_file, tensors, event, pending.filename

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hsx_workers.connector import SPOOL_SUFFIX, publish_spool_file
+from hsx_workers.spool import SPOOL_SUFFIX, publish_spool_file
 
 logger = logging.getLogger(__name__)
 

@@ -1,19 +1,28 @@
 """Gathering captured states out of the cache-only KV cache into host memory.
 
-torch only (no vLLM import), so the copy path can be checked and measured on a GPU
-machine that has no vLLM. The connector (connector.py) calls `gather_to_host`.
+torch only (no vLLM import), so the copy path can be checked and measured on its own.
+The connector (connector.py) calls `gather_to_host` with vLLM's own gather function
+(vllm_compat.extract_states), which knows the installed release's cache layout; tests
+and benchmarks pass `gather` (the 0.32 layout) or their own.
 
-On CUDA the gather and the device-to-host copy run on a side stream, into pinned host
-memory: pageable copies were measured 40x slower than pinned ones on an H200 (1.35 vs
-55 GB/s), and a side stream keeps the copy off the model's stream. On CPU the gather
-already makes a fresh host tensor; nothing is pinned (pinning needs an accelerator).
+On CUDA the gather, the optional fp8 quantization and the device-to-host copy run on a
+side stream, into pinned host memory: pageable copies were measured 40x slower than
+pinned ones on an H200 (1.35 vs 55 GB/s), and a side stream keeps the copy off the
+model's stream. Quantizing on the device halves the bytes that cross to the host and
+leaves the host nothing to compute. On CPU the gather already makes a fresh host
+tensor; nothing is pinned (pinning needs an accelerator).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from hsx.shards import quantize_fp8
+
+Extract = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class DoneEvent:
@@ -34,9 +43,17 @@ def slots_of_blocks(block_ids: list[int], block_size: int) -> torch.Tensor:
 
 
 def gather(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[num_tokens, num_layers, hidden] out of a [blocks, layers, block_size, hidden] cache."""
+    """[num_tokens, num_layers, hidden] out of a [blocks, layers, block_size, hidden] cache
+    (vLLM 0.32's layout; the connector uses the installed vLLM's own function)."""
     block_size = kv_cache.shape[2]
     return kv_cache[slot_mapping // block_size, :, slot_mapping % block_size][:num_tokens]
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    # torch's caching host allocator reuses pinned blocks across requests.
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def gather_to_host(
@@ -44,23 +61,35 @@ def gather_to_host(
     slot_mapping: torch.Tensor,
     num_tokens: int,
     stream: torch.cuda.Stream | None = None,
-) -> tuple[Any, torch.Tensor]:
-    """Start copying one request's states to host memory; return (event, host tensor).
+    *,
+    extract: Extract = gather,
+    fp8: bool = False,
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Start copying one request's states to host memory; return (event, host tensors).
 
-    The host tensor is valid once `event.synchronize()` returns (at once on CPU).
+    The tensors are `hidden_states` [T, L, H] (bf16 as cached, or float8_e4m3fn when
+    `fp8`) and, with `fp8`, `scales` [T, L] (hsx.shards.quantize_fp8's per-row scales,
+    NaN for a row that is not finite: checking here would wait for the device).
+    They are valid once `event.synchronize()` returns (at once on CPU).
     """
     if not kv_cache.is_cuda:
-        return DoneEvent(), gather(kv_cache, slot_mapping, num_tokens)
+        states = extract(kv_cache, slot_mapping, num_tokens)
+        if not fp8:
+            return DoneEvent(), {"hidden_states": states}
+        q, scales = quantize_fp8(states, check=False)
+        return DoneEvent(), {"hidden_states": q, "scales": scales}
     stream = stream or torch.cuda.Stream(device=kv_cache.device)
     ready = torch.cuda.Event()
     ready.record()
     stream.wait_event(ready)
     with torch.cuda.stream(stream):
         slots = slot_mapping.to(kv_cache.device, non_blocking=True)
-        states = gather(kv_cache, slots, num_tokens)
-        # torch's caching host allocator reuses pinned blocks across requests.
-        host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
-        host.copy_(states, non_blocking=True)
+        states = extract(kv_cache, slots, num_tokens)
+        if fp8:
+            q, scales = quantize_fp8(states, check=False)
+            host = {"hidden_states": _to_pinned(q), "scales": _to_pinned(scales)}
+        else:
+            host = {"hidden_states": _to_pinned(states)}
     done = torch.cuda.Event()
     done.record(stream)
     return done, host

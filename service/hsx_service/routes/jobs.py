@@ -6,20 +6,22 @@ here, and everything else — preflight, planning, running — is the scheduler'
 `def` routes run in FastAPI's thread pool, so a scheduler call that touches SQLite never
 stalls the event loop that serves the other clients.
 
+Statuses are the exception, as the routes clients poll: `GET /v1/jobs`, `GET
+/v1/jobs/{id}` and the event streams are `async` and answer from the scheduler's board
+(board.py) the bytes it encoded when the status changed — no thread hop, no SQLite, no
+serialization per request. An event stream is one task waiting on the board; no thread
+is parked per follower.
+
 Errors are raised as the coordinator's exceptions and turned into HTTP in main.py.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-import anyio
-import anyio.to_thread
-from fastapi import APIRouter, Depends, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Query, Response, status
 from fastapi.responses import StreamingResponse
 
 from hsx.spec import JobSpec, TrainSpec
@@ -31,24 +33,21 @@ from hsx.wire import (
     JobState,
     JobStatus,
     SubmitRequest,
+    Throughput,
     TrainStatus,
 )
+from hsx_service.board import StatusBoard
 from hsx_service.config import Settings
-from hsx_service.deps import SchedulerAPI, SchedulerDep, SettingsDep, require_token
-from hsx_service.errors import JobRefused
+from hsx_service.deps import SchedulerDep, SettingsDep, require_token
+from hsx_service.errors import JobNotFound, JobRefused
 from hsx_service.paths import check_job_paths
 
 log = logging.getLogger(__name__)
 
 MAX_ERRORS_PAGE = 1000
-# A comment line this often keeps proxies from closing an idle stream, and makes a
-# vanished client show up as a failed write.
+# A comment line this often keeps proxies from closing an idle stream.
 KEEPALIVE_S = 15.0
-# How long one blocking read of the update queue waits before checking the client.
-POLL_S = 1.0
-# Event streams park a thread each on their queue; they get their own limiter so that
-# many open dashboards cannot starve the thread pool the other routes run in.
-_stream_threads = anyio.CapacityLimiter(1000)
+JSON = "application/json"
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or wrong API token."},
@@ -99,17 +98,20 @@ def submit_job(
 
 
 @router.get("", response_model=JobList, responses={422: _ERRORS[422]})
-def list_jobs(
+async def list_jobs(
     scheduler: SchedulerDep,
     state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
-) -> JobList:
+) -> Response:
     """Jobs in submission order."""
-    return JobList(jobs=scheduler.list(state))
+    return Response(scheduler.board.list_json(state), media_type=JSON)
 
 
 @router.get("/{job_id}", response_model=JobStatus, responses={404: _ERRORS[404]})
-def get_job(job_id: str, scheduler: SchedulerDep) -> JobStatus:
-    return scheduler.get(job_id)
+async def get_job(job_id: str, scheduler: SchedulerDep) -> Response:
+    post = scheduler.board.get(job_id)
+    if post is None:
+        raise JobNotFound(job_id)
+    return Response(post.json, media_type=JSON)
 
 
 @router.delete("/{job_id}", response_model=JobStatus, responses={404: _ERRORS[404]})
@@ -135,6 +137,12 @@ def job_errors(
     return scheduler.errors(job_id, offset, limit)
 
 
+@router.get("/{job_id}/throughput", response_model=Throughput, responses={404: _ERRORS[404]})
+def job_throughput(job_id: str, scheduler: SchedulerDep) -> Throughput:
+    """The job's tokens/s over time and its average, kept after the job has ended."""
+    return scheduler.throughput(job_id)
+
+
 @router.post(
     "/{job_id}/train",
     response_model=TrainStatus,
@@ -156,61 +164,21 @@ def training_status(job_id: str, scheduler: SchedulerDep) -> TrainStatus:
     return scheduler.train_status(job_id)
 
 
-def sse_event(job: JobStatus) -> str:
-    """One `status` event; JSON has no raw newlines, so it fits one `data:` line."""
-    return f"event: status\ndata: {job.model_dump_json()}\n\n"
-
-
-def _next_update(q: queue.Queue[JobStatus | None], timeout: float) -> JobStatus | str | None:
-    try:
-        return q.get(timeout=timeout)
-    except queue.Empty:
-        return "timeout"
-
-
-async def _status_stream(
-    request: Request,
-    scheduler: SchedulerAPI,
-    job_id: str,
-    q: queue.Queue[JobStatus | None],
-) -> AsyncIterator[str]:
-    try:
-        # The scheduler greets a new subscriber with the current status; take that one
-        # (a separate get() could be newer than what is queued after it, and the stream
-        # would go back in time). Subscribed first, so no update falls in between.
-        try:
-            first = q.get_nowait()
-        except queue.Empty:
-            first = await anyio.to_thread.run_sync(scheduler.get, job_id)
-        if first is None:
-            return
-        current = first
-        yield sse_event(current)
-        if current.state.finished:
-            return
-        last_sent = time.monotonic()
-        while True:
-            update = await anyio.to_thread.run_sync(
-                _next_update, q, POLL_S, limiter=_stream_threads
-            )
-            if update is None:  # the scheduler's end-of-job marker
-                return
-            # An unchanged status is not an event (the scheduler may republish one), and
-            # must not hold off the keep-alive either.
-            if isinstance(update, JobStatus) and update != current:
-                current = update
-                yield sse_event(update)
-                last_sent = time.monotonic()
-                if update.state.finished:
-                    return
-                continue
-            if await request.is_disconnected():
-                return
-            if time.monotonic() - last_sent >= KEEPALIVE_S:
-                yield ": keep-alive\n\n"
-                last_sent = time.monotonic()
-    finally:
-        scheduler.unsubscribe(job_id, q)
+async def _status_stream(board: StatusBoard, job_id: str) -> AsyncIterator[bytes]:
+    """The job's current status, then each newer one, until the job ends. A follower
+    that falls behind gets the newest status, not every one in between."""
+    post = board.get(job_id)
+    if post is None:
+        return
+    yield post.event
+    version = post.version
+    while not post.finished:
+        newer = await board.next(job_id, version, KEEPALIVE_S)
+        if newer is None:
+            yield b": keep-alive\n\n"
+            continue
+        yield newer.event
+        post, version = newer, newer.version
 
 
 @router.get(
@@ -224,11 +192,12 @@ async def _status_stream(
         404: _ERRORS[404],
     },
 )
-def job_events(job_id: str, request: Request, scheduler: SchedulerDep) -> StreamingResponse:
+async def job_events(job_id: str, scheduler: SchedulerDep) -> StreamingResponse:
     """Server-sent events: the current status first, then one per change, until finished."""
-    q = scheduler.subscribe(job_id)  # raises JobNotFound before any byte is sent: a 404
+    if scheduler.board.get(job_id) is None:
+        raise JobNotFound(job_id)  # before any byte is sent: a 404
     return StreamingResponse(
-        _status_stream(request, scheduler, job_id, q),
+        _status_stream(scheduler.board, job_id),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

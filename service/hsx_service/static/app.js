@@ -11,6 +11,9 @@
   const ERRORS_PAGE = 50;
   const ERRORS_REFRESH_MS = 2000;
   const RECONNECT_MS = 2000;
+  // The tokens/s curve is the server's (GET <job>/throughput, kept after the job ends),
+  // fetched again this often while the job runs.
+  const CURVE_REFRESH_MS = 5000;
   const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
   const CANCELLABLE = new Set(["queued", "running"]);
   const TRAIN_POLL_MS = 2000;
@@ -261,11 +264,20 @@
           el("span", { class: "pct", text: fmtPercent(percent(job)) }))),
       el("td", { class: "num" },
         `${fmtInt(job.samples_done)} / ${fmtInt(job.samples_total)}`, failed),
-      el("td", { class: "num", text: job.state === "running" ? fmtCompact(job.tokens_per_s) : "–" }),
+      el("td", { class: "num", text: listRate(job),
+        title: job.state === "running" ? "now" : (job.tokens_per_s_avg ? "average over the run" : "") }),
+      el("td", { class: "num", text: job.bytes ? fmtBytes(job.bytes) : "–",
+        title: job.bytes ? `${fmtInt(job.bytes)} bytes in ${fmtInt(job.shards)} shards` : "" }),
       el("td", { title: job.started_at ? new Date(job.started_at * 1000).toString() : "" },
         fmtWhen(job.started_at),
         el("div", { class: "muted small", text: fmtAgo(job.started_at) })),
     ];
+  }
+
+  // Running: the current rate; otherwise the average over the time the job ran.
+  function listRate(job) {
+    if (job.state === "running") return fmtCompact(job.tokens_per_s);
+    return job.tokens_per_s_avg ? `${fmtCompact(job.tokens_per_s_avg)} avg` : "–";
   }
 
   const jobHref = (id) => `#/jobs/${encodeURIComponent(id)}`;
@@ -339,6 +351,8 @@
       cancelArmed: null,
       train: null,
       trainTimer: null,
+      curveTimer: null,
+      curveLoaded: false,
     };
     resetJobPage(id);
     const current = view;
@@ -349,6 +363,7 @@
       }
       if (!status) return;
       loadErrors(current, true);
+      loadCurve(current);
       pollTraining(current);
       if (!FINISHED.has(status.state)) connectEvents(current);
     });
@@ -361,6 +376,7 @@
     clearTimeout(view.errorsTimer);
     clearTimeout(view.cancelArmed);
     clearTimeout(view.trainTimer);
+    clearTimeout(view.curveTimer);
     clearInterval(view.tick);
     view = null;
     setConn("idle", "");
@@ -422,7 +438,6 @@
         return;
       }
       setConn("live", "live");
-      addPoint(current, status);
       renderJob(current, status);
       if (FINISHED.has(status.state)) {
         // The last event: the stream ends here. Re-read the final status (the error
@@ -431,7 +446,9 @@
         current.es = null;
         setConn("idle", "");
         refreshJob(current).then(() => {
-          if (current === view) loadErrors(current, true);
+          if (current !== view) return;
+          loadErrors(current, true);
+          loadCurve(current);
         });
       }
     });
@@ -475,7 +492,12 @@
       `${fmtInt(status.samples_done)} / ${totalText} samples · ${fmtPercent(p)}`;
     $("#eta").textContent = etaText(status);
 
-    $("#stat-rate").textContent = status.state === "running" ? fmtInt(status.tokens_per_s) : "–";
+    // Running: the current rate. Ended: the average over the time it ran.
+    const running = status.state === "running";
+    const average = !running && status.tokens_per_s_avg > 0;
+    $("#stat-rate").textContent = running ? fmtInt(status.tokens_per_s)
+      : (average ? fmtInt(status.tokens_per_s_avg) : "–");
+    $("#stat-rate-label").textContent = average ? "Tokens/s (average)" : "Tokens/s";
     $("#stat-tokens").textContent =
       `${fmtCompact(status.tokens_done)} / ${fmtCompact(status.tokens_total)}`;
     $("#stat-shards").textContent = fmtInt(status.shards);
@@ -522,20 +544,37 @@
     $("#stat-elapsed").textContent = text;
   }
 
+  function workerTotalsText(t) {
+    if (!t) return "";
+    return `${fmtInt(t.units)} unit${t.units === 1 ? "" : "s"} · ${fmtCompact(t.tokens)} tok`
+      + ` · ${fmtBytes(t.bytes)}`;
+  }
+
+  // Live engines with what each committed so far; once the job has ended, what each
+  // worker committed over the whole job ("ended").
   function renderWorkers(status) {
-    const workers = status.workers || [];
+    const totals = new Map((status.worker_totals || []).map((t) => [t.name, t]));
+    const workers = FINISHED.has(status.state)
+      ? [...totals.keys()].map((name) => ({ name, state: "ended", unit: null }))
+      : status.workers || [];
     const counts = {};
     const items = workers.map((w) => {
       counts[w.state] = (counts[w.state] || 0) + 1;
+      const t = totals.get(w.name);
       return el("li", { class: "worker", "data-worker": w.name, "data-state": w.state },
         el("span", { class: `dot state-${w.state}` }),
-        el("span", { class: "worker-name mono", text: w.name }),
+        el("div", { class: "worker-who" },
+          el("div", { class: "worker-name mono", text: w.name }),
+          el("div", { class: "worker-totals muted", "data-units": t ? String(t.units) : "0",
+            "data-tokens": t ? String(t.tokens) : "0", text: workerTotalsText(t),
+            title: t ? `${fmtInt(t.samples)} samples, ${fmtInt(t.tokens)} tokens, `
+              + `${fmtInt(t.bytes)} bytes in ${fmtDuration(t.seconds)} of unit time` : "" })),
         el("span", { class: `pill state-${w.state}`, text: w.state }),
         el("span", { class: "worker-unit muted", text: w.unit != null ? `unit ${w.unit}` : "" }));
     });
     if (!items.length) {
       items.push(el("li", { class: "empty", text: FINISHED.has(status.state)
-        ? "No workers: the job has ended." : "No workers yet." }));
+        ? "No worker committed anything." : "No workers yet." }));
     }
     $("#workers").replaceChildren(...items);
     $("#workers-summary").textContent = Object.entries(counts)
@@ -830,12 +869,26 @@
   }
 
   // ---------------------------------------------------------------- tokens/s chart
-  function addPoint(current, status) {
-    if (status.state !== "running") return;
-    const now = Date.now();
-    current.points.push({ x: now, v: status.tokens_per_s || 0 });
-    const cutoff = now - CHART_WINDOW_MS;
-    while (current.points.length && current.points[0].x < cutoff) current.points.shift();
+  // The curve is the server's: a point every few seconds while the job extracts, kept
+  // in its ledger, so a job that ended before the page opened still has it.
+  async function loadCurve(current) {
+    clearTimeout(current.curveTimer);
+    current.curveTimer = null;
+    try {
+      const curve = await api(`${jobPath(current.id)}/throughput`);
+      if (current !== view) return;
+      current.points = (curve.points || []).map((p) => ({ x: p.at * 1000, v: p.tokens_per_s }));
+    } catch (err) {
+      if (current !== view) return;
+      if (!(err instanceof ApiError && err.status === 404)) reportError(err);
+    }
+    current.curveLoaded = true;
+    drawRateChart(current);
+    if (current.status && !FINISHED.has(current.status.state)) {
+      current.curveTimer = setTimeout(() => {
+        if (current === view) loadCurve(current);
+      }, CURVE_REFRESH_MS);
+    }
   }
 
   function drawRateChart(current) {
@@ -844,19 +897,27 @@
     canvas.dataset.points = String(points.length);
     const empty = $("#rate-chart-empty");
     empty.hidden = points.length > 0;
-    if (current && current.status && FINISHED.has(current.status.state) && !points.length) {
-      empty.textContent = "No live data: the job ended before this page opened.";
+    const ended = Boolean(current && current.status && FINISHED.has(current.status.state));
+    if (ended && current.curveLoaded) {
+      empty.textContent = "No throughput was recorded for this job.";
+    } else if (current && current.status && current.status.state === "running") {
+      empty.textContent = "Waiting for the first measurements…";
     } else {
-      empty.textContent = "Waiting for live updates…";
+      empty.textContent = "No extraction yet.";
     }
+    // A running job: its last 10 minutes, moving. An ended one: its whole run.
+    $("#rate-chart-span").textContent = ended ? "whole run" : "last 10 minutes";
 
     const live = current && current.status && current.status.state === "running";
     const lastT = points.length ? points[points.length - 1].x : Date.now();
     const now = live ? Math.max(Date.now(), lastT) : lastT;
-    const t0 = points.length ? Math.max(points[0].x, now - CHART_WINDOW_MS) : now - CHART_MIN_SPAN_MS;
-    const t1 = Math.max(now, t0 + CHART_MIN_SPAN_MS);
-    // Time labels on round clock times (every 5 s, 10 s, ... 2 min), at most five.
-    const stepS = [5, 10, 15, 30, 60, 120, 300].find((st) => (t1 - t0) / (st * 1000) <= 5) || 300;
+    const t0 = !points.length ? now - CHART_MIN_SPAN_MS
+      : (ended ? points[0].x : Math.max(points[0].x, now - CHART_WINDOW_MS));
+    // An ended job's curve spans the chart, however short its run was.
+    const t1 = Math.max(now, t0 + (ended && points.length > 1 ? 1000 : CHART_MIN_SPAN_MS));
+    // Time labels on round clock times (every 1 s, 2 s, 5 s, ... 6 h), at most five.
+    const stepS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600]
+      .find((st) => (t1 - t0) / (st * 1000) <= 5) || 21600;
     const step = stepS * 1000;
     const ticks = [];
     for (let t = Math.ceil(t0 / step) * step; t <= t1; t += step) ticks.push(t);

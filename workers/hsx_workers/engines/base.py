@@ -47,15 +47,36 @@ class CaptureRequest:
     input_ids: list[int]
 
 
+class _Wait:
+    """See WAIT."""
+
+    def __repr__(self) -> str:
+        return "WAIT"
+
+
+WAIT = _Wait()
+"""Yielded by a request stream that has nothing to hand over right now but is not
+finished (a worker between work units): the engine goes on with what it has in flight
+and asks again, instead of draining as at the end of the stream."""
+
+RequestStream = Iterable["CaptureRequest | _Wait"]
+
+IDLE_SLEEP_S = 0.002
+"""How long an engine with nothing in flight sleeps after a WAIT before asking again."""
+
+
 @dataclass
 class CaptureResult:
     sample_index: int
     input_ids: list[int]
-    # [T, L, H], layers in ascending id order; None when `error` is set.
-    hidden_states: torch.Tensor | None = None
+    # [T, L, H], layers in ascending id order (a torch tensor, or a numpy array mapped
+    # from the spool); None when `error` is set.
+    hidden_states: torch.Tensor | Any = None
     error: str | None = None
     # True when nobody else holds hidden_states (the consumer may keep it, uncopied).
     owned: bool = False
+    # [T, L] fp8 scales when hidden_states is already quantized (float8_e4m3fn).
+    scales: Any = None
 
 
 @dataclass
@@ -71,13 +92,15 @@ class EngineConfig:
     trust_remote_code: bool = False
     dtype: str = "auto"
     options: dict[str, Any] = field(default_factory=dict)
+    # How the shards store states; the vllm engine's connector quantizes fp8 on the device.
+    storage_dtype: str = "bf16"
 
 
 class CaptureEngine(Protocol):
     config: EngineConfig
 
-    def capture(self, requests: Iterable[CaptureRequest]) -> Iterator[CaptureResult]:
-        """Yield one result per request, in request order."""
+    def capture(self, requests: RequestStream) -> Iterator[CaptureResult]:
+        """Yield one result per request, in request order. `requests` may yield WAIT."""
         ...
 
     def close(self) -> None: ...

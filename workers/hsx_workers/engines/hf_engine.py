@@ -13,12 +13,20 @@ sequence cannot change the states of its real tokens.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from hsx_workers.engines.base import CaptureRequest, CaptureResult, EngineConfig
+from hsx_workers.engines.base import (
+    IDLE_SLEEP_S,
+    WAIT,
+    CaptureRequest,
+    CaptureResult,
+    EngineConfig,
+    RequestStream,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +77,20 @@ class HfEngine:
     def _keep_pre_norm(self, _module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         self._pre_norm = args[0]
 
-    def capture(self, requests: Iterable[CaptureRequest]) -> Iterator[CaptureResult]:
+    def capture(self, requests: RequestStream) -> Iterator[CaptureResult]:
         batch: list[CaptureRequest] = []
         longest = 0
         for req in requests:
+            if req is WAIT:
+                # Nothing more for now: run what is batched instead of holding it.
+                if batch:
+                    yield from self._forward(batch)
+                    batch, longest = [], 0
+                else:
+                    time.sleep(IDLE_SLEEP_S)
+                continue
+            if not isinstance(req, CaptureRequest):
+                raise TypeError(f"capture takes CaptureRequest or WAIT, got {req!r}")
             longest_if_added = max(longest, len(req.input_ids))
             if batch and longest_if_added * (len(batch) + 1) > self.batch_tokens:
                 yield from self._forward(batch)

@@ -17,27 +17,25 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
-from hsx_workers.connector import ERROR_SUFFIX
-from hsx_workers.engines.base import CaptureRequest, CaptureResult, EngineConfig, EngineDead
+from hsx_workers.engines.base import (
+    IDLE_SLEEP_S,
+    WAIT,
+    CaptureRequest,
+    CaptureResult,
+    EngineConfig,
+    EngineDead,
+    RequestStream,
+)
+from hsx_workers.spool import ERROR_SUFFIX, SPOOL_SUFFIX, read_error, spool_root, take_spool_file
 
 logger = logging.getLogger(__name__)
 
 SPOOL_TIMEOUT_S = 120.0
-
-
-def _spool_root(min_free_bytes: int) -> Path:
-    """tmpfs when it has room (no disk I/O for a hand-off), else the temp dir."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > min_free_bytes:
-        return shm
-    return Path(tempfile.gettempdir())
 
 
 class VllmEngine:
@@ -48,9 +46,9 @@ class VllmEngine:
         opts = config.options
         if opts.get("cpu_kvcache_gib") is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts["cpu_kvcache_gib"]))
-        self.max_inflight_tokens = int(opts.get("max_inflight_tokens", 262144))
+        self.max_inflight_tokens = int(opts.get("max_inflight_tokens", 65536))
         bytes_per_token = 2 * len(config.layers) * config.hidden_size
-        self.spool = _spool_root(2 * self.max_inflight_tokens * bytes_per_token) / (
+        self.spool = spool_root(2 * self.max_inflight_tokens * bytes_per_token) / (
             f"hsx-spool-{uuid.uuid4().hex[:12]}"
         )
         self.spool.mkdir(parents=True)
@@ -82,13 +80,19 @@ class VllmEngine:
                 "kv_connector": "HsxHiddenStatesConnector",
                 "kv_connector_module_path": "hsx_workers.connector",
                 "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(self.spool)},
+                "kv_connector_extra_config": {
+                    "shared_storage_path": str(self.spool),
+                    "storage_dtype": config.storage_dtype,
+                },
             },
         )
         for key in ("max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager",
                     "distributed_executor_backend"):
             if opts.get(key) is not None:
                 engine_args[key] = opts[key]
+        # The job's own vLLM engine arguments, as they are (preflight refused any that
+        # vLLM does not know or that capture sets).
+        engine_args.update(opts.get("engine_args") or {})
         self._text_path_of_wrapper(engine_args)
         self.hooks = self._capture_path() == "hooks"
         if self.hooks:
@@ -129,8 +133,8 @@ class VllmEngine:
 
         vLLM's `language_model_only` skips the vision tower and multimodal inputs; the
         capture layers are set on the wrapper, which forwards them to its language model.
-        Where torchvision is missing (the CPU machine), it is stubbed in this process,
-        since the wrapper's module imports it at load time.
+        Where torchvision is missing (the CPU machine) and the wrapper's module imports it
+        at load time (Llava, Qwen2.5-VL; not Kimi-K2.5), it is stubbed in this process.
         """
         from hsx.modelinfo import ModelConfigError, read_model_info
 
@@ -141,9 +145,9 @@ class VllmEngine:
         if not info.wrapper:
             return
         engine_args["language_model_only"] = True
-        from hsx_workers.preflight import install_torchvision_stub
+        from hsx_workers.preflight import install_torchvision_stub, needs_torchvision_stub
 
-        if install_torchvision_stub():
+        if needs_torchvision_stub(info.architecture) and install_torchvision_stub():
             # The stub lives in this process only: vLLM's engine-core and worker
             # processes (spawned) and its model inspection subprocess would import the
             # real, missing torchvision. So the whole engine runs here (one rank only),
@@ -164,7 +168,7 @@ class VllmEngine:
                 ModelRegistry.register_model(info.architecture, load())
         logger.info("multimodal wrapper: capturing its text path (language_model_only)")
 
-    def capture(self, requests: Iterable[CaptureRequest]) -> Iterator[CaptureResult]:
+    def capture(self, requests: RequestStream) -> Iterator[CaptureResult]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -172,19 +176,34 @@ class VllmEngine:
         params = SamplingParams(max_tokens=1, detokenize=False)
         pending = iter(requests)
         order: list[int] = []  # sample indexes in request order
-        running: dict[str, CaptureRequest] = {}  # request id -> request, inside vLLM
-        arriving: dict[str, tuple[CaptureRequest, float]] = {}  # spool path -> (request, since)
+        # request id -> (request, its position in `order`), while inside vLLM
+        running: dict[str, tuple[CaptureRequest, int]] = {}
+        # spool file name -> (request, position, since when it is awaited)
+        arriving: dict[str, tuple[CaptureRequest, int, float]] = {}
         ready: dict[int, CaptureResult] = {}
         inflight_tokens = 0
         exhausted = False
         emitted = 0
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+        def step() -> list[Any]:
+            try:
+                return list(engine.step())
+            except Exception as err:
+                raise EngineDead(f"vLLM engine failed: {type(err).__name__}: {err}") from err
 
         while True:
+            waiting = False
             while not exhausted and inflight_tokens < self.max_inflight_tokens:
                 req = next(pending, None)
                 if req is None:
                     exhausted = True
                     break
+                if req is WAIT:
+                    waiting = True
+                    break
+                if not isinstance(req, CaptureRequest):
+                    raise TypeError(f"capture takes CaptureRequest or WAIT, got {req!r}")
                 order.append(req.sample_index)
                 request_id = f"s{req.sample_index}-{self._next_id}"
                 self._next_id += 1
@@ -193,63 +212,62 @@ class VllmEngine:
                         request_id, TokensPrompt(prompt_token_ids=list(req.input_ids)), params
                     )
                 except ValueError as err:  # vLLM refuses this prompt (too long, bad ids)
-                    ready[req.sample_index] = CaptureResult(
+                    ready[len(order) - 1] = CaptureResult(
                         req.sample_index, req.input_ids, error=f"vLLM refused the prompt: {err}"
                     )
                     continue
-                running[request_id] = req
+                running[request_id] = (req, len(order) - 1)
                 inflight_tokens += len(req.input_ids)
 
-            # Emit in request order as results become ready.
-            while emitted < len(order) and order[emitted] in ready:
-                yield ready.pop(order[emitted])
+            # Emit in request order as results become ready (keyed by position: a
+            # stream may carry the same sample index twice, from two jobs' units).
+            while emitted < len(order) and emitted in ready:
+                yield ready.pop(emitted)
                 emitted += 1
             if exhausted and emitted == len(order):
                 return
 
             if running:
-                try:
-                    outputs = engine.step()
-                except Exception as err:
-                    raise EngineDead(f"vLLM engine failed: {type(err).__name__}: {err}") from err
-                for out in outputs:
+                for out in step():
                     if not out.finished:
                         continue
-                    req = running.pop(self._base_request_id(out.request_id, running))
-                    path = self._spool_file(out)
-                    if not path:
+                    req, position = running.pop(self._base_request_id(out.request_id, running))
+                    name = self._spool_name(out)
+                    if not name:
                         inflight_tokens -= len(req.input_ids)
-                        ready[req.sample_index] = CaptureResult(
+                        ready[position] = CaptureResult(
                             req.sample_index, req.input_ids,
                             error="vLLM returned no hidden states for this request",
                         )
                     else:
-                        arriving[path] = (req, time.monotonic())
+                        arriving[name] = (req, position, time.monotonic())
             elif arriving:
                 # The engine core publishes the last files on its own, a step or two
                 # after the outputs; wait for them without busy-spinning. An engine
                 # core running in this process (no multiprocessing) moves only when
                 # stepped, so step it.
-                if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-                    try:
-                        engine.step()
-                    except Exception as err:
-                        raise EngineDead(
-                            f"vLLM engine failed: {type(err).__name__}: {err}") from err
+                if in_process:
+                    step()
                 time.sleep(0.001)
+            elif waiting:
+                time.sleep(IDLE_SLEEP_S)
 
-            for path, (req, since) in list(arriving.items()):
-                if not (os.path.exists(path) or os.path.exists(path + ERROR_SUFFIX)):
-                    if time.monotonic() - since > SPOOL_TIMEOUT_S:
-                        raise EngineDead(
-                            f"hidden states of sample {req.sample_index} never arrived at {path}"
-                        )
-                    continue
-                del arriving[path]
-                inflight_tokens -= len(req.input_ids)
-                ready[req.sample_index] = self._collect(req, path)
+            if arriving:
+                # One directory read per round, not a stat per request in flight.
+                present = set(os.listdir(self.spool))
+                now = time.monotonic()
+                for name, (req, position, since) in list(arriving.items()):
+                    if name not in present and name + ERROR_SUFFIX not in present:
+                        if now - since > SPOOL_TIMEOUT_S:
+                            raise EngineDead(f"hidden states of sample {req.sample_index} "
+                                             f"never arrived in {self.spool / name}")
+                        continue
+                    del arriving[name]
+                    inflight_tokens -= len(req.input_ids)
+                    ready[position] = self._collect(req, str(self.spool / name))
 
-    def _spool_file(self, out: Any) -> str | None:
+    def _spool_name(self, out: Any) -> str | None:
+        """The name, in this engine's spool, of a finished request's states file."""
         if self.hooks:
             # hooks.py names the file after the request id the worker saw: vLLM's
             # internal one, ours plus a "-<hex>" suffix. The hook wrote it during the
@@ -258,13 +276,13 @@ class VllmEngine:
             for name in os.listdir(self.spool):
                 base = name.removesuffix(ERROR_SUFFIX)
                 if pattern.fullmatch(base):
-                    return str(self.spool / base)
-            return str(self.spool / f"{out.request_id}.safetensors")
+                    return base
+            return f"{out.request_id}{SPOOL_SUFFIX}"
         path = (getattr(out, "kv_transfer_params", None) or {}).get("hidden_states_path")
-        return str(path) if path else None
+        return os.path.basename(str(path)) if path else None
 
     @staticmethod
-    def _base_request_id(request_id: str, running: dict[str, CaptureRequest]) -> str:
+    def _base_request_id(request_id: str, running: dict[str, Any]) -> str:
         # vLLM may append a suffix to the id it was given.
         if request_id in running:
             return request_id
@@ -274,27 +292,30 @@ class VllmEngine:
         raise EngineDead(f"vLLM returned an unknown request id {request_id!r}")
 
     def _collect(self, req: CaptureRequest, path: str) -> CaptureResult:
-        import torch
-        from safetensors.torch import load_file
+        """The request's states, mapped from its spool file (no copy), checked."""
+        import numpy as np
 
-        error_file = path + ERROR_SUFFIX
-        if os.path.exists(error_file):
-            reason = Path(error_file).read_text()
-            os.unlink(error_file)
-            return CaptureResult(req.sample_index, req.input_ids, error=f"capture failed: {reason}")
-        tensors = load_file(path)
-        os.unlink(path)
-        expected = torch.tensor(req.input_ids, dtype=torch.int64)
-        token_ids = tensors.get("token_ids", expected)
-        if tensors["hidden_states"].shape[0] != len(req.input_ids) or not torch.equal(
-                token_ids.to(torch.int64), expected):
-            return CaptureResult(
-                req.sample_index, req.input_ids,
-                error="vLLM processed other token ids than were sent (prompt mismatch)",
-            )
+        def failed(reason: str) -> CaptureResult:
+            return CaptureResult(req.sample_index, req.input_ids, error=reason)
+
+        reason = read_error(path)
+        if reason is not None:
+            return failed(f"capture failed: {reason}")
+        try:
+            tensors = take_spool_file(path)
+        except (OSError, ValueError) as err:
+            return failed(f"capture failed: unreadable spool file: {err}")
         states = tensors["hidden_states"]
-        # Freshly loaded from the spool: nobody else holds it.
-        return CaptureResult(req.sample_index, req.input_ids, hidden_states=states, owned=True)
+        expected = np.asarray(req.input_ids, dtype=np.int64)
+        token_ids = tensors.get("token_ids", expected)
+        if states.shape[0] != len(expected) or not np.array_equal(token_ids, expected):
+            return failed("vLLM processed other token ids than were sent (prompt mismatch)")
+        scales = tensors.get("scales")
+        if scales is not None and not np.isfinite(scales).all():
+            return failed("hidden states contain inf or nan; fp8 scales would be undefined")
+        # Freshly mapped from the spool: nobody else holds it.
+        return CaptureResult(req.sample_index, req.input_ids, hidden_states=states,
+                             owned=True, scales=scales)
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

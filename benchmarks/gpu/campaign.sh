@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU campaign on a lent H200 machine (one or two GPUs), after the recipe's install
+# (benchmarks/gpu/README.md). Started in the background with setsid, so it outlives the
+# device call that starts it; later calls wait for it and collect its results:
+#
+#   setsid nohup bash benchmarks/gpu/campaign.sh STEPS... > /tmp/hsx-gpu/campaign.log 2>&1 &
+#   bash benchmarks/gpu/campaign.sh --collect SECONDS   # wait up to SECONDS, tar into $OUT
+#
+# Steps, in the order given: smoke, bench (capture path on one GPU), tests (tests/gpu),
+# multi (2 engines vs 1, TP=2 vs 1), train (trainer scaling, 2 GPUs vs 1). Each step
+# writes into /tmp/hsx-gpu/results; one failing step does not stop the next.
+set -uo pipefail
+RES=/tmp/hsx-gpu/results
+mkdir -p "$RES"
+export PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD/benchmarks
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 HSX_GPU_RESULTS=$RES
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+if [ "${1:-}" = "--collect" ]; then
+  deadline=$(( $(date +%s) + ${2:-500} ))
+  while [ ! -f /tmp/hsx-gpu/DONE ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+  cp /tmp/hsx-gpu/campaign.log "$RES/" 2>/dev/null
+  tar -czf "$OUT/results.tgz" -C /tmp/hsx-gpu results
+  tail -c 6000 /tmp/hsx-gpu/campaign.log
+  [ -f /tmp/hsx-gpu/DONE ] && echo "campaign: done" || echo "campaign: still running"
+  exit 0
+fi
+
+step() { echo "=== $1 $(date +%T)"; }
+rm -f /tmp/hsx-gpu/DONE
+for s in "$@"; do
+  case $s in
+    smoke)
+      step smoke
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/gpus.txt"
+      python3 -c "import vllm, ray, torch; print('vllm', vllm.__version__, 'ray', ray.__version__, 'torch', torch.__version__)"
+      python3 -m hsx.cli doctor | tee "$RES/doctor.txt"
+      df -h /dev/shm /tmp | tee "$RES/df.txt" ;;
+    bench)
+      step bench
+      timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases disk drop hsx --profile \
+        --out "$RES/vllm-single.json" 2> "$RES/vllm-single.log"
+      cp /tmp/hsx-bench-vllm/*.log /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null ;;
+    tests)
+      step tests
+      timeout 900 python3 -m pytest tests/gpu -p no:cacheprovider -q -rA \
+        --junitxml "$RES/gpu-tests.xml" > "$RES/gpu-tests.log" 2>&1
+      tail -5 "$RES/gpu-tests.log" ;;
+    multi)
+      step multi
+      timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases hsx replicas2 tp2 --reps 1 \
+        --out "$RES/vllm-multi.json" 2> "$RES/vllm-multi.log" ;;
+    train)
+      step train
+      if [ -f benchmarks/gpu/bench_train_scaling.py ]; then
+        timeout 600 python3 benchmarks/gpu/bench_train_scaling.py --out "$RES/train-scaling.json" \
+          > "$RES/train-scaling.log" 2>&1
+      fi ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+step done
+touch /tmp/hsx-gpu/DONE

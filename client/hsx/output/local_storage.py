@@ -1,0 +1,277 @@
+"""`Storage` on a local (or mounted) file system.
+
+Every object is staged in `<root>/.tmp/`, fsynced, and published by one atomic step:
+`os.replace` for `put` and streamed objects, `os.link` for `create` (link fails if the
+name exists, which is the create-if-absent). The folder is fsynced after each publish so
+the name survives a power cut. A crash leaves only staging files, which are never listed
+and which `abort_incomplete_writes()` removes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+from hsx.output.storage import (
+    STAGING_DIR,
+    ObjectExistsError,
+    ObjectInfo,
+    ObjectNotFoundError,
+    ObjectWriter,
+    Storage,
+    StorageError,
+    check_key,
+)
+
+SYNC_EVERY = 256 * 2**20
+"""Bytes written between background `fdatasync`s of a streamed object, so the fsync at
+`finish()` has little left to flush."""
+
+_COPY_CHUNK = 16 * 2**20
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename/link/unlink inside `path` durable (POSIX needs the folder synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
+    """Write every byte of `data` (os.write may write fewer bytes than asked)."""
+    while data.nbytes:
+        n = os.write(fd, data) if offset is None else os.pwrite(fd, data, offset)
+        data = data[n:]
+        if offset is not None:
+            offset += n
+
+
+class LocalStorage(Storage):
+    """A folder as an output location; see the module docstring."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(os.path.abspath(os.fspath(root)))
+        self.uri = self.root.as_uri()
+
+    @property
+    def is_local(self) -> bool:
+        return True
+
+    def local_path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _staging_file(self, key: str) -> tuple[Path, int]:
+        """A new staging file for `key` (opened for writing) and its descriptor."""
+        staging = self.root / STAGING_DIR
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+            path = staging / f"{key.replace('/', '--')}.{secrets.token_hex(6)}.part"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as err:
+            raise StorageError(f"cannot write to {self.uri}: {err.strerror or err}") from err
+        return path, fd
+
+    def _stage(self, key: str, data: bytes) -> Path:
+        path, fd = self._staging_file(key)
+        try:
+            _write_all(fd, memoryview(data).cast("B"))
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return path
+
+    def _publish_dir(self, key: str) -> Path:
+        final = self.local_path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        return final
+
+    def create(self, key: str, data: bytes) -> None:
+        # link() fails if the name exists: the create-if-absent, with the content complete.
+        self._publish_small(key, data, os.link)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._publish_small(key, data, os.replace)
+
+    def _publish_small(self, key: str, data: bytes, publish: Callable[[Path, Path], None]) -> None:
+        final = self._publish_dir(check_key(key))
+        staged = self._stage(key, data)
+        try:
+            publish(staged, final)
+        except FileExistsError:
+            raise ObjectExistsError(f"{self.url(key)} already exists") from None
+        finally:
+            staged.unlink(missing_ok=True)
+        fsync_dir(final.parent)
+
+    def open_writer(self, key: str, *, head_size: int = 0) -> ObjectWriter:
+        return LocalObjectWriter(self, check_key(key), head_size)
+
+    def read(self, key: str) -> bytes:
+        path = self.local_path(key)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{self.url(key)} does not exist") from None
+        except IsADirectoryError:
+            raise ObjectNotFoundError(f"{self.url(key)} is a folder, not an object") from None
+
+    def read_range(self, key: str, start: int, length: int) -> memoryview:
+        if start < 0 or length < 0:
+            raise ValueError(f"bad range start={start} length={length}")
+        path = self.local_path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{self.url(key)} does not exist") from None
+        try:
+            data = os.pread(fd, length, start)
+            if len(data) != length:
+                size = os.fstat(fd).st_size
+                raise StorageError(
+                    f"{self.url(key)} has {size} bytes; cannot read [{start}, {start + length})"
+                )
+        finally:
+            os.close(fd)
+        return memoryview(data)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            st = os.stat(self.local_path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return ObjectInfo(check_key(key), st.st_size)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        folder = check_key(prefix, folder=True)
+        base = self.root / folder if folder else self.root
+        out: list[ObjectInfo] = []
+        if not base.is_dir():
+            return out
+        for dirpath, dirnames, filenames in os.walk(base):
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel.replace(os.sep, "/")
+            if not rel:
+                dirnames[:] = [d for d in dirnames if d != STAGING_DIR]
+            for name in filenames:
+                key = f"{rel}/{name}" if rel else name
+                try:
+                    out.append(ObjectInfo(key, os.stat(os.path.join(dirpath, name)).st_size))
+                except FileNotFoundError:
+                    continue  # deleted while listing
+        out.sort(key=lambda info: info.key)
+        return out
+
+    def delete(self, key: str) -> None:
+        path = self.local_path(key)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        fsync_dir(path.parent)
+
+    def check_writable(self) -> None:
+        probe = f".hsx-probe-{secrets.token_hex(6)}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.create(probe, b"hsx")
+            if self.read(probe) != b"hsx":
+                raise StorageError(f"{self.uri}: a probe object read back different bytes")
+            self.delete(probe)
+        except OSError as err:
+            if isinstance(err, StorageError):
+                raise
+            raise StorageError(f"{self.uri} is not writable: {err.strerror or err}") from err
+
+    def abort_incomplete_writes(self) -> int:
+        staging = self.root / STAGING_DIR
+        if not staging.is_dir():
+            return 0
+        removed = 0
+        for entry in staging.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed += 1
+        return removed
+
+
+class LocalObjectWriter(ObjectWriter):
+    """Streams a body into a staging file (after `head_size` reserved bytes), then
+    writes the head in place, fsyncs, and renames the file onto its key."""
+
+    def __init__(self, storage: LocalStorage, key: str, head_size: int) -> None:
+        super().__init__(storage, key, head_size)
+        self._storage = storage
+        self._path, self._fd = storage._staging_file(key)
+        self._pos = head_size
+        self._unsynced = 0
+        self._syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-fsync")
+        self._sync: concurrent.futures.Future[None] | None = None
+
+    def _write(self, data: memoryview) -> None:
+        _write_all(self._fd, data, self._pos)
+        self._pos += data.nbytes
+        self._unsynced += data.nbytes
+        if self._unsynced >= SYNC_EVERY and (self._sync is None or self._sync.done()):
+            self._unsynced = 0
+            if self._sync is not None:
+                self._sync.result()  # re-raise a failed background sync
+            self._sync = self._syncer.submit(os.fdatasync, self._fd)
+
+    def _finish(self, head: bytes) -> int:
+        if self._sync is not None:
+            self._sync.result()
+        self._syncer.shutdown()
+        if len(head) != self.head_size:
+            self._rewrite_with_head(head)
+        elif head:
+            _write_all(self._fd, memoryview(head), 0)
+        os.fsync(self._fd)
+        size = os.fstat(self._fd).st_size
+        os.close(self._fd)
+        self._fd = -1
+        final = self._storage._publish_dir(self.key)
+        os.replace(self._path, final)
+        fsync_dir(final.parent)
+        return size
+
+    def _rewrite_with_head(self, head: bytes) -> None:
+        """Copy the body behind a head of another length (rare: a larger header)."""
+        path, fd = self._storage._staging_file(self.key)
+        try:
+            _write_all(fd, memoryview(head))
+            offset, left = self.head_size, self.body_bytes
+            while left:
+                chunk = os.pread(self._fd, min(left, _COPY_CHUNK), offset)
+                if not chunk:
+                    raise StorageError(f"{self._path}: ended early while rewriting")
+                _write_all(fd, memoryview(chunk))
+                offset += len(chunk)
+                left -= len(chunk)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(self._fd)
+        self._path.unlink(missing_ok=True)
+        self._path, self._fd = path, fd
+
+    def _abort(self) -> None:
+        self._syncer.shutdown(wait=True)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._path.unlink(missing_ok=True)

@@ -1,0 +1,427 @@
+"""`Storage` on object stores through obstore (Rust object_store): s3://, gs://, az://.
+
+obstore is imported here only, and this module only when an object-store URI is used.
+Each operation maps to one obstore call: `create` is `put(mode="create")`, i.e. a PUT
+with `If-None-Match: *`, which the store refuses when the key exists; `read_range` is a
+ranged GET; `list` lists a folder. Large objects stream:
+
+- on S3 with static credentials, `S3PartsWriter` (s3_multipart.py): a multipart upload
+  whose first part, holding the head, goes last; no local disk, bounded memory;
+- otherwise without a head, obstore's own multipart writer (`open_writer`);
+- otherwise (a head, but no part-numbered uploads: gs://, az://, or S3 credentials that
+  only obstore can resolve, such as instance roles) the body is staged in a local
+  temporary file and uploaded, head first, when it is finished.
+
+Whatever the path, nothing is visible under the key until the upload completes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import secrets
+import tempfile
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from hsx.output.s3_multipart import (
+    DEFAULT_MAX_INFLIGHT,
+    DEFAULT_PART_SIZE,
+    S3MultipartClient,
+    S3PartsWriter,
+    S3Settings,
+)
+from hsx.output.storage import (
+    ObjectExistsError,
+    ObjectInfo,
+    ObjectNotFoundError,
+    ObjectWriter,
+    Storage,
+    StorageError,
+    check_key,
+)
+
+logger = logging.getLogger(__name__)
+
+_S3_OWN_OPTIONS = frozenset({
+    "endpoint", "region", "access_key_id", "secret_access_key", "session_token",
+    "allow_http", "virtual_hosted_style_request",
+})
+_SPOOL_CHUNK = 8 * 2**20
+_QUICK_RETRY = {"max_retries": 1, "retry_timeout": _dt.timedelta(seconds=10)}
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _translate(err: Exception, what: str) -> StorageError:
+    """An obstore error as a StorageError whose message says what failed and why."""
+    from obstore import exceptions as obx
+
+    detail = _first_line(err)
+    if isinstance(err, obx.AlreadyExistsError):
+        return ObjectExistsError(f"{what} already exists")
+    if isinstance(err, obx.NotFoundError | FileNotFoundError):  # obstore raises the latter
+        return ObjectNotFoundError(f"{what} does not exist")
+    if isinstance(err, obx.PermissionDeniedError | obx.UnauthenticatedError) or (
+        "403 Forbidden" in str(err) or "401 Unauthorized" in str(err)
+    ):
+        return StorageError(f"{what}: access denied; check the credentials ({detail})")
+    if "error sending request" in str(err):
+        return StorageError(f"{what}: cannot reach the object store ({detail})")
+    return StorageError(f"{what}: {detail}")
+
+
+class ObjectStoreStorage(Storage):
+    """A bucket (and prefix) as an output location; see the module docstring."""
+
+    def __init__(
+        self,
+        uri: str,
+        make_store: Any,
+        *,
+        multipart: S3MultipartClient | None = None,
+        options: Mapping[str, Any] | None = None,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+    ) -> None:
+        self.uri = uri.rstrip("/")
+        self._make_store = make_store
+        try:
+            self.store = make_store(None)
+        except Exception as err:  # obstore's configuration errors
+            raise StorageError(f"{self.uri}: {_first_line(err)}") from err
+        self.multipart = multipart
+        self._options = dict(options or {})
+        self.part_size = part_size
+        self.max_inflight = max_inflight
+
+    @classmethod
+    def from_uri(cls, uri: str, **options: Any) -> ObjectStoreStorage:
+        """`s3://bucket[/prefix]`, `gs://bucket[/prefix]` or `az://container[/prefix]`."""
+        scheme, _, rest = uri.partition("://")
+        bucket, _, prefix = rest.partition("/")
+        prefix = prefix.strip("/")
+        if not bucket:
+            raise ValueError(f"storage URI {uri!r} names no bucket")
+        if prefix:
+            check_key(prefix)
+        part_size = int(options.pop("part_size", DEFAULT_PART_SIZE))
+        max_inflight = int(options.pop("max_inflight", DEFAULT_MAX_INFLIGHT))
+        saved = dict(options)
+        norm = f"{scheme.lower()}://{bucket}" + (f"/{prefix}" if prefix else "")
+        if scheme.lower() == "s3":
+            settings = S3Settings.resolve(bucket, options)
+            multipart = S3MultipartClient(settings, prefix) if settings.static else None
+            if multipart is None:
+                logger.info(
+                    "%s: no static credentials; obstore resolves them, and shards are staged "
+                    "in a local temporary file before upload", norm,
+                )
+            extra = {k: v for k, v in options.items() if k not in _S3_OWN_OPTIONS}
+            config: dict[str, Any] = {"region": settings.region, **extra}
+            for name in ("endpoint", "access_key_id", "secret_access_key", "session_token"):
+                value = getattr(settings, name)
+                if value:
+                    config[name] = value
+            if settings.virtual_hosted_style:
+                config["virtual_hosted_style_request"] = True
+
+            def make_s3(retry: Any) -> Any:
+                from obstore.store import S3Store
+
+                return S3Store(
+                    bucket, prefix=prefix or None, config=config,  # type: ignore[arg-type]
+                    client_options={"allow_http": settings.allow_http},
+                    retry_config=retry,
+                )
+
+            if settings.endpoint and settings.endpoint.startswith("http://") and not (
+                settings.allow_http
+            ):
+                raise StorageError(
+                    f"{norm}: endpoint {settings.endpoint} is plain HTTP; set "
+                    "AWS_ALLOW_HTTP=true (or allow_http=True) to use it"
+                )
+            return cls(
+                norm, make_s3, multipart=multipart, options=saved, part_size=part_size,
+                max_inflight=max_inflight,
+            )
+
+        def make_other(retry: Any) -> Any:
+            from obstore.store import from_url
+
+            return from_url(uri, retry_config=retry, **options)
+
+        return cls(
+            norm, make_other, options=saved, part_size=part_size, max_inflight=max_inflight
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the URI in another process (Ray actors, DataLoader workers).
+        options = {**self._options, "part_size": self.part_size, "max_inflight": self.max_inflight}
+        return (_rebuild, (self.uri, options))
+
+    # -- small objects
+
+    def create(self, key: str, data: bytes) -> None:
+        import obstore
+
+        try:
+            obstore.put(self.store, check_key(key), data, mode="create", use_multipart=False)
+        except Exception as err:
+            raise _translate(err, self.url(key)) from err
+
+    def put(self, key: str, data: bytes) -> None:
+        import obstore
+
+        try:
+            obstore.put(self.store, check_key(key), data)
+        except Exception as err:
+            raise _translate(err, self.url(key)) from err
+
+    # -- large objects
+
+    def open_writer(self, key: str, *, head_size: int = 0) -> ObjectWriter:
+        key = check_key(key)
+        if self.multipart is not None:
+            return S3PartsWriter(
+                self, self.multipart, key, head_size,
+                part_size=self.part_size, max_inflight=self.max_inflight,
+            )
+        if head_size == 0:
+            return ObstoreStreamWriter(self, key)
+        return StagedObjectWriter(self, key, head_size)
+
+    # -- reading
+
+    def read(self, key: str) -> bytes:
+        import obstore
+
+        try:
+            return bytes(obstore.get(self.store, check_key(key)).bytes())
+        except Exception as err:
+            raise _translate(err, self.url(key)) from err
+
+    def read_range(self, key: str, start: int, length: int) -> memoryview:
+        import obstore
+
+        if start < 0 or length < 0:
+            raise ValueError(f"bad range start={start} length={length}")
+        if length == 0:
+            return memoryview(b"")
+        try:
+            data = memoryview(obstore.get_range(self.store, check_key(key), start=start,
+                                                length=length))
+        except Exception as err:
+            raise _translate(err, f"{self.url(key)} [{start}, {start + length})") from err
+        if data.nbytes != length:
+            raise StorageError(
+                f"{self.url(key)}: asked bytes [{start}, {start + length}), got {data.nbytes}"
+            )
+        return data
+
+    def head(self, key: str) -> ObjectInfo | None:
+        import obstore
+
+        try:
+            meta = obstore.head(self.store, check_key(key))
+        except FileNotFoundError:
+            return None
+        except Exception as err:
+            raise _translate(err, self.url(key)) from err
+        return ObjectInfo(key, int(meta["size"]))
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        import obstore
+
+        folder = check_key(prefix, folder=True)
+        out: list[ObjectInfo] = []
+        try:
+            for batch in obstore.list(self.store, folder or None, chunk_size=1000):
+                out.extend(ObjectInfo(m["path"], int(m["size"])) for m in batch)
+        except Exception as err:
+            raise _translate(err, f"listing {self.url(folder)}") from err
+        out.sort(key=lambda info: info.key)
+        return out
+
+    def delete(self, key: str) -> None:
+        import obstore
+
+        try:
+            obstore.delete(self.store, check_key(key))
+        except FileNotFoundError:
+            return
+        except Exception as err:
+            raise _translate(err, self.url(key)) from err
+
+    # -- checks and clean-up
+
+    def check_writable(self) -> None:
+        """Probe with few retries, so a wrong endpoint fails in seconds, not minutes.
+
+        Also refuses a store that ignores conditional creates (`If-None-Match: *`): on
+        it, two attempts of a unit could both "win".
+        """
+        import obstore
+
+        if self.multipart is not None:
+            self._check_bucket()
+        store = self._make_store(_QUICK_RETRY)
+        probe = f".hsx-probe-{secrets.token_hex(6)}"
+        where = f"{self.uri} (probe object {probe})"
+        try:
+            obstore.put(store, probe, b"hsx", mode="create", use_multipart=False)
+        except Exception as err:
+            raise _translate(err, f"cannot write to {where}") from err
+        try:
+            try:
+                obstore.put(store, probe, b"again", mode="create", use_multipart=False)
+            except Exception as err:
+                if not isinstance(_translate(err, where), ObjectExistsError):
+                    raise _translate(err, where) from err
+            else:
+                raise StorageError(
+                    f"{self.uri}: the object store does not honour conditional writes "
+                    "(a second PUT with If-None-Match: * replaced the object); hsx needs "
+                    "them to commit each unit exactly once"
+                )
+            got = bytes(obstore.get(store, probe).bytes())
+            if got != b"hsx":
+                raise StorageError(f"{where}: read back {got!r} instead of what was written")
+            if self.multipart is not None:
+                self._check_multipart(probe + ".mp")
+        finally:
+            try:
+                obstore.delete(store, probe)
+            except Exception as err:
+                logger.warning("%s: could not delete the probe: %s", where, _first_line(err))
+
+    def _check_bucket(self) -> None:
+        """HEAD the bucket first: SeaweedFS answers a PUT into a missing bucket with a
+        500 (and creates the bucket as a side effect), which would hide the cause."""
+        if self.multipart is None:
+            return
+        client = S3MultipartClient(
+            self.multipart.settings, self.multipart.prefix, max_attempts=2, timeout_s=10.0
+        )
+        try:
+            status = client.head_bucket()
+        finally:
+            client.close()
+        bucket = client.settings.bucket
+        origin = client.settings.endpoint or "AWS S3"
+        if status == 404:
+            raise StorageError(f"{self.uri}: bucket {bucket!r} does not exist at {origin}")
+        if status in (401, 403):
+            raise StorageError(
+                f"{self.uri}: access to bucket {bucket!r} at {origin} denied; check the "
+                "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+            )
+        if status >= 300:
+            raise StorageError(f"{self.uri}: bucket {bucket!r} at {origin} answered HTTP {status}")
+
+    def _check_multipart(self, key: str) -> None:
+        """A one-part upload: the calls `S3PartsWriter` makes, signed by this client."""
+        client = self.multipart
+        if client is None:
+            return
+        upload = client.create_upload(key)
+        try:
+            etag = client.upload_part(key, upload, 1, b"hsx")
+            client.complete_upload(key, upload, [(1, etag)], 3)
+        except BaseException:
+            client.abort_upload(key, upload)
+            raise
+        self.delete(key)
+
+    def abort_incomplete_writes(self) -> int:
+        if self.multipart is None:
+            logger.info(
+                "%s: unfinished uploads cannot be listed without static credentials; a "
+                "bucket lifecycle rule should expire them", self.uri,
+            )
+            return 0
+        uploads = self.multipart.list_uploads()
+        for key, upload_id in uploads:
+            self.multipart.abort_upload(key, upload_id)
+        if uploads:
+            logger.info("%s: aborted %d unfinished uploads", self.uri, len(uploads))
+        return len(uploads)
+
+
+def _rebuild(uri: str, options: dict[str, Any]) -> Storage:
+    return ObjectStoreStorage.from_uri(uri, **options)
+
+
+class ObstoreStreamWriter(ObjectWriter):
+    """obstore's multipart writer, for objects without a head. Its `close()` completes
+    the upload; an abort drops the writer unclosed, which aborts the upload."""
+
+    def __init__(self, storage: ObjectStoreStorage, key: str) -> None:
+        import obstore
+
+        super().__init__(storage, key, 0)
+        self._store = storage
+        self._file: Any = obstore.open_writer(
+            storage.store, key, buffer_size=storage.part_size,
+            max_concurrency=storage.max_inflight,
+        )
+
+    def _write(self, data: memoryview) -> None:
+        try:
+            self._file.write(data)
+        except Exception as err:
+            raise _translate(err, self._store.url(self.key)) from err
+
+    def _finish(self, head: bytes) -> int:
+        try:
+            self._file.close()
+        except Exception as err:
+            raise _translate(err, self._store.url(self.key)) from err
+        return self.body_bytes
+
+    def _abort(self) -> None:
+        # The writer's context manager aborts the upload when left by an exception.
+        try:
+            self._file.__exit__(StorageError, StorageError("aborted"), None)
+        except Exception as err:
+            logger.warning("%s: abort: %s", self._store.url(self.key), _first_line(err))
+
+
+class StagedObjectWriter(ObjectWriter):
+    """The body in a local temporary file (`TMPDIR`), uploaded head first at `finish()`."""
+
+    def __init__(self, storage: ObjectStoreStorage, key: str, head_size: int) -> None:
+        super().__init__(storage, key, head_size)
+        self._store = storage
+        self._file = tempfile.TemporaryFile(prefix="hsx-upload-")  # noqa: SIM115
+
+    def _write(self, data: memoryview) -> None:
+        self._file.write(data)
+
+    def _chunks(self, head: bytes) -> Iterator[bytes]:
+        yield head
+        self._file.seek(0)
+        while chunk := self._file.read(_SPOOL_CHUNK):
+            yield chunk
+
+    def _finish(self, head: bytes) -> int:
+        import obstore
+
+        self._file.flush()
+        try:
+            obstore.put(
+                self._store.store, self.key, self._chunks(head),
+                chunk_size=self._store.part_size, max_concurrency=self._store.max_inflight,
+            )
+        except Exception as err:
+            raise _translate(err, self._store.url(self.key)) from err
+        finally:
+            self._file.close()
+        return len(head) + self.body_bytes
+
+    def _abort(self) -> None:
+        self._file.close()
+

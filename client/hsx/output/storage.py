@@ -1,0 +1,282 @@
+"""Where an output's objects live: local disk or an object store, behind one small interface.
+
+`Storage` has exactly what hsx needs from a bucket, nothing more:
+
+- `create(key, data)`: create-if-absent of a small object. The commit record of a work
+  unit is created this way, so when two attempts of a unit finish, exactly one wins and
+  the other gets `ObjectExistsError`.
+- `put(key, data)`: replace a small object atomically.
+- `open_writer(key, head_size=...)`: stream a large object (a shard) that becomes visible
+  only when `finish()` succeeds, whole; an abort or a crash leaves nothing listable.
+  The first `head_size` bytes (the shard's header, known only at the end) are handed to
+  `finish(head)`; the body streams in between (see docs/ARCHITECTURE.md, "Storage").
+- `read`, `read_range`, `head`, `exists`, `list` (a folder), `delete`.
+- `local_path(key)`: the file behind a key where the storage is a local disk (readers
+  memory-map shards there); None on object stores, where readers use `read_range`.
+- `check_writable()`: write, read back and delete a probe, so an unusable output fails
+  before any work starts, with a message that names it and the problem.
+- `abort_incomplete_writes()`: remove what crashed writers left behind (staging files,
+  unfinished multipart uploads); only while no writer of this output runs.
+
+`Storage.for_uri(uri, **options)` picks the implementation: a path or `file://` URI is a
+`LocalStorage`; `s3://`, `gs://` and `az://` are an `ObjectStoreStorage` (obstore, i.e.
+Rust object_store), which is imported only then, so `import hsx` stays light.
+
+Keys are relative, `/`-separated names (`commits/unit-000042.json`). `list(prefix)` takes
+a folder: `list("commits")` lists everything under `commits/`, never `commitsX/...`.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from hsx.layout import TMP_DIR
+
+STAGING_DIR = TMP_DIR
+"""Folder (under the root) where a local storage stages objects before publishing them.
+Never listed; `abort_incomplete_writes` empties it."""
+
+_KEY_SEGMENT = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
+
+
+class StorageError(Exception):
+    """An output location could not be used; the message names the location and the problem."""
+
+
+class ObjectExistsError(StorageError):
+    """`create()` found the key already taken (another writer created it first)."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """The object does not exist."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: its key (relative to the storage root) and its size in bytes."""
+
+    key: str
+    size: int
+
+
+def check_key(key: str, *, folder: bool = False) -> str:
+    """`key` without a trailing slash, or ValueError if it is not a safe relative key.
+
+    A key is one or more `/`-separated segments of letters, digits and `._=+@,-`, none of
+    them `.` or `..`. With `folder=True` the empty key (the root) is allowed too.
+    """
+    if not isinstance(key, str):
+        raise TypeError(f"a storage key must be a str, got {type(key).__name__}")
+    stripped = key.rstrip("/") if folder else key
+    if not stripped:
+        if folder:
+            return ""
+        raise ValueError("a storage key must not be empty")
+    for segment in stripped.split("/"):
+        if segment in (".", "..") or not _KEY_SEGMENT.match(segment):
+            raise ValueError(
+                f"bad storage key {key!r}: segments must be non-empty, not '.' or '..', and "
+                "use only letters, digits and ._=+@,-"
+            )
+    if stripped == STAGING_DIR or stripped.startswith(STAGING_DIR + "/"):
+        raise ValueError(f"bad storage key {key!r}: {STAGING_DIR}/ is reserved for staging")
+    return stripped
+
+
+class ObjectWriter(abc.ABC):
+    """One large object being written: `write()` the body, then `finish(head)` publishes.
+
+    The object becomes `head + body`, visible atomically when `finish()` returns. Until
+    then nothing is visible under its key; `abort()` (or leaving a `with` block without
+    finishing) discards it. `head_size` (given to `open_writer`) is the expected length
+    of the head: an equal-length head is the fast path; another length is accepted when
+    `head_size > 0` but costs a rewrite on local disk. With `head_size == 0` there is no
+    head and `finish()` takes none.
+    """
+
+    def __init__(self, storage: Storage, key: str, head_size: int) -> None:
+        if head_size < 0:
+            raise ValueError(f"head_size must be >= 0, got {head_size}")
+        self.storage = storage
+        self.key = key
+        self.head_size = head_size
+        self.body_bytes = 0
+        self._state = "open"
+
+    def write(self, data: Any) -> None:
+        """Append `data` (any contiguous bytes-like object) to the body."""
+        self._check_open()
+        view = memoryview(data).cast("B")
+        if view.nbytes:
+            self._write(view)
+            self.body_bytes += view.nbytes
+
+    def finish(self, head: bytes = b"") -> ObjectInfo:
+        """Publish `head + body` under the key; on any error nothing is published."""
+        self._check_open()
+        if head and not self.head_size:
+            raise ValueError(f"{self.storage.url(self.key)}: writer was opened without a head")
+        try:
+            size = self._finish(bytes(head))
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "finished"
+        return ObjectInfo(self.key, size)
+
+    def abort(self) -> None:
+        """Discard the object (idempotent; a no-op after `finish()`)."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        self._abort()
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.abort()
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"writer of {self.storage.url(self.key)} is already {self._state}")
+
+    @abc.abstractmethod
+    def _write(self, data: memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def _finish(self, head: bytes) -> int:
+        """Publish; return the object's size."""
+
+    @abc.abstractmethod
+    def _abort(self) -> None: ...
+
+
+class Storage(abc.ABC):
+    """The operations hsx performs on an output location (see the module docstring)."""
+
+    uri: str
+    """The root, as a URI without a trailing slash (`file:///...`, `s3://bucket/prefix`)."""
+
+    @staticmethod
+    def for_uri(uri: str | os.PathLike[str], **options: Any) -> Storage:
+        """The storage for a path, `file://`, `s3://`, `gs://` or `az://` URI.
+
+        `options` go to the object store: for `s3://`, `endpoint`, `region`,
+        `access_key_id`, `secret_access_key`, `session_token`, `allow_http`, and any other
+        obstore `S3Config` key; unset ones come from the usual `AWS_*` variables.
+        """
+        text = os.fspath(uri)
+        scheme, sep, _ = text.partition("://")
+        if not sep:
+            if options:
+                raise ValueError(f"a local path takes no storage options, got {sorted(options)}")
+            return _local(Path(text))
+        scheme = scheme.lower()
+        if scheme == "file":
+            if options:
+                raise ValueError(f"a file:// URI takes no storage options, got {sorted(options)}")
+            return _local(_file_uri_path(text))
+        if scheme in ("s3", "gs", "az"):
+            from hsx.output.object_storage import ObjectStoreStorage
+
+            return ObjectStoreStorage.from_uri(text, **options)
+        raise ValueError(
+            f"unsupported storage URI {text!r}: use a path, file://, s3://, gs:// or az://"
+        )
+
+    def url(self, key: str) -> str:
+        """The URI of `key`, for messages."""
+        return f"{self.uri}/{key}" if key else self.uri
+
+    @property
+    def is_local(self) -> bool:
+        """True where `local_path()` gives files that can be memory-mapped."""
+        return False
+
+    @abc.abstractmethod
+    def create(self, key: str, data: bytes) -> None:
+        """Create `key` holding `data` if it does not exist; else raise ObjectExistsError."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Create or replace `key` with `data`, atomically."""
+
+    @abc.abstractmethod
+    def open_writer(self, key: str, *, head_size: int = 0) -> ObjectWriter:
+        """Start streaming a large object to `key` (see `ObjectWriter`)."""
+
+    @abc.abstractmethod
+    def read(self, key: str) -> bytes:
+        """The whole object (ObjectNotFoundError if absent)."""
+
+    @abc.abstractmethod
+    def read_range(self, key: str, start: int, length: int) -> memoryview:
+        """Bytes `[start, start + length)` of the object; StorageError if it is shorter."""
+
+    @abc.abstractmethod
+    def head(self, key: str) -> ObjectInfo | None:
+        """The object's size, or None if it does not exist."""
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def size(self, key: str) -> int:
+        """The object's size in bytes (ObjectNotFoundError if absent)."""
+        info = self.head(key)
+        if info is None:
+            raise ObjectNotFoundError(f"{self.url(key)} does not exist")
+        return info.size
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object under the folder `prefix` (recursively), sorted by key."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete the object; deleting a missing one is not an error."""
+
+    def local_path(self, key: str) -> Path | None:
+        """The local file of `key` (which may not exist), or None on object stores."""
+        check_key(key)
+        return None
+
+    @abc.abstractmethod
+    def check_writable(self) -> None:
+        """Write, read back and delete a probe object; StorageError naming the problem."""
+
+    @abc.abstractmethod
+    def abort_incomplete_writes(self) -> int:
+        """Remove unfinished writes (staging files, multipart uploads) left by crashed
+        writers; return how many. Only while no writer of this storage is running."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+
+def _file_uri_path(uri: str) -> Path:
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(uri)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"file URI {uri!r} names host {parts.netloc!r}; only local files work")
+    if not parts.path:
+        raise ValueError(f"file URI {uri!r} has no path")
+    return Path(unquote(parts.path))
+
+
+def _local(path: Path) -> Storage:
+    from hsx.output.local_storage import LocalStorage
+
+    return LocalStorage(path)

