@@ -219,33 +219,102 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return _remote(lambda a: _train_remote(a, spec))(args)
 
 
+def _plan_line(plan: Any) -> str:
+    workers = f" x {plan.workers} workers" if plan.workers > 1 else ""
+    return (f"plan: {plan.steps:,} steps of {plan.batch_tokens:,} tokens{workers} "
+            f"(packs of {plan.pack_tokens:,}) on {plan.device}, lr {plan.lr:g} "
+            f"{plan.lr_schedule}, {plan.passes:.1f} passes over {plan.train_tokens:,} tokens "
+            f"of {plan.train_samples:,} samples; {plan.val_samples:,} held out; "
+            f"validated checkpoint every {plan.checkpoint_every:,} steps")
+
+
 def _train_local(target: str, spec: Any) -> int:
     from hsx.dataset import resolve_output
     from hsx.layout import COMPLETE, DRAFT_DIR
-    from hsx_workers.trainer import DraftTrainer, TrainRefused
+    from hsx_workers.trainer import TrainRefused
 
     root = resolve_output(target)
     if not spec.follow and not (root / COMPLETE).exists():
         return _error(f"{target}: the extraction is not complete; pass --follow to train "
                       "while it runs", EXIT_REFUSED)
     out = console()
-    trainer = DraftTrainer(root, spec, on_metrics=lambda m: out.print(
-        _train_line(m.step, m.epoch, m.loss, m.acc, m.tokens_per_s, m.wait_fraction),
-        markup=False, highlight=False))
     try:
-        state = trainer.run()
+        summary = (_train_here if spec.workers == 1 else _train_workers)(root, spec, out)
     except TrainRefused as err:
         return _error(str(err), EXIT_REFUSED)
     except KeyboardInterrupt:
         return _error("interrupted; the next `hsx train` resumes from the newest checkpoint",
                       130)
-    resumed = "" if trainer.resumed_from is None else f" (resumed from step {trainer.resumed_from})"
-    out.print(f"[green]trained[/] {state.step} steps, {state.epoch} epochs{resumed} -> "
-              f"{root / DRAFT_DIR}")
+    resumed = "" if summary.get("resumed_from") is None else \
+        f" (resumed from step {summary['resumed_from']})"
+    best = summary.get("best") or {}
+    chosen = (f"; draft/ holds step {best['step']}, expected acceptance length "
+              f"{best['expected_acceptance_length']:.2f} on held-out samples") if best else ""
+    out.print(f"[green]trained[/] {summary['step']} steps, {summary['epoch']} epochs{resumed} "
+              f"-> {root / DRAFT_DIR}{chosen}")
+    out.print(f"measure with: hsx eval-draft {root}", markup=False, highlight=False)
     out.print(f"serve with: vllm serve {trainer_model(root)} --speculative-config "
               f"'{{\"method\": \"eagle3\", \"model\": \"{root / DRAFT_DIR}\", "
               f"\"num_speculative_tokens\": 3}}'", markup=False, highlight=False)
     return 0
+
+
+def _train_here(root: Path, spec: Any, out: Any) -> dict[str, Any]:
+    """One process: DraftTrainer, each step printed."""
+    from hsx_workers.trainer import DraftTrainer
+
+    def on_plan(plan: Any) -> None:
+        out.print(_plan_line(plan), markup=False, highlight=False)
+        if plan.warning:
+            out.print(f"[yellow]warning:[/] {plan.warning}")
+
+    trainer = DraftTrainer(root, spec, on_plan=on_plan, on_metrics=lambda m: out.print(
+        _train_line(m.step, m.epoch, m.loss, m.acc, m.tokens_per_s, m.wait_fraction),
+        markup=False, highlight=False))
+    state = trainer.run()
+    return {"step": state.step, "epoch": state.epoch, "resumed_from": trainer.resumed_from,
+            "best": trainer.best}
+
+
+def _train_workers(root: Path, spec: Any, out: Any) -> dict[str, Any]:
+    """`spec.workers` Ray Train workers on a local (or RAY_ADDRESS's) Ray; the main
+    worker's step records are printed as they are written."""
+    import threading
+    import time
+
+    from hsx.draft import read_jsonl, read_train_state
+    from hsx.layout import DRAFT_METRICS
+    from hsx_service.runner import ensure_ray
+    from hsx_workers.trainer import train_distributed
+
+    ensure_ray(None, cpus_needed=spec.workers + 1)
+    started = time.time()
+    done = threading.Event()
+
+    def show() -> None:
+        printed, shown_plan = 0, False
+        while not done.wait(1.0):
+            state = read_train_state(root) or {}
+            if not shown_plan and state.get("plan") and float(state.get("time", 0)) >= started:
+                shown_plan = True
+                plan = argparse.Namespace(**state["plan"])
+                out.print(_plan_line(plan), markup=False, highlight=False)
+                if plan.warning:
+                    out.print(f"[yellow]warning:[/] {plan.warning}")
+            rows = [r for r in read_jsonl(root / DRAFT_METRICS) if r.get("time", 0) >= started]
+            for m in rows[printed:]:
+                out.print(_train_line(m["step"], m["epoch"], m["loss"], m["acc"],
+                                      m["tokens_per_s"], m["wait_fraction"]),
+                          markup=False, highlight=False)
+            printed = len(rows)
+
+    printer = threading.Thread(target=show, name="hsx-train-print", daemon=True)
+    printer.start()
+    try:
+        return train_distributed(root, spec)
+    finally:
+        done.set()
+        printer.join(timeout=5)
 
 
 def trainer_model(root: Path) -> str:
@@ -274,28 +343,39 @@ def _train_remote(args: argparse.Namespace, spec: Any) -> int:
         return _error(f"training of {args.target} {final.state.value}: {final.error}",
                       EXIT_FAILED)
     console().print(f"[green]trained[/] {final.step} steps -> {final.draft}")
+    if final.best_step is not None and final.best_expected_acceptance_length is not None:
+        console().print(f"draft/ holds step {final.best_step}, expected acceptance length "
+                        f"{final.best_expected_acceptance_length:.2f} on held-out samples")
+    if final.eval is not None:
+        console().print(
+            f"vLLM: {final.eval.error}" if final.eval.error else
+            f"vLLM: mean acceptance length {final.eval.mean_acceptance_length:.2f} at "
+            f"k={final.eval.k} on {final.eval.prompts} held-out prompts",
+            markup=False, highlight=False)
     return 0
 
 
 def _cmd_eval_draft(args: argparse.Namespace) -> int:
-    """Generate with vLLM and the draft; report vLLM's acceptance counters."""
+    """Generate with vLLM and the draft on held-out prompts; report vLLM's acceptance
+    counters and record them in draft/eval.json."""
     from hsx.dataset import resolve_output
-    from hsx.layout import DRAFT_DIR
-    from hsx_workers.acceptance import measure_acceptance, prompts_from_output
+    from hsx.layout import DRAFT_EVAL
+    from hsx_workers.acceptance import evaluate_draft
 
     root = resolve_output(args.output)
-    draft = args.draft or str(root / DRAFT_DIR)
-    target = args.target or trainer_model(root)
-    prompts = prompts_from_output(root, n=args.prompts, prefix=args.prefix)
-    result = measure_acceptance(target, draft, prompts, k=args.k, max_tokens=args.max_tokens)
+    result = evaluate_draft(root, prompts=args.prompts, max_tokens=args.max_tokens, k=args.k,
+                            prefix=args.prefix, draft=args.draft, target=args.target)
     if args.json:
-        sys.stdout.write(json.dumps(result.as_dict()) + "\n")
-    else:
-        console().print(
-            f"mean acceptance length {result.mean_acceptance_length:.2f} at k={result.k} "
-            f"({result.accepted_tokens} of {result.draft_tokens} draft tokens accepted in "
-            f"{result.drafts} drafts; per position {result.accepted_per_position})",
-            markup=False, highlight=False)
+        sys.stdout.write(json.dumps(result) + "\n")
+        return 0
+    rates = " ".join(f"{r:.2f}" for r in result["acceptance_per_position"])
+    console().print(
+        f"mean acceptance length {result['mean_acceptance_length']:.2f} at k={result['k']} "
+        f"on {result['prompts']} {result['prompt_source']} ({result['accepted_tokens']} of "
+        f"{result['draft_tokens']} draft tokens accepted in {result['drafts']} drafts; "
+        f"acceptance per position [{rates}])", markup=False, highlight=False)
+    if args.draft is None:
+        console().print(f"recorded in {root / DRAFT_EVAL}", markup=False, highlight=False)
     return 0
 
 
@@ -704,12 +784,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "eval-draft", help="acceptance of an output's trained draft in vLLM (greedy, eagle3)")
     p.add_argument("output", help="the output the draft was trained on (prompts come from it)")
-    p.add_argument("--draft", help="draft folder (default: <output>/draft)")
+    p.add_argument("--draft", help="draft folder (default: <output>/draft; another one is "
+                                   "measured but not recorded)")
     p.add_argument("--target", help="target model (default: the output's model)")
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts to generate from")
-    p.add_argument("--prefix", type=int, default=8, help="tokens of each sample used as prompt")
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens generated per prompt")
+    p.add_argument("--k", type=int, default=None,
+                   help="num_speculative_tokens (default: the training's ttt_steps, 3)")
+    p.add_argument("--prompts", type=int, default=32,
+                   help="held-out samples whose prompts vLLM answers (default 32)")
+    p.add_argument("--prefix", type=int, default=8,
+                   help="prompt length for samples without a question (all loss-masked)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="at most this many tokens per answer (default: each sample's "
+                        "answer length, at most 256)")
     p.add_argument("--json", action="store_true", help="the counters as JSON on stdout")
     p.set_defaults(func=_cmd_eval_draft)
 

@@ -3,16 +3,29 @@
 `measure_acceptance(target, draft, prompts)` runs vLLM with
 `speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k}`,
 greedy, and reads vLLM's own counters (`llm.get_metrics()`, `disable_log_stats=False`):
-mean acceptance length = 1 + accepted / drafts. `hsx eval-draft` calls it; run it in a
-process of its own (vLLM's engine core is spawned, and its settings are per process).
+mean acceptance length = 1 + accepted / drafts, and the acceptance rate at each draft
+position. `evaluate_draft(output)` does it on the output's held-out prompts (the samples
+the trainer held out for validation: the prompt part of each, answered with as many
+tokens as its answer had) and records the result in `draft/eval.json`. `hsx eval-draft`
+and the coordinator (after a training) call it; run it in a process of its own (vLLM's
+engine core is spawned, and its settings are per process).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from hsx.dataset import resolve_output
+from hsx.draft import read_train_state, write_json
+from hsx.ingest import read_inputs
+from hsx.layout import DRAFT_DIR, DRAFT_EVAL, MANIFEST
+from hsx.spec import TrainSpec
+
+MIN_ANSWER_TOKENS = 8
 
 
 @dataclass
@@ -24,6 +37,7 @@ class Acceptance:
     draft_tokens: int
     accepted_tokens: int
     accepted_per_position: list[int]
+    acceptance_per_position: list[float]
     mean_acceptance_length: float
     seconds: float
 
@@ -31,14 +45,52 @@ class Acceptance:
         return asdict(self)
 
 
-def prompts_from_output(root: str | Path, n: int = 8, prefix: int = 8) -> list[list[int]]:
-    """The first `prefix` tokens of the first `n` samples of an output's inputs.arrow."""
-    from hsx.dataset import resolve_output
-    from hsx.ingest import read_inputs
+@dataclass
+class EvalPrompt:
+    token_ids: list[int]
+    max_tokens: int
 
-    table = read_inputs(resolve_output(root))
-    ids = table.column("input_ids").to_pylist()[:n]
-    return [list(map(int, row[:prefix])) for row in ids if row]
+
+def prompt_of(ids: list[int], mask: list[int], prefix: int, max_tokens: int) -> EvalPrompt | None:
+    """A sample as a prompt: the tokens before its first loss-masked one (its question),
+    answered with as many tokens as its answer had; a sample that is all answer (or all
+    question) gives its first `prefix` tokens. None when nothing is left to generate."""
+    first = next((t for t, m in enumerate(mask) if m), len(ids))
+    cut = first if 0 < first < len(ids) else min(prefix, len(ids) - 1)
+    answer = len(ids) - cut
+    if cut <= 0 or answer <= 0:
+        return None
+    return EvalPrompt(ids[:cut], max(min(answer, max_tokens), min(MIN_ANSWER_TOKENS, max_tokens)))
+
+
+def held_out_prompts(root: Path, n: int, *, prefix: int = 8,
+                     max_tokens: int = 256) -> tuple[list[EvalPrompt], str]:
+    """Up to `n` prompts from the samples the trainer held out (by its spec in
+    draft/train.json, else the default one); from the first samples when it held none
+    out. Returns (prompts, where they came from)."""
+    from hsx_workers.trainer import held_out
+
+    state = read_train_state(root) or {}
+    spec = TrainSpec.model_validate(state.get("spec") or {})
+    table = read_inputs(root)
+    indices = [int(i) for i in table.column("sample_index").to_pylist()]
+    chosen = held_out(indices, spec.val_fraction, spec.val_max_samples, spec.seed)
+    source = "held-out samples"
+    if not chosen:
+        chosen, source = indices, "training samples (none held out)"
+    row_of = {idx: row for row, idx in enumerate(indices)}
+    ids = table.column("input_ids")
+    masks = table.column("loss_mask")
+    prompts = []
+    for idx in chosen:
+        row = row_of[idx]
+        prompt = prompt_of([int(t) for t in ids[row].as_py()],
+                           [int(m) for m in masks[row].as_py()], prefix, max_tokens)
+        if prompt is not None:
+            prompts.append(prompt)
+        if len(prompts) >= n:
+            break
+    return prompts, source
 
 
 def _counter(metrics: dict[str, Any], name: str) -> Any:
@@ -49,26 +101,27 @@ def _counter(metrics: dict[str, Any], name: str) -> Any:
 
 
 def measure_acceptance(
-    target: str, draft: str, prompts: list[list[int]], *, k: int = 3, max_tokens: int = 48,
-    max_model_len: int = 1024, enforce_eager: bool = True,
+    target: str, draft: str, prompts: list[EvalPrompt], *, k: int = 3,
+    enforce_eager: bool = True,
 ) -> Acceptance:
-    import time
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     if not prompts:
         raise ValueError("no prompts to generate from")
+    # As long as the longest prompt and answer need (and the draft's k tokens past it).
+    longest = max(len(p.token_ids) + p.max_tokens for p in prompts) + k + 1
     llm = LLM(
-        model=target, max_model_len=max_model_len, disable_log_stats=False,
+        model=target, max_model_len=longest, disable_log_stats=False,
         enforce_eager=enforce_eager,
         speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k},
     )
     t0 = time.perf_counter()
     outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts],
-        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        [TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts],
+        [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True)
+         for p in prompts],
         use_tqdm=False,
     )
     seconds = time.perf_counter() - t0
@@ -83,5 +136,36 @@ def measure_acceptance(
         generated_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
         accepted_per_position=per_pos,
+        acceptance_per_position=[v / drafts if drafts else 0.0 for v in per_pos],
         mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0, seconds=seconds,
     )
+
+
+def evaluate_draft(
+    output: str | Path, *, prompts: int = 32, max_tokens: int = 256, k: int | None = None,
+    prefix: int = 8, draft: str | None = None, target: str | None = None,
+    record: bool = True,
+) -> dict[str, Any]:
+    """Measure the output's draft (or `draft`) in vLLM on held-out prompts; with `record`
+    (and the output's own draft) the result is written to draft/eval.json too."""
+    import json
+
+    root = resolve_output(output)
+    state = read_train_state(root) or {}
+    spec = TrainSpec.model_validate(state.get("spec") or {})
+    chosen, source = held_out_prompts(root, prompts, prefix=prefix, max_tokens=max_tokens)
+    draft_dir = draft or str(root / DRAFT_DIR)
+    model = target or str(json.loads((root / MANIFEST).read_text())["model"])
+    result = measure_acceptance(model, draft_dir, chosen, k=k or spec.ttt_steps)
+    best = state.get("best") or {}
+    body = {**result.as_dict(), "prompt_source": source,
+            "draft_step": best.get("step", state.get("step")) if draft is None else None,
+            "time": time.time(), "error": None}
+    if record and draft is None:
+        write_json(root / DRAFT_EVAL, body)
+    return body
+
+
+def record_eval_error(output: str | Path, error: str) -> None:
+    """draft/eval.json says why the measurement failed (the coordinator shows it)."""
+    write_json(resolve_output(output) / DRAFT_EVAL, {"error": error, "time": time.time()})
