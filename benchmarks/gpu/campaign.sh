@@ -13,11 +13,16 @@ set -uo pipefail
 RES=/tmp/hsx-gpu/results
 mkdir -p "$RES"
 export PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD/benchmarks:/tmp/site-extra
-# Test tools the GPU image lacks (pytest, rich...), carried as wheels in .gpu/extra; last
-# on the path, so nothing the image or the bundle has is replaced.
+# Test tools the GPU image lacks (pytest, rich...) and compressed-tensors (vLLM's
+# kimi_k25 module imports it), carried as wheels in .gpu/extra:
+#   pip download -d .gpu/extra --only-binary=:all: --python-version 3.12 --no-deps \
+#     --platform manylinux2014_x86_64 pytest pluggy iniconfig pytest-timeout rich \
+#     markdown-it-py mdurl pygments ml_dtypes compressed-tensors
+# last on the path, so nothing the image or the bundle has is replaced.
 if [ -d .gpu/extra ] && [ ! -d /tmp/site-extra ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site-extra .gpu/extra/*.whl
 fi
+export PATH=/tmp/site/bin:$PATH  # py-spy comes in the bundle
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 HSX_GPU_RESULTS=$RES
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 

@@ -477,19 +477,21 @@ def test_held_out_validation(tmp_path: Path, tiny_llama: Path) -> None:
                                       for ids in UNITS.values() for i in ids if i not in held)
 
 
-def _ddp_worker(rank: int, root: str, port: int, steps: int, out: str) -> None:
+def _ddp_worker(rank: int, root: str, port: int, runs: tuple[int, ...], out: str) -> None:
+    """Each run of `runs` (max_steps) is a new DraftTrainer pair: the later ones resume."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
     try:
-        trainer = DraftTrainer(root, spec(max_steps=steps, val_fraction=0.2, workers=2),
-                               rank=rank, world=2, device=torch.device("cpu"))
-        state = trainer.run()
-        Path(out, f"rank{rank}.json").write_text(json.dumps({
-            "step": state.step, "epoch": state.epoch, "units": state.units_done,
-            "resumed_from": trainer.resumed_from}))
+        for steps in runs:
+            trainer = DraftTrainer(root, spec(max_steps=steps, val_fraction=0.2, workers=2),
+                                   rank=rank, world=2, device=torch.device("cpu"))
+            state = trainer.run()
+            Path(out, f"rank{rank}-{steps}.json").write_text(json.dumps({
+                "step": state.step, "epoch": state.epoch, "units": state.units_done,
+                "resumed_from": trainer.resumed_from}))
     finally:
         dist.destroy_process_group()
 
@@ -501,12 +503,14 @@ def test_two_workers_train_their_own_units_and_resume(tmp_path: Path,
     import torch.multiprocessing as mp
 
     root = make_output(tmp_path / "out", tiny_llama)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # One pair of processes (each start imports torch and speculators: the slow part);
+    # the second trainer of each is new and resumes the first's checkpoint.
+    mp.spawn(_ddp_worker, args=(str(root), port, (3, 5), str(tmp_path)), nprocs=2)
     for steps in (3, 5):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_ddp_worker, args=(str(root), port, steps, str(tmp_path)), nprocs=2)
-        ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+        ranks = [json.loads((tmp_path / f"rank{r}-{steps}.json").read_text()) for r in (0, 1)]
         assert [r["step"] for r in ranks] == [steps, steps]
     assert [r["resumed_from"] for r in ranks] == [3, 3]
     # Worker 0 reads units 0 and 2, worker 1 unit 1; each one's progress is its own.

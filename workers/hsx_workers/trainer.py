@@ -589,6 +589,14 @@ class DraftTrainer:
         if self.device is None:
             raise RuntimeError("the device is resolved before the model is built")
         attn = "simple_flex_attention" if self.device.type == "cuda" else "eager"
+        if self.device.type == "cuda":
+            # speculators compiles the draft's forward; with torch 2.11 dynamo fails to
+            # trace its fused loss's Triton kernel ("ListVariable ... already tracked for
+            # mutation", seen on an H200). A frame dynamo cannot compile then runs eagerly
+            # instead of ending the training.
+            from torch._dynamo import config as dynamo_config
+
+            dynamo_config.suppress_errors = True
         model = Eagle3DraftModel.from_training_args(
             text, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab,
             norm_before_residual=self.spec.norm_before_residual,
