@@ -56,6 +56,11 @@ class ModelInfo:
         text = self.config.get("text_config")
         return text if isinstance(text, dict) else self.config
 
+    @property
+    def uses_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2's text model)."""
+        return bool(self.shape.get("kv_lora_rank"))
+
     def min_layer_id(self, engine: str | None = None) -> int:
         """Smallest capturable id: 1 where vLLM cannot give the embeddings, else 0."""
         if engine in (None, "vllm") and self.text_model_type in NO_EMBEDDING_ID_IN_VLLM:

@@ -98,7 +98,7 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Path]:
     except ModelConfigError as err:
         raise JobRefused(str(err)) from None
     check_capturable(spec, info, layers)
-    check_engine_args(spec)
+    check_engine_args(spec, info)
     if not Path(spec.dataset).exists():
         raise JobRefused(f"dataset: {spec.dataset} does not exist")
     if spec.engine == "hf" and spec.tensor_parallel_size > 1:
@@ -179,17 +179,24 @@ def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
         )
 
 
-def check_engine_args(spec: JobSpec) -> None:
-    """Refuse `vllm:` keys that the installed vLLM does not take, or that hsx sets itself."""
+def check_engine_args(spec: JobSpec, info: ModelInfo) -> None:
+    """Refuse `vllm:` keys that the installed vLLM does not take, or that hsx sets itself,
+    and settings under which the installed vLLM is known to capture wrong states."""
     passed = spec.vllm.engine_args()
-    if not passed:
-        return
     if spec.engine != "vllm":
-        raise JobRefused(f"vllm: {', '.join(sorted(passed))} are vLLM engine arguments, but "
-                         f"the job's engine is {spec.engine}")
+        if passed:
+            raise JobRefused(f"vllm: {', '.join(sorted(passed))} are vLLM engine arguments, "
+                             f"but the job's engine is {spec.engine}")
+        return
     try:
         from hsx_workers import vllm_compat
     except ImportError:  # the workers' package is not installed here
+        return
+    problem = vllm_compat.capture_problem(uses_mla=info.uses_mla,
+                                          enforce_eager=spec.vllm.enforce_eager)
+    if problem:
+        raise JobRefused(f"vllm.enforce_eager: {problem}")
+    if not passed:
         return
     try:
         known: frozenset[str] | None = vllm_compat.engine_arg_names()

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import signal
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -35,6 +36,53 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     diff = (a.float() - b.float()).pow(2).sum(dim=(0, 2)).sqrt()
     ref = b.float().pow(2).sum(dim=(0, 2)).sqrt().clamp_min(1e-12)
     return diff / ref
+
+
+def error_per_layer(got: dict[int, torch.Tensor], ref: dict[int, torch.Tensor],
+                    layers: list[int]) -> tuple[dict[int, float], dict[int, float]]:
+    """Median and worst sample of `relative_error`, per layer id, over the samples of ref."""
+    errors = torch.stack([relative_error(got[i], ref[i]) for i in ref])  # [samples, layers]
+    median = dict(zip(layers, errors.median(dim=0).values.tolist(), strict=True))
+    worst = dict(zip(layers, errors.max(dim=0).values.tolist(), strict=True))
+    return median, worst
+
+
+def wrapper_text_states(model: Path, samples: dict[int, dict[str, torch.Tensor]],
+                        layers: list[int], device: str = "cpu") -> dict[int, torch.Tensor]:
+    """A multimodal wrapper's text path through transformers (bf16): [T, L, H] per sample.
+
+    Ids k < N are `output_hidden_states[k]`, id N the input of the final norm (as hsx
+    stores it). The hf engine loads causal LMs only; a wrapper's class comes from
+    transformers' image-text-to-text auto class, and with input_ids alone it runs the
+    language model.
+    """
+    import transformers
+
+    from hsx_workers.engines.hf_engine import _final_norm
+
+    loaded: Any = transformers.AutoModelForImageTextToText.from_pretrained(
+        str(model), dtype=torch.bfloat16, output_loading_info=True)
+    hf, loading = loaded[0].to(device).eval(), loaded[1]
+    # A text weight transformers did not find would be random: the comparison would fail
+    # for a reason that is not capture's. (Vision weights do not touch the text path.)
+    text_missing = [k for k in loading["missing_keys"] if "vision" not in k
+                    and "visual" not in k and "projector" not in k]
+    if text_missing:
+        raise RuntimeError(f"transformers did not find these weights of {model}: "
+                           f"{sorted(text_missing)[:8]}")
+    num_layers = hf.config.get_text_config().num_hidden_layers
+    pre_norm: list[torch.Tensor] = []
+    _final_norm(hf).register_forward_pre_hook(lambda _m, args: pre_norm.append(args[0]))
+    out: dict[int, torch.Tensor] = {}
+    with torch.inference_mode():
+        for index, sample in samples.items():
+            pre_norm.clear()
+            ids = sample["input_ids"].long()[None].to(device)
+            result = hf(input_ids=ids, output_hidden_states=True)
+            states = [pre_norm[-1][0] if k == num_layers else result.hidden_states[k][0]
+                      for k in layers]
+            out[index] = torch.stack(states, dim=1).float().cpu()
+    return out
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int, str]]:

@@ -1,5 +1,6 @@
 """Fidelity beyond Llama: the vllm engine against the hf reference, per architecture
-(Gemma-2 through the hook fallback).
+(Gemma-2 through the hook fallback), and the text path of multimodal wrappers (Llava,
+Qwen2.5-VL, Kimi-K2.5 around DeepSeek-V3) against transformers' forward of the wrapper.
 
 Each architecture gets a tiny random model (3 layers), one vLLM run and one hf run of
 the same small chat dataset, through `run_job` and a module-scoped engine pool (one
@@ -30,7 +31,7 @@ from hsx.spec import JobSpec
 from hsx_service.runner import run_job
 from hsx_workers.tiny_models import ChatDataset, make_chat_dataset, make_tiny_model
 
-from .helpers import by_sample, relative_error
+from .helpers import by_sample, error_per_layer, wrapper_text_states
 
 pytestmark = pytest.mark.integration
 
@@ -82,10 +83,8 @@ def test_vllm_matches_hf(arch: str, small_dataset: ChatDataset, arch_pool: Any,
     assert sorted(got) == sorted(ref) == small_dataset.good_indices
     for index, expected in ref.items():
         assert torch.equal(got[index]["input_ids"], expected["input_ids"])
-    errors = torch.stack([relative_error(got[i]["hidden_states"], ref[i]["hidden_states"])
-                          for i in ref])  # [samples, layers]
-    median = dict(zip(layers, errors.median(dim=0).values.tolist(), strict=True))
-    worst = dict(zip(layers, errors.max(dim=0).values.tolist(), strict=True))
+    median, worst = error_per_layer({i: s["hidden_states"] for i, s in got.items()},
+                                    {i: s["hidden_states"] for i, s in ref.items()}, layers)
     print(f"{arch}: relative error per layer, median {median}, worst {worst}")
     assert max(median.values()) < MEDIAN_BOUND, median
     assert max(worst.values()) < bound, worst
@@ -94,50 +93,32 @@ def test_vllm_matches_hf(arch: str, small_dataset: ChatDataset, arch_pool: Any,
 # ------------------------------------------------------------------- multimodal wrappers
 
 
-def _hf_wrapper_reference(model: Path, samples: dict[int, dict[str, torch.Tensor]],
-                          layers: list[int]) -> dict[int, torch.Tensor]:
-    """The wrapper's text path through transformers: [T, L, H] per sample, id N pre-norm.
-
-    The hf engine loads causal LMs only; a wrapper's class comes from transformers'
-    image-text-to-text auto class, and with input_ids alone it runs the language model.
-    """
-    import transformers
-
-    from hsx_workers.engines.hf_engine import _final_norm
-
-    hf: Any = transformers.AutoModelForImageTextToText.from_pretrained(
-        str(model), dtype=torch.bfloat16).eval()
-    pre_norm: list[torch.Tensor] = []
-    _final_norm(hf).register_forward_pre_hook(lambda _m, args: pre_norm.append(args[0]))
-    out: dict[int, torch.Tensor] = {}
-    with torch.inference_mode():
-        for index, sample in samples.items():
-            pre_norm.clear()
-            result = hf(input_ids=sample["input_ids"].long()[None], output_hidden_states=True)
-            states = [pre_norm[-1][0] if k == NUM_LAYERS else result.hidden_states[k][0]
-                      for k in layers]
-            out[index] = torch.stack(states, dim=1).float()
-    return out
+# wrapper arch -> (layer ids, bound on the worst sample's per-layer relative error).
+# Kimi-K2.5 wraps DeepSeek-V3 (MLA + MoE): its text model's ids and bound, as above.
+WRAPPER_CASES: dict[str, tuple[list[int], float]] = {
+    "llava": ([0, 1, 2, 3], 1e-2),
+    "qwen2_5_vl": ([0, 1, 2, 3], 1e-2),
+    "kimi_k25": CASES["deepseek_v3"],
+}
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", sorted(WRAPPER_CASES))
 def test_wrapper_text_path_matches_hf(arch: str, small_dataset: ChatDataset, arch_pool: Any,
                                       tmp_path: Path) -> None:
     from hsx_workers.preflight import inspect_model
 
+    layers, bound = WRAPPER_CASES[arch]
     model = make_tiny_model(tmp_path / "model", arch, num_layers=NUM_LAYERS)
     report = inspect_model(str(model))
     assert report.wrapper and report.capture == "extract_hidden_states", report.reasons
-    layers = [0, 1, 2, 3]
     summary = run_job(_job(model, small_dataset, tmp_path / "vllm", layers, "vllm"),
                       pool=arch_pool)
     arch_pool.keep_only(None)
     assert summary.samples == len(small_dataset.good_indices)
     got = by_sample(tmp_path / "vllm")
-    ref = _hf_wrapper_reference(model, got, layers)
-    worst = torch.zeros(len(layers))
-    for index, expected in ref.items():
-        worst = torch.maximum(worst, relative_error(got[index]["hidden_states"], expected))
-    per_layer = dict(zip(layers, worst.tolist(), strict=True))
-    print(f"{arch} text path: worst relative error per layer {per_layer}")
-    assert worst.max().item() < 1e-2, per_layer
+    ref = wrapper_text_states(model, got, layers)
+    median, worst = error_per_layer({i: s["hidden_states"] for i, s in got.items()}, ref,
+                                    layers)
+    print(f"{arch} text path: relative error per layer, median {median}, worst {worst}")
+    assert max(median.values()) < MEDIAN_BOUND, median
+    assert max(worst.values()) < bound, worst

@@ -15,14 +15,16 @@ import pytest
 from hsx.modelinfo import read_model_info
 from hsx.spec import JobSpec
 from hsx_service.prepare import JobRefused, preflight, prepare
+from hsx_workers import preflight as preflight_module
 from hsx_workers.preflight import (
     ModelReport,
     environment_report,
     format_report,
     inspect_model,
+    needs_torchvision_stub,
     torchvision_missing,
 )
-from hsx_workers.tiny_models import ARCHS, CONFIG_ONLY, ChatDataset, make_tiny_model
+from hsx_workers.tiny_models import ARCHS, ChatDataset, make_tiny_model
 
 LAYERS = 3
 
@@ -32,9 +34,11 @@ REQUIRED_KEYS = {
     "reasons", "trust_remote_code_needed",
 }
 
-# Kimi-K2.5's image processor exists only in a torchvision version, and vLLM loads it
-# at engine start even for the text path: not capturable where torchvision is missing.
-KIMI_CAPTURE = "unsupported" if torchvision_missing() else "extract_hidden_states"
+# vLLM builds Kimi-K2.5's image processor at engine start even for the text path: its
+# own numpy + numba one where numba imports, else transformers' torchvision-only one.
+NUMBA = preflight_module._importable("numba")
+KIMI_CAPTURE = ("extract_hidden_states" if NUMBA or not torchvision_missing()
+                else "unsupported")
 
 # arch -> (architecture, wrapper, inner text architecture, EAGLE-3, capture, lowest id)
 EXPECTED: dict[str, tuple[str, bool, str | None, bool, str, int]] = {
@@ -67,7 +71,6 @@ def reports(configs: dict[str, Path]) -> dict[str, ModelReport]:
 
 def test_every_arch_has_an_expectation() -> None:
     assert set(EXPECTED) == set(ARCHS)
-    assert "kimi_k25" in CONFIG_ONLY
 
 
 def test_config_only_folders_hold_no_weights(configs: dict[str, Path]) -> None:
@@ -120,17 +123,91 @@ def test_kimi_k25_resolves_wrapper_and_deepseek_text_model(
         issubclass(KimiK25ForConditionalGeneration, SupportsEagle3)
 
 
-def test_kimi_k25_without_torchvision_says_which_step_fails(
-    reports: dict[str, ModelReport],
-) -> None:
-    if not torchvision_missing():
-        pytest.skip("torchvision is installed here")
+def test_kimi_k25_with_numba_needs_no_torchvision(reports: dict[str, ModelReport]) -> None:
+    """vLLM builds its numpy + numba image processor for Kimi, so no torchvision is
+    needed: the preflight builds it too, from the folder's preprocessor_config.json."""
+    if not NUMBA:
+        pytest.skip("numba is not importable here")
     kimi = reports["kimi_k25"]
+    assert kimi.capture == "extract_hidden_states", kimi.reasons
+    assert kimi.engine_options == {"language_model_only": True}
+    assert any("KimiK25FusedVisionProcessor" in r and "built here" in r for r in kimi.reasons)
+    assert not any("Kimi_K25ImageProcessor" in r for r in kimi.reasons)
+    # Its module imports without torchvision, so an engine needs no stub (and keeps
+    # vLLM's processes and tensor parallelism); Llava's does not.
+    assert needs_torchvision_stub("KimiK25ForConditionalGeneration") is False
+    if torchvision_missing():
+        assert needs_torchvision_stub("LlavaForConditionalGeneration") is True
+        assert any("imports without it" in r for r in kimi.reasons)
+        assert not any("stubbed" in r for r in kimi.reasons)
+
+
+def _copy_config(source: Path, dest: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(source, dest))
+
+
+def test_kimi_k25_refused_without_numba_and_torchvision(
+    configs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where vLLM would fall back to transformers' torchvision-only processor and
+    torchvision is missing, the job is refused, naming the step that would fail."""
+    monkeypatch.setattr(preflight_module, "_importable", lambda name: name != "numba")
+    monkeypatch.setattr(preflight_module, "torchvision_missing", lambda: True)
+    kimi = inspect_model(str(configs["kimi_k25"]))
     assert kimi.capture == "unsupported"
     assert any("Kimi_K25ImageProcessor" in r and "_supports_multimodal_inputs" in r
-               and "GPU" in r for r in kimi.reasons)
-    # Wrappers whose processor has a PIL variant keep their text path here.
-    assert reports["llava"].capture == reports["qwen2_5_vl"].capture == "extract_hidden_states"
+               and "numba is not importable" in r and "With numba installed" in r
+               for r in kimi.reasons)
+    # Wrappers whose processor has a PIL variant keep their text path.
+    assert inspect_model(str(configs["llava"])).capture == "extract_hidden_states"
+
+
+def test_kimi_k25_without_numba_judged_by_the_processor_vllm_loads(
+    configs: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without numba (and with torchvision), vLLM loads the processor transformers gives
+    and reads its media_tokens_calculator: transformers' own Kimi class lacks it, the
+    checkpoint's remote code has it."""
+    import transformers
+
+    class BuiltIn:  # what transformers' Kimi_K25ImageProcessor offers vLLM: no calculator
+        pass
+
+    class RemoteCode:
+        def media_tokens_calculator(self, media: Any) -> int:
+            return 1
+
+    monkeypatch.setattr(preflight_module, "_importable", lambda name: name != "numba")
+    monkeypatch.setattr(preflight_module, "torchvision_missing", lambda: False)
+    cases = ((BuiltIn, "unsupported", "lacks it"),
+             (RemoteCode, "extract_hidden_states", "built here"))
+    for given, capture, said in cases:
+        monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained",
+                            classmethod(lambda cls, *a, given=given, **k: given()))
+        report = inspect_model(str(configs["kimi_k25"]))
+        assert report.capture == capture, report.reasons
+        assert any("numba is not importable" in r and given.__name__ in r and said in r
+                   for r in report.reasons), report.reasons
+
+
+def test_kimi_k25_refused_when_its_processor_cannot_be_built(
+    configs: dict[str, Path], tmp_path: Path,
+) -> None:
+    if not NUMBA:
+        pytest.skip("numba is not importable here")
+    broken = _copy_config(configs["kimi_k25"], tmp_path / "no-media-cfg")
+    (broken / "preprocessor_config.json").write_text(json.dumps({"patch_size": 14}))
+    report = inspect_model(str(broken))
+    assert report.capture == "unsupported"
+    assert any("KimiK25FusedVisionProcessor cannot be built" in r and
+               "preprocessor_config.json" in r and "merge_kernel_size" in r
+               for r in report.reasons), report.reasons
+    (broken / "preprocessor_config.json").unlink()
+    report = inspect_model(str(broken))
+    assert report.capture == "unsupported"
+    assert any("cannot be built" in r for r in report.reasons)
 
 
 def test_wrappers_without_torchvision_say_only_text_runs(reports: dict[str, ModelReport]) -> None:
@@ -261,13 +338,18 @@ def test_refused_bad_layer_id_for_model(configs: dict[str, Path], chat_dataset: 
 
 
 def test_refused_uncapturable_model_with_engine_forced(
-    configs: dict[str, Path], chat_dataset: ChatDataset, tmp_path: Path
+    configs: dict[str, Path], chat_dataset: ChatDataset, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     unknown = _unknown_architecture(configs["llama"], tmp_path / "unknown")
     message = _run_refused(_spec(unknown, chat_dataset, tmp_path / "g"))
     assert "engine vllm" in message and "NoSuchModelForCausalLM" in message
-    if KIMI_CAPTURE == "unsupported":  # refused here, before an engine fails to start
-        message = _run_refused(_spec(configs["kimi_k25"], chat_dataset, tmp_path / "k"))
+    with monkeypatch.context() as patch:  # a machine with neither numba nor torchvision
+        patch.setattr(preflight_module, "_importable", lambda name: name != "numba")
+        patch.setattr(preflight_module, "torchvision_missing", lambda: True)
+        # A folder of its own: the job preflight caches answers per model folder.
+        kimi = _copy_config(configs["kimi_k25"], tmp_path / "kimi")
+        message = _run_refused(_spec(kimi, chat_dataset, tmp_path / "k"))
         assert "Kimi_K25ImageProcessor" in message and "torchvision" in message
     message = _run_refused(_spec(configs["llava"], chat_dataset, tmp_path / "l", engine="hf"))
     assert "engine hf" in message and "causal-LM" in message
@@ -312,6 +394,20 @@ def test_refused_engine_args_vllm_lacks_or_hsx_sets(configs: dict[str, Path],
     # Arguments the installed vLLM takes pass the preflight.
     preflight(_spec(configs["llama"], chat_dataset, tmp_path / "o",
                     vllm={"load_format": "dummy", "max_num_seqs": 8}))
+
+
+def test_refused_eager_mla_on_the_cpu_build(configs: dict[str, Path], chat_dataset: ChatDataset,
+                                            tmp_path: Path) -> None:
+    from hsx_workers.vllm_compat import cpu_build
+
+    spec = _spec(configs["deepseek_v3"], chat_dataset, tmp_path / "o", layers=[1, 2, 3],
+                 vllm={"enforce_eager": True})
+    if cpu_build():
+        assert "multi-head latent attention" in _run_refused(spec)
+    # Compiled (the default) is right on CPU; dense models are fine in eager mode.
+    preflight(_spec(configs["deepseek_v3"], chat_dataset, tmp_path / "o", layers=[1, 2, 3]))
+    preflight(_spec(configs["llama"], chat_dataset, tmp_path / "o",
+                    vllm={"enforce_eager": True}))
 
 
 def test_supported_vllm_range() -> None:

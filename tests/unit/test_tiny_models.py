@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hsx_workers.tiny_models import (
     BAD_KINDS,
     CHAT_TEMPLATE,
+    KIMI_MEDIA_PROC_CFG,
+    KIMI_MEDIA_TOKENS,
     SPECIAL_TOKENS,
     build_tokenizer,
     main,
@@ -158,3 +161,89 @@ def test_cli(tmp_path: Path) -> None:
     assert main(["model", str(tmp_path / "m"), "--arch", "llama", "--layers", "2"]) == 0
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["num_hidden_layers"] == 2
+
+
+def test_extra_special_tokens_take_the_last_ids(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    extra = ("<|a|>", "<|b|>")
+    build_tokenizer(tmp_path, extra_special_tokens=extra)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert len(tok) == 512
+    assert tok.convert_tokens_to_ids(list(extra)) == [510, 511]
+    assert tok("x<|b|>y", add_special_tokens=False)["input_ids"][1] == 511
+    assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(range(5))
+
+
+@pytest.fixture(scope="module")
+def tiny_kimi(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("kimi"), "kimi_k25", num_layers=2)
+
+
+def test_kimi_k25_folder_is_what_vllm_reads(tiny_kimi: Path) -> None:
+    """Config with vLLM's class name and both media-token fields, the media tokens in
+    the tokenizer, media_proc_cfg, and the text weights under Kimi-K2.5's names."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    config = json.loads((tiny_kimi / "config.json").read_text())
+    assert config["architectures"] == ["KimiK25ForConditionalGeneration"]
+    tok = AutoTokenizer.from_pretrained(str(tiny_kimi))
+    assert len(tok) == 512
+    assert [tok.convert_tokens_to_ids(t) for t in KIMI_MEDIA_TOKENS] == [508, 509, 510, 511]
+    pad = tok.convert_tokens_to_ids("<|media_pad|>")
+    assert config["image_token_id"] == config["media_placeholder_token_id"] == pad
+    assert config["vision_start_token_id"] == tok.convert_tokens_to_ids("<|media_begin|>")
+    processor = json.loads((tiny_kimi / "preprocessor_config.json").read_text())
+    assert processor["media_proc_cfg"] == KIMI_MEDIA_PROC_CFG
+    vision = config["vision_config"]
+    assert vision["patch_size"] == KIMI_MEDIA_PROC_CFG["patch_size"]
+    assert vision["merge_kernel_size"] == [KIMI_MEDIA_PROC_CFG["merge_kernel_size"]] * 2
+    with safe_open(str(tiny_kimi / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    text = {n for n in names if n.startswith("language_model.")}
+    assert {"language_model.lm_head.weight", "language_model.model.embed_tokens.weight",
+            "language_model.model.norm.weight",
+            "language_model.model.layers.1.self_attn.q_proj.weight",
+            "language_model.model.layers.1.mlp.experts.3.gate_proj.weight",
+            "language_model.model.layers.1.mlp.gate.e_score_correction_bias"} <= text
+    assert not [n for n in text if "blocks" in n or "wqkv" in n], "vision renames hit the text"
+    others = names - text
+    assert others and all(n.startswith(("vision_tower.", "mm_projector.")) for n in others)
+    assert (tiny_kimi / "model.safetensors").stat().st_size < 16 * 2**20
+
+
+def test_kimi_k25_loads_in_transformers_with_every_weight(tiny_kimi: Path) -> None:
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    loaded: Any = AutoModelForImageTextToText.from_pretrained(
+        str(tiny_kimi), dtype=torch.bfloat16, output_loading_info=True)
+    model, info = loaded
+    assert type(model).__name__ == "Kimi_K25ForConditionalGeneration"
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["mismatched_keys"], info
+    # What was saved is what the seeded model holds: the same arguments give it again.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        fresh = AutoModelForImageTextToText.from_config(model.config, dtype=torch.float32)
+    assert fresh.state_dict().keys() == model.state_dict().keys()
+    embed = model.get_input_embeddings().weight
+    assert torch.equal(embed, fresh.get_input_embeddings().weight.to(torch.bfloat16))
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[0, 10, 20, 511, 30]]), output_hidden_states=True)
+    assert len(out.hidden_states) == 3
+    assert all(torch.isfinite(h.float()).all() for h in out.hidden_states)
+
+
+def test_kimi_k25_same_seed_same_bytes(tiny_kimi: Path, tmp_path: Path) -> None:
+    again = make_tiny_model(tmp_path / "again", "kimi_k25", num_layers=2)
+    for name in ("model.safetensors", "config.json", "tokenizer.json",
+                 "preprocessor_config.json"):
+        assert (again / name).read_bytes() == (tiny_kimi / name).read_bytes(), name
+    config_only = make_tiny_model(tmp_path / "config-only", "kimi_k25", num_layers=2,
+                                  weights=False)
+    assert not list(config_only.glob("*.safetensors"))
+    assert (config_only / "preprocessor_config.json").is_file()
+    assert json.loads((config_only / "config.json").read_text())["architectures"] == [
+        "KimiK25ForConditionalGeneration"]

@@ -164,6 +164,11 @@ def _stub_module(name: str) -> types.ModuleType:
     return module
 
 
+def _importable(package: str) -> bool:
+    """Whether `package` can be found for import (vLLM's own test for optional packages)."""
+    return importlib.util.find_spec(package) is not None
+
+
 def torchvision_missing() -> bool:
     return importlib.util.find_spec("torchvision") is None
 
@@ -188,6 +193,95 @@ def torchvision_stub() -> Iterator[None]:
         sys.meta_path.remove(_STUB_FINDER)
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
+
+
+@dataclass(frozen=True)
+class _VllmImageProcessor:
+    """An image processor that vLLM's module for a wrapper builds itself, when `package`
+    imports; otherwise vLLM takes transformers' (AutoImageProcessor) and reads `reads`."""
+
+    module: str
+    name: str
+    package: str
+    reads: str
+
+
+# vLLM 0.25.1 to 0.32 (KimiK25ProcessingInfo) build Kimi-K2.5's numpy + numba processor
+# whenever numba imports; otherwise AutoImageProcessor's, whose `media_tokens_calculator`
+# they read: the checkpoint's own processor code has it (auto_map, trust_remote_code),
+# transformers' torchvision-only Kimi_K25ImageProcessor does not.
+_VLLM_IMAGE_PROCESSORS = {
+    "kimi_k25": _VllmImageProcessor("vllm.model_executor.models.kimi_k25",
+                                    "KimiK25FusedVisionProcessor", "numba",
+                                    "media_tokens_calculator"),
+}
+
+# Why the image processor matters to a text-only capture.
+_PROCESSOR_AT_START = ("vLLM builds the multimodal processor while it builds the model "
+                       "config (ModelConfig._supports_multimodal_inputs), even for the text "
+                       "path, so the engine cannot start")
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _vllm_image_processor(info: ModelInfo) -> tuple[_VllmImageProcessor | None, type | None]:
+    """vLLM's own image processor for this wrapper (None if it has none), and its class
+    when vLLM will build it here (its package imports), else None."""
+    entry = _VLLM_IMAGE_PROCESSORS.get(info.model_type)
+    if entry is None:
+        return None, None
+    try:
+        cls = getattr(importlib.import_module(entry.module), entry.name, None)
+    except Exception:
+        return None, None
+    if not isinstance(cls, type):
+        return None, None  # a vLLM without it builds transformers' processor
+    return entry, (cls if _importable(entry.package) else None)
+
+
+def _wrapper_image_processor(model: str, info: ModelInfo, trust_remote_code: bool
+                             ) -> tuple[str | None, str | None]:
+    """(why the engine cannot start, what vLLM will build): the wrapper's image processor,
+    judged from what vLLM will do at engine start, and built here the way vLLM builds it."""
+    entry, cls = _vllm_image_processor(info)
+    if entry is not None and cls is not None:
+        try:
+            # vLLM's own call (cached_get_image_processor with the class as override).
+            cls.from_pretrained(model, trust_remote_code=trust_remote_code)  # type: ignore[attr-defined]
+        except Exception as err:
+            return (f"vLLM's image processor {entry.name} cannot be built from the model's "
+                    f"preprocessor_config.json ({_first_line(err)}), and "
+                    f"{_PROCESSOR_AT_START}."), None
+        return None, (f"vLLM builds its own image processor for it, {entry.name} (no "
+                      f"torchvision needed, as {entry.package} imports here), from "
+                      "preprocessor_config.json: built here.")
+    without = (f" ({entry.package} is not importable here, so vLLM does not build its own "
+               f"{entry.name})" if entry is not None else "")
+    processor = _torchvision_only_processor(info)
+    if processor is not None:
+        where = (f"With {entry.package} installed, the text path above runs here" if entry
+                 else "Where torchvision works (GPU images), the text path above runs")
+        return (f"Not on this machine: its image processor ({processor}) exists only in a "
+                f"torchvision version{without}, and {_PROCESSOR_AT_START} without "
+                f"torchvision. {where}."), None
+    if entry is None or torchvision_missing():
+        return None, None
+    from transformers import AutoImageProcessor
+
+    try:
+        built = AutoImageProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception as err:
+        return (f"The image processor vLLM loads{without} cannot be built "
+                f"({_first_line(err)}), and {_PROCESSOR_AT_START}."), None
+    if not hasattr(built, entry.reads):
+        return (f"vLLM reads `{entry.reads}` of the image processor it loads{without}, and "
+                f"transformers gives {type(built).__name__}, which lacks it (the "
+                "checkpoint's own processor code has it: auto_map with trust_remote_code); "
+                f"{_PROCESSOR_AT_START}."), None
+    return None, f"vLLM builds the image processor {type(built).__name__}{without}: built here."
 
 
 def _torchvision_only_processor(info: ModelInfo) -> str | None:
@@ -237,6 +331,8 @@ def _import_model_module(arch: str) -> tuple[str | None, bool]:
     module = getattr(entry, "module_name", None)
     if not module:
         return None, False
+    if module in _STUBBED_MODULES:  # imported earlier in this process, under the stub
+        return None, True
     try:
         importlib.import_module(module)
         return None, False
@@ -250,7 +346,24 @@ def _import_model_module(arch: str) -> tuple[str | None, bool]:
             importlib.import_module(module)
     except Exception as err:
         return f"{type(err).__name__}: {err} (with torchvision stubbed)", True
+    _STUBBED_MODULES.add(module)
     return None, True
+
+
+# vLLM model modules this process could import only with torchvision stubbed.
+_STUBBED_MODULES: set[str] = set()
+
+
+def needs_torchvision_stub(architecture: str) -> bool:
+    """Whether vLLM's module for `architecture` imports only with torchvision stubbed.
+
+    True where torchvision is missing and the module imports it at load time (Llava,
+    Qwen2.5-VL); False where it imports without (Kimi-K2.5) or torchvision works. An
+    engine stubs torchvision, at the cost of running in one process, only when True.
+    """
+    if not torchvision_missing():
+        return False
+    return _import_model_module(architecture)[1]
 
 
 def _resolve(architectures: list[str], hf_config: Any) -> _Resolved:
@@ -391,11 +504,13 @@ def inspect_model(
             eagle3 = _supports_eagle3(top.cls)
         else:
             vllm_problem = top.problem
-        # Said also when the module was imported earlier in this process (under the stub).
-        if top.stubbed or (info.wrapper and torchvision_missing()):
+        if top.stubbed:
             reasons.append(f"torchvision is not installed (or broken) here: vLLM's module for "
                            f"{top.name} was imported with torchvision stubbed, which serves "
                            "its text path only; images need a torchvision that matches torch.")
+        elif info.wrapper and top.cls is not None and torchvision_missing():
+            reasons.append(f"torchvision is not installed here; vLLM's module for {top.name} "
+                           "imports without it.")
         if info.wrapper and lm_arch:
             text_cfg = getattr(hf_config, "text_config", None) or hf_config
             inner = _resolve([lm_arch], text_cfg)
@@ -452,16 +567,13 @@ def inspect_model(
             reasons.append(f"The hf engine cannot either: {hf_why}.")
 
     if capture in ("extract_hidden_states", "hooks") and info.wrapper:
-        processor = _torchvision_only_processor(info)
-        if processor is not None:
+        processor_problem, processor_note = _wrapper_image_processor(model, info,
+                                                                     trust_remote_code)
+        if processor_note:
+            reasons.append(processor_note)
+        if processor_problem:
             capture = "unsupported"
-            reasons.append(
-                f"Not on this machine: its image processor ({processor}) exists only in a "
-                "torchvision version, and vLLM loads the multimodal processor while it "
-                "builds the model config (ModelConfig._supports_multimodal_inputs), even "
-                "for the text path, so the engine cannot start without torchvision. "
-                "Where torchvision works (GPU images), the text path above runs."
-            )
+            reasons.append(processor_problem)
 
     layer_engine = "hf" if capture == "hf" else "vllm"
     if info.min_layer_id(layer_engine) > 0:

@@ -122,26 +122,30 @@ def synthetic_corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
 
 
 def build_tokenizer(
-    path: str | Path | None = None, vocab_size: int = 512, *, seed: int = 0
+    path: str | Path | None = None, vocab_size: int = 512, *, seed: int = 0,
+    extra_special_tokens: Sequence[str] = (),
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer (Llama-3 style) and save it to `path` if given.
 
     Byte-level, so any text tokenizes without unknown tokens and offsets map back to
-    characters (ingestion's fallback for loss masks needs offsets).
+    characters (ingestion's fallback for loss masks needs offsets). `extra_special_tokens`
+    (a model's own markers, e.g. Kimi's media tokens) take the last ids of the vocabulary,
+    in the order given.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
+    extra = list(extra_special_tokens)
+    if vocab_size - len(extra) < 256 + len(SPECIAL_TOKENS) + 1:
         raise ValueError(
             f"vocab_size {vocab_size} is too small for a byte-level BPE "
-            f"(needs more than {256 + len(SPECIAL_TOKENS)})"
+            f"(needs more than {256 + len(SPECIAL_TOKENS) + len(extra)})"
         )
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(extra),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -162,13 +166,14 @@ def build_tokenizer(
     for i, tok in enumerate(SPECIAL_TOKENS):
         if backend.token_to_id(tok) != i:
             raise RuntimeError(f"special token {tok} got id {backend.token_to_id(tok)}, not {i}")
+    backend.add_special_tokens(extra)
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=BOS,
         eos_token=EOT,
         pad_token=PAD,
-        additional_special_tokens=[START_HEADER, END_HEADER],
+        additional_special_tokens=[START_HEADER, END_HEADER, *extra],
         model_max_length=8192,
         clean_up_tokenization_spaces=False,
     )
@@ -354,26 +359,138 @@ def _qwen2_5_vl_config(shape: TinyShape) -> PretrainedConfig:
     )
 
 
+# Kimi-K2.5's media tokens, as its tokenizer names them. vLLM's Kimi processor looks
+# `<|media_pad|>` up by name at engine start (its image placeholder is
+# "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"); the tiny tokenizer
+# gives them the last ids of the vocabulary, in this order.
+KIMI_MEDIA_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
+
+# Kimi-K2.5's preprocessor_config.json (its `media_proc_cfg` values), with the tiny vision
+# tower's patch and merge sizes. vLLM builds an image processor from it when the engine
+# starts, even for the text path: `KimiK25FusedVisionProcessor` (numpy + numba) where
+# numba imports, else the torchvision one transformers has.
+KIMI_MEDIA_PROC_CFG: dict[str, Any] = {
+    "patch_size": 14,
+    "merge_kernel_size": 2,
+    "temporal_merge_kernel_size": 4,
+    "in_patch_limit": 16384,
+    "in_patch_limit_each_frame": 4096,
+    "in_patch_limit_video": None,
+    "patch_limit_on_one_side": 512,
+    "fixed_output_tokens": None,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "sample_fps": 2.0,
+    "max_num_frames_each_video": None,
+    "timestamp_mode": "hh:mm:ss.fff",
+    "config_type": "media_proc_cfg",
+}
+
+
+def _kimi_media_token_id(vocab_size: int, token: str) -> int:
+    return vocab_size - len(KIMI_MEDIA_TOKENS) + KIMI_MEDIA_TOKENS.index(token)
+
+
 def _kimi_k25_config(shape: TinyShape) -> PretrainedConfig:
     """Kimi-K2.5's shape: KimiK25ForConditionalGeneration around a DeepSeek-V3 text model.
 
-    Written config-only (see CONFIG_ONLY): preflight must answer from the config alone,
-    as it would for the real 1T-parameter checkpoint.
+    The architecture is vLLM's class name (transformers' `Kimi_K25ForConditionalGeneration`
+    would make vLLM pick its Transformers backend). vLLM 0.32 reads transformers'
+    `Kimi_K25Config` (`image_token_id`), vLLM 0.25.1 its own (`media_placeholder_token_id`):
+    both name `<|media_pad|>`. The one-block vision tower takes Kimi's patch and merge
+    sizes (KIMI_MEDIA_PROC_CFG).
     """
     from transformers import Kimi_K25Config
 
     text = _deepseek_v3_config(shape).to_dict()
     text["architectures"] = ["DeepseekV3ForCausalLM"]
+    media_pad = _kimi_media_token_id(shape.vocab_size, "<|media_pad|>")
     config = Kimi_K25Config(
         text_config=text,
         vision_config={"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
-                       "num_attention_heads": 1},
+                       "num_attention_heads": 1,
+                       "patch_size": KIMI_MEDIA_PROC_CFG["patch_size"],
+                       "merge_kernel_size": [KIMI_MEDIA_PROC_CFG["merge_kernel_size"]] * 2},
         projection_hidden_size=64,
-        image_token_id=shape.vocab_size - 1,
+        image_token_id=media_pad,
+        vision_start_token_id=_kimi_media_token_id(shape.vocab_size, "<|media_begin|>"),
+        vision_end_token_id=_kimi_media_token_id(shape.vocab_size, "<|media_end|>"),
         tie_word_embeddings=False,
     )
+    config.media_placeholder_token_id = media_pad
     config.architectures = ["KimiK25ForConditionalGeneration"]
     return config
+
+
+def _write_kimi_k25_processor(out: Path) -> None:
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({"media_proc_cfg": KIMI_MEDIA_PROC_CFG}, indent=2) + "\n")
+
+
+# Vision weights that transformers 5 saves under names vLLM's Kimi-K2.5 class lacks, and
+# the names vLLM's modules have (the real checkpoint's). vLLM skips weights under its
+# text path's missing towers by their first name component, so every vision weight must
+# start with one of KIMI_TOWERS.
+KIMI_VISION_RENAMES = {"vision_tower.encoder.patch_embed.": "vision_tower.patch_embed.",
+                       "model.vision_tower.": "vision_tower.",
+                       "model.mm_projector.": "mm_projector."}
+KIMI_TOWERS = ("vision_tower.", "mm_projector.")
+
+
+def _kimi_vision_name(name: str) -> str:
+    for old, new in KIMI_VISION_RENAMES.items():
+        if name.startswith(old):
+            name = new + name[len(old):]
+    if not name.startswith(KIMI_TOWERS):
+        raise RuntimeError(f"transformers saved a Kimi-K2.5 weight as {name!r}, outside the "
+                           f"text model and {KIMI_TOWERS}: vLLM's loader would refuse it")
+    return name
+
+
+def _save_kimi_k25(model: Any, out: Path) -> None:
+    """Kimi-K2.5's checkpoint layout, which vLLM's loader and transformers' both read.
+
+    transformers 5 saves its Kimi-K2.5 class by reversing its load-time renames, and for
+    the text model the reversal goes wrong (renames meant for the vision tower hit it:
+    `layers` become `blocks`, `self_attn.q_proj` becomes `self_wqkv`). So the text model's
+    weights are written as transformers' DeepSeek-V3 class saves them (the layout vLLM's
+    DeepseekV2 loader reads, experts one by one) under the checkpoint's `language_model.`
+    prefix, which transformers maps back when it loads the wrapper. The vision tower and
+    projector keep transformers' names but two (KIMI_VISION_RENAMES), which get the names
+    of vLLM's modules; transformers finds those too. vLLM skips the vision weights on the
+    text path (language_model_only). Nothing lands in `out` until the weights are complete.
+    """
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3ForCausalLM
+
+    architectures = list(model.config.architectures)  # save_pretrained overwrites them
+    with tempfile.TemporaryDirectory(prefix="hsx-kimi-") as tmp:
+        whole, text_dir = Path(tmp) / "whole", Path(tmp) / "text"
+        model.save_pretrained(str(whole), safe_serialization=True)
+        with torch.device("meta"):
+            text = DeepseekV3ForCausalLM._from_config(model.config.text_config,
+                                                      dtype=model.dtype)
+        text.model.load_state_dict(model.model.language_model.state_dict(), assign=True)
+        text.lm_head.load_state_dict(model.lm_head.state_dict(), assign=True)
+        text.save_pretrained(str(text_dir), safe_serialization=True)
+        for folder in (whole, text_dir):
+            if not (folder / "model.safetensors").is_file():
+                raise RuntimeError(f"expected one model.safetensors in {folder}: a tiny "
+                                   "model is written as a single file")
+        weights = {_kimi_vision_name(name): tensor
+                   for name, tensor in load_file(whole / "model.safetensors").items()
+                   if not name.startswith("language_model.")}
+        weights.update({f"language_model.{name}": tensor
+                        for name, tensor in load_file(text_dir / "model.safetensors").items()})
+        save_file(weights, str(whole / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((whole / "config.json").read_text())
+        config["architectures"] = architectures
+        (whole / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for item in whole.iterdir():
+            item.replace(out / item.name)
 
 
 # One entry per architecture: arch name -> config builder. See ENVIRONMENT.md for what
@@ -390,12 +507,17 @@ ARCHS: dict[str, Callable[[TinyShape], PretrainedConfig]] = {
     "kimi_k25": _kimi_k25_config,
 }
 
-# Written without weights: config.json, tokenizer and generation config only.
-CONFIG_ONLY = frozenset({"kimi_k25"})
-
 # transformers' auto class for the architectures that are not plain causal LMs.
 _AUTO_CLASS = {"llava": "AutoModelForImageTextToText",
-               "qwen2_5_vl": "AutoModelForImageTextToText"}
+               "qwen2_5_vl": "AutoModelForImageTextToText",
+               "kimi_k25": "AutoModelForImageTextToText"}
+
+# What some architectures need beyond `save_pretrained`: special tokens of their own
+# (last ids of the vocabulary), files written with or without weights, and their own
+# way of saving weights.
+_SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {"kimi_k25": KIMI_MEDIA_TOKENS}
+_EXTRA_FILES: dict[str, Callable[[Path], None]] = {"kimi_k25": _write_kimi_k25_processor}
+_SAVE: dict[str, Callable[[Any, Path], None]] = {"kimi_k25": _save_kimi_k25}
 
 
 # Router weights of tiny MoE models are scaled by this: at the usual init (std 0.02) the
@@ -431,9 +553,9 @@ def make_tiny_model(
     """Write a random-weight model (safetensors), its tokenizer and generation config.
 
     The same arguments give the same bytes of weights: initialisation is seeded, so two
-    test sessions (or two machines) compare hidden states of the same model. Archs in
-    `CONFIG_ONLY` (or `weights=False`) get no weights: what preflight sees of a checkpoint
-    it must not load, built in a second instead of several.
+    test sessions (or two machines) compare hidden states of the same model. With
+    `weights=False` the folder holds no weights: what preflight sees of a checkpoint it
+    must not load, built in a second instead of several.
     """
     import torch
     import transformers
@@ -455,7 +577,8 @@ def make_tiny_model(
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, vocab_size=vocab_size, seed=seed)
+    tokenizer = build_tokenizer(out, vocab_size=vocab_size, seed=seed,
+                                extra_special_tokens=_SPECIAL_TOKENS.get(arch, ()))
     if len(tokenizer) != vocab_size:
         raise RuntimeError(
             f"tokenizer has {len(tokenizer)} tokens, expected {vocab_size}; the synthetic "
@@ -469,7 +592,9 @@ def make_tiny_model(
     generation = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOT_ID, pad_token_id=PAD_ID, do_sample=False
     )
-    if arch in CONFIG_ONLY or not weights:
+    if arch in _EXTRA_FILES:
+        _EXTRA_FILES[arch](out)
+    if not weights:
         if not config.architectures:  # save_pretrained of a model would have set it
             from transformers.models.auto import modeling_auto
 
@@ -494,7 +619,10 @@ def make_tiny_model(
 
     # A model of a few MB needs no progress bar on the terminal.
     hf_logging.disable_progress_bar()
-    model.save_pretrained(str(out), safe_serialization=True)
+    if arch in _SAVE:
+        _SAVE[arch](model, out)
+    else:
+        model.save_pretrained(str(out), safe_serialization=True)
     logger.info("wrote tiny %s model (%d layers, hidden %d) to %s", arch, num_layers,
                 hidden_size, out)
     return out

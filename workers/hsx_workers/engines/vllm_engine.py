@@ -133,8 +133,8 @@ class VllmEngine:
 
         vLLM's `language_model_only` skips the vision tower and multimodal inputs; the
         capture layers are set on the wrapper, which forwards them to its language model.
-        Where torchvision is missing (the CPU machine), it is stubbed in this process,
-        since the wrapper's module imports it at load time.
+        Where torchvision is missing (the CPU machine) and the wrapper's module imports it
+        at load time (Llava, Qwen2.5-VL; not Kimi-K2.5), it is stubbed in this process.
         """
         from hsx.modelinfo import ModelConfigError, read_model_info
 
@@ -145,9 +145,9 @@ class VllmEngine:
         if not info.wrapper:
             return
         engine_args["language_model_only"] = True
-        from hsx_workers.preflight import install_torchvision_stub
+        from hsx_workers.preflight import install_torchvision_stub, needs_torchvision_stub
 
-        if install_torchvision_stub():
+        if needs_torchvision_stub(info.architecture) and install_torchvision_stub():
             # The stub lives in this process only: vLLM's engine-core and worker
             # processes (spawned) and its model inspection subprocess would import the
             # real, missing torchvision. So the whole engine runs here (one rank only),
