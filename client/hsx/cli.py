@@ -472,10 +472,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         for key, value in (("host", args.host), ("port", args.port), ("ledger_path", args.ledger))
         if value is not None
     }
+    if args.standby:
+        overrides["standby"] = True
     try:
         settings = Settings(**overrides)
     except ValidationError as err:
         return _error(f"bad server settings: {err}", EXIT_REFUSED)
+    if not settings.standby:  # refused here with a plain message, before uvicorn starts
+        from hsx_service.ledger import Ledger, LedgerHeld
+
+        ledger = Ledger(settings.ledger_path)
+        holder = ledger.lease()
+        ledger.close()
+        if holder is not None and not holder.gone():
+            return _error(str(LedgerHeld(settings.ledger_path, holder)), EXIT_REFUSED)
     console().print(
         f"hsx coordinator on http://{settings.host}:{settings.port}  (dashboard /, API /docs; "
         f"ledger {settings.ledger_path})"
@@ -724,6 +734,9 @@ def _add_remote_parsers(sub: Any) -> None:
     p.add_argument("--host", help="address to bind (env HSX_HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (env HSX_PORT; default 8642)")
     p.add_argument("--ledger", help="ledger SQLite file (env HSX_LEDGER_PATH)")
+    p.add_argument("--standby", action="store_true", default=None,
+                   help="if another coordinator holds the ledger, wait and take over when "
+                        "it stops, instead of refusing to start (env HSX_STANDBY)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("submit", parents=[remote], help="submit a job file to the coordinator")

@@ -1091,8 +1091,18 @@
     $("#view-list").hidden = Boolean(match);
     $("#view-job").hidden = !match;
     window.scrollTo(0, 0);
-    if (match) openJob(decodeURIComponent(match[1]));
+    if (match) openJob(decodedId(match[1]));
     else startList();
+  }
+
+  // A link with a malformed escape (`#/jobs/%E0%A4`) opens the id as written, rather
+  // than throwing in the router and leaving a blank page.
+  function decodedId(text) {
+    try {
+      return decodeURIComponent(text);
+    } catch (err) {
+      return text;
+    }
   }
 
   window.addEventListener("hashchange", route);
