@@ -42,8 +42,10 @@ TARGET = 0.05
 SECTION = "train_input"
 
 
-def write_output(root: Path, model: Path, hidden: int, tokens: int, seed: int = 0) -> int:
-    """An hsx output of ~`tokens` tokens in units of ~64k tokens; returns the samples."""
+def write_output(root: Path, model: Path, hidden: int, tokens: int, seed: int = 0, *,
+                 unit_tokens: int = 65536, vocab: int = 500) -> int:
+    """An hsx output of ~`tokens` tokens in units of ~`unit_tokens` tokens (token ids
+    below `vocab`); returns the samples."""
     from hsx.output import Output, ShardWriter
 
     sys.path.insert(0, str(common.REPO / "tests" / "unit"))
@@ -59,13 +61,13 @@ def write_output(root: Path, model: Path, hidden: int, tokens: int, seed: int = 
     for i, n in enumerate(lengths):
         unit.append(i)
         acc += n
-        if acc >= 65536 or i == len(lengths) - 1:
+        if acc >= unit_tokens or i == len(lengths) - 1:
             units.append(unit)
             unit, acc = [], 0
     block = rng.standard_normal((4096, len(layers), hidden), dtype=np.float32)
     samples = []
     for n in lengths:
-        ids = rng.integers(16, 500, n).astype(np.int32)
+        ids = rng.integers(16, vocab, n).astype(np.int32)
         samples.append({"input_ids": ids, "loss_mask": np.ones(n, np.uint8)})
     ranges = []
     for ids in units:
@@ -99,12 +101,12 @@ def data_only(root: Path, spec: Any, device: str) -> dict[str, float]:
     del speculators
 
     trainer = DraftTrainer(root, spec)
+    trainer.prepare()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     t0 = time.perf_counter()
     tokens = 0
-    for batch, _units in trainer._batches(0, dtype):  # the producer itself
-        if batch:
-            tokens += int((batch["document_ids"] >= 0).sum())
+    for step in trainer._batches(0, dtype):  # the producer itself
+        tokens += step.tokens
     seconds = time.perf_counter() - t0
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
@@ -174,7 +176,8 @@ def main() -> int:
         print(f"output: {samples} samples, {tokens:,}+ tokens, H={args.hidden}, "
               f"written in {time.perf_counter() - t0:.1f}s", flush=True)
         spec = TrainSpec(draft_vocab_size=args.draft_vocab, batch_tokens=batch_tokens,
-                         epochs=1, checkpoint_every=10**9, device=args.device, follow=False,
+                         pack_tokens=batch_tokens, epochs=1, checkpoint_every=10**9,
+                         device=args.device, follow=False, val_fraction=0.0,
                          loss_implementation=args.loss_implementation)
         runs = []
         for r in range(repeats):

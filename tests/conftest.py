@@ -6,6 +6,7 @@ Nothing can be downloaded here, so models, tokenizers and datasets are generated
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,13 @@ import pytest
 
 from hsx_workers.tiny_models import ChatDataset, build_tokenizer, make_chat_dataset, make_tiny_model
 from tests.s3server import SeaweedS3
+
+# vLLM's CPU build compiles every new engine configuration with inductor (a C++ compiler
+# run per graph: minutes per engine on 2 cores). vLLM's own CPU CI switch keeps the same
+# graph and ops (Dynamo-traced, vLLM's custom ops off, as compiled) but runs them
+# without inductor and skips the warm-up. Engines, Ray workers and `hsx` processes
+# started by the tests inherit it.
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,17 @@
 set -uo pipefail
 RES=/tmp/hsx-gpu/results
 mkdir -p "$RES"
-export PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD/benchmarks
+export PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD/benchmarks:/tmp/site-extra
+# Test tools the GPU image lacks (pytest, rich...) and compressed-tensors (vLLM's
+# kimi_k25 module imports it), carried as wheels in .gpu/extra:
+#   pip download -d .gpu/extra --only-binary=:all: --python-version 3.12 --no-deps \
+#     --platform manylinux2014_x86_64 pytest pluggy iniconfig pytest-timeout rich \
+#     markdown-it-py mdurl pygments ml_dtypes compressed-tensors
+# last on the path, so nothing the image or the bundle has is replaced.
+if [ -d .gpu/extra ] && [ ! -d /tmp/site-extra ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site-extra .gpu/extra/*.whl
+fi
+export PATH=/tmp/site/bin:$PATH  # py-spy comes in the bundle
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 HSX_GPU_RESULTS=$RES
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
@@ -33,12 +43,14 @@ for s in "$@"; do
     smoke)
       step smoke
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/gpus.txt"
+      python3 -V
       python3 -c "import vllm, ray, torch; print('vllm', vllm.__version__, 'ray', ray.__version__, 'torch', torch.__version__)"
+      python3 -c "import pytest, rich, blake3, prometheus_client, psutil, speculators; print('test and hsx imports: ok')"
       python3 -m hsx.cli doctor | tee "$RES/doctor.txt"
       df -h /dev/shm /tmp | tee "$RES/df.txt" ;;
     bench)
       step bench
-      timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases disk drop hsx --profile \
+      timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases disk drop hsx --profile --reps 1 \
         --out "$RES/vllm-single.json" 2> "$RES/vllm-single.log"
       cp /tmp/hsx-bench-vllm/*.log /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null ;;
     tests)

@@ -221,9 +221,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return _remote(lambda a: _train_remote(a, spec))(args)
 
 
+def _plan_line(plan: Any) -> str:
+    workers = f" x {plan.workers} workers" if plan.workers > 1 else ""
+    return (f"plan: {plan.steps:,} steps of {plan.batch_tokens:,} tokens{workers} "
+            f"(packs of {plan.pack_tokens:,}) on {plan.device}, lr {plan.lr:g} "
+            f"{plan.lr_schedule}, {plan.passes:.1f} passes over {plan.train_tokens:,} tokens "
+            f"of {plan.train_samples:,} samples; {plan.val_samples:,} held out; "
+            f"validated checkpoint every {plan.checkpoint_every:,} steps")
+
+
 def _train_local(target: str, spec: Any, draft_dir: str | None) -> int:
+    from hsx.draft import draft_folder
     from hsx.output import Output, StorageError
-    from hsx_workers.trainer import DraftTrainer, TrainRefused
+    from hsx.output.layout import DRAFT_DIR
+    from hsx_workers.trainer import TrainRefused
 
     out = console()
     try:
@@ -231,27 +242,90 @@ def _train_local(target: str, spec: Any, draft_dir: str | None) -> int:
         if not spec.follow and not output.is_complete():
             return _error(f"{target}: the extraction is not complete; pass --follow to train "
                           "while it runs", EXIT_REFUSED)
-        trainer = DraftTrainer(output, spec, draft_root=draft_dir, on_metrics=lambda m: out.print(
-            _train_line(m.step, m.epoch, m.loss, m.acc, m.tokens_per_s, m.wait_fraction),
-            markup=False, highlight=False))
-    except (TrainRefused, StorageError, ValueError) as err:
+        root = draft_folder(output, draft_dir)
+    except (StorageError, ValueError) as err:
         return _error(str(err), EXIT_REFUSED)
     try:
-        state = trainer.run()
+        train = _train_here if spec.workers == 1 else _train_workers
+        summary = train(output, root, spec, out)
     except TrainRefused as err:
         return _error(str(err), EXIT_REFUSED)
     except KeyboardInterrupt:
         return _error("interrupted; the next `hsx train` resumes from the newest checkpoint",
                       130)
-    resumed = "" if trainer.resumed_from is None else f" (resumed from step {trainer.resumed_from})"
-    out.print(f"[green]trained[/] {state.step} steps, {state.epoch} epochs{resumed} -> "
-              f"{trainer.draft}")
+    resumed = "" if summary.get("resumed_from") is None else \
+        f" (resumed from step {summary['resumed_from']})"
+    best = summary.get("best") or {}
+    chosen = (f"; draft/ holds step {best['step']}, expected acceptance length "
+              f"{best['expected_acceptance_length']:.2f} on held-out samples") if best else ""
+    out.print(f"[green]trained[/] {summary['step']} steps, {summary['epoch']} epochs{resumed} "
+              f"-> {root / DRAFT_DIR}{chosen}")
+    again = "" if draft_dir is None else f" --draft-dir {draft_dir}"
+    out.print(f"measure with: hsx eval-draft {output}{again}", markup=False, highlight=False)
     out.print(f"serve with: vllm serve {output.manifest().model} --speculative-config "
-              f"'{{\"method\": \"eagle3\", \"model\": \"{trainer.draft}\", "
+              f"'{{\"method\": \"eagle3\", \"model\": \"{root / DRAFT_DIR}\", "
               f"\"num_speculative_tokens\": 3}}'", markup=False, highlight=False)
     return 0
 
 
+def _train_here(output: Any, root: Path, spec: Any, out: Any) -> dict[str, Any]:
+    """One process: DraftTrainer, each step printed."""
+    from hsx_workers.trainer import DraftTrainer
+
+    def on_plan(plan: Any) -> None:
+        out.print(_plan_line(plan), markup=False, highlight=False)
+        if plan.warning:
+            out.print(f"[yellow]warning:[/] {plan.warning}")
+
+    trainer = DraftTrainer(output, spec, draft_root=root, on_plan=on_plan,
+                           on_metrics=lambda m: out.print(
+                               _train_line(m.step, m.epoch, m.loss, m.acc, m.tokens_per_s,
+                                           m.wait_fraction),
+                               markup=False, highlight=False))
+    state = trainer.run()
+    return {"step": state.step, "epoch": state.epoch, "resumed_from": trainer.resumed_from,
+            "best": trainer.best}
+
+
+def _train_workers(output: Any, root: Path, spec: Any, out: Any) -> dict[str, Any]:
+    """`spec.workers` Ray Train workers on a local (or RAY_ADDRESS's) Ray; the main
+    worker's step records are printed as they are written."""
+    import threading
+    import time
+
+    from hsx.draft import read_jsonl, read_train_state
+    from hsx.output.layout import DRAFT_METRICS
+    from hsx_service.runner import ensure_ray
+    from hsx_workers.trainer import train_distributed
+
+    ensure_ray(None, cpus_needed=spec.workers + 1)
+    started = time.time()
+    done = threading.Event()
+
+    def show() -> None:
+        printed, shown_plan = 0, False
+        while not done.wait(1.0):
+            state = read_train_state(root) or {}
+            if not shown_plan and state.get("plan") and float(state.get("time", 0)) >= started:
+                shown_plan = True
+                plan = argparse.Namespace(**state["plan"])
+                out.print(_plan_line(plan), markup=False, highlight=False)
+                if plan.warning:
+                    out.print(f"[yellow]warning:[/] {plan.warning}")
+            rows = [r for r in read_jsonl(root / DRAFT_METRICS) if r.get("time", 0) >= started]
+            for m in rows[printed:]:
+                out.print(_train_line(m["step"], m["epoch"], m["loss"], m["acc"],
+                                      m["tokens_per_s"], m["wait_fraction"]),
+                          markup=False, highlight=False)
+            printed = len(rows)
+
+    printer = threading.Thread(target=show, name="hsx-train-print", daemon=True)
+    printer.start()
+    try:
+        return train_distributed(output, spec, draft_root=root)
+    finally:
+        done.set()
+        printer.join(timeout=5)
 def _train_remote(args: argparse.Namespace, spec: Any) -> int:
     client = _client(args)
     status = client.train(args.target, spec)
@@ -272,35 +346,45 @@ def _train_remote(args: argparse.Namespace, spec: Any) -> int:
         return _error(f"training of {args.target} {final.state.value}: {final.error}",
                       EXIT_FAILED)
     console().print(f"[green]trained[/] {final.step} steps -> {final.draft}")
+    if final.best_step is not None and final.best_expected_acceptance_length is not None:
+        console().print(f"draft/ holds step {final.best_step}, expected acceptance length "
+                        f"{final.best_expected_acceptance_length:.2f} on held-out samples")
+    if final.eval is not None:
+        console().print(
+            f"vLLM: {final.eval.error}" if final.eval.error else
+            f"vLLM: mean acceptance length {final.eval.mean_acceptance_length:.2f} at "
+            f"k={final.eval.k} on {final.eval.prompts} held-out prompts",
+            markup=False, highlight=False)
     return 0
 
 
 def _cmd_eval_draft(args: argparse.Namespace) -> int:
-    """Generate with vLLM and the draft; report vLLM's acceptance counters."""
-    from hsx.output import Output
-    from hsx.output.layout import DRAFT_DIR
-    from hsx_workers.acceptance import measure_acceptance, prompts_from_output
+    """Generate with vLLM and the draft on held-out prompts; report vLLM's acceptance
+    counters and record them in draft/eval.json."""
+    from hsx.draft import draft_folder
+    from hsx.output import Output, StorageError
+    from hsx.output.layout import DRAFT_EVAL
+    from hsx_workers.acceptance import evaluate_draft
 
-    output = Output(args.output)
-    root = output.local_root
-    if args.draft is not None:
-        draft = args.draft
-    elif root is not None:
-        draft = str(root / DRAFT_DIR)
-    else:
-        return _error(f"{args.output} is an object store: pass --draft, the local folder "
-                      "the draft was trained into", EXIT_REFUSED)
-    target = args.target or output.manifest().model
-    prompts = prompts_from_output(output, n=args.prompts, prefix=args.prefix)
-    result = measure_acceptance(target, draft, prompts, k=args.k, max_tokens=args.max_tokens)
+    try:
+        output = Output(args.output)
+        root = draft_folder(output, args.draft_dir) if args.draft is None else None
+    except (StorageError, ValueError) as err:
+        return _error(str(err), EXIT_REFUSED)
+    result = evaluate_draft(output, draft_root=args.draft_dir, prompts=args.prompts,
+                            max_tokens=args.max_tokens, k=args.k, prefix=args.prefix,
+                            draft=args.draft, target=args.target)
     if args.json:
-        sys.stdout.write(json.dumps(result.as_dict()) + "\n")
-    else:
-        console().print(
-            f"mean acceptance length {result.mean_acceptance_length:.2f} at k={result.k} "
-            f"({result.accepted_tokens} of {result.draft_tokens} draft tokens accepted in "
-            f"{result.drafts} drafts; per position {result.accepted_per_position})",
-            markup=False, highlight=False)
+        sys.stdout.write(json.dumps(result) + "\n")
+        return 0
+    rates = " ".join(f"{r:.2f}" for r in result["acceptance_per_position"])
+    console().print(
+        f"mean acceptance length {result['mean_acceptance_length']:.2f} at k={result['k']} "
+        f"on {result['prompts']} {result['prompt_source']} ({result['accepted_tokens']} of "
+        f"{result['draft_tokens']} draft tokens accepted in {result['drafts']} drafts; "
+        f"acceptance per position [{rates}])", markup=False, highlight=False)
+    if root is not None:
+        console().print(f"recorded in {root / DRAFT_EVAL}", markup=False, highlight=False)
     return 0
 
 
@@ -397,10 +481,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         for key, value in (("host", args.host), ("port", args.port), ("ledger_path", args.ledger))
         if value is not None
     }
+    if args.standby:
+        overrides["standby"] = True
     try:
         settings = Settings(**overrides)
     except ValidationError as err:
         return _error(f"bad server settings: {err}", EXIT_REFUSED)
+    if not settings.standby:  # refused here with a plain message, before uvicorn starts
+        from hsx_service.ledger import Ledger, LedgerHeld
+
+        ledger = Ledger(settings.ledger_path)
+        holder = ledger.lease()
+        ledger.close()
+        if holder is not None and not holder.gone():
+            return _error(str(LedgerHeld(settings.ledger_path, holder)), EXIT_REFUSED)
     console().print(
         f"hsx coordinator on http://{settings.host}:{settings.port}  (dashboard /, API /docs; "
         f"ledger {settings.ledger_path})"
@@ -649,6 +743,9 @@ def _add_remote_parsers(sub: Any) -> None:
     p.add_argument("--host", help="address to bind (env HSX_HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (env HSX_PORT; default 8642)")
     p.add_argument("--ledger", help="ledger SQLite file (env HSX_LEDGER_PATH)")
+    p.add_argument("--standby", action="store_true", default=None,
+                   help="if another coordinator holds the ledger, wait and take over when "
+                        "it stops, instead of refusing to start (env HSX_STANDBY)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("submit", parents=[remote], help="submit a job file to the coordinator")
@@ -711,12 +808,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "eval-draft", help="acceptance of an output's trained draft in vLLM (greedy, eagle3)")
     p.add_argument("output", help="the output the draft was trained on (prompts come from it)")
-    p.add_argument("--draft", help="draft folder (default: <output>/draft)")
+    p.add_argument("--draft-dir", help="the local folder the draft was trained into (as "
+                                       "`hsx train --draft-dir`; default the output's; "
+                                       "needed for s3://)")
+    p.add_argument("--draft", help="draft folder (default: <draft-dir>/draft; another one is "
+                                   "measured but not recorded)")
     p.add_argument("--target", help="target model (default: the output's model)")
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts to generate from")
-    p.add_argument("--prefix", type=int, default=8, help="tokens of each sample used as prompt")
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens generated per prompt")
+    p.add_argument("--k", type=int, default=None,
+                   help="num_speculative_tokens (default: the training's ttt_steps, 3)")
+    p.add_argument("--prompts", type=int, default=32,
+                   help="held-out samples whose prompts vLLM answers (default 32)")
+    p.add_argument("--prefix", type=int, default=8,
+                   help="prompt length for samples without a question (all loss-masked)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="at most this many tokens per answer (default: each sample's "
+                        "answer length, at most 256)")
     p.add_argument("--json", action="store_true", help="the counters as JSON on stdout")
     p.set_defaults(func=_cmd_eval_draft)
 

@@ -118,6 +118,7 @@ class _Source:
 
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors write at the start
 
 
 def _resolve_source(dataset: str | Path) -> _Source:
@@ -166,7 +167,13 @@ def _resolve_source(dataset: str | Path) -> _Source:
     )
 
 
-def _parse_json_row(line: str) -> Row:
+def _parse_json_row(raw: bytes) -> Row:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        # Replacing the bytes would train on text nobody wrote: the row is refused.
+        return _BadRow(f"the line is not valid UTF-8 (byte {raw[err.start]:#04x} at "
+                       f"offset {err.start})")
     line = line.rstrip("\r\n")
     if not line.strip():
         return _BadRow("the line is empty")
@@ -174,6 +181,8 @@ def _parse_json_row(line: str) -> Row:
         row = json.loads(line)
     except json.JSONDecodeError as err:
         return _BadRow(f"the line is not valid JSON ({err})")
+    except RecursionError:
+        return _BadRow("the line nests JSON too deeply to be read")
     if not isinstance(row, dict):
         return _BadRow(f"the row is a JSON {type(row).__name__}, not an object")
     return row
@@ -182,33 +191,75 @@ def _parse_json_row(line: str) -> Row:
 def _iter_jsonl(files: Sequence[Path]) -> Iterator[Row]:
     for path in files:
         with path.open("rb") as f:
-            head = f.read(4096).lstrip()
+            head = f.read(4096).removeprefix(_BOM).lstrip()
         if path.suffix == ".json" and head.startswith(b"["):
             # A JSON array file: not streamable, read whole (JSON lines are the norm).
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            try:
+                rows = json.loads(path.read_bytes().removeprefix(_BOM).decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+                raise DatasetFormatError(
+                    f"dataset file {str(path)!r} starts like a JSON array but cannot be read "
+                    f"as one ({type(err).__name__}: {err}); a JSON lines file (.jsonl) lets "
+                    "each bad row be skipped on its own") from None
             for row in rows:
                 yield row if isinstance(row, dict) else _BadRow(
                     f"the row is a JSON {type(row).__name__}, not an object")
             continue
-        with path.open(encoding="utf-8", errors="replace") as f:
-            for line in f:
-                yield _parse_json_row(line)
+        # Bytes, split at \n only (as count_rows counts), each line decoded on its own.
+        with path.open("rb") as f:
+            for number, line in enumerate(f):
+                yield _parse_json_row(line.removeprefix(_BOM) if number == 0 else line)
 
 
-def _iter_record_batches(source: _Source, batch_rows: int) -> Iterator[pa.RecordBatch]:
+def _unreadable(path: Path, kind: str, err: Exception) -> DatasetFormatError:
+    return DatasetFormatError(
+        f"dataset file {str(path)!r} is not a readable {kind} file (truncated or damaged?): "
+        f"{str(err).strip() or type(err).__name__}")
+
+
+def _parquet_file(path: Path) -> Any:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:  # no footer: no row can be located
+        raise _unreadable(path, "Parquet", err) from None
+
+
+def _iter_parquet(path: Path, batch_rows: int) -> Iterator[pa.RecordBatch | _BadRow]:
+    """A Parquet file's rows by batch; the rows of a row group that cannot be decoded
+    are each a _BadRow (the footer says how many there are)."""
+    parquet = _parquet_file(path)
+    for group in range(parquet.metadata.num_row_groups):
+        expected = parquet.metadata.row_group(group).num_rows
+        seen = 0
+        try:
+            for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=[group]):
+                seen += batch.num_rows
+                yield batch
+        except (pa.ArrowException, OSError) as err:
+            reason = (f"row group {group} of {path.name} cannot be decoded: "
+                      f"{str(err).strip() or type(err).__name__}")
+            for _ in range(max(expected - seen, 0)):
+                yield _BadRow(reason)
+
+
+def _iter_record_batches(source: _Source, batch_rows: int
+                         ) -> Iterator[pa.RecordBatch | _BadRow]:
     if source.kind == "parquet":
-        import pyarrow.parquet as pq
-
         for path in source.files:
-            yield from pq.ParquetFile(path).iter_batches(batch_size=batch_rows)
+            yield from _iter_parquet(path, batch_rows)
         return
     for path in source.files:
         # save_to_disk writes Arrow IPC *stream* files; memory-mapped, no copy.
-        with pa.memory_map(str(path)) as mm:
-            reader = pa.ipc.open_stream(mm)
-            for batch in reader:
-                for start in range(0, batch.num_rows, batch_rows):
-                    yield batch.slice(start, batch_rows)
+        try:
+            with pa.memory_map(str(path)) as mm:
+                reader = pa.ipc.open_stream(mm)
+                for batch in reader:
+                    for start in range(0, batch.num_rows, batch_rows):
+                        yield batch.slice(start, batch_rows)
+        except (pa.ArrowException, OSError) as err:  # a stream says nothing of what is left
+            raise _unreadable(path, "Arrow stream", err) from None
 
 
 def iter_rows(dataset: str | Path, *, batch_rows: int = 1024) -> Iterator[Row]:
@@ -218,7 +269,20 @@ def iter_rows(dataset: str | Path, *, batch_rows: int = 1024) -> Iterator[Row]:
         yield from _iter_jsonl(source.files)
         return
     for batch in _iter_record_batches(source, batch_rows):
-        yield from batch.to_pylist()
+        if isinstance(batch, _BadRow):
+            yield batch
+            continue
+        try:
+            yield from batch.to_pylist()
+        except UnicodeDecodeError:
+            # Writers do not all validate: a string column may hold bytes that are not
+            # UTF-8. Only the rows holding them are bad.
+            for i in range(batch.num_rows):
+                try:
+                    yield batch.slice(i, 1).to_pylist()[0]
+                except UnicodeDecodeError as err:
+                    yield _BadRow(f"a string column holds bytes that are not valid UTF-8 "
+                                  f"({err.reason})")
 
 
 def count_rows(dataset: str | Path) -> int:
@@ -226,11 +290,10 @@ def count_rows(dataset: str | Path) -> int:
     counted), Parquet footers, Arrow stream files' batches."""
     source = _resolve_source(dataset)
     if source.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        return sum(pq.ParquetFile(p).metadata.num_rows for p in source.files)
+        return sum(_parquet_file(p).metadata.num_rows for p in source.files)
     if source.kind == "hf":
-        return sum(batch.num_rows for batch in _iter_record_batches(source, 1 << 30))
+        return sum(batch.num_rows for batch in _iter_record_batches(source, 1 << 30)
+                   if isinstance(batch, pa.RecordBatch))
     rows = 0
     for path in source.files:
         with open(path, "rb") as f:
@@ -392,9 +455,23 @@ def _classify(row: Row, vocab_size: int) -> _Sample | _Chat | _Text | str:
                 return f"`{name}` is a {type(value).__name__}, not a string"
             if not value:
                 return f"`{name}` is an empty string"
+            problem = _not_unicode(value)
+            if problem:
+                return f"`{name}` {problem}"
             return _Text(value)
     return (f"the row has none of the recognised fields ({', '.join(ROW_FIELDS)}); it has "
             f"{', '.join(sorted(present))}")
+
+
+def _not_unicode(text: str) -> str | None:
+    """Why `text` cannot be tokenized as Unicode, or None. JSON's `\\ud800` escapes give
+    Python strings with lone surrogates, which a tokenizer refuses for the whole batch."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"holds a lone UTF-16 surrogate ({ord(text[err.start]):#06x} at character "
+                f"{err.start}), which is not valid Unicode")
+    return None
 
 
 # ----------------------------------------------------------------------------- chat masks
@@ -441,6 +518,9 @@ def _render_chat(tokenizer: PreTrainedTokenizerBase, chat: _Chat,
     except Exception as err:  # a template raises anything (jinja errors, raise_exception)
         raise _TemplateFailure(f"the chat template failed: {type(err).__name__}: {err}"
                                ) from err
+    problem = _not_unicode(full)
+    if problem:
+        raise _TemplateFailure(f"the rendered chat {problem}")
     prefixes = _turn_prefixes(tokenizer, chat, full, kwargs)
     if prefixes is None:
         return _Rendered(full, None, _find_contents(full, chat))
@@ -459,7 +539,7 @@ def _turn_prefixes(tokenizer: PreTrainedTokenizerBase, chat: _Chat, full: str,
         except Exception:  # e.g. a template that refuses a conversation without a user turn
             return None
         if not (len(start) <= len(end) and full.startswith(start) and full.startswith(end)):
-            return None
+            return None  # (prefixes of `full`, checked as Unicode with it)
         prefixes.append((start, end))
     return prefixes
 
@@ -540,13 +620,24 @@ def _chat_samples(tokenizer: PreTrainedTokenizerBase, chats: list[_Chat],
                            "character offsets")
                 continue
             if list(enc["input_ids"]) != list(ids):
-                raise RuntimeError("tokenizer gave different ids with offsets requested")
+                out.append("the tokenizer gives other token ids when asked for character "
+                           "offsets, so the assistant tokens cannot be located")
+                continue
             mask = _mask_from_offsets(enc["offset_mapping"], r.spans, len(ids))
         out.append(_Sample(np.asarray(ids, dtype=np.int32), mask, truncated=False))
     return out
 
 
 # ----------------------------------------------------------------------------- writing
+
+MAX_REASON_CHARS = 1000
+
+
+def _reason_text(reason: str) -> str:
+    """A reason as the errors table can hold it: quoted row content may carry lone
+    surrogates (not UTF-8: shown escaped) and be megabytes long (cut)."""
+    text = reason.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 1] + "…"
 
 
 def _inputs_batch(indices: list[int], samples: list[_Sample]) -> pa.RecordBatch:
@@ -643,7 +734,7 @@ def ingest(
             for offset, outcome in enumerate(results):
                 if isinstance(outcome, str):
                     bad_idx.append(num_rows + offset)
-                    bad.append(outcome)
+                    bad.append(_reason_text(outcome))
                 else:
                     good_idx.append(num_rows + offset)
                     good.append(outcome)

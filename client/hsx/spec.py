@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 EngineName = Literal["vllm", "hf"]
 StorageDtype = Literal["bf16", "fp8"]
@@ -76,6 +83,11 @@ class TrainSpec(BaseModel):
     The draft's shape comes from the target's (text) config and the output's layer ids:
     the last id must be N (the final layer before the norm: the draft's training target);
     the ids before it are the auxiliary states the draft reads.
+
+    Fields left unset (None) are chosen when training starts, from the data and the
+    device (docs/TRAINING.md, "Defaults"): the number of steps from the training tokens,
+    the learning rate and the tokens per step from CPU or GPU. The trainer records what
+    it chose in `draft/train.json` (`plan`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -104,24 +116,98 @@ class TrainSpec(BaseModel):
             "kernels do not compile with the installed torch)."
         ),
     )
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps of the learning rate.")
+    lr: float | None = Field(
+        None, gt=0, description="Peak AdamW learning rate; None: 1e-3 on CPU, 1e-4 on GPU."
+    )
+    lr_schedule: Literal["cosine", "constant"] = Field(
+        "cosine",
+        description="After the warm-up: cosine decay to 0 over the schedule, or constant.",
+    )
+    warmup_steps: int | None = Field(
+        None, ge=0, description="Linear warm-up steps; None: 5% of the schedule, at most 500."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    epochs: int = Field(1, ge=1, description="Passes over the output's samples.")
-    batch_tokens: int = Field(
-        8192,
-        gt=1,
+    steps: int | None = Field(
+        None,
+        gt=0,
         description=(
-            "Tokens per step: samples are packed into one sequence of this length (a longer "
-            "sample is cut to it)."
+            "Optimizer steps of the schedule (the learning rate decays over them). None: "
+            "from `epochs` if set, else sized from the data: 3 passes over the training "
+            "tokens, at least 400 steps on CPU and 2000 on GPU."
         ),
     )
-    max_steps: int | None = Field(None, gt=0, description="Stop after this many steps.")
-    checkpoint_every: int = Field(
-        200, gt=0, description="Steps between checkpoints (a final one is always written)."
+    epochs: float | None = Field(
+        None,
+        gt=0,
+        description="Passes over the training samples, instead of `steps` (not both).",
     )
-    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in draft/checkpoints/.")
+    max_steps: int | None = Field(
+        None,
+        gt=0,
+        description="Stop at this step (a checkpoint is written); the schedule is unchanged.",
+    )
+    batch_tokens: int | None = Field(
+        None,
+        gt=1,
+        description=(
+            "Tokens per optimizer step and worker: whole samples, packed into sequences of "
+            "`pack_tokens`. None: 1024 on CPU, 8192 on GPU."
+        ),
+    )
+    pack_tokens: int | None = Field(
+        None,
+        gt=1,
+        description=(
+            "Tokens per forward pass (one packed sequence; a longer sample is cut to it). "
+            "The draft's attention over a packed sequence costs its length squared on CPU, "
+            "so steps of `batch_tokens` are split into packs and their gradients summed. "
+            "None: 512 on CPU, 8192 on GPU (block-sparse flex attention)."
+        ),
+    )
+    checkpoint_every: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Steps between checkpoints, each validated first (a final one is always "
+            "written). None: a tenth of the schedule, at most 2000."
+        ),
+    )
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Newest checkpoints kept in draft/checkpoints/ (plus the best)."
+    )
     log_every: int = Field(1, ge=1, description="Steps between metrics records.")
+    val_fraction: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description=(
+            "Fraction of the samples held out for validation, chosen by sample index (the "
+            "same ones on every run and resume); 0 disables validation, and the newest "
+            "checkpoint is then the draft."
+        ),
+    )
+    val_max_samples: int = Field(
+        256, ge=1, description="At most this many samples are held out."
+    )
+    workers: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Training processes (Ray Train, DDP): each reads its own units of the output. "
+            "1 trains in the calling process (or the coordinator's trainer actor)."
+        ),
+    )
+    eval_prompts: int = Field(
+        32,
+        ge=0,
+        description=(
+            "After a training run by the coordinator: held-out prompts that vLLM answers "
+            "with the draft, to measure its acceptance (draft/eval.json); 0: no evaluation."
+        ),
+    )
+    eval_max_tokens: int = Field(
+        256, ge=1, description="At most this many tokens generated per evaluation prompt."
+    )
     seed: int = Field(0, description="Seed of the initial weights and the sample order.")
     device: TrainDevice = Field("auto", description="`cuda` when a GPU is present under auto.")
     follow: bool = Field(
@@ -134,6 +220,12 @@ class TrainSpec(BaseModel):
     norm_before_residual: bool = Field(
         True, description="Normalize the hidden input before the residual (speculators default)."
     )
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainSpec:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("set steps or epochs, not both")
+        return self
 
 
 class JobSpec(BaseModel):

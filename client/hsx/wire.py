@@ -156,6 +156,7 @@ class ErrorBody(BaseModel):
 class TrainState(str, Enum):
     starting = "starting"  # actor starting, or waiting for the first shard
     running = "running"
+    evaluating = "evaluating"  # trained; vLLM measures the draft's acceptance
     done = "done"
     failed = "failed"
     stopped = "stopped"  # the coordinator stopped it; it resumes at the next start
@@ -166,26 +167,88 @@ class TrainState(str, Enum):
 
 
 class TrainPoint(BaseModel):
-    step: int
-    epoch: int = 0
-    loss: float
-    acc: list[float] = Field(default_factory=list, description="Accuracy per TTT step.")
-    time: float = 0.0
+    """One logged training step (draft/metrics.jsonl)."""
+
+    step: int = Field(..., description="Optimizer step.")
+    epoch: int = Field(0, description="Passes over this worker's units completed before it.")
+    loss: float = Field(..., description="Training loss of the step.")
+    acc: list[float] = Field(
+        default_factory=list, description="P(TTT steps 0..k all right), per k.")
+    time: float = Field(0.0, description="Unix time of the step.")
+
+
+class ValidationPoint(BaseModel):
+    """One validation on the held-out samples (draft/validation.jsonl), at a checkpoint."""
+
+    step: int = Field(..., description="Step of the checkpoint it scores.")
+    loss: float = Field(..., description="Loss on the held-out samples.")
+    acc: list[float] = Field(
+        default_factory=list, description="P(TTT steps 0..k all right), per k.")
+    cond_acc: list[float] = Field(
+        default_factory=list,
+        description="P(TTT step k right | the steps before it right), per k.")
+    expected_acceptance_length: float = Field(
+        ..., description="1 + sum over k of the products of cond_acc[0..k]: tokens per "
+                         "verification a draft of len(acc) tokens would give.")
+    tokens: int = Field(0, description="Held-out tokens scored.")
+    time: float = Field(0.0, description="Unix time of the validation.")
+
+
+class TrainPlan(BaseModel):
+    """The schedule a training resolved from its spec, its data and its device."""
+
+    device: str = Field(..., description="cpu or cuda.")
+    workers: int = Field(1, description="Training processes (Ray Train workers).")
+    steps: int = Field(..., description="Optimizer steps of the schedule.")
+    batch_tokens: int = Field(..., description="Tokens per step and worker.")
+    pack_tokens: int = Field(..., description="Tokens per packed sequence (forward pass).")
+    lr: float = Field(..., description="Peak learning rate.")
+    lr_schedule: str = Field("cosine", description="cosine or constant after the warm-up.")
+    warmup_steps: int = Field(0, description="Linear warm-up steps.")
+    checkpoint_every: int = Field(..., description="Steps between validated checkpoints.")
+    train_samples: int = Field(0, description="Samples trained on.")
+    train_tokens: int = Field(0, description="Their tokens (shifted: length - 1 each).")
+    val_samples: int = Field(0, description="Samples held out for validation.")
+    passes: float = Field(0.0, description="Times the schedule goes over the training tokens.")
+    warning: str | None = Field(None, description="Why the data is small for the schedule.")
+
+
+class DraftEval(BaseModel):
+    """The draft's acceptance in vLLM on held-out prompts (draft/eval.json)."""
+
+    k: int | None = Field(None, description="Draft tokens per step (num_speculative_tokens).")
+    prompts: int = Field(0, description="Prompts generated from.")
+    prompt_source: str | None = Field(None, description="Where the prompts came from.")
+    draft_step: int | None = Field(None, description="Checkpoint step of the draft measured.")
+    generated_tokens: int = Field(0, description="Tokens vLLM generated.")
+    drafts: int = Field(0, description="Draft proposals vLLM verified.")
+    draft_tokens: int = Field(0, description="Draft tokens proposed.")
+    accepted_tokens: int = Field(0, description="Draft tokens accepted.")
+    accepted_per_position: list[int] = Field(
+        default_factory=list, description="Accepted draft tokens at positions 1..k.")
+    acceptance_per_position: list[float] = Field(
+        default_factory=list, description="accepted_per_position ÷ drafts.")
+    mean_acceptance_length: float | None = Field(
+        None, description="1 + accepted ÷ drafts: tokens per verification step.")
+    seconds: float = Field(0.0, description="Generation time.")
+    time: float | None = Field(None, description="Unix time of the measurement.")
+    error: str | None = Field(None, description="Why the measurement failed, if it did.")
 
 
 class TrainStatus(BaseModel):
     """A job's draft training: where it is and how it goes."""
 
-    job_id: str
-    state: TrainState
+    job_id: str = Field(..., description="The job whose output is trained on.")
+    state: TrainState = Field(..., description="starting, running, evaluating, done, "
+                                               "failed, stopped.")
     draft: str = Field(..., description="The draft's folder (speculators format; vLLM loads it).")
-    step: int = 0
-    epoch: int = 0
-    loss: float | None = None
+    step: int = Field(0, description="Last logged step.")
+    epoch: int = Field(0, description="Epoch of the last logged step.")
+    loss: float | None = Field(None, description="Loss at the last logged step.")
     acc: list[float] = Field(
         default_factory=list, description="Draft accuracy per TTT step at the last logged step."
     )
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = Field(0.0, description="Training tokens/s (all workers).")
     wait_fraction: float = Field(
         0.0, description="Time the steps waited for data ÷ their total time."
     )
@@ -193,9 +256,20 @@ class TrainStatus(BaseModel):
     restarts: int = Field(0, description="Trainer actors restarted (each resumes a checkpoint).")
     resumed_from: int | None = Field(None, description="Step the current run resumed from.")
     first_step_at: float | None = Field(None, description="Unix time of the first step.")
-    error: str | None = None
-    spec: TrainSpec
+    error: str | None = Field(None, description="Why the training failed, if it did.")
+    spec: TrainSpec = Field(..., description="The training as asked.")
+    plan: TrainPlan | None = Field(
+        None, description="What the trainer chose for the spec's unset fields.")
+    warning: str | None = Field(None, description="The plan's warning, if any.")
     history: list[TrainPoint] = Field(
         default_factory=list, description="The loss curve, at most 500 points."
     )
-    updated_at: float | None = None
+    validation: list[ValidationPoint] = Field(
+        default_factory=list, description="Every validation so far, oldest first.")
+    best_step: int | None = Field(
+        None, description="Checkpoint in draft/: the best expected acceptance length so far.")
+    best_expected_acceptance_length: float | None = Field(
+        None, description="Its expected acceptance length on the held-out samples.")
+    eval: DraftEval | None = Field(
+        None, description="vLLM's measurement of the draft (after training).")
+    updated_at: float | None = Field(None, description="Server Unix time of this status.")

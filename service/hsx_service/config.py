@@ -83,6 +83,28 @@ class Settings(BaseSettings):
         ),
     )
 
+    standby: bool = Field(
+        False,
+        description=(
+            "When another live coordinator holds the ledger, wait and take over when it "
+            "stops (its lease expires, or its process is gone) instead of refusing to start."
+        ),
+    )
+    lease_ttl_s: float = Field(
+        20.0,
+        gt=0,
+        description=(
+            "Seconds a coordinator's lease on the ledger lasts without a heartbeat (one "
+            "every quarter of it); a coordinator that stalls longer is taken over by a "
+            "standby and fenced: its ledger writes fail."
+        ),
+    )
+    max_body_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        description="Largest request body accepted; a larger one is refused with 413.",
+    )
+
     @field_validator("ledger_path")
     @classmethod
     def _expand_ledger(cls, path: Path) -> Path:
@@ -118,6 +140,12 @@ class Settings(BaseSettings):
     def exposed(self) -> bool:
         """Meant to be reached by others: a non-loopback bind, or a token to share."""
         return self.api_token is not None or not is_loopback(self.host)
+
+    @property
+    def address(self) -> str:
+        """Where this coordinator serves, as the ledger's lease names it."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def effective_roots(self) -> list[Path] | None:
         """The roots paths are checked against; None means no restriction."""

@@ -15,15 +15,40 @@ so the thread that drives the engines never waits on SQLite. Every read and ever
 deciding write first applies what is queued, so the ledger always reads its own writes;
 a crash loses at most `write_interval` seconds of bookkeeping, which the reconcile with
 the outputs repairs where it matters (which units are committed).
+
+**One coordinator per ledger: the lease.** Two coordinators on one ledger would both
+take queued jobs, and neither would know when the other's runner died. The `lease` table
+holds one row: who holds the ledger (host, pid, address, since when), until when, and an
+`epoch` that grows by one at every take-over. `acquire` takes the lease when nobody holds
+it, or when the holder is gone: its lease expired (no heartbeat for `ttl` seconds), or
+it was a process on this host that no longer runs (a pid checked with its start time,
+so a reused pid is not mistaken for it) — then a successor takes over at once instead of
+waiting for the expiry. Otherwise `acquire` raises `LedgerHeld`, naming the holder. The
+holder calls `renew` every few seconds.
+
+The epoch is a fencing token: once a ledger has asked for the lease, every write that
+changes something (each transaction, and each batch written behind) first checks, inside
+the same SQLite transaction, that the lease still carries its epoch, and raises
+`LeaseLost` otherwise. A coordinator that stalled past its expiry and was taken over
+therefore cannot change a job when it wakes up: its writes fail, and it steps down
+(scheduler.py). A ledger that never asked (tests, tools) is not fenced.
+
+SQLite's WAL mode needs shared memory between its users, so a ledger is only ever shared
+by processes of one host (or containers sharing a volume, which see different hostnames
+and pids: for them the expiry alone decides).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import socket
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -100,6 +125,18 @@ CREATE TABLE IF NOT EXISTS worker_totals (
     seconds REAL NOT NULL,
     PRIMARY KEY (job_id, worker)
 );
+CREATE TABLE IF NOT EXISTS lease (
+    name TEXT PRIMARY KEY,           -- 'coordinator': one holder per ledger
+    epoch INTEGER NOT NULL,          -- +1 at every take-over: the fencing token
+    holder TEXT NOT NULL,            -- random id of the holding Ledger object
+    host TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    pid_started TEXT,                -- the process's start time, where the OS tells it
+    address TEXT,                    -- where the holder serves its API
+    since REAL NOT NULL,             -- Unix time it took the lease
+    renewed_at REAL NOT NULL,
+    expires_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS trainings (
     job_id TEXT PRIMARY KEY,
     spec TEXT NOT NULL,              -- TrainSpec JSON
@@ -129,6 +166,102 @@ class JobRow:
 
 Statement = tuple[str, tuple[Any, ...]]
 
+LEASE = "coordinator"
+
+
+class LedgerHeld(RuntimeError):
+    """Another coordinator holds the ledger's lease (and is alive)."""
+
+    def __init__(self, path: Path, holder: LeaseHolder):
+        self.path = path
+        self.holder = holder
+        super().__init__(
+            f"the ledger {path} is held by {holder.describe()}; two coordinators on one "
+            "ledger would run the same jobs. Use that coordinator, stop it, choose another "
+            "ledger (--ledger / HSX_LEDGER_PATH), or start this one with --standby to take "
+            "over when it stops"
+        )
+
+
+class LeaseLost(RuntimeError):
+    """A write refused because this ledger no longer holds the lease (it was fenced)."""
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """The lease row: who holds the ledger, and until when."""
+
+    epoch: int
+    holder: str
+    host: str
+    pid: int
+    pid_started: str | None
+    address: str | None
+    since: float
+    renewed_at: float
+    expires_at: float
+
+    def gone(self, now: float | None = None) -> bool:
+        """The holder stopped renewing (expired), or was a process here that is gone."""
+        if self.expires_at <= (time.time() if now is None else now):
+            return True
+        return self.host == socket.gethostname() and not process_alive(
+            self.pid, self.pid_started)
+
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        where = f" serving {self.address}" if self.address else ""
+        return (f"the coordinator with pid {self.pid} on host {self.host}{where}, "
+                f"since {since} (lease renewed {max(time.time() - self.renewed_at, 0):.0f} s "
+                "ago)")
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from its third field on (state, ppid, ...); None: no such process.
+
+    Raises OSError where there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after it.
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (Linux: clock ticks since boot), or None if unknown."""
+    try:
+        fields = _proc_stat(pid)
+    except OSError:
+        return None
+    return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def process_alive(pid: int, started: str | None) -> bool:
+    """Whether process `pid` of this host still runs (and is the one that started at
+    `started`, when known: pids are reused)."""
+    try:
+        fields = _proc_stat(pid)
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    if fields is None or (fields and fields[0] in ("Z", "X")):  # gone, or not yet reaped
+        return False
+    return started is None or len(fields) <= 19 or fields[19] == started
+
+
+def _lease_row(row: sqlite3.Row) -> LeaseHolder:
+    return LeaseHolder(
+        epoch=int(row["epoch"]), holder=row["holder"], host=row["host"], pid=int(row["pid"]),
+        pid_started=row["pid_started"], address=row["address"], since=float(row["since"]),
+        renewed_at=float(row["renewed_at"]), expires_at=float(row["expires_at"]),
+    )
+
 
 class Ledger:
     def __init__(self, path: str | Path, write_interval: float = 0.5):
@@ -141,6 +274,11 @@ class Ledger:
         self._flush_lock = threading.Lock()  # batches are applied one at a time, in order
         self._writer: threading.Thread | None = None
         self._closing = threading.Event()
+        # The lease (see the module docstring): once asked for, writes are fenced.
+        self._leased = False
+        self._epoch: int | None = None
+        self._holder_id = uuid.uuid4().hex
+        self._lost_reported = False
         # executescript manages its own transaction.
         self._conn().executescript(SCHEMA)
 
@@ -155,15 +293,29 @@ class Ledger:
         return conn
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
+    def _transaction(self, fenced: bool = True) -> Iterator[sqlite3.Connection]:
         db = self._conn()
         db.execute("BEGIN IMMEDIATE")
         try:
+            if fenced and self._leased:
+                self._check_lease(db)
             yield db
         except BaseException:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+
+    def _check_lease(self, db: sqlite3.Connection) -> None:
+        """Inside a write transaction: raise LeaseLost unless this ledger holds the lease."""
+        row = db.execute("SELECT * FROM lease WHERE name = ?", (LEASE,)).fetchone()
+        if self._epoch is not None and row is not None and int(row["epoch"]) == self._epoch:
+            return
+        held = _lease_row(row).describe() if row is not None else "nobody"
+        if self._epoch is None:
+            raise LeaseLost(f"this coordinator does not hold the ledger; it is held by {held}")
+        self._epoch = None
+        raise LeaseLost(f"this coordinator's lease on the ledger was taken over; it is now "
+                        f"held by {held}")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -173,13 +325,72 @@ class Ledger:
             yield db
 
     def _read(self, sql: str, params: tuple[Any, ...] = ()) -> sqlite3.Cursor:
-        self.flush()
+        # Queued writes of a fenced coordinator are dropped (LeaseLost); reads go on.
+        with contextlib.suppress(LeaseLost):
+            self.flush()
         return self._conn().execute(sql, params)
+
+    # ---------------------------------------------------------------- the lease
+
+    @property
+    def holds_lease(self) -> bool:
+        """Whether this ledger holds the lease, as far as its last acquire/renew knew."""
+        return self._epoch is not None
+
+    def lease(self) -> LeaseHolder | None:
+        """The lease row as it is now (None: never taken, or released)."""
+        row = self._conn().execute("SELECT * FROM lease WHERE name = ?", (LEASE,)).fetchone()
+        return _lease_row(row) if row is not None else None
+
+    def acquire(self, ttl: float, address: str | None = None) -> LeaseHolder:
+        """Take the lease (see the module docstring); raise LedgerHeld if it is held.
+
+        From the first call on, this ledger's writes are fenced by the lease.
+        """
+        self._leased = True
+        now = time.time()
+        with self._transaction(fenced=False) as db:
+            row = db.execute("SELECT * FROM lease WHERE name = ?", (LEASE,)).fetchone()
+            current = _lease_row(row) if row is not None else None
+            if current is not None and current.holder != self._holder_id and not current.gone(now):
+                raise LedgerHeld(self.path, current)
+            epoch = (current.epoch if current is not None else 0) + 1
+            db.execute(
+                "INSERT OR REPLACE INTO lease (name, epoch, holder, host, pid, pid_started, "
+                "address, since, renewed_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (LEASE, epoch, self._holder_id, socket.gethostname(), os.getpid(),
+                 process_start(os.getpid()), address, now, now, now + ttl),
+            )
+        if current is not None and current.holder != self._holder_id:
+            logger.warning("took over the ledger %s from %s", self.path, current.describe())
+        self._epoch = epoch
+        self._lost_reported = False
+        holder = self.lease()
+        if holder is None:
+            raise RuntimeError(f"ledger: the lease of {self.path} vanished after acquire")
+        return holder
+
+    def renew(self, ttl: float) -> None:
+        """Extend the lease by `ttl` from now; LeaseLost if it was taken over."""
+        now = time.time()
+        with self._transaction(fenced=True) as db:
+            db.execute("UPDATE lease SET renewed_at = ?, expires_at = ? WHERE name = ?",
+                       (now, now + ttl, LEASE))
+
+    def release(self) -> None:
+        """Give the lease up (a clean stop): a successor need not wait for its expiry."""
+        if self._epoch is None:
+            return
+        with self._transaction(fenced=False) as db:
+            db.execute("DELETE FROM lease WHERE name = ? AND epoch = ?", (LEASE, self._epoch))
+        self._epoch = None
 
     # ---------------------------------------------------------------- write-behind
 
     def _defer(self, *statements: Statement) -> None:
         """Queue bookkeeping writes; the writer thread applies them within write_interval."""
+        if self._leased and self._epoch is None:
+            return  # not the holder: the writes would be refused anyway
         with self._pending_lock:
             self._pending.extend(statements)
             writer = self._writer
@@ -194,6 +405,10 @@ class Ledger:
         while not self._closing.wait(self.write_interval):
             try:
                 self.flush()
+            except LeaseLost as err:
+                if not self._lost_reported:
+                    self._lost_reported = True
+                    logger.warning("ledger: bookkeeping writes dropped: %s", err)
             except sqlite3.Error:
                 logger.exception("ledger: a batch of bookkeeping writes failed")
 
@@ -209,12 +424,17 @@ class Ledger:
                     db.execute(sql, params)
 
     def close(self) -> None:
-        """Stop the writer thread after applying everything queued."""
+        """Stop the writer thread after applying everything queued; give up the lease."""
         self._closing.set()
         writer = self._writer
         if writer is not None:
             writer.join(timeout=10)
-        self.flush()
+        try:
+            self.flush()
+        except LeaseLost as err:  # a fenced coordinator stopping: its writes are void
+            logger.warning("ledger: bookkeeping writes dropped at close: %s", err)
+        finally:
+            self.release()
 
     # ---------------------------------------------------------------- trainings
 

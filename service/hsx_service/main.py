@@ -12,10 +12,12 @@ Every non-2xx response carries an `ErrorBody` (hsx.wire):
 | request body fails validation (`SubmitRequest`, `JobSpec`) | 422 | JobRefused |
 | `JobRefused` (policy here, preflight in the scheduler) | 422 | JobRefused |
 | a query or path parameter fails validation | 422 | InvalidRequest |
+| a body that cannot be read as JSON | 400 | InvalidRequest |
 | `Unauthorized` (deps.require_token) | 401 | Unauthorized |
 | `JobNotFound` / an unknown route | 404 | NotFound |
 | `JobConflict` | 409 | Conflict |
-| `NotReady` | 503 | NotReady |
+| `NotReady`, `LeaseLost` (a standby, or a coordinator fenced off its ledger) | 503 | NotReady |
+| a body over `max_body_bytes` (`BodyTooLarge`) | 413 | PayloadTooLarge |
 | anything else | 500 | InternalError |
 
 `field` is the dotted location of the culprit as the client sent it (`spec.layers`).
@@ -47,6 +49,7 @@ from hsx.wire import ErrorBody
 from hsx_service.config import Settings
 from hsx_service.deps import Unauthorized
 from hsx_service.errors import JobConflict, JobNotFound, JobRefused, NotReady, refused_field
+from hsx_service.ledger import LeaseLost
 from hsx_service.routes import jobs, models, ops
 from hsx_service.routes.ops import SchedulerCollector
 
@@ -92,6 +95,7 @@ def create_app(settings: Settings | None = None, scheduler: Any | None = None) -
     )
     app.state.settings = settings
     app.state.scheduler = scheduler
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.state.registry = CollectorRegistry(auto_describe=False)
     app.state.registry.register(SchedulerCollector(lambda: app.state.scheduler))
     _redact_access_logs()
@@ -111,6 +115,48 @@ def create_app(settings: Settings | None = None, scheduler: Any | None = None) -
         return HTMLResponse(_FALLBACK_INDEX)
 
     return app
+
+
+class BodyTooLarge(Exception):
+    """A request body over the server's `max_body_bytes` (413; no route reads it whole)."""
+
+
+class BodyLimit:
+    """Refuse request bodies over `limit` bytes before anything parses them.
+
+    A declared Content-Length over the limit is answered 413 at once; a body sent
+    without one (chunked) is counted as it arrives and refused when it passes the limit.
+    """
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            response = _error(413, "PayloadTooLarge", self._message(int(declared)))
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self._message(received))
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self, size: int) -> str:
+        return (f"the request body ({size} bytes or more) is over this server's limit of "
+                f"{self.limit} bytes (HSX_MAX_BODY_BYTES)")
 
 
 class _RedactAccessToken(logging.Filter):
@@ -225,14 +271,20 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(409, "Conflict", str(exc))
 
     @app.exception_handler(NotReady)
-    async def not_ready(request: Request, exc: NotReady) -> JSONResponse:
+    @app.exception_handler(LeaseLost)
+    async def not_ready(request: Request, exc: Exception) -> JSONResponse:
         return _error(
             503, "NotReady", str(exc), headers={"Retry-After": str(NOT_READY_RETRY_S)}
         )
 
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return _error(413, "PayloadTooLarge", str(exc))
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        type_ = "NotFound" if exc.status_code == 404 else "HTTPError"
+        # 400: a body that is not JSON at all (FastAPI's own check, before validation).
+        type_ = {404: "NotFound", 400: "InvalidRequest"}.get(exc.status_code, "HTTPError")
         return _error(exc.status_code, type_, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)

@@ -154,6 +154,20 @@ def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], ou
         )
 
 
+def warm_preflight() -> None:
+    """Import what a submit's preflight imports (vLLM's model registry, transformers'
+    tokenizers), so the first submit answers as fast as the next ones instead of paying
+    tens of seconds of imports inside its request. The coordinator calls it before it
+    says it is ready."""
+    try:
+        import transformers  # noqa: F401
+
+        from hsx_workers.preflight import warm_imports
+    except ImportError:  # the workers' package is not installed here
+        return
+    warm_imports()
+
+
 def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
     """Refuse a model the chosen engine cannot capture, with the model preflight's reasons.
 

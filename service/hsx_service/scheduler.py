@@ -18,13 +18,33 @@ each worker committed.
 On `start` the ledger is reconciled with the outputs — the outputs' commit records are
 the truth — and every job that was running when the coordinator stopped is queued
 again, ahead of newer ones, so a `kill -9` costs only the units that were in flight.
+
+Lifecycle. A coordinator first takes the ledger's lease (ledger.py): a second
+coordinator on a held ledger refuses to start, naming the holder, or with `standby`
+waits, showing the holder's jobs read-only (its routes that change something answer
+503 naming the holder), and takes over when the holder stops. Two threads run while the
+lease is held:
+
+- `hsx-lease` (the supervisor) renews the lease every quarter of its time to live, and
+  keeps a job thread alive: if that thread dies (a bug that escaped it), a new one is
+  started, which queues the job that was running again — no restart of the coordinator
+  needed. When a renewal finds the lease taken over (this process stalled past its
+  expiry), it steps down: dispatch stops, the engines and trainers are stopped, every
+  ledger write of this process fails from then on (fenced), and it waits as a standby.
+- `hsx-scheduler` (the job thread) connects Ray, reconciles, then runs queued jobs one at
+  a time. A job whose run raised is failed with the error, except when Ray itself was
+  lost (the driver's connection died): then Ray is reconnected and the job queued again,
+  up to MAX_RUNNER_RESTARTS times.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import logging
+import sqlite3
+import sys
 import threading
 import time
 import uuid
@@ -52,7 +72,7 @@ from hsx.wire import (
 )
 from hsx_service.board import StatusBoard
 from hsx_service.errors import JobConflict, JobNotFound, NotReady
-from hsx_service.ledger import JobRow, Ledger
+from hsx_service.ledger import JobRow, LeaseLost, Ledger, LedgerHeld
 from hsx_service.metrics import JobMetrics, is_recent
 from hsx_service.prepare import (
     JobRefused,
@@ -60,6 +80,7 @@ from hsx_service.prepare import (
     check_estimated_output,
     open_output,
     preflight,
+    warm_preflight,
 )
 from hsx_service.runner import (
     MAX_ATTEMPTS,
@@ -79,6 +100,9 @@ logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 0.25  # at most this often per job, for progress (not state) changes
 CURVE_INTERVAL_S = 2.0  # a throughput point this often while a job extracts
 CURVE_POINTS = 600  # most points `throughput` returns
+SUPERVISE_TICK_S = 1.0  # the supervisor looks at the lease and the job thread this often
+MAX_RUNNER_RESTARTS = 3  # a job whose runner lost Ray more often than this fails
+START_RETRY_S = 5.0  # a job thread that could not start (Ray unreachable) tries again
 
 
 class Scheduler:
@@ -92,7 +116,15 @@ class Scheduler:
         self._ready = False
         self._stop = threading.Event()
         self._wake = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the job thread
+        self._supervisor: threading.Thread | None = None
+        self._ttl = float(getattr(settings, "lease_ttl_s", 20.0))
+        self._lost = threading.Event()  # the lease was taken over: step down
+        self._standby: str | None = None  # why this coordinator waits, while it does
+        self._thread_ended = False  # the job thread returned (rather than died)
+        self._trainings_resumed = False
+        self._current: str | None = None  # the job the job thread runs now
+        self._runner_restarts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._cancel: set[str] = set()
         self.trainings = Trainings(self.ledger)
@@ -104,13 +136,21 @@ class Scheduler:
         self._rows: dict[str, JobRow] = {}
         self._live: dict[str, JobProgress] = {}  # progress of the job running now
         # Numbers of jobs not running now (ledger job_totals), and of previous runs.
-        self._totals: dict[str, dict[str, Any]] = self.ledger.totals()
-        self._workers: dict[str, dict[str, WorkerTotals]] = {
-            job_id: {w["name"]: WorkerTotals(**w) for w in workers}
-            for job_id, workers in self.ledger.worker_totals().items()
-        }
+        self._totals: dict[str, dict[str, Any]] = {}
+        self._workers: dict[str, dict[str, WorkerTotals]] = {}
         self._run_base: dict[str, tuple[int, float]] = {}  # earlier runs' (tokens, seconds)
         self._curve_mark: dict[str, tuple[float, int]] = {}  # last curve point (time, tokens)
+        self._load()
+
+    def _load(self) -> None:
+        """What the board shows, from the ledger (at start, and at a take-over: the
+        previous holder wrote what this process has not seen)."""
+        self._totals = self.ledger.totals()
+        with self._lock:
+            self._workers = {
+                job_id: {w["name"]: WorkerTotals(**w) for w in workers}
+                for job_id, workers in self.ledger.worker_totals().items()
+            }
         for row in self.ledger.jobs():
             self._rows[row.id] = row
             self._publish(row.id, force=True)
@@ -122,20 +162,143 @@ class Scheduler:
         return self._ready
 
     def start(self) -> None:
-        """Returns at once; Ray and the reconcile happen in the scheduler's thread, and
-        `ready` turns True when they are done (until then /readyz answers 503)."""
-        self._thread = threading.Thread(target=self._loop, name="hsx-scheduler", daemon=True)
-        self._thread.start()
+        """Take the ledger's lease — raise LedgerHeld if a live coordinator holds it,
+        unless `standby` — and return; Ray and the reconcile happen in the job thread,
+        and `ready` turns True when they are done (until then /readyz answers 503)."""
+        if not getattr(self.settings, "standby", False):
+            self._acquire()
+        self._supervisor = threading.Thread(target=self._supervise, name="hsx-lease",
+                                            daemon=True)
+        self._supervisor.start()
 
     def stop(self) -> None:
         self._stop.set()
         with self._wake:
             self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        for thread in (self._supervisor, self._thread):
+            if thread is not None:
+                thread.join(timeout=30)
         self.trainings.stop()
         self.pool.shutdown()
-        self.ledger.close()
+        self.ledger.close()  # gives the lease up: a successor starts at once
+
+    def not_ready(self) -> NotReady:
+        """What a route that needs a ready coordinator answers now (503)."""
+        return NotReady(self._standby or "the coordinator is still starting")
+
+    def _acquire(self) -> None:
+        was_standby = self._standby is not None
+        self.ledger.acquire(self._ttl, getattr(self.settings, "address", None))
+        if was_standby:
+            self._load()
+        self._standby = None
+        self._lost.clear()
+        self._trainings_resumed = False
+
+    def _supervise(self) -> None:
+        """Hold the lease (waiting for it as a standby), renew it, keep a job thread."""
+        renewed = time.monotonic()
+        while not self._stop.is_set():
+            if self._lost.is_set():  # a write of the job thread found the lease taken over
+                self._step_down("a ledger write found this coordinator's lease taken over")
+                continue
+            if not self.ledger.holds_lease:
+                try:
+                    self._acquire()
+                    renewed = time.monotonic()
+                except LedgerHeld as err:
+                    self._standby = (f"standby: {err.holder.describe()} holds the ledger; "
+                                     "this coordinator takes over when it stops")
+                    self._mirror()
+                    self._stop.wait(SUPERVISE_TICK_S)
+                    continue
+                except sqlite3.Error:
+                    logger.warning("cannot read the ledger's lease; trying again", exc_info=True)
+                    self._stop.wait(SUPERVISE_TICK_S)
+                    continue
+            self._keep_job_thread()
+            if self._stop.wait(SUPERVISE_TICK_S):
+                break
+            if time.monotonic() - renewed >= self._ttl / 4:
+                try:
+                    self.ledger.renew(self._ttl)
+                    renewed = time.monotonic()
+                except LeaseLost as err:
+                    self._step_down(str(err))
+                except sqlite3.Error:  # busy for 30 s: the next tick tries again
+                    logger.warning("cannot renew the ledger's lease; trying again",
+                                   exc_info=True)
+
+    def _keep_job_thread(self) -> None:
+        """Start the job thread; start a new one if it died (its job is queued again)."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            return
+        if thread is not None and not self._thread_ended:
+            job_id = self._current
+            logger.error("the scheduler's job thread died%s; starting a new one",
+                         f" while running job {job_id}" if job_id else "")
+            self._ready = False
+            self._reset_engines()
+            if job_id is not None:
+                self._runner_died(job_id, "the scheduler's job thread died")
+        elif thread is not None:
+            self._stop.wait(START_RETRY_S)  # it ended without starting: wait a little
+        self._thread_ended = False
+        self._thread = threading.Thread(target=self._loop, name="hsx-scheduler", daemon=True)
+        self._thread.start()
+
+    def _step_down(self, reason: str) -> None:
+        """The lease was taken over: stop running jobs and become a standby."""
+        logger.error("stepping down: %s", reason)
+        self._ready = False
+        self._lost.set()
+        self._standby = f"standby: {reason}"
+        with self._wake:
+            self._wake.notify_all()
+        thread = self._thread
+        if thread is not None:
+            thread.join()  # dispatch stops at once; units already running end first
+        self._thread = None
+        self.trainings.stop()
+        self.trainings = Trainings(self.ledger)
+        self._reset_engines()
+        self._live.clear()
+        self._current = None
+        self._lost.clear()  # the job thread, which it told to stop, is gone
+
+    def _reset_engines(self) -> None:
+        """Stop this process's engines (a dead runner may have left units on them)."""
+        with contextlib.suppress(Exception):  # Ray itself may be what failed
+            self.pool.shutdown()
+        self.pool = EnginePool()
+
+    def _runner_died(self, job_id: str, reason: str) -> None:
+        """Queue the job again (the next run resumes it), or fail it after too many."""
+        count = self._runner_restarts[job_id] = self._runner_restarts.get(job_id, 0) + 1
+        try:
+            if count > MAX_RUNNER_RESTARTS:
+                self._end(job_id, JobState.failed,
+                          f"its runner died {count} times; last: {reason}")
+            else:
+                logger.warning("job %s: %s; it runs again", job_id, reason)
+                self._end(job_id, JobState.queued, f"runner restarted: {reason}")
+        except LeaseLost:
+            self._lost.set()
+
+    def _mirror(self) -> None:
+        """A standby shows the holder's jobs as the ledger has them."""
+        try:
+            rows = self.ledger.jobs()
+            totals = self.ledger.totals()
+        except sqlite3.Error:
+            return
+        for row in rows:
+            if self._rows.get(row.id) != row or totals.get(row.id) != self._totals.get(row.id):
+                self._rows[row.id] = row
+                if row.id in totals:
+                    self._totals[row.id] = totals[row.id]
+                self._publish(row.id, force=True)
 
     def _reconcile(self) -> None:
         """After a restart: running jobs go back to the queue, units agree with outputs."""
@@ -152,7 +315,7 @@ class Scheduler:
 
     def submit(self, spec: JobSpec, job_id: str | None) -> tuple[JobStatus, bool]:
         if not self._ready:
-            raise NotReady("the coordinator is still starting")
+            raise self.not_ready()
         job_id = job_id or f"job-{uuid.uuid4().hex[:10]}"
         existing = self.ledger.job(job_id)
         if existing is not None:
@@ -193,6 +356,8 @@ class Scheduler:
         return [post.status for post in self.board.list(state)]
 
     def cancel(self, job_id: str) -> JobStatus:
+        if self._standby is not None:
+            raise self.not_ready()
         row = self._row(job_id)
         if row.state == JobState.queued:
             self._set_state(job_id, JobState.cancelled)
@@ -210,7 +375,7 @@ class Scheduler:
     def train(self, job_id: str, spec: TrainSpec) -> TrainStatus:
         """Start (or restart, resuming its checkpoint) the draft training of a job."""
         if not self._ready:
-            raise NotReady("the coordinator is still starting")
+            raise self.not_ready()
         row = self._row(job_id)
         root = draft_root(row.output)
         if row.state in (JobState.failed, JobState.cancelled) and not (
@@ -360,23 +525,67 @@ class Scheduler:
     # ------------------------------------------------------------ the job thread
 
     def _loop(self) -> None:
-        ensure_ray(getattr(self.settings, "ray_address", None), cpus_needed=1)
-        self._reconcile()
-        self.trainings.resume_all({
-            row.id: root for row in self.ledger.jobs()
-            if (root := open_output(row.output).local_root) is not None})
+        """The job thread: connect Ray, reconcile, then run queued jobs one at a time.
+
+        It ends when the coordinator stops or loses the lease; a return is a clean end,
+        an exception escaping it a death that the supervisor repairs.
+        """
+        try:
+            ensure_ray(getattr(self.settings, "ray_address", None), cpus_needed=1)
+            warm_preflight()
+            self._reconcile()
+            if not self._trainings_resumed:
+                self._trainings_resumed = True
+                # The coordinator trains drafts of outputs on a file system only.
+                self.trainings.resume_all({
+                    row.id: root for row in self.ledger.jobs()
+                    if (root := open_output(row.output).local_root) is not None})
+        except LeaseLost:
+            self._lost.set()
+            self._thread_ended = True
+            return
+        except Exception:
+            logger.exception("the scheduler cannot start (Ray or the ledger); trying again")
+            self._thread_ended = True
+            return
         self._ready = True
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._lost.is_set():
             row = self.ledger.next_queued()
             if row is None:
                 with self._wake:
                     self._wake.wait(timeout=1.0)
                 continue
+            self._current = row.id
             try:
                 self._run(row)
-            except Exception:  # never let one job's bug stop the scheduler
-                logger.exception("job %s: unexpected error", row.id)
-                self._end(row.id, JobState.failed, "internal error; see the logs")
+            except LeaseLost as err:
+                logger.warning("job %s: %s", row.id, err)
+                self._lost.set()
+            except Exception as err:  # never let one job's bug stop the scheduler
+                self._run_failed(row.id, err)
+            self._current = None  # (left set when the thread dies: the supervisor reads it)
+        self._thread_ended = True
+
+    def _run_failed(self, job_id: str, err: Exception) -> None:
+        """A run raised what `_run` does not handle: Ray lost, a dataset, or a bug."""
+        from hsx.ingest import DatasetFormatError, DatasetNotFoundError
+
+        try:
+            if isinstance(err, DatasetFormatError | DatasetNotFoundError):
+                self._end(job_id, JobState.failed, f"dataset: {err}")
+            elif _ray_lost(err):
+                self._reset_engines()
+                with contextlib.suppress(Exception):
+                    import ray
+
+                    ray.shutdown()  # the next run connects again (ensure_ray)
+                self._runner_died(job_id, f"Ray was lost ({type(err).__name__}: {err})")
+            else:
+                logger.error("job %s: unexpected error", job_id, exc_info=err)
+                self._end(job_id, JobState.failed,
+                          f"internal error: {type(err).__name__}: {err} (see the logs)")
+        except LeaseLost:
+            self._lost.set()
 
     def _run(self, row: JobRow) -> None:
         job_id = row.id
@@ -402,7 +611,8 @@ class Scheduler:
             on_unit_error=lambda unit, attempt, msg, gave_up: self._on_unit_error(
                 job_id, unit, attempt, msg, gave_up),
             on_restart=lambda _name: self._on_restart(job_id),
-            cancelled=lambda: job_id in self._cancel,
+            # A coordinator that lost its lease stops dispatching, as for a cancel.
+            cancelled=lambda: job_id in self._cancel or self._lost.is_set(),
         )
         try:
             run_job(row.spec, pool=self.pool, hooks=hooks, max_attempts=self.max_attempts)
@@ -493,6 +703,17 @@ class Scheduler:
         with self._lock:
             self._cancel.discard(job_id)
         self._set_state(job_id, state, error)  # applies the queued writes first
+
+
+def _ray_lost(err: BaseException) -> bool:
+    """Whether `err` means this process lost Ray (not that a job went wrong)."""
+    if isinstance(err, ConnectionError):
+        return True
+    if "ray" not in sys.modules:  # never imported: not what failed
+        return False
+    from ray.exceptions import RaySystemError, RpcError
+
+    return isinstance(err, RaySystemError | RpcError)
 
 
 _STATUS_NUMBERS = ("samples_total", "samples_done", "samples_failed", "tokens_total",

@@ -2,17 +2,19 @@
 thread here.
 
 The actor runs `DraftTrainer` (workers/hsx_workers/trainer.py); it takes a GPU when the
-cluster has one, a CPU otherwise. This side polls its progress, keeps the ledger's
-`trainings` row current, and restarts a dead actor (up to MAX_TRAIN_RESTARTS times);
-the new actor resumes from the newest checkpoint in `<output>/draft/checkpoints/`.
-What a status shows beyond the actor's last report (loss curve, checkpoints) is read
-from the output's `draft/` folder, so it survives the coordinator too.
+cluster has one, a CPU otherwise; with `workers` > 1 it drives a Ray Train run whose
+workers take them. This side polls its progress, keeps the ledger's `trainings` row
+current, and restarts a dead actor (up to MAX_TRAIN_RESTARTS times); the new actor
+resumes from the newest checkpoint in `<output>/draft/checkpoints/`. Once the training
+is done, a Ray task measures the draft in vLLM on held-out prompts (`evaluating`;
+draft/eval.json). What a status shows beyond the actor's last report (loss curve,
+validations, plan, best checkpoint, evaluation) is read from the output's `draft/`
+folder, so it survives the coordinator too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -20,10 +22,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hsx.draft import checkpoint_step, checkpoints, read_metrics
-from hsx.output.layout import DRAFT_DIR, DRAFT_METRICS, DRAFT_STATE
+from hsx.draft import (
+    checkpoint_step,
+    checkpoints,
+    read_eval,
+    read_metrics,
+    read_train_state,
+    read_validation,
+)
+from hsx.output.layout import DRAFT_DIR, DRAFT_METRICS
 from hsx.spec import TrainSpec
-from hsx.wire import TrainPoint, TrainState, TrainStatus
+from hsx.wire import DraftEval, TrainPlan, TrainPoint, TrainState, TrainStatus, ValidationPoint
 from hsx_service.errors import JobConflict
 from hsx_service.ledger import Ledger, TrainRow
 
@@ -32,14 +41,6 @@ logger = logging.getLogger(__name__)
 MAX_TRAIN_RESTARTS = 3
 POLL_S = 0.5
 HISTORY_POINTS = 500
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def read_history(root: Path) -> list[TrainPoint]:
@@ -105,8 +106,15 @@ class Trainings:
         history = self._read_history(output)
         if not last and history:
             last = history[-1].model_dump()
-        on_disk = _read_json(output / DRAFT_STATE) or {}
+        on_disk = read_train_state(output) or {}
         saved = checkpoints(output)
+        plan = on_disk.get("plan")
+        best = on_disk.get("best") or {}
+        evaluation = read_eval(output)
+        validation = []
+        for record in read_validation(output):
+            with contextlib.suppress(ValueError):  # a record of another shape
+                validation.append(ValidationPoint.model_validate(record))
         return TrainStatus(
             job_id=row.job_id, state=row.state, draft=str(output / DRAFT_DIR),
             step=int(last.get("step", on_disk.get("step", 0))),
@@ -117,8 +125,14 @@ class Trainings:
             checkpoint_step=checkpoint_step(saved[-1]) if saved else None,
             restarts=row.restarts,
             resumed_from=live.get("resumed_from", on_disk.get("resumed_from")),
-            first_step_at=live.get("first_step_at"), error=row.error, spec=row.spec,
-            history=history, updated_at=row.updated_at,
+            first_step_at=live.get("first_step_at", on_disk.get("first_step_at")),
+            error=row.error, spec=row.spec,
+            plan=TrainPlan.model_validate(plan) if isinstance(plan, dict) else None,
+            warning=on_disk.get("warning"), history=history, validation=validation,
+            best_step=best.get("step"),
+            best_expected_acceptance_length=best.get("expected_acceptance_length"),
+            eval=DraftEval.model_validate(evaluation) if evaluation else None,
+            updated_at=row.updated_at,
         )
 
     def _read_history(self, output: Path) -> list[TrainPoint]:
@@ -168,16 +182,58 @@ class Trainings:
             elif outcome == "stopped":
                 self._set(job_id, TrainState.stopped)
             else:
+                if spec.eval_prompts > 0:
+                    self._set(job_id, TrainState.evaluating)
+                    if not self._evaluate(output, spec):
+                        self._set(job_id, TrainState.stopped)
+                        return
                 self._set(job_id, TrainState.done)
             return
         self._set(job_id, TrainState.stopped)
+
+    def _evaluate(self, output: Path, spec: TrainSpec) -> bool:
+        """vLLM measures the draft on held-out prompts (a Ray task with the engine's
+        resources); its result or its error lands in draft/eval.json. False when the
+        coordinator stopped meanwhile (the next start measures again)."""
+        import ray
+
+        from hsx_workers.acceptance import evaluate_draft, record_eval_error
+
+        gpu = spec.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+        task: Any = ray.remote(evaluate_draft)
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        ref = task.options(num_cpus=1, num_gpus=1 if gpu else 0, max_retries=0,
+                           runtime_env={"env_vars": env}).remote(
+            str(output), prompts=spec.eval_prompts, max_tokens=spec.eval_max_tokens,
+            k=spec.ttt_steps)
+        while True:
+            ready, _ = ray.wait([ref], timeout=POLL_S)
+            if ready:
+                break
+            if self._stopping.is_set():
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref, force=True)
+                return False
+        try:
+            result = ray.get(ref)
+        except Exception as err:
+            cause = getattr(err, "cause", None) or err
+            message = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+            logger.warning("evaluating the draft of %s failed: %s", output, message)
+            record_eval_error(output, message)
+            return True
+        logger.info("draft of %s: mean acceptance length %.2f at k=%s", output,
+                    result.get("mean_acceptance_length", 0.0), result.get("k"))
+        return True
 
     def _new_actor(self, output: Path, spec: TrainSpec) -> Any:
         import ray
 
         from hsx_workers.trainer_actor import TrainerActor
 
-        gpu = spec.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+        # With several workers the actor only drives Ray Train; the workers take the GPUs.
+        gpu = (spec.workers == 1 and spec.device != "cpu"
+               and ray.cluster_resources().get("GPU", 0) >= 1)
         options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 1,
                                    "num_gpus": 1 if gpu else 0}
         actor_cls: Any = ray.remote(TrainerActor)
@@ -212,7 +268,11 @@ class Trainings:
             except (RayActorError, ActorDiedError) as err:
                 return "died", str(err).splitlines()[0]
             except RayTaskError as err:
+                from hsx_workers.trainer import WorkerDied
+
                 cause = err.cause if err.cause is not None else err
+                if isinstance(cause, WorkerDied):  # one of its Ray Train workers
+                    return "died", str(cause)
                 return "failed", f"{type(cause).__name__}: {cause}"
             return ("stopped" if result.get("stopped") else "done"), None
 

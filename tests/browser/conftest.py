@@ -65,9 +65,13 @@ def _chromium() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
-    """One headless chromium for the session, with a fresh profile directory."""
+    """One headless chromium for the browser tests, with a fresh profile directory.
+
+    It quits when they end: a page left open keeps repainting (a running job's progress
+    bar is animated) and would take CPU from every test after it.
+    """
     chromium = _chromium()
     if chromium is None or not CHROMEDRIVER.exists():
         pytest.skip("chromium and /usr/bin/chromedriver are needed (apt install chromium-driver)")
@@ -138,18 +142,28 @@ def save_screenshot(browser: WebDriver, name: str, full_page: bool = False) -> P
 class FakeTraining:
     """A draft training whose steps are a function of time: `steps` steps over `duration_s`.
 
-    `starting_s` first (the actor starting), then running; it ends `final_state` (with
-    `error` when that is "failed"), as GET /v1/jobs/{id}/train reports it (TrainStatus).
+    `starting_s` first (the actor starting), then running, then `evaluating_s` evaluating
+    (vLLM measuring the draft); it ends `final_state` (with `error` when that is
+    "failed"), as GET /v1/jobs/{id}/train reports it (TrainStatus). Each checkpoint is
+    validated (`expected(step)`); a done training has vLLM's measurement (`EVAL`).
     """
 
     duration_s: float
     steps: int = 300
     starting_s: float = 0.0
+    evaluating_s: float = 0.0
     ttt_steps: int = 3
     checkpoint_every: int = 100
     final_state: str = "done"
     error: str | None = None
+    warning: str | None = None
     created_at: float = field(default_factory=time.time)
+
+    EVAL = {"k": 3, "prompts": 32, "prompt_source": "held-out samples", "draft_step": 200,
+            "generated_tokens": 4096, "drafts": 1276, "draft_tokens": 3828,
+            "accepted_tokens": 2820, "accepted_per_position": [1085, 893, 842],
+            "acceptance_per_position": [0.85, 0.70, 0.66], "mean_acceptance_length": 3.21,
+            "seconds": 12.5}
 
     @property
     def started_at(self) -> float:
@@ -158,7 +172,17 @@ class FakeTraining:
     def state(self, now: float) -> str:
         if now < self.started_at:
             return "starting"
-        return "running" if now < self.started_at + self.duration_s else self.final_state
+        if now < self.started_at + self.duration_s:
+            return "running"
+        if self.final_state == "done" and now < self.started_at + self.duration_s + \
+                self.evaluating_s:
+            return "evaluating"
+        return self.final_state
+
+    @staticmethod
+    def expected(step: int) -> float:
+        """The held-out expected acceptance length at a checkpoint (a dip at step 300)."""
+        return 1.0 + 2.2 * (1 - math.exp(-step / 90)) - (0.3 if step == 300 else 0.0)
 
     def step(self, now: float) -> int:
         fraction = min(1.0, max(0.0, (now - self.started_at) / self.duration_s))
@@ -183,6 +207,17 @@ class FakeTraining:
         if state in ("done", "failed"):
             checkpoint = step
         spec = TrainSpec(ttt_steps=self.ttt_steps, checkpoint_every=self.checkpoint_every)
+        validation = [
+            {"step": s, "loss": self.point(s)["loss"] + 0.2, "acc": self.point(s)["acc"],
+             "cond_acc": self.point(s)["acc"], "expected_acceptance_length": self.expected(s),
+             "tokens": 51_200, "time": self.point(s)["time"]}
+            for s in range(self.checkpoint_every, checkpoint + 1, self.checkpoint_every)]
+        best = max(validation, key=lambda v: v["expected_acceptance_length"], default=None)
+        plan = {"device": "cuda", "workers": 1, "steps": self.steps, "batch_tokens": 8192,
+                "pack_tokens": 8192, "lr": 1e-4, "lr_schedule": "cosine",
+                "warmup_steps": self.steps // 20, "checkpoint_every": self.checkpoint_every,
+                "train_samples": 3800, "train_tokens": self.steps * 8192,
+                "val_samples": 200, "passes": 1.0, "warning": self.warning}
         body = {
             "job_id": job_id,
             "state": state,
@@ -200,6 +235,13 @@ class FakeTraining:
             "error": self.error if state == "failed" else None,
             "spec": spec.model_dump(mode="json"),
             "history": history,
+            "plan": plan,
+            "warning": self.warning,
+            "validation": validation,
+            "best_step": best["step"] if best else None,
+            "best_expected_acceptance_length": best["expected_acceptance_length"]
+            if best else None,
+            "eval": self.EVAL if state == "done" else None,
             "updated_at": now,
         }
         return TrainStatus.model_validate(body).model_dump(mode="json")

@@ -270,7 +270,8 @@ TRAIN_ABSENT_POLL_S = 10.0
 
 
 def test_job_page_follows_a_draft_training(browser: WebDriver, fake_api: FakeCoordinator) -> None:
-    training = FakeTraining(duration_s=12, steps=240, starting_s=1.0)
+    training = FakeTraining(duration_s=12, steps=240, starting_s=1.0, evaluating_s=3.0,
+                            warning="the data is small for this schedule")
     fake_api.add_job(
         FakeJob(id="train-1", name="sharegpt-eagle3", duration_s=600, training=training)
     )
@@ -287,7 +288,9 @@ def test_job_page_follows_a_draft_training(browser: WebDriver, fake_api: FakeCoo
         "return [c.dataset.points, c.dataset.lastLoss,"
         " document.querySelector('#train-step').textContent];"
     )
-    points, last_loss, step = int(state[0]), float(state[1]), int(state[2].replace(",", ""))
+    step_text, total = state[2].split(" / ")
+    points, last_loss, step = int(state[0]), float(state[1]), int(step_text.replace(",", ""))
+    assert total == "240"  # the plan's steps
     assert points == step
     assert last_loss == pytest.approx(training.point(points)["loss"])
     assert re.fullmatch(r"\d\.\d\d / \d\.\d\d / \d\.\d\d", text(browser, "#train-acc"))
@@ -296,16 +299,30 @@ def test_job_page_follows_a_draft_training(browser: WebDriver, fake_api: FakeCoo
     assert text(browser, "#train-rate") != NO_VALUE
     assert text(browser, "#train-draft") == "/data/hsx/train-1/draft"
     assert not shown(browser, "#train-error-box")
+    assert "240 steps of 8,192 tokens on cuda" in text(browser, "#train-plan")
+    assert text(browser, "#train-warning") == "Warning: the data is small for this schedule"
     wait(browser, lambda d: loss_chart(d)[0] >= 100, what="a checkpoint's worth of steps")
     assert text(browser, "#train-checkpoint") == "step 100"
+    # Each checkpoint is validated; draft/ holds the best one so far.
+    first_val = f"{training.expected(100):.2f}"
+    wait(browser, lambda d: text(d, "#train-val") == f"{first_val} at step 100",
+         what="the first validation")
+    assert text(browser, "#train-best") == f"step 100 ({first_val})"
+    assert text(browser, "#train-eval") == NO_VALUE
     browser.execute_script("document.querySelector('#training').scrollIntoView()")
     save_screenshot(browser, "job-training.png")
     save_screenshot(browser, "job-training-full.png", full_page=True)
 
+    wait(browser, lambda d: text(d, "#train-state") == "evaluating", timeout=40,
+         what="the draft being measured")
+    assert text(browser, "#train-eval") == "measuring…"
     wait(browser, lambda d: text(d, "#train-state") == "done", timeout=40, what="training done")
     assert loss_chart(browser)[0] == training.steps
-    assert text(browser, "#train-step") == str(training.steps)
+    assert text(browser, "#train-step") == f"{training.steps} / {training.steps}"
     assert text(browser, "#train-rate") == NO_VALUE
+    assert text(browser, "#train-best") == f"step 200 ({training.expected(200):.2f})"
+    assert text(browser, "#train-eval") == "3.21 at k=3"
+    assert text(browser, "#train-eval-pos") == "0.85 / 0.70 / 0.66"
     # A finished training is not asked about again.
     assert_no_more_train_requests(fake_api, "train-1")
 

@@ -193,7 +193,10 @@ def test_tensor_parallel_2_equals_1(
         worst = torch.maximum(worst, relative_error(sample["hidden_states"],
                                                     ref["hidden_states"]))
     record("gpu-tp2", max_relative_error=worst.tolist(), seconds=run.summary.seconds)
-    assert worst.max().item() < 1e-2, worst.tolist()
+    # Two bf16 computations each within 1e-2 of transformers' float32 (the fidelity test's
+    # bound) differ by up to 2e-2; TP=2 sums its all-reduce in another order. Measured
+    # on two H200s: 1.04e-2 at layer N (benchmarks/results/gpu/).
+    assert worst.max().item() < 2e-2, worst.tolist()
 
 
 @pytest.mark.gpus(2)

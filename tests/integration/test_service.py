@@ -5,8 +5,13 @@ engines, driven over HTTP with the SDK.
 - idempotent submit, 409, 422 naming the field, 401 without the token, path escapes,
   cancel, the paged error table;
 - a worker actor killed mid-job: the job completes, exactly once, the restart counted;
-- the coordinator killed -9 mid-job and started again: the job resumes and completes
-  with the same content as an uninterrupted run.
+- a second `hsx serve` on the same ledger refuses to start, naming the holder;
+- load and a coordinator killed -9 under it: 200 jobs queued at once, tiny jobs running
+  back to back on the warm engine, one cancelled mid-run; a standby coordinator on the
+  same ledger takes over from the killed one, the interrupted job resumes and completes
+  with the same content as an uninterrupted run, and the audit finds nothing lost,
+  doubled or corrupt (test_the_api_survives_fuzzing_from_its_schema fuzzes this coordinator's
+  API before that).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from hsx.client import (
     Client,
     ConflictError,
     JobRefusedError,
+    NotReadyError,
     UnauthorizedError,
 )
 from hsx.output.layout import COMMITS_DIR, TMP_DIR
@@ -69,27 +75,43 @@ class Coordinator:
         return worker_processes(self.proc.pid)
 
 
-def start_coordinator(ledger: Path, roots: list[Path], log: Path) -> Coordinator:
-    port = _free_port()
+def serve_command(ledger: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "hsx.cli", "serve", "--port", str(port), "--ledger",
+            str(ledger), *extra]
+
+
+def serve_env(roots: list[Path]) -> dict[str, str]:
     env = {
         **os.environ,
         "HSX_API_TOKEN": TOKEN,
         "HSX_ALLOWED_ROOTS": ":".join(str(r) for r in roots),
         "VLLM_CPU_KVCACHE_SPACE": "1",
+        # No network here: a hub id in a fuzzed request fails at once instead of retrying.
+        "HF_HUB_OFFLINE": "1",
     }
     env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def start_coordinator(
+    ledger: Path, roots: list[Path], log: Path, *, standby: bool = False
+) -> Coordinator:
+    """`hsx serve` on `ledger`, once ready; a standby once it serves and says it waits."""
+    port = _free_port()
     out = open(log, "ab")  # noqa: SIM115 - the server writes to it until it is killed
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hsx.cli", "serve", "--port", str(port), "--ledger", str(ledger)],
-        stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        serve_command(ledger, port, *(["--standby"] if standby else [])),
+        stdout=out, stderr=subprocess.STDOUT, env=serve_env(roots), start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"hsx serve exited: {log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+            ready = httpx.get(f"{url}/readyz", timeout=2)
+            if ready.status_code == 200 or (
+                    standby and "standby" in ready.json().get("message", "")):
                 return Coordinator(url, proc, log)
         except httpx.HTTPError:
             pass
@@ -234,26 +256,199 @@ def test_killed_worker_actor_is_restarted_and_the_job_completes(
     assert sorted(by_sample(output)) == chat_dataset.good_indices
 
 
-def test_killed_coordinator_resumes_the_job(
-    coordinator: Coordinator, ledger: Path, roots: list[Path],
-    two_replica_run: tuple[JobStatus, list[JobStatus]],
-    tiny_llama: Path, chat_dataset: ChatDataset, tmp_path: Path,
+FUZZ_EXAMPLES = 25  # per operation and mode; the model preflight (vLLM) gets fewer
+FUZZ_SLOW_EXAMPLES = 8
+
+
+def test_the_api_survives_fuzzing_from_its_schema(
+    coordinator: Coordinator, tiny_llama: Path, chat_dataset: ChatDataset, tmp_path: Path
 ) -> None:
+    from .api_fuzz import fuzz_api
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("an output cannot be made below a file")
+    real = {"model": str(tiny_llama), "dataset": str(chat_dataset.path),
+            "output": str(blocker / "out")}
+    before = {j.id for j in coordinator.client().list()}
+    report = fuzz_api(coordinator.url, TOKEN, real, FUZZ_EXAMPLES, FUZZ_SLOW_EXAMPLES)
+    print(f"API fuzzing: {report.calls} requests, statuses {sorted(report.statuses.items())}")
+    assert report.server_errors() == 0
+    assert not report.failures, "\n\n".join(report.failures[:5])
+    assert not report.hangs, report.hangs
+    operations = {op for _, op, _ in report.statuses}
+    assert len(operations) == 13 and report.calls > 400
+    assert {j.id for j in coordinator.client().list()} == before  # nothing was queued
+    assert coordinator.client().ready()
+
+
+def test_hostile_requests_are_refused(
+    coordinator: Coordinator, tiny_llama: Path, chat_dataset: ChatDataset, roots: list[Path],
+    tmp_path: Path,
+) -> None:
+    client = coordinator.client()
+    base = _spec(tiny_llama, chat_dataset, tmp_path / "hostile")
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    # Symlinks inside an allowed root that lead out of it, and `..` hidden in a file URI.
+    (tmp_path / "passwd.jsonl").symlink_to("/etc/passwd")
+    (tmp_path / "elsewhere").symlink_to("/var/tmp", target_is_directory=True)
+    escapes = [("dataset", str(tmp_path / "passwd.jsonl")),
+               ("output", str(tmp_path / "elsewhere" / "out")),
+               ("dataset", f"file://{tmp_path}/%2e%2e/%2e%2e/%2e%2e/etc/passwd")]
+    for name, value in escapes:
+        with pytest.raises(JobRefusedError) as refused:
+            client.submit({**base, name: value})
+        assert refused.value.field == f"spec.{name}" and "allowed roots" in str(refused.value)
+    inspect = httpx.post(f"{coordinator.url}/v1/models/inspect", headers=headers,
+                         json={"model": str(tmp_path / "elsewhere")}, timeout=30)
+    assert inspect.status_code == 422 and "allowed roots" in inspect.json()["message"]
+    # Models' own code: trust_remote_code, and engine arguments that name code to load.
+    for spec in ({**base, "trust_remote_code": True},
+                 {**base, "vllm": {"worker_cls": "os.system"}},
+                 {**base, "vllm": {"logits_processors": ["builtins.exec"]}}):
+        with pytest.raises(JobRefusedError, match="HSX_ALLOW_TRUST_REMOTE_CODE"):
+            client.submit(spec)
+    inspect = httpx.post(f"{coordinator.url}/v1/models/inspect", headers=headers,
+                         json={"model": str(tiny_llama), "trust_remote_code": True}, timeout=30)
+    assert inspect.status_code == 422 and "trust_remote_code" in inspect.json()["message"]
+    # Oversized bodies, declared or streamed without a length: 413 before any parsing.
+    huge = {"spec": {**base, "name": "x" * (2 << 20)}}
+    too_big = httpx.post(f"{coordinator.url}/v1/jobs", headers=headers, json=huge, timeout=30)
+    assert too_big.status_code == 413 and too_big.json()["type"] == "PayloadTooLarge"
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"spec": {"name": "'
+        for _ in range(64):
+            yield b"y" * 65536
+        yield b'"}}'
+
+    streamed = httpx.post(f"{coordinator.url}/v1/jobs", headers=headers, content=chunks(),
+                          timeout=30)
+    assert streamed.status_code == 413
+    # A token that is wrong, of another length, or not ASCII: 401, never a 500.
+    for wrong in ("", "x", TOKEN + "x", "s3cret-tokeN", "\u00e9" * 12):
+        answer = httpx.get(f"{coordinator.url}/v1/jobs", timeout=10,
+                           headers={"Authorization": f"Bearer {wrong}".encode()})
+        assert answer.status_code == 401, wrong
+    assert client.ready()
+
+
+def test_a_second_coordinator_on_a_held_ledger_refuses_to_start(
+    coordinator: Coordinator, ledger: Path, roots: list[Path]
+) -> None:
+    second = subprocess.run(serve_command(ledger, _free_port()), env=serve_env(roots),
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stderr
+    for part in (f"pid {coordinator.proc.pid} ", coordinator.url, str(ledger), "--standby"):
+        assert part in second.stderr, part
+    assert coordinator.client().ready()
+
+
+LOAD_JOBS = 200  # tiny jobs queued at once
+RAN_JOBS = 5  # of which these run, back to back, before the big job
+
+
+@pytest.fixture(scope="module")
+def tiny_rows(tmp_path_factory: pytest.TempPathFactory) -> ChatDataset:
+    """A handful of rows (one bad) for the load's tiny jobs."""
+    from hsx_workers.tiny_models import make_chat_dataset
+
+    return make_chat_dataset(tmp_path_factory.mktemp("tiny-rows") / "rows.jsonl", n=4,
+                             seed=1, bad_rows=1)
+
+
+def _each(calls: list[Any], threads: int = 16) -> list[Any]:
+    """Run the calls from `threads` client threads at once; their results in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+def test_a_killed_coordinator_under_load_is_taken_over_and_nothing_is_lost(
+    coordinator: Coordinator, ledger: Path, roots: list[Path],
+    two_replica_run: tuple[JobStatus, list[JobStatus]], tiny_llama: Path,
+    chat_dataset: ChatDataset, tiny_rows: ChatDataset, tmp_path: Path,
+) -> None:
+    # A standby on the same ledger: it serves, runs nothing, and says who holds the ledger.
+    standby = start_coordinator(ledger, roots, ledger.parent / "standby.log", standby=True)
+    try:
+        _load_kill_and_take_over(coordinator, standby, two_replica_run, tiny_llama,
+                                 chat_dataset, tiny_rows, tmp_path, ledger)
+    finally:
+        standby.kill()
+
+
+def _load_kill_and_take_over(
+    holder: Coordinator, standby: Coordinator,
+    two_replica_run: tuple[JobStatus, list[JobStatus]], tiny_llama: Path,
+    chat_dataset: ChatDataset, tiny_rows: ChatDataset, tmp_path: Path, ledger: Path,
+) -> None:
+    waiting = httpx.get(f"{standby.url}/readyz", timeout=10)
+    assert waiting.status_code == 503
+    assert f"pid {holder.proc.pid} " in waiting.json()["message"]
+    assert holder.url in waiting.json()["message"]
+    with pytest.raises(NotReadyError, match="standby"):
+        standby.client().submit(_spec(tiny_llama, tiny_rows, tmp_path / "nope"))
+
+    # The load: tiny jobs on the warm engine, then the big job, then the rest of the 200
+    # submitted at once from 16 client threads, with retries of the same ids among them.
+    client = holder.client()
+    tiny = [f"t{i:03d}" for i in range(LOAD_JOBS)]
+
+    def submit(job_id: str) -> Any:
+        return lambda: client.submit(
+            _spec(tiny_llama, tiny_rows, tmp_path / job_id, name=f"load {job_id}"),
+            job_id=job_id)
+
+    for job_id in tiny[:RAN_JOBS]:
+        submit(job_id)()
+    big = client.submit(_spec(tiny_llama, chat_dataset, tmp_path / "resumed"), job_id="resumed")
+    # Meanwhile the first tiny jobs run; one is cancelled while it runs.
+    cancelled_mid_run = None
+    retries = [submit(job_id) for job_id in tiny[RAN_JOBS : RAN_JOBS + 20]]
+    submitted = _each([submit(job_id) for job_id in tiny[RAN_JOBS:]] + retries)
+    assert {j.id for j in submitted} == set(tiny[RAN_JOBS:])  # a retry is the same job
+    for job_id in tiny[1:RAN_JOBS]:
+        while (state := client.get(job_id).state) == JobState.queued:
+            time.sleep(0.01)
+        if state == JobState.running:
+            client.cancel(job_id)
+            cancelled_mid_run = job_id
+            break
+    assert cancelled_mid_run is not None, "no tiny job was caught running"
+
+    # The big job runs after the tiny ones; once it has committed a unit, kill -9.
     output = tmp_path / "resumed"
-    job = coordinator.client().submit(_spec(tiny_llama, chat_dataset, output))
     deadline = time.monotonic() + 300
     while not list((output / COMMITS_DIR).glob("*.json")):
         if time.monotonic() > deadline:
             raise AssertionError("no unit committed in time")
         time.sleep(0.01)
-    coordinator.kill()
+    before = {j.id: j.state for j in client.list()}
+    holder.kill()
     committed = len(list((output / COMMITS_DIR).glob("*.json")))
 
-    restarted = start_coordinator(ledger, roots, ledger.parent / "serve-2.log")
-    try:
-        final = restarted.client().wait(job.id, timeout=600)
-    finally:
-        restarted.kill()
+    # The standby takes over at once (the holder's pid is gone), and loses nothing.
+    deadline = time.monotonic() + 180
+    while httpx.get(f"{standby.url}/readyz", timeout=10).status_code != 200:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the standby never took over: {standby.log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    survivor = standby.client()
+    after = {j.id: j.state for j in survivor.list()}
+    assert set(after) == set(before)  # every job, none doubled
+    assert {t for t in tiny if t in after} == set(tiny)
+    for job_id, state in before.items():
+        if state.finished:
+            assert after[job_id] == state, job_id
+    ran = [t for t in tiny[:RAN_JOBS] if t != cancelled_mid_run]
+    assert all(before[t] == JobState.succeeded for t in ran)
+    assert before[cancelled_mid_run] == JobState.cancelled
+    assert all(after[t] == JobState.queued for t in tiny[RAN_JOBS:])
+    # Cancels land while the survivor runs the interrupted job.
+    _each([lambda t=t: survivor.cancel(t) for t in tiny[RAN_JOBS:]], threads=8)
+
+    final = survivor.wait(big.id, timeout=600)
     assert final.state == JobState.succeeded, final.last_error
     assert final.units_done == final.units_total > committed
     resumed = by_sample(output)
@@ -263,3 +458,33 @@ def test_killed_coordinator_resumes_the_job(
         ref = reference[index]
         assert torch.equal(sample["input_ids"], ref["input_ids"])
         assert relative_error(sample["hidden_states"], ref["hidden_states"]).max() < 1e-2
+    audit_ledger(ledger, survivor, tiny_rows, chat_dataset)
+
+
+def audit_ledger(ledger: Path, client: Client, tiny_rows: ChatDataset,
+                 chat_dataset: ChatDataset) -> None:
+    """Every job ended; the ledger agrees with every output; each output is whole."""
+    import sqlite3
+
+    from hsx.dataset import HiddenStatesDataset
+    from hsx.output import Output
+
+    jobs = client.list()
+    assert len({j.id for j in jobs}) == len(jobs)
+    assert not [j.id for j in jobs if not j.state.finished]
+    db = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
+    for job in jobs:
+        output = Path(job.output)
+        units = dict(db.execute("SELECT unit, state FROM units WHERE job_id = ?", (job.id,)))
+        assert "running" not in units.values(), job.id
+        if job.state == JobState.succeeded:
+            done = Output(output).committed_units()
+            assert {u for u, s in units.items() if s == "committed"} == done == set(units)
+            ds = HiddenStatesDataset(output)
+            assert ds.verify() == len(ds.records)  # every shard's checksum
+            rows = tiny_rows if job.id.startswith("t") else chat_dataset
+            assert sorted(by_sample(output)) == rows.good_indices, job.id  # exactly once
+        elif job.state == JobState.cancelled:
+            assert not (output / "complete.json").exists(), job.id
+            assert not list((output / TMP_DIR).glob("*.part")), job.id
+    db.close()

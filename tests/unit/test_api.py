@@ -39,7 +39,7 @@ from hsx.wire import (
 )
 from hsx_service.board import StatusBoard
 from hsx_service.config import Settings
-from hsx_service.errors import JobConflict, JobNotFound, JobRefused
+from hsx_service.errors import JobConflict, JobNotFound, JobRefused, NotReady
 from hsx_service.main import create_app
 from hsx_service.routes import jobs as jobs_routes
 
@@ -68,6 +68,9 @@ class FakeScheduler:
 
     def set_ready(self, ready: bool) -> None:
         self._ready = ready
+
+    def not_ready(self) -> NotReady:
+        return NotReady("the coordinator is still starting")
 
     def start(self) -> None:
         self.calls.append("start")
@@ -421,6 +424,45 @@ def test_token_is_required_on_v1_only(fake: FakeScheduler, tmp_path: Path) -> No
         assert "submit" not in fake.calls
         for open_path in ("/healthz", "/readyz", "/metrics", "/", "/docs", "/openapi.json"):
             assert c.get(open_path).status_code == 200, open_path
+
+
+def test_the_token_is_compared_in_constant_time(
+    fake: FakeScheduler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every comparison of a presented token goes through hmac.compare_digest (its time
+    does not depend on where the first difference is), header or query alike."""
+    from hsx_service import deps
+
+    compared: list[tuple[bytes, bytes]] = []
+    real = deps.hmac.compare_digest
+
+    def spy(given: bytes, expected: bytes) -> bool:
+        compared.append((given, expected))
+        return real(given, expected)
+
+    monkeypatch.setattr(deps.hmac, "compare_digest", spy)
+    with TestClient(create_app(Settings(api_token=TOKEN, allowed_roots=[tmp_path]), fake)) as c:
+        for given in ("s3cret-tokeX", TOKEN[:-1], "\u00e9" * 4):
+            header = f"Bearer {given}".encode()
+            assert c.get("/v1/jobs", headers={"Authorization": header}).status_code == 401
+        assert c.get(f"/v1/jobs?access_token={TOKEN}x").status_code == 401
+        assert c.get("/v1/jobs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert len(compared) == 5
+    assert all(expected == TOKEN.encode() for _, expected in compared)
+
+
+def test_oversized_bodies_are_refused_before_parsing(fake: FakeScheduler, tmp_path: Path) -> None:
+    with TestClient(create_app(Settings(max_body_bytes=4096), fake)) as c:
+        big = c.post("/v1/jobs", json={"spec": {**job_fields(tmp_path), "name": "x" * 5000}})
+        assert big.status_code == 413 and big.json()["type"] == "PayloadTooLarge"
+        assert "4096" in big.json()["message"]
+        small = c.post("/v1/jobs", json={"spec": job_fields(tmp_path)})
+        assert small.status_code == 201
+        not_json = c.post("/v1/jobs", content=b"\xff\xfe not json",
+                          headers={"Content-Type": "application/json"})
+        assert not_json.status_code in (400, 422)
+        assert not_json.json()["type"] in ("InvalidRequest", "JobRefused")
+    assert fake.calls.count("submit") == 1
 
 
 # --- ops ----------------------------------------------------------------------------

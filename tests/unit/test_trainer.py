@@ -1,10 +1,14 @@
 """DraftTrainer without engines: outputs written by hand with ShardWriter for the tiny
 Llama (random hidden states), trained for a few steps on CPU.
 
-What is checked: the samples speculators' Eagle3 model gets, the vocabulary mapping,
-refusals, the draft layer config vLLM can serve, checkpoints (whole, published,
-pruned), resume (weights, optimizer, step, units), stop, and following an extraction
-whose shards arrive while training runs.
+What is checked: the plan (schedule sized from the data, device defaults, the warning
+when the data is small), the held-out split, the expected acceptance length, the
+samples speculators' Eagle3 model gets, packing (steps of packs, every training token
+once per epoch, held-out samples never trained on), the vocabulary mapping, refusals,
+the draft layer config vLLM can serve, checkpoints (whole, published, pruned, each
+with its metrics), best-checkpoint selection, resume (weights, optimizer, step, units),
+stop, following an extraction whose shards arrive while training runs, the learnable
+target's language, and the coordinator's status read from the draft folder.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ from hsx.cli import main
 from hsx.output import Output, ShardWriter
 from hsx.output.layout import COMPLETE, DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_METRICS
 from hsx.spec import JobSpec, SpecError, TrainSpec, parse_job
+from hsx_workers.learnable import COPY_ID, MAP_ID, SEP_ID, TaskLanguage
 from hsx_workers.trainer import (
     DraftTrainer,
+    Scores,
     StepMetrics,
     TrainRefused,
     draft_layer_config,
     draft_layout,
+    held_out,
+    plan_schedule,
     to_speculators_sample,
     token_frequencies,
     vocab_mappings,
@@ -76,9 +84,14 @@ def make_output(root: Path, model: Path, units: tuple[int, ...] = (0, 1, 2),
 
 
 def spec(**overrides: Any) -> TrainSpec:
+    """Short steps for 18 random samples; no validation unless a test asks for it."""
     fields = {"draft_vocab_size": 128, "batch_tokens": 48, "checkpoint_every": 2,
-              "lr": 1e-3, "keep_checkpoints": 2, "epochs": 20, **overrides}
+              "lr": 1e-3, "keep_checkpoints": 2, "steps": 200, "val_fraction": 0.0,
+              **overrides}
     return TrainSpec.model_validate(fields)
+
+
+TRAIN_TOKENS = sum(len(sample(i)["input_ids"]) - 1 for ids in UNITS.values() for i in ids)
 
 
 # ---------------------------------------------------------------------- pieces
@@ -94,6 +107,92 @@ def test_specs() -> None:
     assert job.data_fingerprint() == plain.data_fingerprint()  # training is not data
     with pytest.raises(SpecError, match=r"train\.batch_tokens"):
         parse_job({"model": "m", "dataset": "d", "output": "o", "train": {"batch_tokens": 0}})
+    with pytest.raises(SpecError, match="steps or epochs, not both"):
+        parse_job({"model": "m", "dataset": "d", "output": "o",
+                   "train": {"steps": 10, "epochs": 2}})
+    defaults = TrainSpec()
+    assert defaults.steps is None and defaults.lr is None and defaults.batch_tokens is None
+
+
+def test_plan_is_sized_from_the_data_and_the_device() -> None:
+    def plan(tokens: int, device: str = "cpu", workers: int = 1, **fields: Any) -> Any:
+        return plan_schedule(TrainSpec(**fields), device=device, train_samples=tokens // 20,
+                             train_tokens=tokens, val_samples=10, workers=workers)
+
+    small = plan(72_000)  # the issue's 4,000 chats: not one epoch of 9 steps
+    assert (small.steps, small.batch_tokens, small.pack_tokens, small.lr) == (400, 1024, 512,
+                                                                             1e-3)
+    assert small.passes == pytest.approx(400 * 1024 / 72_000) and small.warning is None
+    assert (small.warmup_steps, small.checkpoint_every) == (20, 40)
+    big = plan(10**9, "cuda")  # sized by passes, not by the minimum
+    assert big.batch_tokens == big.pack_tokens == 8192 and big.lr == 1e-4
+    assert big.steps == -(-3 * 10**9 // 8192) and big.passes == pytest.approx(3, rel=1e-4)
+    assert (big.warmup_steps, big.checkpoint_every) == (500, 2000)
+    assert plan(10**9, "cuda", workers=4).steps == -(-3 * 10**9 // (4 * 8192))
+    tiny = plan(5_000)  # 400 steps of 1024 tokens: 82 passes
+    assert tiny.warning is not None and "82 times over its 5,000 training tokens" in tiny.warning
+    assert plan(72_000, epochs=2).steps == -(-2 * 72_000 // 1024)
+    assert plan(72_000, steps=50, lr=3e-4, batch_tokens=2048).steps == 50
+    assert plan(72_000, pack_tokens=4096).pack_tokens == 1024  # never above batch_tokens
+    with pytest.raises(TrainRefused, match="no training samples"):
+        plan(0)
+    cosine = plan(72_000, steps=100, warmup_steps=10)
+    assert cosine.lr_factor(0) == pytest.approx(0.1) and cosine.lr_factor(9) == 1.0
+    assert cosine.lr_factor(55) == pytest.approx(0.5) and cosine.lr_factor(100) == 0.0
+    assert plan(72_000, lr_schedule="constant", warmup_steps=0).lr_factor(300) == 1.0
+
+
+def test_held_out_is_a_stable_fraction_of_sample_indices() -> None:
+    indices = list(range(0, 4000, 2))
+    chosen = held_out(indices, 0.05, 256)
+    assert len(chosen) == 100 and set(chosen) <= set(indices) and chosen == sorted(chosen)
+    assert held_out(list(reversed(indices)), 0.05, 256) == chosen  # order does not matter
+    assert held_out(indices, 0.05, 256, seed=1) != chosen
+    assert len(held_out(indices, 0.5, 64)) == 64
+    assert held_out(indices, 0.0, 256) == []
+    assert len(held_out([1, 2, 3], 0.9, 256)) == 1  # never more than half
+    assert held_out([7], 0.5, 256) == []
+
+
+def test_expected_acceptance_length_from_conditional_accuracies() -> None:
+    scores = Scores(3, loss_sum=2.0, tokens=4, right=[90, 72, 54], total=[100, 100, 100])
+    assert scores.acc == [0.9, 0.72, 0.54] and scores.loss == 0.5
+    assert scores.cond_acc == pytest.approx([0.9, 0.8, 0.75])
+    assert scores.expected_acceptance_length == pytest.approx(1 + 0.9 + 0.72 + 0.54)
+    back = Scores.from_tensor(scores.as_tensor(), 3)
+    assert back.expected_acceptance_length == pytest.approx(scores.expected_acceptance_length)
+    assert Scores(2).expected_acceptance_length == 1.0
+
+
+def test_task_language_answers_follow_the_prompt() -> None:
+    lang = TaskLanguage()
+    import random
+
+    rng = random.Random(3)
+    kinds = set()
+    for _ in range(60):
+        ids, mask = lang.sample(rng)
+        sep = ids.index(SEP_ID)
+        words = ids[2:sep]
+        assert mask == [0] * (sep + 1) + [1] * (len(ids) - sep - 1)
+        assert lang.min_words <= len(words) <= lang.max_words
+        answer = ids[sep + 1:]
+        if ids[1] == COPY_ID:
+            assert answer[: len(words)] == words
+        elif ids[1] == MAP_ID:
+            assert answer[: len(words)] == [lang.word_map[w] for w in words]
+        kinds.add(ids[1])
+        greedy = lang.continuation(ids[: sep + 1], len(answer))
+        targets = lang.greedy_targets(ids)
+        assert targets[: sep] == [None] * sep and targets[sep] == greedy[0]
+        # Past the copied or mapped words, each answer token is one of its
+        # predecessor's three successors, and the greedy one is the likeliest.
+        head = len(words) if ids[1] in (COPY_ID, MAP_ID) else 0
+        for t in range(sep + 1 + head, len(ids) - 1):
+            assert ids[t + 1] in lang.successors[ids[t]]
+            assert targets[t] == lang.successors[ids[t]][0]
+    assert kinds == {5, 6, 7}
+    assert len(set(lang.word_map.values())) == lang.size
 
 
 def test_speculators_sample_layout_and_shift() -> None:
@@ -219,7 +318,7 @@ def test_stop_checkpoints_where_it_stands(tmp_path: Path, tiny_llama: Path) -> N
         if m.step == 3:
             stop.set()
 
-    state = DraftTrainer(root, spec(epochs=50, checkpoint_every=100), on_metrics=on_metrics,
+    state = DraftTrainer(root, spec(checkpoint_every=100), on_metrics=on_metrics,
                          stop=stop).run()
     assert state.step == 3
     assert (root / DRAFT_CHECKPOINTS / "step-00000003").is_dir()
@@ -228,7 +327,16 @@ def test_stop_checkpoints_where_it_stands(tmp_path: Path, tiny_llama: Path) -> N
 
 def test_follows_shards_committed_while_it_trains(tmp_path: Path, tiny_llama: Path) -> None:
     root = make_output(tmp_path / "out", tiny_llama, units=(0,), complete=False)
-    trainer = DraftTrainer(root, spec(checkpoint_every=100, epochs=1), poll_interval=0.05)
+    stop = threading.Event()
+    first_of_epoch_1: list[StepMetrics] = []
+
+    def on_metrics(m: StepMetrics) -> None:
+        if m.epoch == 1 and not first_of_epoch_1:
+            first_of_epoch_1.append(m)
+            stop.set()
+
+    trainer = DraftTrainer(root, spec(checkpoint_every=100), poll_interval=0.05,
+                           on_metrics=on_metrics, stop=stop)
     result: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: result.update(state=trainer.run()))
     thread.start()
@@ -242,11 +350,11 @@ def test_follows_shards_committed_while_it_trains(tmp_path: Path, tiny_llama: Pa
     later = time.time()
     (root / COMPLETE).write_text("{}")
     thread.join(timeout=120)
-    state = result["state"]
+    assert result["state"].epoch == 1  # the first epoch ended with the job
     assert trainer.first_step_at < later
-    assert state.epoch == 1  # the one epoch ended with the job
-    tokens = sum(len(sample(i)["input_ids"]) - 1 for ids in UNITS.values() for i in ids)
-    assert state.tokens == tokens  # every shifted token of every unit, once
+    m = first_of_epoch_1[0]
+    # Every shifted token of every unit, once, before the second epoch began.
+    assert m.tokens - m.step_tokens == TRAIN_TOKENS
 
 
 def test_cli(tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -280,3 +388,181 @@ def test_coordinator_status_reads_the_draft_folder(tmp_path: Path, tiny_llama: P
     with (root / DRAFT_METRICS).open("a") as f:
         f.write(json.dumps({"step": 4, "loss": 0.5}) + "\n")
     assert [p.step for p in trainings.status(row, root).history] == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------- packs, validation
+
+
+def test_steps_are_packs_of_whole_samples(tmp_path: Path, tiny_llama: Path) -> None:
+    root = make_output(tmp_path / "out", tiny_llama)
+    trainer = DraftTrainer(root, spec(batch_tokens=40, pack_tokens=16, val_fraction=0.2))
+    trainer.device = torch.device("cpu")
+    trainer.plan = trainer._make_plan(Output(root).manifest())
+    held = trainer.val_indices
+    assert len(held) == 4 and trainer.plan.val_samples == 4
+    steps = list(trainer._batches(0, torch.float32))
+    assert sorted(u for s in steps for u in s.units) == [0, 1, 2]
+    trained = 0
+    for s in steps:
+        assert s.packs, "every step of this output holds samples"
+        sizes = [int((p["document_ids"] >= 0).sum()) for p in s.packs]
+        assert s.tokens == sum(sizes) and all(n <= 16 for n in sizes)
+        # On CPU a pack is exactly as long as its samples: no padding to compute.
+        assert all(p["input_ids"].shape[1] == n for p, n in zip(s.packs, sizes, strict=True))
+        trained += s.tokens
+    # Samples longer than a pack (12..18 tokens) are cut to it; held-out ones never trained.
+    want = sum(min(len(sample(i)["input_ids"]) - 1, 16)
+               for ids in UNITS.values() for i in ids if i not in held)
+    assert trained == want
+    assert all(s.tokens <= 40 for s in steps)
+
+
+def test_later_worse_checkpoint_does_not_replace_the_best(tmp_path: Path,
+                                                          tiny_llama: Path) -> None:
+    root = make_output(tmp_path / "out", tiny_llama)
+    scripted = iter([2.0, 3.0, 2.5, 2.8, 3.5])  # expected acceptance at steps 2, 4, 6, 8, 10
+
+    def validate(model: Any) -> Scores:
+        value = next(scripted)  # 1 + one TTT step's accuracy (value - 1)
+        return Scores(1, loss_sum=1.0, tokens=10, right=[value - 1.0], total=[1.0])
+
+    def published_step() -> int:
+        ino = os.stat(root / DRAFT_DIR / "model.safetensors").st_ino
+        for ckpt in (root / DRAFT_CHECKPOINTS).iterdir():
+            if os.stat(ckpt / "model.safetensors").st_ino == ino:
+                return int(ckpt.name.split("-")[1])
+        raise AssertionError("draft/ holds no checkpoint's weights")
+
+    DraftTrainer(root, spec(max_steps=8), validate=validate).run()
+    assert published_step() == 4  # 2.5 at step 6 and 2.8 at step 8 did not replace it
+    names = sorted(p.name for p in (root / DRAFT_CHECKPOINTS).iterdir())
+    assert names == ["step-00000004", "step-00000006", "step-00000008"]  # newest 2 + best
+    state = json.loads((root / DRAFT_DIR / "train.json").read_text())
+    assert state["best"] == {"step": 4, "expected_acceptance_length": 3.0}
+    for name, value in zip(names, [3.0, 2.5, 2.8], strict=True):
+        kept = json.loads((root / DRAFT_CHECKPOINTS / name / "metrics.json").read_text())
+        assert kept["validation"]["expected_acceptance_length"] == pytest.approx(value)
+        assert kept["train"]["step"] == kept["step"] == int(name.split("-")[1])
+    # A resumed run knows the best from the checkpoints' own metrics: 3.5 replaces it.
+    resumed = DraftTrainer(root, spec(max_steps=10), validate=validate)
+    resumed.run()
+    assert resumed.resumed_from == 8 and published_step() == 10
+    rows = [json.loads(x) for x in (root / "draft/validation.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10]
+
+
+def test_held_out_validation(tmp_path: Path, tiny_llama: Path) -> None:
+    root = make_output(tmp_path / "out", tiny_llama)
+    trainer = DraftTrainer(root, spec(max_steps=4, val_fraction=0.25))
+    trainer.run()
+    rows = [json.loads(x) for x in (root / "draft/validation.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4]
+    held = set(trainer.val_indices)
+    assert len(held) == 5
+    held_tokens = sum(len(sample(i)["input_ids"]) - 1 for i in held)
+    for r in rows:
+        assert r["tokens"] == held_tokens and len(r["acc"]) == len(r["cond_acc"]) == 3
+        assert r["expected_acceptance_length"] == pytest.approx(1 + sum(r["acc"]))
+        assert np.isfinite(r["loss"])
+    state = json.loads((root / DRAFT_DIR / "train.json").read_text())
+    best = max(rows, key=lambda r: r["expected_acceptance_length"])
+    assert state["best"]["step"] == best["step"]
+    assert state["plan"]["val_samples"] == 5 and state["plan"]["steps"] == 200
+    # Held-out samples are not in the draft vocabulary's counts either.
+    freqs = token_frequencies(Output(root), exclude=sorted(held))
+    assert sum(freqs.values()) == sum(int(sample(i)["loss_mask"].sum())
+                                      for ids in UNITS.values() for i in ids if i not in held)
+
+
+def test_an_object_store_outputs_draft_lives_in_a_local_folder(tmp_path: Path,
+                                                                 tiny_llama: Path) -> None:
+    """Read through ranged reads (no local paths, as in a bucket), trained and
+    validated the same; the draft and eval-draft's record go to the folder named."""
+    from hsx_workers.acceptance import evaluate_draft, held_out_prompts
+    from tests.unit.test_output import RangedStorage
+
+    root = make_output(tmp_path / "out", tiny_llama)
+    bucket = Output(RangedStorage(root))
+    assert bucket.local_root is None
+    with pytest.raises(ValueError, match="--draft-dir"):
+        DraftTrainer(bucket, spec())
+    with pytest.raises(ValueError, match="--draft-dir"):
+        evaluate_draft(bucket)
+    assert held_out_prompts(bucket, spec(val_fraction=0.25), 4) == held_out_prompts(
+        Output(root), spec(val_fraction=0.25), 4)
+    elsewhere = tmp_path / "draft-root"
+    trainer = DraftTrainer(bucket, spec(max_steps=2, val_fraction=0.25),
+                           draft_root=elsewhere)
+    assert trainer.run().step == 2
+    assert [c.name for c in (elsewhere / DRAFT_CHECKPOINTS).iterdir()] == ["step-00000002"]
+    rows = [json.loads(x) for x in (elsewhere / "draft/validation.jsonl").read_text()
+            .splitlines()]
+    assert [r["step"] for r in rows] == [2] and rows[0]["tokens"] > 0
+    assert (elsewhere / DRAFT_DIR / "model.safetensors").exists()
+    assert not (root / DRAFT_DIR).exists()  # nothing written into the "bucket"
+
+
+def _ddp_worker(rank: int, root: str, port: int, runs: tuple[int, ...], out: str) -> None:
+    """Each run of `runs` (max_steps) is a new DraftTrainer pair: the later ones resume."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        for steps in runs:
+            trainer = DraftTrainer(root, spec(max_steps=steps, val_fraction=0.2, workers=2),
+                                   rank=rank, world=2, device=torch.device("cpu"))
+            state = trainer.run()
+            Path(out, f"rank{rank}-{steps}.json").write_text(json.dumps({
+                "step": state.step, "epoch": state.epoch, "units": state.units_done,
+                "resumed_from": trainer.resumed_from}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_workers_train_their_own_units_and_resume(tmp_path: Path,
+                                                      tiny_llama: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    root = make_output(tmp_path / "out", tiny_llama)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # One pair of processes (each start imports torch and speculators: the slow part);
+    # the second trainer of each is new and resumes the first's checkpoint.
+    mp.spawn(_ddp_worker, args=(str(root), port, (3, 5), str(tmp_path)), nprocs=2)
+    for steps in (3, 5):
+        ranks = [json.loads((tmp_path / f"rank{r}-{steps}.json").read_text()) for r in (0, 1)]
+        assert [r["step"] for r in ranks] == [steps, steps]
+    assert [r["resumed_from"] for r in ranks] == [3, 3]
+    # Worker 0 reads units 0 and 2, worker 1 unit 1; each one's progress is its own.
+    assert set(ranks[0]["units"]) <= {0, 2} and set(ranks[1]["units"]) <= {1}
+    saved = torch.load(root / DRAFT_CHECKPOINTS / "step-00000005" / "trainer_state.pt",
+                       weights_only=False)
+    assert saved["world"] == 2 and len(saved["ranks"]) == 2
+    lines = [json.loads(x) for x in (root / DRAFT_METRICS).read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4, 5]  # the main worker's records only
+    state = json.loads((root / DRAFT_DIR / "train.json").read_text())
+    assert state["state"] == "done" and state["plan"]["workers"] == 2
+
+
+def test_learnable_targets_final_norm_has_outliers_and_the_same_function(
+        tiny_llama: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hsx_workers.learnable import NORM_OUTLIER, NORM_OUTLIERS, _spread_final_norm
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(16, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        weight = model.model.norm.weight.clone()
+        _spread_final_norm(model, 0)
+        after = model(input_ids=ids).logits
+    assert torch.allclose(before, after, atol=1e-4)
+    factors = model.model.norm.weight / weight
+    assert int((factors == NORM_OUTLIER).sum()) == NORM_OUTLIERS
+    assert float(factors[factors != NORM_OUTLIER].max()) <= 2.0 + 1e-6

@@ -3,19 +3,28 @@
 `measure_acceptance(target, draft, prompts)` runs vLLM with
 `speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k}`,
 greedy, and reads vLLM's own counters (`llm.get_metrics()`, `disable_log_stats=False`):
-mean acceptance length = 1 + accepted / drafts. `hsx eval-draft` calls it; run it in a
-process of its own (vLLM's engine core is spawned, and its settings are per process).
+mean acceptance length = 1 + accepted / drafts, and the acceptance rate at each draft
+position. `evaluate_draft(output)` does it on the output's held-out prompts (the samples
+the trainer held out for validation: the prompt part of each, answered with as many
+tokens as its answer had) and records the result in `draft/eval.json`. `hsx eval-draft`
+and the coordinator (after a training) call it; run it in a process of its own (vLLM's
+engine core is spawned, and its settings are per process).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from hsx.output import Output
+from hsx.draft import draft_folder, read_train_state, write_json
+from hsx.output import Output
+from hsx.output.layout import DRAFT_DIR, DRAFT_EVAL
+from hsx.spec import TrainSpec
+
+MIN_ANSWER_TOKENS = 8
 
 
 @dataclass
@@ -27,6 +36,7 @@ class Acceptance:
     draft_tokens: int
     accepted_tokens: int
     accepted_per_position: list[int]
+    acceptance_per_position: list[float]
     mean_acceptance_length: float
     seconds: float
 
@@ -34,14 +44,49 @@ class Acceptance:
         return asdict(self)
 
 
-def prompts_from_output(output: Output | str | Path, n: int = 8, prefix: int = 8
-                        ) -> list[list[int]]:
-    """The first `prefix` tokens of the first `n` samples of an output's inputs.arrow."""
-    from hsx.output import Output
+@dataclass
+class EvalPrompt:
+    token_ids: list[int]
+    max_tokens: int
 
-    table = Output.of(output).input_rows(0, n)
-    ids = table.column("input_ids").to_pylist()
-    return [list(map(int, row[:prefix])) for row in ids if row]
+
+def prompt_of(ids: list[int], mask: list[int], prefix: int, max_tokens: int) -> EvalPrompt | None:
+    """A sample as a prompt: the tokens before its first loss-masked one (its question),
+    answered with as many tokens as its answer had; a sample that is all answer (or all
+    question) gives its first `prefix` tokens. None when nothing is left to generate."""
+    first = next((t for t, m in enumerate(mask) if m), len(ids))
+    cut = first if 0 < first < len(ids) else min(prefix, len(ids) - 1)
+    answer = len(ids) - cut
+    if cut <= 0 or answer <= 0:
+        return None
+    return EvalPrompt(ids[:cut], max(min(answer, max_tokens), min(MIN_ANSWER_TOKENS, max_tokens)))
+
+
+def held_out_prompts(output: Output, spec: TrainSpec, n: int, *, prefix: int = 8,
+                     max_tokens: int = 256) -> tuple[list[EvalPrompt], str]:
+    """Up to `n` prompts from the samples a training by `spec` held out; from the first
+    samples when it held none out. Returns (prompts, where they came from)."""
+    from hsx_workers.trainer import held_out
+
+    table = output.inputs()
+    indices = [int(i) for i in table.column("sample_index").to_pylist()]
+    chosen = held_out(indices, spec.val_fraction, spec.val_max_samples, spec.seed)
+    source = "held-out samples"
+    if not chosen:
+        chosen, source = indices, "training samples (none held out)"
+    row_of = {idx: row for row, idx in enumerate(indices)}
+    ids = table.column("input_ids")
+    masks = table.column("loss_mask")
+    prompts = []
+    for idx in chosen:
+        row = row_of[idx]
+        prompt = prompt_of([int(t) for t in ids[row].as_py()],
+                           [int(m) for m in masks[row].as_py()], prefix, max_tokens)
+        if prompt is not None:
+            prompts.append(prompt)
+        if len(prompts) >= n:
+            break
+    return prompts, source
 
 
 def _counter(metrics: dict[str, Any], name: str) -> Any:
@@ -52,26 +97,27 @@ def _counter(metrics: dict[str, Any], name: str) -> Any:
 
 
 def measure_acceptance(
-    target: str, draft: str, prompts: list[list[int]], *, k: int = 3, max_tokens: int = 48,
-    max_model_len: int = 1024, enforce_eager: bool = True,
+    target: str, draft: str, prompts: list[EvalPrompt], *, k: int = 3,
+    enforce_eager: bool = True,
 ) -> Acceptance:
-    import time
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     if not prompts:
         raise ValueError("no prompts to generate from")
+    # As long as the longest prompt and answer need (and the draft's k tokens past it).
+    longest = max(len(p.token_ids) + p.max_tokens for p in prompts) + k + 1
     llm = LLM(
-        model=target, max_model_len=max_model_len, disable_log_stats=False,
+        model=target, max_model_len=longest, disable_log_stats=False,
         enforce_eager=enforce_eager,
         speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k},
     )
     t0 = time.perf_counter()
     outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts],
-        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        [TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts],
+        [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True)
+         for p in prompts],
         use_tqdm=False,
     )
     seconds = time.perf_counter() - t0
@@ -86,5 +132,45 @@ def measure_acceptance(
         generated_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
         accepted_per_position=per_pos,
+        acceptance_per_position=[v / drafts if drafts else 0.0 for v in per_pos],
         mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0, seconds=seconds,
     )
+
+
+def evaluate_draft(
+    output: Output | str | Path, *, draft_root: str | Path | None = None,
+    prompts: int = 32, max_tokens: int = 256, k: int | None = None, prefix: int = 8,
+    draft: str | None = None, target: str | None = None, record: bool = True,
+) -> dict[str, Any]:
+    """Measure the output's draft (or `draft`) in vLLM on the prompts its training held
+    out (by its spec in draft/train.json, else the default one); with `record` (and the
+    output's own draft) the result is written to draft/eval.json too. The draft lives in
+    `<draft_root>/draft/` (`hsx.draft.draft_folder`: the output's own folder on disk)."""
+    out = Output.of(output)
+    root: Path | None
+    if draft is None:
+        root = draft_folder(out, draft_root)
+        draft = str(root / DRAFT_DIR)
+        own = True
+    else:  # another draft: the training's spec is read when its folder is known
+        root = Path(draft_root) if draft_root is not None else out.local_root
+        own = False
+    state = (read_train_state(root) if root is not None else None) or {}
+    spec = TrainSpec.model_validate(state.get("spec") or {})
+    chosen, source = held_out_prompts(out, spec, prompts, prefix=prefix,
+                                      max_tokens=max_tokens)
+    model = target or out.manifest().model
+    result = measure_acceptance(model, draft, chosen, k=k or spec.ttt_steps)
+    best = state.get("best") or {}
+    body = {**result.as_dict(), "prompt_source": source,
+            "draft_step": best.get("step", state.get("step")) if own else None,
+            "time": time.time(), "error": None}
+    if record and own and root is not None:
+        write_json(root / DRAFT_EVAL, body)
+    return body
+
+
+def record_eval_error(draft_root: str | Path, error: str) -> None:
+    """<draft_root>/draft/eval.json says why the measurement failed (the coordinator
+    shows it)."""
+    write_json(Path(draft_root) / DRAFT_EVAL, {"error": error, "time": time.time()})

@@ -1,20 +1,42 @@
-"""A tiny target whose next token is predictable, for testing drafts end to end.
+"""A tiny target whose greedy continuation is predictable, for testing drafts end to end.
 
 A random-weight target makes any draft's acceptance meaningless. This one is trained
-briefly (a minute on CPU) on a synthetic language: every sequence starts at a random
-content token and then follows a fixed permutation of the content tokens (token t is
-always followed by `perm[t]`). Once the target has learned it, its greedy continuation
-of any prompt is that chain, so a draft that learned from the target's hidden states
-can be accepted k tokens out of k; a capture bug (wrong layer, the final state after
-the norm, misaligned tokens) shows as a drop in vLLM's acceptance length.
+briefly (a minute or two on CPU) on a synthetic language built so that a capture bug
+shows in vLLM's acceptance length instead of hiding:
+
+- Every sample is a prompt (loss mask 0) and a response (loss mask 1), like a chat:
+  `BOS TASK w1 .. wn SEP` then the answer.
+- **Copying** (TASK = COPY): the answer starts with w1 .. wn again; which word comes next
+  is known only from the prompt, so the target has to look back (induction), and a
+  draft reads that from the target's hidden states.
+- **A fixed word map** (TASK = MAP): the answer starts with f(w1) .. f(wn) for a fixed
+  permutation f of the words.
+- **A branching Markov chain**: the answer then continues with a chain in which each
+  word has three successors (probabilities 0.65 / 0.25 / 0.10), sampled in the data.
+  The target's greedy choice is the likeliest successor, but the data shows all three:
+  a draft trained on states paired with the wrong token (states one token early or
+  late) cannot tell which successor the data took, and learns the wrong thing.
+- **A final norm with outlier weights**: after training, a few dimensions of the final
+  norm get weights NORM_OUTLIER times the others, the rest are spread over [1/2, 2],
+  and `lm_head`'s columns are divided by the same factors (the model computes the same
+  function), as real models' final norms have a few much larger weights. A capture of
+  the *normed* last state then distorts the draft's training targets (speculators
+  applies the norm again, which multiplies those dimensions once more), as it does on a
+  real model, instead of passing unnoticed.
+
+A permutation chain (this module's former language) hid all of that: the next token was
+a fixed function of the current one, so a draft learned it from the token embeddings
+alone, whatever the hidden states said.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -23,52 +45,121 @@ from hsx_workers.tiny_models import BOS_ID, make_tiny_model
 logger = logging.getLogger(__name__)
 
 FIRST_CONTENT_ID = 16
+COPY_ID, MAP_ID, CHAIN_ID, SEP_ID = 5, 6, 7, 8  # tokens of the tiny tokenizer, reused
+TASKS = (COPY_ID, MAP_ID, CHAIN_ID)
+SUCCESSOR_PROBS = (0.65, 0.25, 0.10)
+NORM_OUTLIERS = 8  # final-norm dimensions whose weight is multiplied by NORM_OUTLIER
+NORM_OUTLIER = 100.0
+NORM_SPREAD = 2.0  # the others' by factors in [1/2, 2]
 
 
 @dataclass(frozen=True)
-class ChainLanguage:
-    """Sequences that follow a fixed permutation of `size` content tokens."""
+class TaskLanguage:
+    """Prompts of `words` content tokens; answers that copy, map, then follow a chain."""
 
-    size: int = 128
+    size: int = 96
     seed: int = 0
+    min_words: int = 3
+    max_words: int = 6
+    min_chain: int = 6
+    max_chain: int = 18
 
     @property
-    def perm(self) -> dict[int, int]:
-        ids = list(range(FIRST_CONTENT_ID, FIRST_CONTENT_ID + self.size))
+    def words(self) -> list[int]:
+        return list(range(FIRST_CONTENT_ID, FIRST_CONTENT_ID + self.size))
+
+    @cached_property
+    def word_map(self) -> dict[int, int]:
+        """f: the fixed word map of MAP answers (a permutation)."""
+        return self._permutation(1)
+
+    @cached_property
+    def successors(self) -> dict[int, tuple[int, int, int]]:
+        """Each word's three successors in the chain, likeliest first (all distinct)."""
+        rng = random.Random(self.seed * 7919 + 2)
+        out: dict[int, tuple[int, int, int]] = {}
+        for w in self.words:
+            choices = [v for v in self.words if v != w]
+            first, second, third = rng.sample(choices, 3)
+            out[w] = (first, second, third)
+        return out
+
+    def _permutation(self, salt: int) -> dict[int, int]:
+        ids = self.words
         shuffled = ids[:]
-        random.Random(self.seed).shuffle(shuffled)
+        random.Random(self.seed * 7919 + salt).shuffle(shuffled)
         return dict(zip(ids, shuffled, strict=True))
 
-    def sequence(self, rng: random.Random, length: int) -> list[int]:
-        perm = self.perm
-        token = rng.randrange(FIRST_CONTENT_ID, FIRST_CONTENT_ID + self.size)
-        out = [BOS_ID, token]
-        while len(out) < length:
-            token = perm[token]
-            out.append(token)
-        return out
+    # -- sampling (the data) and greedy continuation (what the target says)
+
+    def sample(self, rng: random.Random) -> tuple[list[int], list[int]]:
+        """(input_ids, loss_mask) of one sample: a prompt, then a sampled answer."""
+        task = rng.choice(TASKS)
+        words = rng.sample(self.words, rng.randint(self.min_words, self.max_words))
+        prompt = [BOS_ID, task, *words, SEP_ID]
+        answer = self._head(task, words)
+        token = answer[-1] if answer else words[-1]
+        for _ in range(rng.randint(self.min_chain, self.max_chain)):
+            token = rng.choices(self.successors[token], SUCCESSOR_PROBS)[0]
+            answer.append(token)
+        return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+
+    def _head(self, task: int, words: list[int]) -> list[int]:
+        if task == COPY_ID:
+            return list(words)
+        if task == MAP_ID:
+            return [self.word_map[w] for w in words]
+        return []
 
     def continuation(self, prompt: list[int], n: int) -> list[int]:
-        perm, token, out = self.perm, prompt[-1], []
-        for _ in range(n):
-            token = perm[token]
+        """The target's greedy answer to a prompt `BOS TASK w1..wn SEP`: n tokens."""
+        if len(prompt) < 4 or prompt[-1] != SEP_ID or prompt[1] not in TASKS:
+            raise ValueError(f"not a prompt of this language: {prompt}")
+        words = prompt[2:-1]
+        out = self._head(prompt[1], words)
+        token = out[-1] if out else words[-1]
+        while len(out) < n:
+            token = self.successors[token][0]
             out.append(token)
+        return out[:n]
+
+    def greedy_targets(self, ids: list[int]) -> list[int | None]:
+        """For each position of a sample, the token the target should predict next
+        (None where nothing is determined: the prompt)."""
+        start = ids.index(SEP_ID) + 1
+        words = ids[2:start - 1]
+        head = self._head(ids[1], words)
+        out: list[int | None] = [None] * (start - 1)
+        for t in range(start - 1, len(ids) - 1):
+            k = t - (start - 1)
+            if k < len(head):
+                out.append(head[k])
+            else:
+                prev = ids[t] if k > 0 else words[-1]
+                out.append(self.successors[prev][0])
         return out
+
+    def as_json(self) -> dict[str, Any]:
+        return {"kind": "tasks", "size": self.size, "seed": self.seed,
+                "min_words": self.min_words, "max_words": self.max_words,
+                "min_chain": self.min_chain, "max_chain": self.max_chain}
 
 
 def make_learnable_model(
-    path: str | Path, *, language: ChainLanguage | None = None, steps: int = 300,
-    seq_len: int = 48, batch: int = 32, lr: float = 3e-3, num_layers: int = 4, seed: int = 0,
+    path: str | Path, *, language: TaskLanguage | None = None, steps: int = 900,
+    batch: int = 32, lr: float = 1e-3, num_layers: int = 4, seed: int = 0,
+    min_accuracy: float = 0.97,
 ) -> Path:
-    """A tiny Llama trained on `language` until its greedy next token follows it.
+    """A tiny Llama trained on `language` until its greedy answers follow it.
 
-    Writes the model like `make_tiny_model` (bf16 safetensors, tokenizer) plus
-    `language.json`; raises RuntimeError if the target did not learn the chain.
+    Writes the model like `make_tiny_model` (bf16 safetensors, tokenizer), with the final
+    norm spread (see the module docstring), plus `language.json`; raises RuntimeError if
+    the target did not learn the language to `min_accuracy` on the determined positions.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    language = language or ChainLanguage(seed=seed)
+    language = language or TaskLanguage(seed=seed)
     out = Path(path)
     if (out / "language.json").exists():
         return out
@@ -76,51 +167,117 @@ def make_learnable_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     rng = random.Random(seed)
     for step in range(steps):
-        ids = torch.tensor([language.sequence(rng, seq_len) for _ in range(batch)])
-        loss = model(input_ids=ids, labels=ids).loss
+        ids, labels = _batch(language, rng, batch)
+        loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 50 == 0:
+        sched.step()
+        if step % 100 == 0:
             logger.info("learnable target: step %d loss %.3f", step, loss.item())
     model.eval()
-    accuracy = _chain_accuracy(model, language, rng)
-    if accuracy < 0.99:
-        raise RuntimeError(f"the target learned the chain only to {accuracy:.3f} accuracy")
+    _spread_final_norm(model, seed)
+    accuracy = greedy_accuracy(model, language, random.Random(seed + 1))
+    if accuracy < min_accuracy:
+        raise RuntimeError(f"the target learned the language only to {accuracy:.3f} accuracy")
     model = model.to(dtype=torch.bfloat16)  # type: ignore[call-arg]
     model.save_pretrained(out)
     (out / "language.json").write_text(json.dumps(
-        {"size": language.size, "seed": language.seed, "steps": steps,
-         "greedy_accuracy": accuracy}))
+        {**language.as_json(), "steps": steps, "greedy_accuracy": accuracy}))
     return out
 
 
-def _chain_accuracy(model: Any, language: ChainLanguage, rng: random.Random) -> float:
+def _batch(language: TaskLanguage, rng: random.Random, n: int) -> tuple[Any, Any]:
+    """Padded (input_ids, labels): the loss covers answers only, as in the data.
+
+    Half the rows have chains of 1-3 words: the copied and mapped words, which need the
+    target to look back (induction, learnt late), then weigh as much in the loss as the
+    chain (learnt early), and the target learns them in a few hundred steps.
+    """
+    import dataclasses
+
     import torch
 
-    ids = torch.tensor([language.sequence(rng, 32) for _ in range(64)])
+    short = dataclasses.replace(language, min_chain=1, max_chain=3)
+    rows = [(language if i % 2 else short).sample(rng) for i in range(n)]
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((n, width), BOS_ID, dtype=torch.long)
+    labels = torch.full((n, width), -100, dtype=torch.long)
+    for i, (row, mask) in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        labels[i, : len(row)] = torch.tensor(
+            [tok if m else -100 for tok, m in zip(row, mask, strict=True)])
+    return ids, labels
+
+
+def _spread_final_norm(model: Any, seed: int) -> None:
+    """Give the final norm a few outlier weights (NORM_OUTLIER times) and spread the
+    others over [1/NORM_SPREAD, NORM_SPREAD], dividing lm_head's columns by the same
+    factors: the same function, a real model's kind of norm."""
+    import torch
+
+    norm = model.model.norm.weight
+    head = model.lm_head.weight
+    gen = torch.Generator().manual_seed(seed + 17)
+    factors = torch.exp((torch.rand(norm.shape[0], generator=gen) * 2 - 1)
+                        * math.log(NORM_SPREAD))
+    outliers = torch.randperm(norm.shape[0], generator=gen)[:NORM_OUTLIERS]
+    factors[outliers] = NORM_OUTLIER
     with torch.no_grad():
-        pred = model(input_ids=ids).logits.argmax(-1)
-    # Position 1 onwards: the token after a content token is determined.
-    return float((pred[:, 1:-1] == ids[:, 2:]).float().mean())
+        norm.mul_(factors)
+        head.div_(factors)
+
+
+def greedy_accuracy(model: Any, language: TaskLanguage, rng: random.Random,
+                    n: int = 128) -> float:
+    """How often the model's argmax is the language's determined next token."""
+    import torch
+
+    hits = total = 0
+    with torch.no_grad():
+        for _ in range(n // 32):
+            rows = [language.sample(rng)[0] for _ in range(32)]
+            ids, _ = _batch_of(rows)
+            pred = model(input_ids=ids).logits.argmax(-1)
+            for i, row in enumerate(rows):
+                for t, want in enumerate(language.greedy_targets(row)):
+                    if want is not None:
+                        total += 1
+                        hits += int(pred[i, t]) == want
+    return hits / total if total else 0.0
+
+
+def _batch_of(rows: list[list[int]]) -> tuple[Any, int]:
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), BOS_ID, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+    return ids, width
 
 
 def write_language_dataset(
-    path: str | Path, n: int, *, language: ChainLanguage, seq_len: int = 64, seed: int = 1
+    path: str | Path, n: int, *, language: TaskLanguage, seed: int = 1
 ) -> Path:
-    """JSONL of `input_ids` rows in `language` (every token is a training target)."""
+    """JSONL of `input_ids` + `loss_mask` rows in `language` (answers are the targets)."""
     rng = random.Random(seed)
     out = Path(path)
     with out.open("w") as f:
         for _ in range(n):
-            length = rng.randrange(seq_len // 2, seq_len + 1)
-            f.write(json.dumps({"input_ids": language.sequence(rng, length)}) + "\n")
+            ids, mask = language.sample(rng)
+            f.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
     return out
 
 
-def language_of(model_dir: str | Path) -> ChainLanguage:
+def language_of(model_dir: str | Path) -> TaskLanguage:
     info = json.loads((Path(model_dir) / "language.json").read_text())
-    return ChainLanguage(size=int(info["size"]), seed=int(info["seed"]))
+    fields = {k: int(info[k]) for k in ("size", "seed", "min_words", "max_words",
+                                        "min_chain", "max_chain")}
+    return TaskLanguage(**fields)

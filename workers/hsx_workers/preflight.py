@@ -826,6 +826,17 @@ def environment_report() -> list[EnvCheck]:
 _CACHE: dict[tuple[Any, ...], ModelReport] = {}
 
 
+def warm_imports() -> None:
+    """Import vLLM, its model registry and interfaces, and transformers' auto classes:
+    the modules `inspect_model` needs, which take seconds to import the first time."""
+    for module in ("transformers.models.auto", "vllm", "vllm.model_executor.models.registry",
+                   "vllm.model_executor.models.interfaces", "hsx.ingest"):
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # inspect_model reports it when a job needs it
+            logger.debug("warming %s: %s", module, err)
+
+
 def inspect_model_cached(model: str, engine: EngineChoice, layers: tuple[int, ...],
                          trust_remote_code: bool) -> ModelReport:
     """`inspect_model` for job preflight, cached per model config version.

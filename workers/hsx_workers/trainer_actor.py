@@ -1,13 +1,21 @@
 """The trainer as a Ray actor: `run()` blocks until training ends; `progress()` and
-`stop()` answer meanwhile (the actor has two concurrency slots)."""
+`stop()` answer meanwhile (the actor has two concurrency slots).
+
+With `spec.workers` > 1 the actor drives a Ray Train run (`train_distributed`) and
+takes no GPU itself; its workers do. Progress then comes from the files the main
+worker writes (draft/metrics.jsonl, draft/train.json).
+"""
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
+from hsx.draft import last_record, read_train_state
+from hsx.output.layout import DRAFT_METRICS
 from hsx.spec import TrainSpec
-from hsx_workers.trainer import DraftTrainer, StepMetrics
+from hsx_workers.trainer import DraftTrainer, StepMetrics, train_distributed
 
 
 class TrainerActor:
@@ -19,21 +27,28 @@ class TrainerActor:
         self._last: dict[str, Any] | None = None
 
     def run(self) -> dict[str, Any]:
+        if self.spec.workers > 1:
+            state = train_distributed(self.output, self.spec, stop=self._stop)
+            return {"step": state["step"], "epoch": state["epoch"],
+                    "stopped": state["state"] == "stopped"}
         self._trainer = DraftTrainer(self.output, self.spec, on_metrics=self._on_metrics,
                                      stop=self._stop)
-        state = self._trainer.run()
-        return {"step": state.step, "epoch": state.epoch, "stopped": self._stop.is_set()}
+        result = self._trainer.run()
+        return {"step": result.step, "epoch": result.epoch, "stopped": self._stop.is_set()}
 
     def _on_metrics(self, metrics: StepMetrics) -> None:
         self._last = dict(metrics.__dict__)
 
     def progress(self) -> dict[str, Any]:
         trainer = self._trainer
-        return {
-            "last": self._last,
-            "first_step_at": trainer.first_step_at if trainer else None,
-            "resumed_from": trainer.resumed_from if trainer else None,
-        }
+        if trainer is not None:
+            return {"last": self._last, "first_step_at": trainer.first_step_at,
+                    "resumed_from": trainer.resumed_from}
+        root = Path(self.output)
+        state = read_train_state(root) or {}
+        return {"last": last_record(root / DRAFT_METRICS),
+                "first_step_at": state.get("first_step_at"),
+                "resumed_from": state.get("resumed_from")}
 
     def stop(self) -> None:
         self._stop.set()

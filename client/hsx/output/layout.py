@@ -14,10 +14,12 @@ local-disk things.
   complete.json                    written once every unit is committed
   .tmp/                            in-progress files (local disk); never read by readers
   draft/                           the EAGLE-3 draft trained on it (speculators format):
-    config.json, model.safetensors   the newest checkpoint; vLLM loads this folder
-    checkpoints/step-000200/         whole checkpoints (weights + trainer_state.pt)
+    config.json, model.safetensors   the best checkpoint by validation; vLLM loads this folder
+    checkpoints/step-000200/         whole checkpoints (weights, trainer_state.pt, metrics.json)
     metrics.jsonl                    one record per logged step
-    train.json                       the trainer's state: running, done, failed, stopped
+    validation.jsonl                 one record per validation (at each checkpoint)
+    train.json                       the trainer's state, plan, best checkpoint
+    eval.json                        the draft's acceptance in vLLM on held-out prompts
 ```
 """
 
@@ -38,6 +40,10 @@ DRAFT_DIR = "draft"
 DRAFT_CHECKPOINTS = "draft/checkpoints"
 DRAFT_METRICS = "draft/metrics.jsonl"
 DRAFT_STATE = "draft/train.json"
+DRAFT_VALIDATION = "draft/validation.jsonl"
+DRAFT_EVAL = "draft/eval.json"
+DRAFT_STOP = "draft/.stop"  # asks a running (distributed) training to checkpoint and stop
+CHECKPOINT_METRICS = "metrics.json"  # in each checkpoint folder
 
 # Layer-id convention recorded in the manifest (DESIGN.md, "Layer ids").
 LAYER_CONVENTION = (

@@ -50,11 +50,17 @@ KEEPALIVE_S = 15.0
 JSON = "application/json"
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "The body cannot be read as JSON."},
     401: {"model": ErrorBody, "description": "Missing or wrong API token."},
     404: {"model": ErrorBody, "description": "No such job."},
     422: {"model": ErrorBody, "description": "Refused; `field` names the culprit."},
-    503: {"model": ErrorBody, "description": "The coordinator is still starting."},
+    413: {"model": ErrorBody, "description": "The body is over the server's size limit."},
+    503: {"model": ErrorBody,
+          "description": "The coordinator is still starting, or is a standby (the message "
+                         "names the coordinator that holds the ledger)."},
 }
+# What a route that takes a body may also answer.
+BODY_ERRORS: dict[int | str, dict[str, Any]] = {k: _ERRORS[k] for k in (400, 413, 422)}
 
 router = APIRouter(
     prefix=f"{API_PREFIX}/jobs",
@@ -64,13 +70,33 @@ router = APIRouter(
 )
 
 
+# vLLM engine arguments that name Python code for vLLM to import and run (a class or
+# function by qualified name, a plugin file): what trust_remote_code guards, by another door.
+CODE_LOADING_ENGINE_ARGS = frozenset({
+    "worker_cls", "scheduler_cls", "logits_processors", "reasoning_parser_plugin",
+    "io_processor_plugin",
+})
+
+
 def vet_spec(spec: JobSpec, settings: Settings) -> None:
     """The server's policy on a job, checked before the scheduler sees it."""
-    if spec.trust_remote_code and not settings.allow_trust_remote_code:
-        raise JobRefused(
-            "trust_remote_code: this server does not run models' own code "
-            "(its operator can allow it with HSX_ALLOW_TRUST_REMOTE_CODE=1)"
-        )
+    if not settings.allow_trust_remote_code:
+        if spec.trust_remote_code:
+            raise JobRefused(
+                "trust_remote_code: this server does not run models' own code "
+                "(its operator can allow it with HSX_ALLOW_TRUST_REMOTE_CODE=1)"
+            )
+        args = spec.vllm.engine_args()
+        loading = sorted(CODE_LOADING_ENGINE_ARGS & set(args))
+        backend = args.get("distributed_executor_backend")
+        if isinstance(backend, str) and "." in backend:  # a class by qualified name
+            loading.append("distributed_executor_backend")
+        if loading:
+            raise JobRefused(
+                f"vllm: {', '.join(loading)} name Python code for vLLM to load; this server "
+                "runs only its own code (its operator can allow it with "
+                "HSX_ALLOW_TRUST_REMOTE_CODE=1)"
+            )
     check_job_paths(spec, settings.effective_roots())
 
 
@@ -81,7 +107,7 @@ def vet_spec(spec: JobSpec, settings: Settings) -> None:
     responses={
         200: {"model": JobStatus, "description": "This id already holds this same job."},
         409: {"model": ErrorBody, "description": "This id already holds a different job."},
-        422: _ERRORS[422],
+        **BODY_ERRORS,
     },
 )
 def submit_job(
@@ -148,7 +174,7 @@ def job_throughput(job_id: str, scheduler: SchedulerDep) -> Throughput:
     response_model=TrainStatus,
     status_code=status.HTTP_202_ACCEPTED,
     responses={404: _ERRORS[404], 409: {"model": ErrorBody, "description": "Already training."},
-               422: _ERRORS[422]},
+               **BODY_ERRORS},
 )
 def start_training(job_id: str, spec: TrainSpec, scheduler: SchedulerDep) -> TrainStatus:
     """Train an EAGLE-3 draft on the job's output (while it runs, or after); a second

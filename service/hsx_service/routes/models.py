@@ -19,6 +19,7 @@ from hsx.wire import API_PREFIX, ErrorBody
 from hsx_service.deps import SettingsDep, require_token
 from hsx_service.errors import JobRefused
 from hsx_service.paths import check_path
+from hsx_service.routes.jobs import BODY_ERRORS
 
 router = APIRouter(
     prefix=f"{API_PREFIX}/models",
@@ -45,10 +46,7 @@ class InspectRequest(BaseModel):
         None, ge=1, description="Memory of one GPU; unknown (null) by default on the coordinator.")
 
 
-@router.post(
-    "/inspect",
-    responses={422: {"model": ErrorBody, "description": "Refused; `field` names the culprit."}},
-)
+@router.post("/inspect", responses=BODY_ERRORS)
 def inspect_model_route(body: InspectRequest, settings: SettingsDep) -> dict[str, Any]:
     """The preflight report: capture path, layers, bytes per token, reasons (plain words)."""
     if body.trust_remote_code and not settings.allow_trust_remote_code:

@@ -18,7 +18,6 @@ from prometheus_client.exposition import choose_encoder
 
 from hsx.wire import ErrorBody
 from hsx_service.deps import SchedulerDep
-from hsx_service.errors import NotReady
 from hsx_service.metrics import METRICS
 
 router = APIRouter(tags=["ops"])
@@ -34,7 +33,7 @@ def healthz() -> dict[str, str]:
 def readyz(scheduler: SchedulerDep) -> dict[str, str]:
     """Readiness: the ledger is reconciled and jobs are accepted."""
     if not scheduler.ready:
-        raise NotReady("the coordinator is starting (reconciling the ledger)")
+        raise scheduler.not_ready()
     return {"status": "ready"}
 
 

@@ -971,6 +971,9 @@
     setBadge($("#train-state"), null);
     $("#train-draft").textContent = "";
     $("#train-meta").textContent = "";
+    $("#train-plan").textContent = "";
+    $("#train-warning").hidden = true;
+    $("#train-warning").textContent = "";
     $("#train-error-box").hidden = true;
     $("#train-error").textContent = "";
     drawLossChart(null);
@@ -983,11 +986,15 @@
     $("#training").hidden = false;
     setBadge($("#train-state"), train.state);
 
+    const plan = train.plan || null;
+    const lastStep = spec.max_steps != null ? spec.max_steps : plan && plan.steps;
     $("#train-step").textContent = fmtInt(train.step)
-      + (spec.max_steps != null ? ` / ${fmtInt(spec.max_steps)}` : "");
+      + (lastStep != null ? ` / ${fmtInt(lastStep)}` : "");
     // Epochs count from 0 while they run; a finished training has epoch == epochs.
-    $("#train-epoch").textContent = spec.epochs != null
-      ? `${Math.min(train.epoch + 1, spec.epochs)} / ${spec.epochs}` : String(train.epoch + 1);
+    const epochs = spec.epochs != null ? Math.ceil(spec.epochs)
+      : plan ? Math.max(1, Math.ceil(plan.passes - 1e-9)) : null;
+    $("#train-epoch").textContent = epochs != null
+      ? `${Math.min(train.epoch + 1, epochs)} / ${epochs}` : String(train.epoch + 1);
     $("#train-loss").textContent = fmtLoss(train.loss);
     const acc = (train.acc || []).map((a) => a.toFixed(2)).join(" / ");
     $("#train-acc").textContent = acc || "–";
@@ -1007,9 +1014,48 @@
     if (train.resumed_from != null) meta.push(`resumed from step ${fmtInt(train.resumed_from)}`);
     $("#train-meta").textContent = meta.join(" · ");
 
+    renderTrainingQuality(train, plan);
+
     $("#train-error-box").hidden = !train.error;
     $("#train-error").textContent = train.error || "";
     drawLossChart(train);
+  }
+
+  // The schedule the trainer chose, its warning, the held-out validation (the draft in
+  // draft/ is the best checkpoint by it) and vLLM's measurement after training.
+  function renderTrainingQuality(train, plan) {
+    $("#train-plan").textContent = plan
+      ? `Plan: ${fmtInt(plan.steps)} steps of ${fmtInt(plan.batch_tokens)} tokens`
+        + (plan.workers > 1 ? ` × ${plan.workers} workers` : "")
+        + ` on ${plan.device}, lr ${plan.lr} (${plan.lr_schedule}),`
+        + ` ${plan.passes.toFixed(1)} passes over ${fmtInt(plan.train_tokens)} tokens;`
+        + ` ${fmtInt(plan.val_samples)} samples held out`
+      : "";
+    $("#train-warning").hidden = !train.warning;
+    $("#train-warning").textContent = train.warning ? `Warning: ${train.warning}` : "";
+
+    const checks = train.validation || [];
+    const last = checks.length ? checks[checks.length - 1] : null;
+    $("#train-val").textContent = last
+      ? `${last.expected_acceptance_length.toFixed(2)} at step ${fmtInt(last.step)}` : "–";
+    $("#train-val").title = last
+      ? `loss ${fmtLoss(last.loss)}; P(right | earlier right) per TTT step: `
+        + last.cond_acc.map((a) => a.toFixed(2)).join(" / ") : "";
+    $("#train-best").textContent = train.best_step != null
+      ? `step ${fmtInt(train.best_step)} (${train.best_expected_acceptance_length.toFixed(2)})`
+      : "–";
+
+    const ev = train.eval;
+    const measured = ev && !ev.error && ev.mean_acceptance_length != null;
+    $("#train-eval").textContent = measured
+      ? `${ev.mean_acceptance_length.toFixed(2)} at k=${ev.k}`
+      : ev && ev.error ? "failed" : train.state === "evaluating" ? "measuring…" : "–";
+    $("#train-eval").title = measured
+      ? `${fmtInt(ev.prompts)} ${ev.prompt_source || "prompts"}; ${fmtInt(ev.accepted_tokens)}`
+        + ` of ${fmtInt(ev.draft_tokens)} draft tokens accepted` : (ev && ev.error) || "";
+    $("#train-eval").classList.toggle("warn", Boolean(ev && ev.error));
+    $("#train-eval-pos").textContent = measured
+      ? ev.acceptance_per_position.map((a) => a.toFixed(2)).join(" / ") : "–";
   }
 
   function drawLossChart(train) {
@@ -1045,8 +1091,18 @@
     $("#view-list").hidden = Boolean(match);
     $("#view-job").hidden = !match;
     window.scrollTo(0, 0);
-    if (match) openJob(decodeURIComponent(match[1]));
+    if (match) openJob(decodedId(match[1]));
     else startList();
+  }
+
+  // A link with a malformed escape (`#/jobs/%E0%A4`) opens the id as written, rather
+  // than throwing in the router and leaving a blank page.
+  function decodedId(text) {
+    try {
+      return decodeURIComponent(text);
+    } catch (err) {
+      return text;
+    }
   }
 
   window.addEventListener("hashchange", route);
