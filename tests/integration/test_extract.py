@@ -156,6 +156,7 @@ def test_fp8_round_trip_and_half_size(
     assert 0.45 < ratio < 0.6, ratio
 
 
+@pytest.mark.slow  # make test-slow; TP=2 runs on GPUs in tests/gpu
 def test_tensor_parallel_engine_yields_the_same_data(
     tmp_path: Path, make_job: Any, engine_pool: Any, vllm_samples: dict[int, Any]
 ) -> None:

@@ -260,6 +260,7 @@ FUZZ_EXAMPLES = 25  # per operation and mode; the model preflight (vLLM) gets fe
 FUZZ_SLOW_EXAMPLES = 8
 
 
+@pytest.mark.slow  # make test-slow
 def test_the_api_survives_fuzzing_from_its_schema(
     coordinator: Coordinator, tiny_llama: Path, chat_dataset: ChatDataset, tmp_path: Path
 ) -> None:
@@ -364,6 +365,7 @@ def _each(calls: list[Any], threads: int = 16) -> list[Any]:
         return list(pool.map(lambda call: call(), calls))
 
 
+@pytest.mark.slow  # make test-slow
 def test_a_killed_coordinator_under_load_is_taken_over_and_nothing_is_lost(
     coordinator: Coordinator, ledger: Path, roots: list[Path],
     two_replica_run: tuple[JobStatus, list[JobStatus]], tiny_llama: Path,

@@ -48,7 +48,7 @@ from hsx_workers.learnable import TaskLanguage, make_learnable_model, write_lang
 from .helpers import worker_processes
 from .test_service import Coordinator, start_coordinator
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # make test-slow
 
 SAMPLES = 3000  # ~75k tokens of the learnable language
 
