@@ -233,6 +233,7 @@ def test_cancel(coordinator: Coordinator, tiny_llama: Path, chat_dataset: ChatDa
     assert ds.verify() == len(ds.records) == final.units_done
 
 
+@pytest.mark.slow  # make test-slow; test_crash kills a worker under hsx extract
 def test_killed_worker_actor_is_restarted_and_the_job_completes(
     coordinator: Coordinator, tiny_llama: Path, chat_dataset: ChatDataset, tmp_path: Path
 ) -> None:
