@@ -130,6 +130,16 @@ def ledger(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ledger") / "ledger.sqlite"
 
 
+def serve_for_module(tmp_path_factory: pytest.TempPathFactory,
+                     name: str) -> Iterator[Coordinator]:
+    """A module's own coordinator on a fresh ledger, allowed the whole session's tmp."""
+    ledger = tmp_path_factory.mktemp(f"{name}-ledger") / "ledger.sqlite"
+    server = start_coordinator(ledger, [tmp_path_factory.getbasetemp()],
+                               ledger.parent / "serve.log")
+    yield server
+    server.kill()
+
+
 @pytest.fixture(scope="module")
 def coordinator(ledger: Path, roots: list[Path]) -> Iterator[Coordinator]:
     server = start_coordinator(ledger, roots, ledger.parent / "serve.log")
