@@ -2,7 +2,7 @@
 # Each target builds .venv first if needed (scripts/setup-env.sh; a second run is fast).
 PY := .venv/bin
 
-.PHONY: env demo test lint unit integration bench clean
+.PHONY: env demo test test-slow lint unit integration bench clean
 
 env:
 	@bash scripts/setup-env.sh
@@ -12,6 +12,11 @@ demo: env
 
 test: env lint
 	$(PY)/pytest
+
+# The long end-to-end runs (draft training judged by vLLM, every architecture, fuzzing,
+# load, TP=2 on CPU): over CI's time budget together with the rest.
+test-slow: env
+	$(PY)/pytest -m slow
 
 lint: env
 	$(PY)/ruff check .

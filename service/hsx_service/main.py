@@ -142,6 +142,7 @@ class BodyLimit:
             await response(scope, receive, send)
             return
         received = 0
+        over: list[int] = []
 
         async def counted() -> Any:
             nonlocal received
@@ -149,10 +150,20 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
+                    over.append(received)
                     raise BodyTooLarge(self._message(received))
             return message
 
-        await self.app(scope, counted, send)
+        async def answer(message: Any) -> None:
+            # FastAPI turns any error while it reads a body into its own 400; a body
+            # refused for its size is answered 413 whatever the app then sends.
+            if not over:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await _error(413, "PayloadTooLarge", self._message(over[0]))(
+                    scope, receive, send)
+
+        await self.app(scope, counted, answer)
 
     def _message(self, size: int) -> str:
         return (f"the request body ({size} bytes or more) is over this server's limit of "

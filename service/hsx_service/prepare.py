@@ -160,8 +160,6 @@ def warm_preflight() -> None:
     tens of seconds of imports inside its request. The coordinator calls it before it
     says it is ready."""
     try:
-        import transformers  # noqa: F401
-
         from hsx_workers.preflight import warm_imports
     except ImportError:  # the workers' package is not installed here
         return

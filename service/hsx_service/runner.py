@@ -291,9 +291,13 @@ def _placement_group(bundles: list[dict[str, float]]) -> Any:
 
 def _stop(slot: _Slot) -> None:
     import ray
+    from ray.exceptions import ActorHandleNotFoundError
     from ray.util.placement_group import remove_placement_group
 
-    ray.kill(slot.actor, no_restart=True)
+    try:
+        ray.kill(slot.actor, no_restart=True)
+    except ActorHandleNotFoundError:
+        return  # its Ray session ended (Ray lost, or shut down and started again): gone
     if slot.placement_group is not None:
         remove_placement_group(slot.placement_group)
 

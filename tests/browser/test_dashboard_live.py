@@ -36,6 +36,7 @@ def live_coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coord
     server.kill()
 
 
+@pytest.mark.slow  # make test-slow
 def test_dashboard_follows_a_real_job(
     browser: WebDriver, live_coordinator: Coordinator, tiny_llama: Path,
     chat_dataset: ChatDataset, tmp_path: Path,

@@ -19,18 +19,14 @@ from hsx.output.layout import DRAFT_EVAL
 from hsx.wire import JobState, TrainState
 from hsx_workers.learnable import TaskLanguage, make_learnable_model, write_language_dataset
 
-from ..integration.test_service import Coordinator, start_coordinator
+from ..integration.test_service import Coordinator, serve_for_module
 
 SAMPLES = 3000
 
 
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
-    base = tmp_path_factory.getbasetemp()
-    ledger = tmp_path_factory.mktemp("gpu-ledger") / "ledger.sqlite"
-    server = start_coordinator(ledger, [base], ledger.parent / "serve.log")
-    yield server
-    server.kill()
+    yield from serve_for_module(tmp_path_factory, "gpu")
 
 
 @pytest.mark.gpus(2)

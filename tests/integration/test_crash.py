@@ -131,6 +131,7 @@ def test_killed_worker_leaves_nothing_partial_and_the_job_completes(
     assert {p.name for p in (output / SHARDS_DIR).iterdir()} == named
 
 
+@pytest.mark.slow  # make test-slow
 def test_killed_driver_then_rerun_completes_with_identical_content(
     tmp_path: Path,
     tiny_llama: Path,

@@ -115,6 +115,7 @@ def test_vllm_equals_hf_reference(
     assert worst.max().item() < 1e-2, f"max relative error per layer {worst.tolist()}"
 
 
+@pytest.mark.slow  # make test-slow; test_service's jobs run 2 replicas
 def test_two_replicas_run_at_once_and_yield_the_same_data(
     tmp_path: Path, make_job: Any, engine_pool: Any, vllm_samples: dict[int, Any]
 ) -> None:
@@ -156,6 +157,7 @@ def test_fp8_round_trip_and_half_size(
     assert 0.45 < ratio < 0.6, ratio
 
 
+@pytest.mark.slow  # make test-slow; TP=2 runs on GPUs in tests/gpu
 def test_tensor_parallel_engine_yields_the_same_data(
     tmp_path: Path, make_job: Any, engine_pool: Any, vllm_samples: dict[int, Any]
 ) -> None:

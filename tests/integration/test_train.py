@@ -46,9 +46,9 @@ from hsx_service.runner import run_job
 from hsx_workers.learnable import TaskLanguage, make_learnable_model, write_language_dataset
 
 from .helpers import worker_processes
-from .test_service import Coordinator, start_coordinator
+from .test_service import Coordinator, serve_for_module
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # make test-slow
 
 SAMPLES = 3000  # ~75k tokens of the learnable language
 
@@ -254,11 +254,7 @@ TRAIN = {"workers": 2, "steps": 80, "eval_prompts": 16}
 
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
-    base = tmp_path_factory.getbasetemp()
-    ledger = tmp_path_factory.mktemp("train-ledger") / "ledger.sqlite"
-    server = start_coordinator(ledger, [base], ledger.parent / "serve.log")
-    yield server
-    server.kill()
+    yield from serve_for_module(tmp_path_factory, "train")
 
 
 @dataclass

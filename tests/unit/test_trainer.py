@@ -521,6 +521,7 @@ def _ddp_worker(rank: int, root: str, port: int, runs: tuple[int, ...], out: str
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # make test-slow
 def test_two_workers_train_their_own_units_and_resume(tmp_path: Path,
                                                       tiny_llama: Path) -> None:
     import socket
