@@ -140,22 +140,28 @@ class Bench:
                "--reps", str(self.args.reps), "--length", str(self.length),
                "--prompts", str(self.prompts)] + (["--cpu"] if self.cpu else [])
         log_path = self.work / f"{variant}.log"
+        result_path = self.work / f"{variant}.json"
+        result_path.unlink(missing_ok=True)
+        cmd += ["--result", str(result_path)]
         with open(log_path, "w") as log_file:
-            # Its own session: on a timeout the whole tree goes, vLLM's engine processes too.
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                                    env=env, start_new_session=True)
+            # vLLM logs to stdout: both streams go to the log, the numbers to a file. Its
+            # own session: on a timeout the whole tree goes, vLLM's engine processes too.
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
             try:
-                stdout, _ = proc.communicate(timeout=self.args.child_timeout)
+                proc.wait(timeout=self.args.child_timeout)
             except subprocess.TimeoutExpired:
+                stacks = _stacks_of_tree(proc.pid)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                (self.work / f"{variant}-stacks.txt").write_text(stacks)
                 raise RuntimeError(f"{variant} child timed out; its log: "
-                                   f"{log_path.read_text()[-3000:]}") from None
-        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode != 0 or not lines:
+                                   f"{log_path.read_text()[-3000:]}\nits stacks:\n"
+                                   f"{stacks[-6000:]}") from None
+        if proc.returncode != 0 or not result_path.exists():
             raise RuntimeError(f"{variant} child failed ({proc.returncode}): "
                                f"{log_path.read_text()[-3000:]}")
-        return dict(json.loads(lines[-1]))
+        return dict(json.loads(result_path.read_text()))
 
     def drop(self) -> dict[str, Any]:
         return self._vllm_alone("drop")
@@ -346,6 +352,26 @@ def _actor_profiler(out: Path) -> Any:
     raise RuntimeError("no ExtractionWorker process to profile")
 
 
+def _stacks_of_tree(pid: int) -> str:
+    """py-spy dump of a process and its descendants (vLLM's engine core is a child): where a
+    hung child waits, kept for the results."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error as err:
+        return f"no stacks: {err}"
+    out = []
+    for p in procs:
+        try:
+            dump = subprocess.run(["py-spy", "dump", "--pid", str(p.pid)], capture_output=True,
+                                  text=True, timeout=30)
+            out.append(f"--- {p.pid} {' '.join(p.cmdline())[:200]}\n{dump.stdout}{dump.stderr}")
+        except (OSError, subprocess.SubprocessError, psutil.Error) as err:
+            out.append(f"--- {p.pid}: no dump ({err})")
+    return "\n".join(out)
+
+
 def child(args: argparse.Namespace) -> int:
     """drop / bare: vLLM's LLM.generate over the rows, `reps` times, timed."""
     from vllm import LLM, SamplingParams
@@ -382,8 +408,7 @@ def child(args: argparse.Namespace) -> int:
         tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
         runs.append({"tokens": tokens, "seconds": round(seconds, 3),
                      "tokens_per_s": round(tokens / seconds)})
-    sys.stdout.write(json.dumps({"engine_start_s": round(start_s, 1), "runs": runs}) + "\n")
-    sys.stdout.flush()
+    Path(args.result).write_text(json.dumps({"engine_start_s": round(start_s, 1), "runs": runs}))
     os._exit(0)  # skip vLLM's slow teardown; the parent only needs the numbers
 
 
@@ -429,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="one more tmpfs run per dtype under py-spy: where the actor and the "
                         "engine spend their CPU time")
     p.add_argument("--child", choices=["drop", "bare"], help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -50,9 +50,13 @@ for s in "$@"; do
       df -h /dev/shm /tmp | tee "$RES/df.txt" ;;
     bench)
       step bench
-      timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases disk drop hsx --profile --reps 1 \
+      # BENCH_PHASES / BENCH_FLAGS choose what runs, e.g. BENCH_PHASES="disk drop hsx tp2"
+      # puts TP=2 against TP=1 and the capture ceiling into one results file.
+      timeout 1200 python3 benchmarks/gpu/bench_vllm.py --phases ${BENCH_PHASES:-disk drop hsx} \
+        ${BENCH_FLAGS:---profile} --reps 1 --child-timeout 420 \
         --out "$RES/vllm-single.json" 2> "$RES/vllm-single.log"
-      cp /tmp/hsx-bench-vllm/*.log /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null ;;
+      cp /tmp/hsx-bench-vllm/*.log /tmp/hsx-bench-vllm/*-stacks.txt \
+        /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null ;;
     tests)
       step tests
       timeout 900 python3 -m pytest tests/gpu -p no:cacheprovider -q -rA \
