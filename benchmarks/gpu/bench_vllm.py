@@ -287,6 +287,11 @@ class Bench:
             out["tp 2 / tp 1"] = {"median": round(med(p["tp2"]["bf16-tmpfs"]) / med(one), 3)}
         if drop and p.get("bare"):
             out["drop/bare"] = {"median": round(med(drop["runs"]) / med(p["bare"]["runs"]), 3)}
+            with_capture, without = drop.get("memory", {}), p["bare"].get("memory", {})
+            if with_capture.get("cache_tokens") and without.get("cache_tokens"):
+                # The capture's cache-only layer shares the KV budget: fewer tokens in flight.
+                out["cache tokens, capture / bare"] = round(
+                    with_capture["cache_tokens"] / without["cache_tokens"], 3)
         return out
 
     def run(self) -> None:
@@ -397,6 +402,15 @@ def child(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     llm = LLM(**engine)
     start_s = time.perf_counter() - started
+    cache = llm.llm_engine.vllm_config.cache_config
+    memory: dict[str, Any] = {"num_gpu_blocks": cache.num_gpu_blocks,
+                              "block_size": cache.block_size,
+                              "cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size}
+    if not args.cpu:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        memory["device_used_bytes"] = total - free  # the engine core's, in its own process
     params = SamplingParams(max_tokens=1, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in rows]
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
@@ -408,7 +422,8 @@ def child(args: argparse.Namespace) -> int:
         tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
         runs.append({"tokens": tokens, "seconds": round(seconds, 3),
                      "tokens_per_s": round(tokens / seconds)})
-    Path(args.result).write_text(json.dumps({"engine_start_s": round(start_s, 1), "runs": runs}))
+    Path(args.result).write_text(json.dumps({"engine_start_s": round(start_s, 1), "runs": runs,
+                                             "memory": memory}))
     os._exit(0)  # skip vLLM's slow teardown; the parent only needs the numbers
 
 
