@@ -28,7 +28,7 @@ import logging
 import os
 import secrets
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from hsx.output.s3_multipart import (
@@ -55,7 +55,14 @@ _S3_OWN_OPTIONS = frozenset({
     "allow_http", "virtual_hosted_style_request",
 })
 _SPOOL_CHUNK = 8 * 2**20
-_QUICK_RETRY = {"max_retries": 1, "retry_timeout": _dt.timedelta(seconds=10)}
+# The preflight probe's retries: enough to ride out a flaky store (a 5xx, a dropped
+# connection), few and quick enough that a wrong endpoint fails in seconds.
+_QUICK_RETRY = {
+    "max_retries": 4, "retry_timeout": _dt.timedelta(seconds=10),
+    "backoff": {"init_backoff": _dt.timedelta(milliseconds=100),
+                "max_backoff": _dt.timedelta(seconds=1), "base": 2},
+}
+_QUICK_ATTEMPTS = 5
 
 
 _OBSTORE_PID: int | None = None
@@ -329,7 +336,10 @@ class ObjectStoreStorage(Storage):
         try:
             obstore.put(store, probe, b"hsx", mode="create", use_multipart=False)
         except Exception as err:
-            raise _translate(err, f"cannot write to {where}") from err
+            # The name is random: if it exists, a retry found our own first try, whose
+            # answer was lost on the way back.
+            if not isinstance(_translate(err, where), ObjectExistsError):
+                raise _translate(err, f"cannot write to {where}") from err
         try:
             try:
                 obstore.put(store, probe, b"again", mode="create", use_multipart=False)
@@ -359,7 +369,8 @@ class ObjectStoreStorage(Storage):
         if self.multipart is None:
             return
         client = S3MultipartClient(
-            self.multipart.settings, self.multipart.prefix, max_attempts=2, timeout_s=10.0
+            self.multipart.settings, self.multipart.prefix, max_attempts=_QUICK_ATTEMPTS,
+            timeout_s=10.0,
         )
         try:
             status = client.head_bucket()
@@ -391,14 +402,15 @@ class ObjectStoreStorage(Storage):
             raise
         self.delete(key)
 
-    def abort_incomplete_writes(self) -> int:
+    def abort_incomplete_writes(self, which: Callable[[str], bool] | None = None) -> int:
         if self.multipart is None:
             logger.info(
                 "%s: unfinished uploads cannot be listed without static credentials; a "
                 "bucket lifecycle rule should expire them", self.uri,
             )
             return 0
-        uploads = self.multipart.list_uploads()
+        uploads = [(key, upload_id) for key, upload_id in self.multipart.list_uploads()
+                   if which is None or which(key)]
         for key, upload_id in uploads:
             self.multipart.abort_upload(key, upload_id)
         if uploads:
