@@ -619,7 +619,7 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert Settings().allowed_roots == ["s3://team/hs", Path(os.path.realpath(tmp_path)),
                                         "s3://b"]
     monkeypatch.setenv("HSX_ALLOWED_ROOTS", "s3://team/../x")
-    with pytest.raises(ValueError, match="no empty, '.' or '..' segments"):
+    with pytest.raises(ValueError, match=r"no empty, '\.' or '\.\.' segments"):
         Settings()
     monkeypatch.delenv("HSX_ALLOWED_ROOTS")
     assert Settings().effective_roots() is None  # loopback, no token: the laptop case
