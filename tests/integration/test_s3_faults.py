@@ -176,6 +176,7 @@ def test_extraction_through_a_flaky_bucket(
         summary = run_job(make_job(uri, unit_tokens=2048), pool=engine_pool)
     seen = Counter(flaky.stats) - before
     failing = sum(seen[f] for f in ("error", "drop", "lost", "truncate"))
+    print(f"through the fault proxy: {dict(seen)}")  # the figure docs/RELIABILITY.md quotes
     assert seen["requests"] >= 60 and failing >= 0.05 * seen["requests"], seen
     # Read back straight from SeaweedFS, not through the proxy.
     for name, value in s3_server.env.items():
