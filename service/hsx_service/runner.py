@@ -384,7 +384,9 @@ def run_job(
 
 def finish(job: PreparedJob, started: float, *, restarts: int = 0) -> JobSummary:
     """Every unit is committed: drop what attempts left behind, publish complete.json."""
-    job.output.clean_orphans()  # no attempt runs now: what no record names is garbage
+    # Every unit is committed: no attempt (of this driver or another) can commit now,
+    # so whatever no record names is garbage.
+    job.output.clean_orphans(final=True)
     summary = JobSummary.of(job.output.totals(), str(job.output), time.time() - started,
                             restarts=restarts)
     job.output.mark_complete(
@@ -418,7 +420,7 @@ def execute(
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     spec = job.spec
-    job.output.clean_orphans()
+    job.output.clean_orphans()  # what lost attempts left; another driver may be running
     config = engine_config_for(spec, job.model, job.layers)
     ensure_ray(spec.ray_address, spec.replicas * spec.tensor_parallel_size)
     check_capacity(spec)

@@ -405,11 +405,11 @@ def test_sigkill_mid_write_leaves_nothing_visible(tmp_path: Path) -> None:
     assert [r.unit for r in read_commits(tmp_path)] == [0]
     # A shard renamed into shards/ whose commit never happened is invisible too.
     (tmp_path / SHARDS_DIR / "unit-000005-dead.safetensors").write_bytes(b"x" * 100)
-    assert Output(tmp_path).clean_orphans() == 2
+    assert Output(tmp_path).clean_orphans(final=True) == 2
     assert not any((tmp_path / TMP_DIR).iterdir())
     assert len(list((tmp_path / SHARDS_DIR).iterdir())) == 1
     verify(tmp_path, read_commits(tmp_path)[0])
-    assert Output(tmp_path).clean_orphans() == 0
+    assert Output(tmp_path).clean_orphans(final=True) == 0
 
 
 def test_checksum_is_blake3_and_sha256_on_request(tmp_path: Path) -> None:

@@ -25,6 +25,8 @@ local-disk things.
 
 from __future__ import annotations
 
+import re
+
 FORMAT_NAME = "hsx-hidden-states"
 FORMAT_VERSION = 1
 SHARD_FORMAT_NAME = "hsx-shard"
@@ -62,6 +64,15 @@ def commit_path(unit: int) -> str:
 
 def shard_path(unit: int, attempt: str) -> str:
     return f"{SHARDS_DIR}/{unit_name(unit)}-{attempt}.safetensors"
+
+
+_SHARD_KEY = re.compile(rf"^{SHARDS_DIR}/unit-(\d{{6,}})-[A-Za-z0-9_.]+\.safetensors$")
+
+
+def unit_of_shard_key(key: str) -> int | None:
+    """The unit a shard key (`shard_path`) belongs to, or None for any other key."""
+    m = _SHARD_KEY.match(key)
+    return int(m.group(1)) if m else None
 
 
 def checkpoint_name(step: int) -> str:

@@ -194,12 +194,15 @@ class LocalStorage(Storage):
                 raise
             raise StorageError(f"{self.uri} is not writable: {err.strerror or err}") from err
 
-    def abort_incomplete_writes(self) -> int:
+    def abort_incomplete_writes(self, which: Callable[[str], bool] | None = None) -> int:
         staging = self.root / STAGING_DIR
         if not staging.is_dir():
             return 0
         removed = 0
         for entry in staging.iterdir():
+            # Staging names are `<key with / as -->.<random>.part` (_staging_file).
+            if which is not None and not which(entry.name.rsplit(".", 2)[0].replace("--", "/")):
+                continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:

@@ -33,6 +33,7 @@ from hsx.output.layout import (
     MANIFEST,
     SHARDS_DIR,
     commit_path,
+    unit_of_shard_key,
 )
 from hsx.output.records import CommitRecord, Manifest, OutputCorrupt, SampleError
 from hsx.output.shards import ShardCorrupt, ShardReader, ShardWriter, verify_shard
@@ -333,17 +334,28 @@ class Output:
         """StorageError, naming the location and the problem, unless it can be written."""
         self.storage.check_writable()
 
-    def clean_orphans(self) -> int:
-        """Remove what crashed or losing attempts left: unfinished writes (staging files,
-        multipart uploads) and shards no commit record names. Returns how many.
+    def clean_orphans(self, *, final: bool = False) -> int:
+        """Remove what losing or crashed attempts left: their shards and unfinished
+        writes (multipart uploads, staging files). Returns how many.
 
-        Only while no attempt of this output runs: a running attempt's shard is an
-        "orphan" between its upload and its commit record.
+        By default only what belongs to units already committed by another attempt:
+        such an attempt can never commit, so this is safe while other drivers work on
+        the same output (two coordinators, two `hsx extract`). `final=True` also removes
+        every other shard no record names and every other unfinished write (a crashed
+        ingestion's staging, a stale probe): only when no attempt can still commit,
+        i.e. once every unit is committed, or by hand.
         """
-        removed = self.storage.abort_incomplete_writes()
-        named = {r.shard for r in self.commits()}
+        committed = {r.unit: r.shard for r in self.commits()}
+
+        def garbage(key: str) -> bool:
+            unit = unit_of_shard_key(key)
+            if unit is None or unit not in committed:
+                return final
+            return committed[unit] != key
+
+        removed = self.storage.abort_incomplete_writes(None if final else garbage)
         for info in self.storage.list(SHARDS_DIR):
-            if info.key not in named:
+            if garbage(info.key):
                 self.storage.delete(info.key)
                 removed += 1
         if removed:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -257,9 +258,10 @@ class Storage(abc.ABC):
         """Write, read back and delete a probe object; StorageError naming the problem."""
 
     @abc.abstractmethod
-    def abort_incomplete_writes(self) -> int:
+    def abort_incomplete_writes(self, which: Callable[[str], bool] | None = None) -> int:
         """Remove unfinished writes (staging files, multipart uploads) left by crashed
-        writers; return how many. Only while no writer of this storage is running."""
+        writers; return how many. `which(key)` says which keys' writes are garbage (None:
+        all of them, only while no writer of this storage is running)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
