@@ -159,17 +159,21 @@ def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
 def test_a_full_disk_fails_the_job_naming_enospc_and_a_rerun_completes(
     job: Any, engine_pool: Any, small_dataset: ChatDataset, tmp_path: Path,
 ) -> None:
-    from hsx_service.runner import JobFailed, run_job
+    from hsx_service.runner import DispatchHooks, JobFailed, run_job
 
     with small_tmpfs(tmp_path / "disk", "8m") as disk:
-        # Leave room for the manifest and the inputs table, not for a shard (~2.2 MB).
         filler = disk / "filler"
-        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-        filler.write_bytes(b"\0" * (free - 512 * 1024))
+
+        def fill(_job: Any) -> None:
+            # Once the job is prepared (its preflight saw room for it), something else
+            # fills the disk: room is left for no shard (~2.2 MB each).
+            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+            filler.write_bytes(b"\0" * (free - 256 * 1024))
+
         spec = job(disk / "out")
         output = Path(spec.output)
         with pytest.raises(JobFailed) as failed:
-            run_job(spec, pool=engine_pool)
+            run_job(spec, pool=engine_pool, hooks=DispatchHooks(on_prepared=fill))
         message = str(failed.value)
         assert "no space left on device (ENOSPC)" in message and str(output) in message
         assert "Traceback" not in message and len(message.splitlines()) == 1
