@@ -17,6 +17,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from hsx.output import faults
 from hsx.output.storage import (
     STAGING_DIR,
     ObjectExistsError,
@@ -242,7 +243,9 @@ class LocalObjectWriter(ObjectWriter):
             self._rewrite_with_head(head)
         elif head:
             _write_all(self._fd, memoryview(head), 0)
+        faults.reached("after_shard_write", self.key)
         os.fsync(self._fd)
+        faults.reached("after_fsync", self.key)
         size = os.fstat(self._fd).st_size
         os.close(self._fd)
         self._fd = -1

@@ -29,6 +29,7 @@ a folder: `list("commits")` lists everything under `commits/`, never `commitsX/.
 from __future__ import annotations
 
 import abc
+import errno
 import os
 import re
 from collections.abc import Callable
@@ -56,6 +57,16 @@ class ObjectExistsError(StorageError):
 
 class ObjectNotFoundError(StorageError, FileNotFoundError):
     """The object does not exist."""
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether an error (or its message, for one that crossed a process boundary) says
+    the output's file system is full: ENOSPC, or EDQUOT (a quota)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    return any(words in text for words in (os.strerror(errno.ENOSPC),
+                                           os.strerror(errno.EDQUOT)))
 
 
 @dataclass(frozen=True)
