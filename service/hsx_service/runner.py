@@ -155,6 +155,7 @@ class _Slot:
     inflight: dict[Any, WorkUnit] = field(default_factory=dict)
     units_run: int = 0
     placement_group: Any = None
+    ready_failures: int = 0  # readiness checks of the current restart that failed
 
     @property
     def unit(self) -> WorkUnit | None:
@@ -163,6 +164,10 @@ class _Slot:
 
 
 PLACEMENT_TIMEOUT_S = 120.0
+# A restarted worker is asked whether it is ready up to READY_CHECKS times (pauses growing
+# by READY_PAUSE_S to 2 s: about 3 minutes in all) before the job fails.
+READY_CHECKS = 100
+READY_PAUSE_S = 0.2
 LOCAL_RAY_MIN_CPUS = 8
 
 
@@ -601,11 +606,20 @@ def execute(
                 try:
                     ray.get(ref)
                     slot.state = "idle"
+                    slot.ready_failures = 0
                 except RayActorError as err:
                     if slot.units_run == 0:
                         # It never ran a unit: the engine cannot start (bad model, no memory).
                         raise JobFailed(f"{slot.name} could not start: {_first_line(err)}") from err
-                    restart(slot, kill=False)
+                    # While Ray restarts a dead worker, calls to it fail at once: this is the
+                    # same restart, asked again after a pause, and an engine that no longer
+                    # starts at all ends the job instead of being asked forever.
+                    slot.ready_failures += 1
+                    if slot.ready_failures > READY_CHECKS:
+                        raise JobFailed(f"{slot.name} did not start again after it failed: "
+                                        f"{_first_line(err)}") from err
+                    time.sleep(min(READY_PAUSE_S * slot.ready_failures, 2.0))
+                    slot.ready_ref = slot.actor.ready.remote()
                     continue
                 if first_ready is None:
                     first_ready = time.monotonic()
