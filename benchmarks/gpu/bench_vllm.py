@@ -152,12 +152,14 @@ class Bench:
                 proc.wait(timeout=self.args.child_timeout)
             except subprocess.TimeoutExpired:
                 stacks = _stacks_of_tree(proc.pid)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _end_session(proc.pid)
                 (self.work / f"{variant}-stacks.txt").write_text(stacks)
                 raise RuntimeError(f"{variant} child timed out; its log: "
                                    f"{log_path.read_text()[-3000:]}\nits stacks:\n"
                                    f"{stacks[-6000:]}") from None
+            # The child leaves with os._exit, skipping vLLM's teardown, so its engine core
+            # process lives on holding the GPU's memory unless its session is ended here.
+            _end_session(proc.pid)
         if proc.returncode != 0 or not result_path.exists():
             raise RuntimeError(f"{variant} child failed ({proc.returncode}): "
                                f"{log_path.read_text()[-3000:]}")
@@ -355,6 +357,21 @@ def _actor_profiler(out: Path) -> Any:
         if "ExtractionWorker" in " ".join(proc.info["cmdline"] or []):
             return Profiler(proc.pid, out)
     raise RuntimeError("no ExtractionWorker process to profile")
+
+
+def _end_session(sid: int) -> None:
+    """SIGKILL every process of session `sid` and wait until they are gone."""
+    import psutil
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(sid, signal.SIGKILL)
+    members = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == sid:
+                members.append(p)
+                p.kill()
+    psutil.wait_procs(members, timeout=60)
 
 
 def _stacks_of_tree(pid: int) -> str:

@@ -59,9 +59,14 @@ for s in "$@"; do
         /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null ;;
     tests)
       step tests
-      timeout 900 python3 -m pytest tests/gpu -p no:cacheprovider -q -rA \
-        --junitxml "$RES/gpu-tests.xml" > "$RES/gpu-tests.log" 2>&1
-      tail -5 "$RES/gpu-tests.log" ;;
+      # One pytest per file, each under its own limit, verbose: a hung test costs its file,
+      # and what passed or failed before it is in the log as it happens.
+      for f in tests/gpu/test_*.py; do
+        name=$(basename "$f" .py)
+        timeout 900 python3 -m pytest "$f" -p no:cacheprovider -v -rA --timeout 600 \
+          --junitxml "$RES/$name.xml" > "$RES/$name.log" 2>&1
+        echo "$name: rc=$? $(tail -1 "$RES/$name.log")"
+      done ;;
     multi)
       step multi
       timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases hsx replicas2 tp2 --reps 1 \
