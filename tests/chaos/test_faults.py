@@ -57,7 +57,7 @@ def report(case: str, figures: dict[str, Any]) -> None:
     print(f"\nchaos {case}: {json.dumps(figures)}")
 
 
-@pytest.mark.parametrize("point", fault_points.POINTS)
+@pytest.mark.parametrize("point", fault_points.COMMIT_POINTS)
 def test_sigkill_at_a_commit_step_then_a_rerun_completes(
     point: str, job: Any, engine_pool: Any, small_dataset: ChatDataset, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

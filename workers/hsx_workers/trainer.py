@@ -33,7 +33,9 @@ call one or the other.
   draft/.tmp and published by a directory rename; the best one by validation is then
   hard-linked into `draft/`, so that folder is always a complete draft vLLM can load. A
   restart resumes from the newest checkpoint: weights, optimizer, step, and each
-  worker's epoch and units done in it.
+  worker's epoch and units done in it; a checkpoint a crash left staged in draft/.tmp
+  is dropped. `HSX_FAULT_POINT` (hsx.output.faults) kills the process at a step of
+  writing a checkpoint, for crash tests.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from hsx.draft import (
     write_json,
 )
 from hsx.modelinfo import draft_aux_layers
-from hsx.output import CommitRecord, Manifest, Output, ShardReader
+from hsx.output import CommitRecord, Manifest, Output, ShardReader, faults
 from hsx.output.layout import (
     CHECKPOINT_METRICS,
     DRAFT_CHECKPOINTS,
@@ -78,6 +80,7 @@ from hsx.output.layout import (
     DRAFT_VALIDATION,
     checkpoint_name,
 )
+from hsx.output.local_storage import fsync_dir
 from hsx.spec import TrainSpec
 
 logger = logging.getLogger(__name__)
@@ -842,6 +845,8 @@ class DraftTrainer:
         self._resume(model, opt, sched, plan)
         if self.group.main:
             (self.root / DRAFT_STOP).unlink(missing_ok=True)
+            # What a run killed mid-checkpoint left staged: never a checkpoint.
+            shutil.rmtree(self.draft / ".tmp", ignore_errors=True)
             self._write_state("running")
         trained = model
         if self.group.world > 1:
@@ -1081,8 +1086,11 @@ class DraftTrainer:
             f.chmod(mode)
             with f.open("rb") as fh:
                 os.fsync(fh.fileno())
+        faults.reached("after_checkpoint_write", str(tmp))
         final.parent.mkdir(parents=True, exist_ok=True)
         os.rename(tmp, final)  # a checkpoint is there whole or not at all
+        fsync_dir(final.parent)
+        faults.reached("after_checkpoint_rename", str(final))
         value = expected_acceptance(validation)
         if not (self.val_indices or self._validate_fn is not None):
             self._publish(final)  # no validation: the newest is the draft
@@ -1092,6 +1100,7 @@ class DraftTrainer:
             self._publish(final)
         elif self.best is None:
             self._publish(final)  # no held-out sample committed yet: the newest meanwhile
+        faults.reached("after_checkpoint_publish", str(final))
         keep = checkpoint_name(self.best["step"]) if self.best else None
         for old in checkpoints(self.root)[: -self.spec.keep_checkpoints]:
             if old.name != keep:

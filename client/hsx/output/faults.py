@@ -14,6 +14,17 @@ worker process at its first publish. The points, in the order a unit's commit ta
 - `after_publish`: the shard is in `shards/` (renamed and its folder fsynced; on an object
   store, the upload completed), its commit record not yet created;
 - `after_commit_record`: the commit record exists, the worker has not yet reported the unit.
+
+The trainer's checkpoints have their own points (workers/hsx_workers/trainer.py), in the
+order a checkpoint takes them; they count every checkpoint, so `after_checkpoint_write:2`
+dies while the second checkpoint is written, with the first one whole behind it:
+
+- `after_checkpoint_write`: the checkpoint's files are written and fsynced in
+  `draft/.tmp/step-N/`, not yet renamed into `draft/checkpoints/`;
+- `after_checkpoint_rename`: the checkpoint is in `draft/checkpoints/`, not yet
+  published into `draft/`;
+- `after_checkpoint_publish`: its files are hard-linked into `draft/` (when it is the best
+  or the newest), the older checkpoints not yet pruned, train.json not yet rewritten.
 """
 
 from __future__ import annotations
@@ -24,7 +35,10 @@ import signal
 from hsx.output.layout import SHARDS_DIR
 
 ENV = "HSX_FAULT_POINT"
-POINTS = ("after_shard_write", "after_fsync", "after_publish", "after_commit_record")
+COMMIT_POINTS = ("after_shard_write", "after_fsync", "after_publish", "after_commit_record")
+CHECKPOINT_POINTS = ("after_checkpoint_write", "after_checkpoint_rename",
+                     "after_checkpoint_publish")
+POINTS = COMMIT_POINTS + CHECKPOINT_POINTS
 
 
 def parse(value: str) -> tuple[str, int] | None:
@@ -51,13 +65,14 @@ _seen = 0
 def reached(point: str, key: str) -> None:
     """Step `point` of writing object `key` is done: die here if this is the armed one.
 
-    Only shards count (`key`, the shard's key, is under shards/): the inputs table and
-    other objects pass through the same storage writers.
+    Of the commit protocol's points only shards count (`key`, the shard's key, is under
+    shards/): the inputs table and other objects pass through the same storage writers.
+    A checkpoint's points count every checkpoint (`key`: its folder).
     """
     global _seen
     if _ARMED is None or _ARMED[0] != point:
         return
-    if not key.startswith(SHARDS_DIR + "/"):
+    if point in COMMIT_POINTS and not key.startswith(SHARDS_DIR + "/"):
         return
     _seen += 1
     if _seen == _ARMED[1]:
