@@ -1,4 +1,6 @@
-"""The trainer killed at each step of writing a checkpoint (`HSX_FAULT_POINT`).
+"""The trainer's faults: killed mid-checkpoint, and its coordinator killed while it trains.
+
+The trainer killed at each step of writing a checkpoint (`HSX_FAULT_POINT`):
 
 `hsx train` runs in its own process on an output written by hand (no engine) and
 SIGKILLs itself at its second checkpoint, at one of the checkpoint's fault points; then:
@@ -8,6 +10,10 @@ SIGKILLs itself at its second checkpoint, at one of the checkpoint's fault point
 - a second run resumes from the newest complete checkpoint (the one staged in
   draft/.tmp never counts), drops what was staged, logs every step exactly once, and its
   final draft loads as speculators' Eagle3 draft.
+
+The coordinator killed -9 while its trainer runs (`hsx serve` processes, the session's
+warm engine extracts the output beforehand): a coordinator started again on the same
+ledger resumes the training from its last checkpoint and finishes it.
 """
 
 from __future__ import annotations
@@ -17,16 +23,20 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hsx.draft import checkpoints, read_metrics, read_train_state
 from hsx.output import faults as fault_points
 from hsx.output.layout import DRAFT_DIR
+from hsx_workers.tiny_models import make_chat_dataset
 from tests.unit.test_trainer import make_output, spec
 
-from .test_faults import report
+from .audit import audit
+from .test_faults import UNIT_TOKENS, report
 
 STEPS = 8  # checkpoints every 2 steps (tests.unit.test_trainer.spec), 2 kept
 CHECKPOINT_FILES = ("model.safetensors", "config.json", "trainer_state.pt", "metrics.json")
@@ -88,3 +98,56 @@ def test_trainer_killed_mid_checkpoint_resumes_from_the_last_whole_one(
                                        "staged_left": staged, "draft_at_kill": published,
                                        "resumed_from": trainer.resumed_from,
                                        "final_step": state.step})
+
+
+TRAIN = {"max_steps": 40, "batch_tokens": 48, "checkpoint_every": 4, "keep_checkpoints": 2,
+         "draft_vocab_size": 128, "val_fraction": 0.0, "eval_prompts": 0, "device": "cpu"}
+
+
+@pytest.mark.integration
+def test_a_coordinator_killed_while_it_trains_resumes_the_training(
+    make_job: Any, engine_pool: Any, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """kill -9 of `hsx serve` (and its Ray, trainer included) after the training's first
+    checkpoint; a coordinator started again on the ledger picks the training up from
+    that checkpoint and finishes it; the extraction's output passes the audit."""
+    from hsx.wire import JobState, TrainState
+    from hsx_service.runner import run_job
+    from tests.integration.test_service import start_coordinator
+
+    dataset = make_chat_dataset(tmp_path / "chat.jsonl", n=16, seed=3, bad_rows=2)
+    spec = make_job(tmp_path / "out", dataset=str(dataset.path), unit_tokens=UNIT_TOKENS)
+    run_job(spec, pool=engine_pool)  # the session's warm engine: the coordinator starts none
+    output = Path(spec.output)
+    roots, ledger = [tmp_path_factory.getbasetemp()], tmp_path / "ledger.sqlite"
+    first = start_coordinator(ledger, roots, tmp_path / "serve-1.log")
+    try:
+        client = first.client()
+        job = client.submit({**spec.model_dump(mode="json"), "train": TRAIN}, job_id="trained")
+        assert client.wait(job.id, timeout=300).state == JobState.succeeded  # nothing to do
+        deadline = time.monotonic() + 300
+        while not checkpoints(output):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no checkpoint in time: {first.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+    finally:
+        first.kill()
+    killed_at = int(checkpoints(output)[-1].name.split("-")[1])
+    at_kill = read_train_state(output) or {}
+    assert at_kill.get("state") == "running" and killed_at < TRAIN["max_steps"], at_kill
+
+    second = start_coordinator(ledger, roots, tmp_path / "serve-2.log")
+    try:
+        training = second.client().wait_train(job.id, timeout=600)
+    finally:
+        second.kill()
+    assert training.state == TrainState.done, training.error
+    assert training.resumed_from is not None and training.resumed_from >= killed_at
+    assert training.step == TRAIN["max_steps"]
+    steps = [int(m["step"]) for m in read_metrics(output)]
+    assert steps == list(range(1, TRAIN["max_steps"] + 1))  # each step logged once
+    assert _whole_draft(output / DRAFT_DIR) == TRAIN["max_steps"]
+    figures = audit(output, dataset)  # the extraction's output is untouched
+    report("coordinator killed while training", {
+        "faults": 1, "killed_after_checkpoint": killed_at,
+        "resumed_from": training.resumed_from, "final_step": training.step, **figures})

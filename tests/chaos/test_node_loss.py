@@ -1,0 +1,54 @@
+"""A Ray node lost mid-job: its engine's units move to the engine on the other node.
+
+The job (`replicas: 2`) runs on a local three-node Ray cluster in its own process
+(tests/chaos/node_loss.py: the session's Ray stays untouched); the node holding
+`engine-1` is SIGKILLed while that engine holds units. The job completes on the engine
+left, and the output passes the audit. Starting a cluster and two engines costs minutes
+on a small machine: `slow` (make test-slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hsx_workers.tiny_models import make_chat_dataset
+
+from .audit import audit
+from .node_loss import KILLED
+from .test_faults import report
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # make test-slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_lost_node_moves_its_units_to_the_other_engine(make_job: Any, tmp_path: Path) -> None:
+    dataset = make_chat_dataset(tmp_path / "chat.jsonl", n=40, seed=5, bad_rows=2)
+    spec = make_job(tmp_path / "out", dataset=str(dataset.path), unit_tokens=500, replicas=2)
+    spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
+    spec_path.write_text(spec.model_dump_json())
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "tests.chaos.node_loss", str(spec_path),
+                           str(result_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1200, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(result_path.read_text())
+    nodes = result["engine_nodes"]
+    assert len(set(nodes.values())) == 2, nodes  # one engine on each worker node
+    assert result["killed_node"] == nodes[KILLED] and result["held_at_kill"], result
+    by_worker = result["units_by_worker"]
+    # What the lost engine held was committed by the other one.
+    assert set(result["held_at_kill"]) <= set(by_worker["engine-0"]), by_worker
+    assert result["summary"]["restarts"] >= 1
+    assert result["alive_nodes"] == 2  # the head and the node left
+    figures = audit(Path(spec.output), dataset)
+    report("node lost", {"faults": 1, "held_at_kill": result["held_at_kill"],
+                         "units_by_worker": by_worker,
+                         "job_seconds": round(result["seconds"], 1), **figures})
