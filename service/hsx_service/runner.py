@@ -5,8 +5,10 @@ coordinator's scheduler calls it with hooks that keep its ledger and its subscri
 up to date. It prepares the job (preflight, ingestion, plan: prepare.py), starts (or
 joins) Ray, gets `replicas` workers from an `EnginePool`, and hands each idle worker the
 next pending unit — workers pull, so a slow engine never holds up the others. A worker
-that dies (its process killed, its engine dead) is restarted by Ray and its unit goes
-back to the queue; a unit that fails `max_attempts` times fails the job. When every unit
+that dies (its process killed, its engine dead, its Ray node lost) is restarted by Ray and
+its units go back to the queue for the other workers; one that cannot come back (its
+node gone, no room left) is asked again now and then while the others finish the job. A
+unit that fails `max_attempts` times fails the job. When every unit
 is committed it publishes complete.json. Whatever happens, the output stays consistent:
 a unit is done exactly when its commit record exists.
 
@@ -156,6 +158,8 @@ class _Slot:
     units_run: int = 0
     placement_group: Any = None
     ready_failures: int = 0  # readiness checks of the current restart that failed
+    ever_ready: bool = False  # it served once: a failed readiness check is a restart's
+    check_at: float = 0.0  # when to ask a restarting worker again (ready_ref is None)
 
     @property
     def unit(self) -> WorkUnit | None:
@@ -165,9 +169,12 @@ class _Slot:
 
 PLACEMENT_TIMEOUT_S = 120.0
 # A restarted worker is asked whether it is ready up to READY_CHECKS times (pauses growing
-# by READY_PAUSE_S to 2 s: about 3 minutes in all) before the job fails.
+# by READY_PAUSE_S to READY_PAUSE_MAX_S: about 3 minutes in all) before the job fails, when
+# no other engine is left; while others run the job, it is asked every READY_PAUSE_MAX_S
+# for as long as the job runs (a lost node's engine waits for room in the cluster).
 READY_CHECKS = 100
 READY_PAUSE_S = 0.2
+READY_PAUSE_MAX_S = 2.0
 LOCAL_RAY_MIN_CPUS = 8
 
 
@@ -262,6 +269,7 @@ class EnginePool:
         ray.get([s.ready_ref for s in starting], timeout=timeout)
         for slot in starting:
             slot.state = "idle"
+            slot.ever_ready = True
 
     def keep_only(self, key: tuple[Any, ...] | None) -> None:
         """Stop every engine but those of `key` (engines hold GPUs and memory)."""
@@ -442,7 +450,7 @@ def execute(
     end by committing; nothing half-written becomes visible either way.
     """
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+    from ray.exceptions import GetTimeoutError, NodeDiedError, RayActorError, RayTaskError
 
     spec = job.spec
     job.output.clean_orphans()  # what lost attempts left; another driver may be running
@@ -542,6 +550,8 @@ def execute(
         if kill:
             ray.kill(slot.actor, no_restart=False)
         slot.state = "starting"
+        slot.ever_ready = True  # it served before: its readiness checks are a restart's
+        slot.ready_failures = 0
         slot.ready_ref = slot.actor.ready.remote()
         if hooks.on_restart is not None:
             hooks.on_restart(slot.name)
@@ -590,13 +600,20 @@ def execute(
                 progress.rate_since = time.time()
             emit(False)
         waiting: dict[Any, _Slot] = {}
+        now = time.monotonic()
         for slot in slots:
-            if slot.state == "starting":
+            if slot.state == "starting" and slot.ready_ref is None and now >= slot.check_at:
+                slot.ready_ref = slot.actor.ready.remote()
+            if slot.state == "starting" and slot.ready_ref is not None:
                 waiting[slot.ready_ref] = slot
             for ref in slot.inflight:
                 waiting[ref] = slot
-        if not waiting:
+        pausing = [s.check_at for s in slots if s.state == "starting" and s.ready_ref is None]
+        if not waiting and not pausing:
             raise JobFailed("no engine is running and work remains")
+        if not waiting:  # every engine is between two readiness checks
+            time.sleep(max(0.0, min(min(pausing) - now, POLL_S)))
+            continue
         done, _ = ray.wait(list(waiting), num_returns=1, timeout=POLL_S)
         for ref in done:
             slot = waiting[ref]
@@ -607,19 +624,23 @@ def execute(
                     ray.get(ref)
                     slot.state = "idle"
                     slot.ready_failures = 0
-                except RayActorError as err:
-                    if slot.units_run == 0:
-                        # It never ran a unit: the engine cannot start (bad model, no memory).
+                    slot.ever_ready = True
+                except (RayActorError, NodeDiedError) as err:
+                    if not slot.ever_ready:
+                        # It never served: the engine cannot start (bad model, no memory).
                         raise JobFailed(f"{slot.name} could not start: {_first_line(err)}") from err
-                    # While Ray restarts a dead worker, calls to it fail at once: this is the
-                    # same restart, asked again after a pause, and an engine that no longer
-                    # starts at all ends the job instead of being asked forever.
+                    # While Ray restarts a dead worker (its node lost: until the cluster
+                    # has room for it), calls to it fail at once: this is the same restart,
+                    # asked again after a pause, without holding up the other engines. An
+                    # engine that no longer starts ends the job only when no other is left.
                     slot.ready_failures += 1
-                    if slot.ready_failures > READY_CHECKS:
-                        raise JobFailed(f"{slot.name} did not start again after it failed: "
-                                        f"{_first_line(err)}") from err
-                    time.sleep(min(READY_PAUSE_S * slot.ready_failures, 2.0))
-                    slot.ready_ref = slot.actor.ready.remote()
+                    others = any(s.state in ("idle", "busy") for s in slots if s is not slot)
+                    if slot.ready_failures > READY_CHECKS and not others:
+                        raise JobFailed(f"{slot.name} did not start again after it failed, and "
+                                        f"no other engine is left: {_first_line(err)}") from err
+                    slot.ready_ref = None
+                    slot.check_at = time.monotonic() + min(
+                        READY_PAUSE_S * slot.ready_failures, READY_PAUSE_MAX_S)
                     continue
                 if first_ready is None:
                     first_ready = time.monotonic()
@@ -628,7 +649,7 @@ def execute(
                 continue  # failed with its worker earlier in this round
             try:
                 report = ray.get(ref)
-            except RayActorError as err:  # the actor process died
+            except (RayActorError, NodeDiedError) as err:  # its process or its node died
                 fail_slot(slot, err, kill=False)
                 continue
             except RayTaskError as err:  # a unit raised: restart the engine, retry its units
@@ -648,7 +669,7 @@ def execute(
                     for unit, counts in units.items():
                         if unit in held:
                             live[unit] = (int(counts[0]), int(counts[1]))
-            except (GetTimeoutError, RayActorError, RayTaskError):
+            except (GetTimeoutError, RayActorError, RayTaskError, NodeDiedError):
                 pass
             emit(True)
     emit(False)
