@@ -62,8 +62,8 @@ def main(spec_path: str, result_path: str) -> int:
             where = {name: placement_group_table(s.placement_group)["bundles_to_node_id"][0]
                      for name, s in slots.items()}
             result["engine_nodes"] = where
-            victim = next(n for n in nodes if n.unique_id == where[KILLED])
-            result["killed_node"] = victim.unique_id
+            victim = next(n for n in nodes if n.node_id == where[KILLED])
+            result["killed_node"] = victim.node_id
             result["held_at_kill"] = sorted(u.unit for u in slots[KILLED].inflight.values())
             threading.Thread(target=kill_node, args=(victim,), daemon=True).start()
 

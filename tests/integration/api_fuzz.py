@@ -2,10 +2,11 @@
 
 Each operation gets `examples` schema-valid requests and `examples` schema-violating
 ones (schemathesis' positive and negative generation: wrong types, missing fields,
-bad headers and tokens, bodies that are not JSON). Half of the generated jobs and
+bad headers and tokens, bodies that are not JSON). Half of the schema-valid jobs and
 inspections are pointed at a real model and dataset, so the server's preflight runs
 past its first check, with an output it cannot create (a path below a file): no fuzzed
-job can ever be queued and start engines.
+job can ever be queued and start engines. Schema-violating requests are sent as made
+(pointing them at real files could repair the very field they violate).
 
 Every response is judged by schemathesis' checks — no 5xx, status codes and bodies as
 the schema documents them, auth enforced — except `positive_data_acceptance`: a
@@ -68,8 +69,9 @@ def fuzz_api(url: str, token: str, real: dict[str, str], examples: int,
             operation = result.ok()  # type: ignore[union-attr]  # an invalid schema raises
             label = operation.label
             count = slow_examples if "inspect" in label else examples
+            real_files = st.booleans() if mode == GenerationMode.POSITIVE else st.just(False)
             strategy = st.tuples(operation.as_strategy(generation_mode=mode),
-                                 st.booleans()).map(pointed_at_real_files)
+                                 real_files).map(pointed_at_real_files)
 
             run = _fuzz_one(strategy, count, mode, label, token, hang_s, report,
                             positive_data_acceptance, FailureGroup)
