@@ -6,14 +6,16 @@ session's): `python -m tests.chaos.node_loss SPEC.json RESULT.json`.
 The cluster (`ray.cluster_utils.Cluster`): a head with no CPU (the driver's node) and two
 worker nodes of one CPU each, so the job's two engines (`replicas: 2`, one CPU each)
 land one on each node. Once a unit is committed and both engines hold units, the node
-of `engine-1` is removed with SIGKILL of all its processes (raylet, object store and
-the workers on it). The job must go on: the units engine-1 held fail an attempt and run
-on engine-0, whose node is untouched. RESULT.json says what happened; the test audits
-the output.
+of `engine-1` dies as a machine does: SIGKILL of every process of that node at once (its
+raylet, object store, and the workers the raylet started with their engine processes;
+`Cluster.remove_node` alone leaves a node's workers running). The job must go on: the
+units engine-1 held fail an attempt and run on engine-0, whose node is untouched.
+RESULT.json says what happened; the test audits the output.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -26,7 +28,9 @@ KILLED = "engine-1"
 
 
 def main(spec_path: str, result_path: str) -> int:
+    import psutil
     import ray
+    from ray._private.ray_constants import PROCESS_TYPE_RAYLET
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group_table
 
@@ -47,9 +51,14 @@ def main(spec_path: str, result_path: str) -> int:
     lock = threading.Lock()
 
     def kill_node(node: Any) -> None:
-        result["kill_started"] = time.time()
-        cluster.remove_node(node, allow_graceful=False)  # SIGKILL: raylet, store, workers
-        result["kill_done"] = time.time()
+        result["kill_at"] = time.time()
+        raylet = psutil.Process(node.all_processes[PROCESS_TYPE_RAYLET][0].process.pid)
+        victims = [*raylet.children(recursive=True), raylet]
+        result["processes_killed"] = len(victims)
+        for proc in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        cluster.remove_node(node, allow_graceful=False)  # the rest: object store, agents
 
     def on_progress(progress: Any) -> None:
         with lock:
@@ -77,7 +86,12 @@ def main(spec_path: str, result_path: str) -> int:
         summary = run_job(spec, pool=pool, hooks=hooks)
         result["summary"] = summary.as_dict()
         result["seconds"] = time.time() - started
+        # Ray marks the node dead once its health checks fail (the job may end first).
+        deadline = time.time() + 120
+        while sum(1 for n in ray.nodes() if n["Alive"]) > 2 and time.time() < deadline:
+            time.sleep(1)
         result["alive_nodes"] = sum(1 for n in ray.nodes() if n["Alive"])
+        result["node_dead_after_s"] = round(time.time() - result["kill_at"], 1)
     finally:
         Path(result_path).write_text(json.dumps(result))
         pool.shutdown()

@@ -2,7 +2,8 @@
 
 The job (`replicas: 2`) runs on a local three-node Ray cluster in its own process
 (tests/chaos/node_loss.py: the session's Ray stays untouched); the node holding
-`engine-1` is SIGKILLed while that engine holds units. The job completes on the engine
+`engine-1` is SIGKILLed (every process of it: raylet, store, workers, engines) while
+that engine holds units. The job completes on the engine
 left, and the output passes the audit. Starting a cluster and two engines costs minutes
 on a small machine: `slow` (make test-slow).
 """
@@ -47,8 +48,10 @@ def test_a_lost_node_moves_its_units_to_the_other_engine(make_job: Any, tmp_path
     # What the lost engine held was committed by the other one.
     assert set(result["held_at_kill"]) <= set(by_worker["engine-0"]), by_worker
     assert result["summary"]["restarts"] >= 1
-    assert result["alive_nodes"] == 2  # the head and the node left
+    assert result["alive_nodes"] == 2  # Ray saw the node die: the head and the node left
     figures = audit(Path(spec.output), dataset)
     report("node lost", {"faults": 1, "held_at_kill": result["held_at_kill"],
                          "units_by_worker": by_worker,
+                         "processes_killed": result["processes_killed"],
+                         "node_dead_after_s": result["node_dead_after_s"],
                          "job_seconds": round(result["seconds"], 1), **figures})
