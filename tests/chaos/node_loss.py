@@ -46,7 +46,7 @@ def main(spec_path: str, result_path: str) -> int:
              logging_level=logging.WARNING)
     pool = EnginePool()
     result: dict[str, Any] = {"units_by_worker": {}, "held_at_kill": [], "killed_node": None,
-                              "engine_nodes": {}}
+                              "engine_nodes": {}, "done_after_kill": []}
     units_by: dict[str, list[int]] = result["units_by_worker"]
     lock = threading.Lock()
 
@@ -79,6 +79,8 @@ def main(spec_path: str, result_path: str) -> int:
     def on_unit_done(report: Any) -> None:
         with lock:
             units_by.setdefault(report.worker, []).append(report.unit)
+            if "kill_at" in result:
+                result["done_after_kill"].append([report.worker, report.unit])
 
     hooks = DispatchHooks(on_progress=on_progress, on_unit_done=on_unit_done)
     started = time.time()
