@@ -575,14 +575,19 @@ def execute(
     # Engines that start together begin together: a job with `replicas: 2` should not
     # be finished by the first engine while the second is still loading. A slow
     # starter holds the others back for START_GRACE_S at most.
-    gate_open = all(s.state != "starting" for s in slots)
+    # A worker Ray is restarting (it served before: a job earlier on this pool lost it)
+    # holds nobody back.
+    def all_started() -> bool:
+        return all(s.state != "starting" or s.ever_ready for s in slots)
+
+    gate_open = all_started()
     first_ready: float | None = None
 
     emit(False)
     while any(s.inflight for s in slots) or (queue and not result.cancelled
                                               and result.fatal is None):
         if not gate_open:
-            gate_open = all(s.state != "starting" for s in slots) or (
+            gate_open = all_started() or (
                 first_ready is not None and time.monotonic() - first_ready > START_GRACE_S
             )
         if hooks.cancelled is not None and hooks.cancelled() and not result.cancelled:
