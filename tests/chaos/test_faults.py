@@ -84,7 +84,8 @@ def test_sigkill_at_a_commit_step_then_a_rerun_completes(
     # committed before its worker died is not listed as given up.
     assert given_up and not committed.intersection(given_up), (failed.value, committed)
     assert committed.union(given_up) == {0, 1}
-    assert committed == ({0} if point == "after_commit_record" else set())
+    # The worker holds both units: whichever reaches its commit record first is kept.
+    assert len(committed) == (1 if point == "after_commit_record" else 0), committed
     # What a crash there leaves: nothing a reader sees but whole, committed shards.
     shards = {p.name for p in (output / SHARDS_DIR).glob("*")}
     staged = list((output / TMP_DIR).glob("shards--*"))
