@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx.draft import draft_folder, read_train_state, write_json
+from hsx.draft import bucket_draft, fetch_draft, read_train_state, write_json
 from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_EVAL
 from hsx.spec import TrainSpec
@@ -145,11 +145,12 @@ def evaluate_draft(
     """Measure the output's draft (or `draft`) in vLLM on the prompts its training held
     out (by its spec in draft/train.json, else the default one); with `record` (and the
     output's own draft) the result is written to draft/eval.json too. The draft lives in
-    `<draft_root>/draft/` (`hsx.draft.draft_folder`: the output's own folder on disk)."""
+    `<draft_root>/draft/` (`hsx.draft.draft_folder`: the output's own folder on disk);
+    an object-store output's is downloaded there first, and its eval.json uploaded."""
     out = Output.of(output)
     root: Path | None
     if draft is None:
-        root = draft_folder(out, draft_root)
+        root = fetch_draft(out, draft_root)
         draft = str(root / DRAFT_DIR)
         own = True
     else:  # another draft: the training's spec is read when its folder is known
@@ -167,6 +168,8 @@ def evaluate_draft(
             "time": time.time(), "error": None}
     if record and own and root is not None:
         write_json(root / DRAFT_EVAL, body)
+        if (mirror := bucket_draft(out, root)) is not None:
+            mirror.push_draft()
     return body
 
 

@@ -1,8 +1,10 @@
 """Names of the objects in a job's output location (see docs/FORMAT.md).
 
 The same keys on local disk and in an object store (`s3://bucket/prefix/<key>`); only
-`.tmp/` (local staging) and `draft/` (written by the trainer on a file system) are
-local-disk things.
+`.tmp/` (local staging) is a local-disk thing. The trainer writes `draft/` on a file
+system; for an object-store output it trains in a local folder and uploads each finished
+checkpoint and the draft beside it, each folder ending with its `uploaded.json`
+(`hsx.draft.BucketDraft`).
 
 ```
 <output>/
@@ -20,6 +22,8 @@ local-disk things.
     validation.jsonl                 one record per validation (at each checkpoint)
     train.json                       the trainer's state, plan, best checkpoint
     eval.json                        the draft's acceptance in vLLM on held-out prompts
+    uploaded.json                    in a bucket: written last, names the files of draft/
+                                     (and of each checkpoint folder) a reader may take
 ```
 """
 
@@ -46,6 +50,7 @@ DRAFT_VALIDATION = "draft/validation.jsonl"
 DRAFT_EVAL = "draft/eval.json"
 DRAFT_STOP = "draft/.stop"  # asks a running (distributed) training to checkpoint and stop
 CHECKPOINT_METRICS = "metrics.json"  # in each checkpoint folder
+DRAFT_UPLOADED = "uploaded.json"  # in a bucket: draft/'s and each checkpoint's, written last
 
 # Layer-id convention recorded in the manifest (DESIGN.md, "Layer ids").
 LAYER_CONVENTION = (
