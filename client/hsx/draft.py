@@ -60,10 +60,51 @@ def draft_folder(output: Output, draft_root: str | Path | None = None) -> Path:
     root = output.local_root
     if root is not None:
         return root
-    uri = output.uri
+    return _cache_folder("drafts", output.uri)
+
+
+def _cache_folder(kind: str, uri: str) -> Path:
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", uri.partition("://")[2]).strip("-.")[:80]
     digest = hashlib.sha256(uri.encode()).hexdigest()[:12]
-    return cache_root() / "drafts" / f"{slug}-{digest}"
+    return cache_root() / kind / f"{slug}-{digest}"
+
+
+def draft_view(output: Output) -> Path:
+    """A folder whose draft/ shows the output's draft for reading its files (the
+    coordinator's status): the output's own on local disk; for an object store a copy
+    of the bucket's draft/ as last uploaded (checkpoints not included), refreshed here
+    (one GET when nothing changed). Never the trainer's working folder, which runs ahead."""
+    root = output.local_root
+    if root is not None:
+        return root
+    view = _cache_folder("views", output.uri)
+    try:
+        BucketDraft(output.storage, view).pull_draft(tries=1)
+    except (StorageError, OSError) as err:
+        logger.debug("%s: draft not refreshed: %s", view, err)
+    return view
+
+
+def newest_checkpoint(root: str | Path) -> int | None:
+    """The step of the draft's newest checkpoint: in draft/checkpoints/, else (a view of
+    a bucket's draft) as the uploaded.json pulled with it names them."""
+    saved = checkpoints(root)
+    if saved:
+        return checkpoint_step(saved[-1])
+    marker = read_json(Path(root) / DRAFT_DIR / DRAFT_UPLOADED) or {}
+    steps = [s for s in marker.get("checkpoints") or [] if isinstance(s, int)]
+    return max(steps, default=None)
+
+
+def write_draft_json(output: Output, root: Path, name: str, body: dict[str, Any]) -> None:
+    """Write draft/`name` in `root` (`write_json`); for an object-store output into the
+    bucket's draft/ too, on top of its current files (pulled first)."""
+    mirror = bucket_draft(output, root)
+    if mirror is not None:
+        mirror.pull_draft()
+    write_json(root / DRAFT_DIR / name, body)
+    if mirror is not None:
+        mirror.push_draft()
 
 
 def fetch_draft(output: Output, draft_root: str | Path | None = None) -> Path:
@@ -311,12 +352,15 @@ class BucketDraft:
         local = _files(self.draft)
         wanted = {name: {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
                   for name, st in local.items()}
+        steps = sorted(s for p in checkpoints(self.root) if (s := checkpoint_step(p)) is not None)
         marker_key = f"{DRAFT_DIR}/{DRAFT_UPLOADED}"
         try:
-            old: dict[str, Any] = self._read_marker(marker_key)["files"]
+            marker = self._read_marker(marker_key)
         except FileNotFoundError:
-            old = {}
-        if old == wanted:
+            marker = {"files": {}}
+        old: dict[str, Any] = marker["files"]
+        steps = steps or marker.get("checkpoints") or []  # (eval-draft's folder has none)
+        if old == wanted and marker.get("checkpoints") == steps:
             return
         self.storage.delete(marker_key)
         for name, sig in wanted.items():
@@ -325,7 +369,8 @@ class BucketDraft:
         for name in old:
             if name not in wanted:
                 self.storage.delete(f"{DRAFT_DIR}/{name}")
-        body = {"files": wanted, "nonce": secrets.token_hex(8), "time": time.time()}
+        body = {"files": wanted, "checkpoints": steps, "nonce": secrets.token_hex(8),
+                "time": time.time()}
         self.storage.create(marker_key, json.dumps(body).encode())
 
     # -- download
@@ -380,11 +425,12 @@ class BucketDraft:
         final.parent.mkdir(parents=True, exist_ok=True)
         os.rename(tmp, final)  # whole or not at all, as the trainer publishes its own
 
-    def pull_draft(self) -> bool:
+    def pull_draft(self, tries: int = _PULL_TRIES) -> bool:
         """Make the local draft/ the bucket's (its files, as its uploaded.json names
-        them); files already the same are kept. False when the bucket has no draft."""
+        them, which is kept beside them); files already the same are kept. False when
+        the bucket has no draft. Read again while the trainer replaces it, `tries` times."""
         marker_key = f"{DRAFT_DIR}/{DRAFT_UPLOADED}"
-        for _ in range(_PULL_TRIES):
+        for _ in range(tries):
             try:
                 before = self.storage.read(marker_key)
             except FileNotFoundError:
@@ -404,6 +450,7 @@ class BucketDraft:
             except FileNotFoundError:
                 after = b""
             if after == before:
+                write_json(self.draft / DRAFT_UPLOADED, json.loads(before))
                 return True
             time.sleep(_PULL_WAIT_S)
         raise StorageError(f"{self.storage.url(DRAFT_DIR)} kept changing while it was read "

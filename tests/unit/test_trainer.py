@@ -540,8 +540,8 @@ def test_an_object_store_outputs_draft_is_uploaded_and_resumed(
     monkeypatch.setenv("HSX_CACHE", str(tmp_path / "cache-c"))
     fetched = fetch_draft(bucket) / DRAFT_DIR
     top = _bucket_files(root, DRAFT_DIR)
-    top.pop(DRAFT_UPLOADED)
-    assert _bucket_files(fetched.parent, DRAFT_DIR) == top
+    marker_bytes = json.dumps(json.loads(top.pop(DRAFT_UPLOADED)), indent=2).encode()
+    assert _bucket_files(fetched.parent, DRAFT_DIR) == {**top, DRAFT_UPLOADED: marker_bytes}
     from speculators.models.eagle3 import Eagle3DraftModel
 
     loaded = Eagle3DraftModel.from_pretrained(str(fetched))
@@ -551,6 +551,12 @@ def test_an_object_store_outputs_draft_is_uploaded_and_resumed(
     third = DraftTrainer(bucket, spec(max_steps=10, val_fraction=0.25), draft_root=elsewhere)
     assert third.run().step == 10 and third.resumed_from == 8
     assert (root / DRAFT_CHECKPOINTS / "step-00000010" / DRAFT_UPLOADED).is_file()
+    # The coordinator's status reads a copy of the bucket's draft/, not a working folder.
+    from hsx.draft import draft_view, newest_checkpoint, read_train_state
+
+    view = draft_view(bucket)
+    assert view not in (draft_folder(bucket), elsewhere) and newest_checkpoint(view) == 10
+    assert (read_train_state(view) or {})["step"] == 10
 
 
 def _ddp_worker(rank: int, root: str, port: int, runs: tuple[int, ...], out: str) -> None:

@@ -19,10 +19,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx.draft import bucket_draft, fetch_draft, read_train_state, write_json
+from hsx.draft import draft_folder, fetch_draft, read_train_state, write_draft_json
 from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_EVAL
 from hsx.spec import TrainSpec
+
+EVAL_FILE = DRAFT_EVAL.rpartition("/")[2]
 
 MIN_ANSWER_TOKENS = 8
 
@@ -167,13 +169,12 @@ def evaluate_draft(
             "draft_step": best.get("step", state.get("step")) if own else None,
             "time": time.time(), "error": None}
     if record and own and root is not None:
-        write_json(root / DRAFT_EVAL, body)
-        if (mirror := bucket_draft(out, root)) is not None:
-            mirror.push_draft()
+        write_draft_json(out, root, EVAL_FILE, body)
     return body
 
 
-def record_eval_error(draft_root: str | Path, error: str) -> None:
-    """<draft_root>/draft/eval.json says why the measurement failed (the coordinator
+def record_eval_error(output: Output | str | Path, error: str) -> None:
+    """The output's draft/eval.json says why the measurement failed (the coordinator
     shows it)."""
-    write_json(Path(draft_root) / DRAFT_EVAL, {"error": error, "time": time.time()})
+    out = Output.of(output)
+    write_draft_json(out, draft_folder(out), EVAL_FILE, {"error": error, "time": time.time()})

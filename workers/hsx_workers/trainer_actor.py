@@ -9,16 +9,19 @@ worker writes (draft/metrics.jsonl, draft/train.json).
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Any
 
-from hsx.draft import last_record, read_train_state
+from hsx.draft import draft_folder, last_record, read_train_state
+from hsx.output import Output
 from hsx.output.layout import DRAFT_METRICS
 from hsx.spec import TrainSpec
 from hsx_workers.trainer import DraftTrainer, StepMetrics, train_distributed
 
 
 class TrainerActor:
+    """Trains the draft of `output` (a path or URI: a bucket's draft is trained in this
+    node's working folder and uploaded; see hsx.draft)."""
+
     def __init__(self, output: str, spec: dict[str, Any]) -> None:
         self.output = output
         self.spec = TrainSpec.model_validate(spec)
@@ -44,7 +47,7 @@ class TrainerActor:
         if trainer is not None:
             return {"last": self._last, "first_step_at": trainer.first_step_at,
                     "resumed_from": trainer.resumed_from}
-        root = Path(self.output)
+        root = draft_folder(Output(self.output))
         state = read_train_state(root) or {}
         return {"last": last_record(root / DRAFT_METRICS),
                 "first_step_at": state.get("first_step_at"),
