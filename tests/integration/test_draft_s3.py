@@ -64,8 +64,8 @@ def test_train_into_the_bucket_and_resume_elsewhere(
     uri = bucket_output.uri
     monkeypatch.setenv("HSX_CACHE", str(tmp_path / "node-a"))
     assert main(["train", uri, "--set", "max_steps=4", *TRAIN]) == 0
-    out = capsys.readouterr().out
-    assert f"trained 4 steps, 0 epochs -> {uri}/draft" in out.replace("\n", "")
+    captured = capsys.readouterr()
+    assert f"-> {uri}/draft" in (captured.out + captured.err).replace("\n", "")
     work = draft_folder(bucket_output)
     assert work.is_relative_to(tmp_path / "node-a")
     assert _steps(work) == ["step-00000002", "step-00000004"]
@@ -86,7 +86,8 @@ def test_train_into_the_bucket_and_resume_elsewhere(
     # Another machine, an empty cache: resumes from the bucket's step 4.
     monkeypatch.setenv("HSX_CACHE", str(tmp_path / "node-b"))
     assert main(["train", uri, "--set", "max_steps=8", *TRAIN]) == 0
-    assert "(resumed from step 4)" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "(resumed from step 4)" in captured.out + captured.err
     other = draft_folder(bucket_output)
     assert other.is_relative_to(tmp_path / "node-b")
     steps = [json.loads(x)["step"] for x in
