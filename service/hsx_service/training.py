@@ -31,6 +31,7 @@ from hsx.draft import (
     read_train_state,
     read_validation,
 )
+from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_METRICS
 from hsx.spec import TrainSpec
 from hsx.wire import DraftEval, TrainPlan, TrainPoint, TrainState, TrainStatus, ValidationPoint
@@ -207,7 +208,7 @@ class Trainings:
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
         ref = task.options(num_cpus=1, num_gpus=1 if gpu else 0, max_retries=0,
                            runtime_env={"env_vars": env}).remote(
-            output, prompts=spec.eval_prompts, max_tokens=spec.eval_max_tokens,
+            Output(output), prompts=spec.eval_prompts, max_tokens=spec.eval_max_tokens,
             k=spec.ttt_steps)
         while True:
             ready, _ = ray.wait([ref], timeout=POLL_S)
@@ -240,7 +241,9 @@ class Trainings:
         options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 1,
                                    "num_gpus": 1 if gpu else 0}
         actor_cls: Any = ray.remote(TrainerActor)
-        return actor_cls.options(**options).remote(output, spec.model_dump(mode="json"))
+        # The Output carries the endpoint and credentials resolved here to the actor.
+        return actor_cls.options(**options).remote(Output(output),
+                                                   spec.model_dump(mode="json"))
 
     def _follow(self, job_id: str, actor: Any) -> tuple[str, str | None]:
         """Poll the actor until `run` ends: (done | stopped | failed | died, error)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shutil
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,36 @@ def test_train_into_the_bucket_and_resume_elsewhere(
     dest = tmp_path / "speculators"
     assert main(["export", "--format", "speculators", uri, str(dest), "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["samples"] == 18
+
+
+def test_the_coordinator_trains_a_bucket_output(
+    bucket_output: Output, tmp_path: Path, ray_local: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The coordinator's trainer actor (Ray) gets the Output, trains in its node's
+    working folder, uploads into the bucket; the status reads the bucket's copy."""
+    from hsx.spec import TrainSpec
+    from hsx.wire import TrainState
+    from hsx_service.ledger import Ledger
+    from hsx_service.training import Trainings
+
+    monkeypatch.delenv("HSX_CACHE", raising=False)
+    work = draft_folder(bucket_output)  # the actor's (Ray's workers keep the default)
+    spec = TrainSpec(draft_vocab_size=128, batch_tokens=48, checkpoint_every=2, steps=200,
+                     max_steps=4, val_fraction=0.25, eval_prompts=0, device="cpu")
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    trainings = Trainings(ledger)
+    try:
+        trainings.start("job-1", bucket_output.uri, spec)
+        assert trainings.wait_idle(600)
+        row = ledger.training("job-1")
+        assert row is not None and row.state is TrainState.done, row
+        assert BucketDraft(bucket_output.storage, tmp_path / "x").complete_checkpoints()
+        monkeypatch.setenv("HSX_CACHE", str(tmp_path / "coordinator"))
+        from hsx.draft import draft_view
+
+        status = trainings.status(row, draft_view(bucket_output))
+        assert status.step == 4 and status.checkpoint_step == 4
+        assert [p.step for p in status.history] == [1, 2, 3, 4]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -1178,7 +1178,8 @@ def train_distributed(
     (root / DRAFT_DIR).mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
         _train_worker,
-        train_loop_config={"output": output.uri, "draft_root": str(root),
+        # The Output itself: it carries the storage settings resolved here.
+        train_loop_config={"output": output, "draft_root": str(root),
                            "spec": spec.model_dump(mode="json"),
                            "poll_interval": poll_interval, "threads": 1},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),

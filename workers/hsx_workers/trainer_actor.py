@@ -19,11 +19,13 @@ from hsx_workers.trainer import DraftTrainer, StepMetrics, train_distributed
 
 
 class TrainerActor:
-    """Trains the draft of `output` (a path or URI: a bucket's draft is trained in this
-    node's working folder and uploaded; see hsx.draft)."""
+    """Trains the draft of `output` (an Output, which carries the storage settings the
+    coordinator resolved, or a path: a bucket's draft is trained in this node's working
+    folder and uploaded; see hsx.draft)."""
 
-    def __init__(self, output: str, spec: dict[str, Any]) -> None:
-        self.output = output
+    def __init__(self, output: Output | str, spec: dict[str, Any]) -> None:
+        self.output = Output.of(output)
+        self.root = draft_folder(self.output)  # where this node trains it
         self.spec = TrainSpec.model_validate(spec)
         self._stop = threading.Event()
         self._trainer: DraftTrainer | None = None
@@ -47,9 +49,8 @@ class TrainerActor:
         if trainer is not None:
             return {"last": self._last, "first_step_at": trainer.first_step_at,
                     "resumed_from": trainer.resumed_from}
-        root = draft_folder(Output(self.output))
-        state = read_train_state(root) or {}
-        return {"last": last_record(root / DRAFT_METRICS),
+        state = read_train_state(self.root) or {}
+        return {"last": last_record(self.root / DRAFT_METRICS),
                 "first_step_at": state.get("first_step_at"),
                 "resumed_from": state.get("resumed_from")}
 
