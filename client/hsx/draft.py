@@ -296,8 +296,10 @@ class BucketDraft:
                 steps.add(step)
         return steps
 
-    def _read_marker(self, key: str) -> dict[str, Any]:
-        data = self.storage.read(key)
+    def _read_marker(self, key: str, data: bytes | None = None) -> dict[str, Any]:
+        """An uploaded.json (read here unless its bytes are given), checked."""
+        if data is None:
+            data = self.storage.read(key)
         try:
             marker = json.loads(data)
         except ValueError:
@@ -438,7 +440,7 @@ class BucketDraft:
                     return False
                 time.sleep(_PULL_WAIT_S)  # being replaced by the trainer
                 continue
-            files: dict[str, Any] = self._read_marker(marker_key)["files"]
+            files: dict[str, Any] = self._read_marker(marker_key, before)["files"]
             local = _files(self.draft)
             for name, sig in files.items():
                 st = local.get(name)
