@@ -428,16 +428,19 @@ def execute(
     queue: deque[WorkUnit] = deque(job.pending)
     attempts: dict[int, int] = {}
     alone: set[int] = set()  # units that were on a failed worker: retried one at a time
-    live: dict[int, tuple[int, int]] = {}  # unit -> (samples, tokens) while it runs
+    # unit -> (samples, tokens) captured, (samples, tokens) regenerated, while it runs
+    live: dict[int, tuple[int, int, int, int]] = {}
     last_poll = 0.0
 
     def emit(extra_live: bool) -> None:
         shown = JobProgress(**{**progress.__dict__, "workers": {}})
         if extra_live:
             # What is shown includes the units still running, as far as they got.
-            shown.samples_done += sum(s for s, _ in live.values())
-            shown.tokens_done += sum(t for _, t in live.values())
-            shown.rate_tokens += sum(t for _, t in live.values())
+            shown.samples_done += sum(c[0] for c in live.values())
+            shown.tokens_done += sum(c[1] for c in live.values())
+            shown.rate_tokens += sum(c[1] for c in live.values())
+            shown.samples_generated += sum(c[2] for c in live.values())
+            shown.tokens_generated += sum(c[3] for c in live.values())
         for slot in slots:
             shown.workers[slot.name] = slot.state
             if slot.unit is not None:
@@ -570,6 +573,8 @@ def execute(
             progress.tokens_done += report.tokens
             progress.bytes += report.bytes
             progress.rate_tokens += report.tokens
+            progress.samples_generated += report.generated
+            progress.tokens_generated += report.generated_tokens
             if hooks.on_unit_done is not None:
                 hooks.on_unit_done(report)
         if time.monotonic() - last_poll >= POLL_S:
@@ -581,7 +586,8 @@ def execute(
                     held = {u.unit for u in slot.inflight.values()}
                     for unit, counts in units.items():
                         if unit in held:
-                            live[unit] = (int(counts[0]), int(counts[1]))
+                            c = [int(x) for x in counts] + [0, 0]  # older workers: 2
+                            live[unit] = (c[0], c[1], c[2], c[3])
             except (GetTimeoutError, RayActorError, RayTaskError):
                 pass
             emit(True)

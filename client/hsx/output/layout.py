@@ -10,6 +10,7 @@ local-disk things.
   inputs.arrow                     every good sample: sample_index, input_ids, loss_mask, length
   errors.arrow                     every bad row from ingestion: sample_index, reason
   shards/unit-000042-<attempt>.safetensors   one shard per work unit
+  regenerations/unit-000042-<attempt>.arrow  a regenerating job's answers of that unit
   commits/unit-000042.json         the commit record that makes that shard visible
   complete.json                    written once every unit is committed
   .tmp/                            in-progress files (local disk); never read by readers
@@ -34,6 +35,7 @@ INPUTS = "inputs.arrow"
 ERRORS = "errors.arrow"
 COMPLETE = "complete.json"
 SHARDS_DIR = "shards"
+REGENERATIONS_DIR = "regenerations"
 COMMITS_DIR = "commits"
 TMP_DIR = ".tmp"
 DRAFT_DIR = "draft"
@@ -62,6 +64,10 @@ def commit_path(unit: int) -> str:
 
 def shard_path(unit: int, attempt: str) -> str:
     return f"{SHARDS_DIR}/{unit_name(unit)}-{attempt}.safetensors"
+
+
+def regenerations_path(unit: int, attempt: str) -> str:
+    return f"{REGENERATIONS_DIR}/{unit_name(unit)}-{attempt}.arrow"
 
 
 def checkpoint_name(step: int) -> str:

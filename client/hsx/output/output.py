@@ -14,6 +14,7 @@ connections); what it caches (the manifest, the inputs table's reader) is rebuil
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import logging
 import os
@@ -31,18 +32,29 @@ from hsx.output.layout import (
     ERRORS,
     INPUTS,
     MANIFEST,
+    REGENERATIONS_DIR,
     SHARDS_DIR,
     commit_path,
+    regenerations_path,
 )
-from hsx.output.records import CommitRecord, Manifest, OutputCorrupt, SampleError
+from hsx.output.records import (
+    CommitRecord,
+    Manifest,
+    OutputCorrupt,
+    RegenerationsRef,
+    SampleError,
+)
 from hsx.output.shards import ShardCorrupt, ShardReader, ShardWriter, verify_shard
 from hsx.output.storage import ObjectExistsError, Storage
 from hsx.output.tables import (
     ERRORS_SCHEMA,
     INPUTS_SCHEMA,
+    REGENERATE_KEY,
+    REGENERATIONS_SCHEMA,
     TableRows,
     TableWriter,
     read_table,
+    with_messages,
 )
 from hsx.progress import JobProgress
 
@@ -69,6 +81,8 @@ class OutputTotals:
     bytes: int
     unit_errors: int  # samples a worker could not extract (commit records' errors)
     ingest_errors: int  # rows refused at ingestion
+    generated: int = 0  # samples whose conversation was regenerated (regenerate:)
+    generated_tokens: int = 0
 
     @property
     def errors(self) -> int:
@@ -86,6 +100,8 @@ class OutputTotals:
             bytes=self.bytes,
             units_total=self.units_total,
             units_done=self.units_done,
+            samples_generated=self.generated,
+            tokens_generated=self.generated_tokens,
         )
 
 
@@ -193,12 +209,18 @@ class Output:
 
     # ------------------------------------------------------------------ tables
 
-    def table_writer(self, name: str) -> TableWriter:
-        """A writer of `inputs.arrow` or `errors.arrow` (visible once committed)."""
+    def table_writer(self, name: str, *, messages: bool = False) -> TableWriter:
+        """A writer of `inputs.arrow` or `errors.arrow` (visible once committed).
+
+        `messages`: the inputs table of a regenerating job also keeps each row's
+        conversation (a `messages` column of JSON text)."""
         schemas = {INPUTS: INPUTS_SCHEMA, ERRORS: ERRORS_SCHEMA}
         if name not in schemas:
             raise ValueError(f"{name!r} is not a table of an output ({sorted(schemas)})")
-        return TableWriter(self.storage, name, schemas[name])
+        if messages and name != INPUTS:
+            raise ValueError("only the inputs table keeps messages")
+        schema = with_messages(INPUTS_SCHEMA) if messages else schemas[name]
+        return TableWriter(self.storage, name, schema)
 
     def inputs(self) -> pa.Table:
         """The whole inputs table (memory-mapped on local disk)."""
@@ -216,6 +238,37 @@ class Output:
         if not self.storage.exists(ERRORS):
             return ERRORS_SCHEMA.empty_table()
         return read_table(self.storage, ERRORS)
+
+    # ------------------------------------------------------------------ regenerations
+
+    def put_regenerations(self, unit: int, attempt: str, table: pa.Table,
+                          provenance: Mapping[str, Any]) -> RegenerationsRef:
+        """Store one attempt's regenerated conversations of `unit` whole (one object,
+        created once); the commit record that names the result makes it visible."""
+        table = table.cast(REGENERATIONS_SCHEMA.with_metadata(
+            {REGENERATE_KEY: json.dumps(dict(provenance), sort_keys=True).encode()}))
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        data = sink.getvalue().to_pybytes()
+        key = regenerations_path(unit, attempt)
+        self.storage.create(key, data)
+        return RegenerationsRef(
+            key=key, sha256=hashlib.sha256(data).hexdigest(), rows=table.num_rows,
+            bytes=len(data), tokens=sum(table.column("generated_tokens").to_pylist()),
+            truncated=sum(table.column("truncated").to_pylist()))
+
+    def read_regenerations(self, record: CommitRecord) -> pa.Table | None:
+        """The regenerated conversations of a committed unit, checked against its
+        record (None for a unit of a job that does not regenerate)."""
+        ref = record.regenerations
+        if ref is None:
+            return None
+        data = self.storage.read(ref.key)
+        if len(data) != ref.bytes or hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise OutputCorrupt(f"{self.url(ref.key)} does not match the checksum in the "
+                                f"commit record of unit {record.unit}")
+        return pa.ipc.open_file(pa.BufferReader(data)).read_all()
 
     # ------------------------------------------------------------------ commits
 
@@ -289,6 +342,8 @@ class Output:
             bytes=sum(r.bytes for r in records),
             unit_errors=sum(len(r.errors) for r in records),
             ingest_errors=manifest.num_errors,
+            generated=sum(r.regenerations.rows for r in records if r.regenerations),
+            generated_tokens=sum(r.regenerations.tokens for r in records if r.regenerations),
         )
 
     def errors(
@@ -341,11 +396,14 @@ class Output:
         "orphan" between its upload and its commit record.
         """
         removed = self.storage.abort_incomplete_writes()
-        named = {r.shard for r in self.commits()}
-        for info in self.storage.list(SHARDS_DIR):
-            if info.key not in named:
-                self.storage.delete(info.key)
-                removed += 1
+        records = self.commits()
+        named = {r.shard for r in records}
+        named.update(r.regenerations.key for r in records if r.regenerations is not None)
+        for folder in (SHARDS_DIR, REGENERATIONS_DIR):
+            for info in self.storage.list(folder):
+                if info.key not in named:
+                    self.storage.delete(info.key)
+                    removed += 1
         if removed:
             logger.info("removed %d orphaned objects from %s", removed, self)
         return removed
