@@ -83,6 +83,8 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int]) -> Any
     options["max_inflight_tokens"] = spec.vllm.max_inflight_tokens
     if spec.vllm.engine_args():
         options["engine_args"] = spec.vllm.engine_args()
+    if spec.regenerate is not None:
+        options["generates"] = True  # sampling with per-request seeds (vllm_engine.py)
     return EngineConfig(
         model=spec.model,
         layers=layers,

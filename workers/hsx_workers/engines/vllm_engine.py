@@ -38,6 +38,7 @@ from hsx_workers.spool import ERROR_SUFFIX, SPOOL_SUFFIX, read_error, spool_root
 logger = logging.getLogger(__name__)
 
 SPOOL_TIMEOUT_S = 120.0
+WHOLE_PREFILL_MIN_TOKENS = 4096  # per-step budget of a CPU engine without chunked prefill
 
 
 class VllmEngine:
@@ -92,6 +93,8 @@ class VllmEngine:
                     "distributed_executor_backend"):
             if opts.get(key) is not None:
                 engine_args[key] = opts[key]
+        if opts.get("generates"):
+            self._seeded_sampling_args(engine_args)
         # The job's own vLLM engine arguments, as they are (preflight refused any that
         # vLLM does not know or that capture sets).
         engine_args.update(opts.get("engine_args") or {})
@@ -109,6 +112,24 @@ class VllmEngine:
         logger.info("vLLM engine ready in %.1fs (spool %s%s)", time.monotonic() - started,
                     self.spool, ", hook capture" if self.hooks else "")
         self._next_id = 0
+
+    @staticmethod
+    def _seeded_sampling_args(engine_args: dict[str, Any]) -> None:
+        """An engine that also generates with per-request seeds (regenerate:).
+
+        On the CPU platform vLLM rewinds a seeded request's generator after each partial
+        prefill chunk, which CPU generators cannot do ("CPU Generator does not use
+        offset"): there, prompts are prefilled whole (no chunked prefill), which also
+        keeps a seed's draws independent of how a batch was cut.
+        """
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        engine_args["enable_chunked_prefill"] = False
+        engine_args["max_num_batched_tokens"] = max(
+            int(engine_args.get("max_num_batched_tokens") or 0), engine_args["max_model_len"],
+            WHOLE_PREFILL_MIN_TOKENS)
 
     def _capture_path(self) -> str:
         """The model preflight's capture path for this model with the vllm engine."""
