@@ -9,15 +9,11 @@ import pytest
 from hsx.regenerate import SEED_BITS, Conversation, GeneratedTurn, sample_seed
 from hsx.spec import SpecError, parse_job
 
+from .test_ingest import CHAT as INGEST_CHAT
+
 BASE = {"model": "/m", "dataset": "/d.jsonl", "output": "/o"}
-CHAT = [
-    {"role": "system", "content": "s"},
-    {"role": "user", "content": "u1"},
-    {"role": "assistant", "content": "a1"},
-    {"role": "user", "content": "u2"},
-    {"role": "assistant", "content": "a2"},
-    {"role": "user", "content": "trailing"},
-]
+# system, then three user/assistant exchanges (assistant at 2, 4, 6), then a user turn
+CHAT = [*INGEST_CHAT, {"role": "user", "content": "trailing"}]
 
 
 def test_regenerate_defaults_and_fields() -> None:
@@ -79,10 +75,10 @@ def _turn(text: str) -> GeneratedTurn:
 
 def test_last_turn_answers_the_history_before_the_last_assistant_message() -> None:
     conv = Conversation(5, CHAT, "last")
-    assert conv.next_prompt() == CHAT[:4]
+    assert conv.next_prompt() == CHAT[:6]
     conv.answer(_turn("new"))
     assert conv.finished and conv.next_prompt() is None
-    assert conv.messages() == [*CHAT[:4], {"role": "assistant", "content": "new"}]
+    assert conv.messages() == [*CHAT[:6], {"role": "assistant", "content": "new"}]
     assert not conv.truncated
 
 
@@ -90,13 +86,17 @@ def test_each_turn_sees_the_regenerated_turns_before_it() -> None:
     conv = Conversation(5, CHAT, "each")
     assert conv.next_prompt() == CHAT[:2]
     conv.answer(_turn("n1"))
-    assert conv.next_prompt() == [*CHAT[:2], {"role": "assistant", "content": "n1"}, CHAT[3]]
+    n1 = {"role": "assistant", "content": "n1"}
+    assert conv.next_prompt() == [*CHAT[:2], n1, CHAT[3]]
     conv.answer(GeneratedTurn("n2", 8, "length", 0))
-    assert conv.messages() == [*CHAT[:2], {"role": "assistant", "content": "n1"}, CHAT[3],
-                               {"role": "assistant", "content": "n2"}]
+    n2 = {"role": "assistant", "content": "n2"}
+    assert conv.next_prompt() == [*CHAT[:2], n1, CHAT[3], n2, CHAT[5]]
+    conv.answer(_turn("n3"))
+    assert conv.messages() == [*CHAT[:2], n1, CHAT[3], n2, CHAT[5],
+                               {"role": "assistant", "content": "n3"}]
     assert conv.truncated
     with pytest.raises(ValueError, match="already answered"):
-        conv.answer(_turn("n3"))
+        conv.answer(_turn("n4"))
 
 
 def test_a_conversation_without_assistant_turn_is_refused() -> None:

@@ -147,6 +147,14 @@ class SampleError(BaseModel):
     reason: str = Field(..., description="Why it has no hidden states, in words.")
 
 
+def _key_in(key: str, folder: str, what: str) -> str:
+    """`key` if it names an object directly inside `folder`, else ValueError."""
+    parts = key.split("/")
+    if len(parts) != 2 or parts[0] != folder or parts[1] in ("", ".", ".."):
+        raise ValueError(f"names bad {what} {key!r}")
+    return key
+
+
 class RegenerationsRef(BaseModel):
     """The table of a unit's regenerated conversations, named by its commit record."""
 
@@ -162,10 +170,7 @@ class RegenerationsRef(BaseModel):
     @field_validator("key")
     @classmethod
     def _key_in_folder(cls, key: str) -> str:
-        parts = key.split("/")
-        if len(parts) != 2 or parts[0] != REGENERATIONS_DIR or parts[1] in ("", ".", ".."):
-            raise ValueError(f"names bad regenerations table {key!r}")
-        return key
+        return _key_in(key, REGENERATIONS_DIR, "regenerations table")
 
 
 class CommitRecord(BaseModel):
@@ -201,10 +206,7 @@ class CommitRecord(BaseModel):
     @field_validator("shard")
     @classmethod
     def _shard_in_shards(cls, shard: str) -> str:
-        parts = shard.split("/")
-        if len(parts) != 2 or parts[0] != SHARDS_DIR or parts[1] in ("", ".", ".."):
-            raise ValueError(f"names bad shard {shard!r}")
-        return shard
+        return _key_in(shard, SHARDS_DIR, "shard")
 
     def checksums(self) -> tuple[str, str, str]:
         """(algorithm, header digest, data digest), from `checksum` or older records' keys."""
