@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import json
+from pathlib import Path
+from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
+from hsx.dataset import HiddenStatesDataset
+from hsx.output import Output, OutputCorrupt, ShardWriter
+from hsx.output.layout import REGENERATIONS_DIR
 from hsx.regenerate import SEED_BITS, Conversation, GeneratedTurn, sample_seed
 from hsx.spec import SpecError, parse_job
 
+from .outputs import make_manifest, write_manifest
 from .test_ingest import CHAT as INGEST_CHAT
 
 BASE = {"model": "/m", "dataset": "/d.jsonl", "output": "/o"}
@@ -102,3 +111,60 @@ def test_each_turn_sees_the_regenerated_turns_before_it() -> None:
 def test_a_conversation_without_assistant_turn_is_refused() -> None:
     with pytest.raises(ValueError, match="no assistant turn"):
         Conversation(1, CHAT[:2], "last")
+
+
+# ----------------------------------------------------------------------------- stored answers
+
+
+def _answers(indices: list[int]) -> pa.Table:
+    return pa.table({
+        "sample_index": indices,
+        "messages": [json.dumps([{"role": "assistant", "content": f"a{i}"}]) for i in indices],
+        "original": [json.dumps([{"role": "assistant", "content": f"o{i}"}]) for i in indices],
+        "seeds": [[sample_seed(0, i)] for i in indices],
+        "finish_reasons": [["length" if i % 2 else "stop"] for i in indices],
+        "generated_tokens": [3] * len(indices),
+        "truncated": [bool(i % 2) for i in indices],
+    })
+
+
+def _attempt(out: Output, attempt: str, indices: list[int]) -> tuple[ShardWriter, Any]:
+    writer = out.shard_writer(0, layers=[1], hidden_size=4, storage_dtype="bf16",
+                              attempt=attempt)
+    for i in indices:
+        writer.add(i, [1, 2], [0, 1], np.ones((2, 1, 4), np.float32))
+    ref = out.put_regenerations(0, attempt, _answers(indices), {"model": "m", "seed": 0})
+    return writer, ref
+
+
+def test_answers_become_visible_with_the_commit_and_a_losing_attempt_drops_its_own(
+    tmp_path: Path,
+) -> None:
+    out = write_manifest(tmp_path / "o", make_manifest(layers=[1], hidden_size=4,
+                                                       num_layers=1, units=[(0, 2)]))
+    first, first_ref = _attempt(out, "a1", [0, 1])
+    second, second_ref = _attempt(out, "a2", [0, 1])
+    assert first.commit(regenerations=first_ref).won
+    assert not second.commit(regenerations=second_ref).won
+    assert sorted(p.name for p in (tmp_path / "o" / REGENERATIONS_DIR).iterdir()) == [
+        Path(first_ref.key).name]
+    record = out.read_commit(0)
+    assert record.regenerations == first_ref
+    assert (first_ref.rows, first_ref.tokens, first_ref.truncated) == (2, 6, 1)
+    table = out.read_regenerations(record)
+    assert table is not None and table.column("sample_index").to_pylist() == [0, 1]
+    assert json.loads(table.schema.metadata[b"hsx.regenerate"]) == {"model": "m", "seed": 0}
+    assert Output(tmp_path / "o").totals().generated == 2
+
+    ds = HiddenStatesDataset(tmp_path / "o", backend="numpy")
+    assert ds[1]["regeneration"]["messages"] == [{"role": "assistant", "content": "a1"}]
+    assert ds[1]["regeneration"]["original"] == [{"role": "assistant", "content": "o1"}]
+    assert ds[1]["regeneration"]["truncated"]
+
+    # A table no record names (a crashed attempt's) is removed; a changed one is refused.
+    orphan = out.put_regenerations(0, "a3", _answers([0]), {})
+    assert out.clean_orphans() == 1
+    assert not (tmp_path / "o" / orphan.key).exists()
+    (tmp_path / "o" / first_ref.key).write_bytes(b"x" * first_ref.bytes)
+    with pytest.raises(OutputCorrupt, match="checksum"):
+        out.read_regenerations(record)
