@@ -194,14 +194,14 @@ class ExtractionWorker:
         ), table
 
     def _regen_of(self, output: Output, table: pa.Table) -> _Regen | None:
-        """The unit's regeneration, when its job regenerates (the manifest says)."""
+        """The unit's regeneration, when its job regenerates: ingestion kept the
+        conversations, and the manifest holds the job's `regenerate:` section."""
+        if MESSAGES_COLUMN not in table.column_names:
+            return None
         manifest = output.manifest()
         spec = manifest.spec.get("regenerate")
         if not spec:
             return None
-        if MESSAGES_COLUMN not in table.column_names:
-            raise ValueError(f"{output}: the job regenerates, but its inputs table keeps no "
-                             "conversations")
         path = manifest.spec.get("tokenizer") or manifest.model
         tokenizer = self._tokenizers.get(path)
         if tokenizer is None:
