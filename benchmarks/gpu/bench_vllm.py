@@ -140,22 +140,30 @@ class Bench:
                "--reps", str(self.args.reps), "--length", str(self.length),
                "--prompts", str(self.prompts)] + (["--cpu"] if self.cpu else [])
         log_path = self.work / f"{variant}.log"
+        result_path = self.work / f"{variant}.json"
+        result_path.unlink(missing_ok=True)
+        cmd += ["--result", str(result_path)]
         with open(log_path, "w") as log_file:
-            # Its own session: on a timeout the whole tree goes, vLLM's engine processes too.
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                                    env=env, start_new_session=True)
+            # vLLM logs to stdout: both streams go to the log, the numbers to a file. Its
+            # own session: on a timeout the whole tree goes, vLLM's engine processes too.
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
             try:
-                stdout, _ = proc.communicate(timeout=self.args.child_timeout)
+                proc.wait(timeout=self.args.child_timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                stacks = _stacks_of_tree(proc.pid)
+                _end_session(proc.pid)
+                (self.work / f"{variant}-stacks.txt").write_text(stacks)
                 raise RuntimeError(f"{variant} child timed out; its log: "
-                                   f"{log_path.read_text()[-3000:]}") from None
-        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode != 0 or not lines:
+                                   f"{log_path.read_text()[-3000:]}\nits stacks:\n"
+                                   f"{stacks[-6000:]}") from None
+            # The child leaves with os._exit, skipping vLLM's teardown, so its engine core
+            # process lives on holding the GPU's memory unless its session is ended here.
+            _end_session(proc.pid)
+        if proc.returncode != 0 or not result_path.exists():
             raise RuntimeError(f"{variant} child failed ({proc.returncode}): "
                                f"{log_path.read_text()[-3000:]}")
-        return dict(json.loads(lines[-1]))
+        return dict(json.loads(result_path.read_text()))
 
     def drop(self) -> dict[str, Any]:
         return self._vllm_alone("drop")
@@ -281,6 +289,11 @@ class Bench:
             out["tp 2 / tp 1"] = {"median": round(med(p["tp2"]["bf16-tmpfs"]) / med(one), 3)}
         if drop and p.get("bare"):
             out["drop/bare"] = {"median": round(med(drop["runs"]) / med(p["bare"]["runs"]), 3)}
+            with_capture, without = drop.get("memory", {}), p["bare"].get("memory", {})
+            if with_capture.get("cache_tokens") and without.get("cache_tokens"):
+                # The capture's cache-only layer shares the KV budget: fewer tokens in flight.
+                out["cache tokens, capture / bare"] = round(
+                    with_capture["cache_tokens"] / without["cache_tokens"], 3)
         return out
 
     def run(self) -> None:
@@ -346,6 +359,41 @@ def _actor_profiler(out: Path) -> Any:
     raise RuntimeError("no ExtractionWorker process to profile")
 
 
+def _end_session(sid: int) -> None:
+    """SIGKILL every process of session `sid` and wait until they are gone."""
+    import psutil
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(sid, signal.SIGKILL)
+    members = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == sid:
+                members.append(p)
+                p.kill()
+    psutil.wait_procs(members, timeout=60)
+
+
+def _stacks_of_tree(pid: int) -> str:
+    """py-spy dump of a process and its descendants (vLLM's engine core is a child): where a
+    hung child waits, kept for the results."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error as err:
+        return f"no stacks: {err}"
+    out = []
+    for p in procs:
+        try:
+            dump = subprocess.run(["py-spy", "dump", "--pid", str(p.pid)], capture_output=True,
+                                  text=True, timeout=30)
+            out.append(f"--- {p.pid} {' '.join(p.cmdline())[:200]}\n{dump.stdout}{dump.stderr}")
+        except (OSError, subprocess.SubprocessError, psutil.Error) as err:
+            out.append(f"--- {p.pid}: no dump ({err})")
+    return "\n".join(out)
+
+
 def child(args: argparse.Namespace) -> int:
     """drop / bare: vLLM's LLM.generate over the rows, `reps` times, timed."""
     from vllm import LLM, SamplingParams
@@ -371,6 +419,15 @@ def child(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     llm = LLM(**engine)
     start_s = time.perf_counter() - started
+    cache = llm.llm_engine.vllm_config.cache_config
+    memory: dict[str, Any] = {"num_gpu_blocks": cache.num_gpu_blocks,
+                              "block_size": cache.block_size,
+                              "cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size}
+    if not args.cpu:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        memory["device_used_bytes"] = total - free  # the engine core's, in its own process
     params = SamplingParams(max_tokens=1, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in rows]
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
@@ -382,8 +439,8 @@ def child(args: argparse.Namespace) -> int:
         tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
         runs.append({"tokens": tokens, "seconds": round(seconds, 3),
                      "tokens_per_s": round(tokens / seconds)})
-    sys.stdout.write(json.dumps({"engine_start_s": round(start_s, 1), "runs": runs}) + "\n")
-    sys.stdout.flush()
+    Path(args.result).write_text(json.dumps({"engine_start_s": round(start_s, 1), "runs": runs,
+                                             "memory": memory}))
     os._exit(0)  # skip vLLM's slow teardown; the parent only needs the numbers
 
 
@@ -429,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="one more tmpfs run per dtype under py-spy: where the actor and the "
                         "engine spend their CPU time")
     p.add_argument("--child", choices=["drop", "bare"], help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -50,14 +50,23 @@ for s in "$@"; do
       df -h /dev/shm /tmp | tee "$RES/df.txt" ;;
     bench)
       step bench
-      timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases disk drop hsx --profile --reps 1 \
+      # BENCH_PHASES / BENCH_FLAGS choose what runs, e.g. BENCH_PHASES="disk drop hsx tp2"
+      # puts TP=2 against TP=1 and the capture ceiling into one results file.
+      timeout 1200 python3 benchmarks/gpu/bench_vllm.py --phases ${BENCH_PHASES:-disk drop hsx} \
+        ${BENCH_FLAGS:---profile} --reps 1 --child-timeout 420 \
         --out "$RES/vllm-single.json" 2> "$RES/vllm-single.log"
-      cp /tmp/hsx-bench-vllm/*.log /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null ;;
+      cp /tmp/hsx-bench-vllm/*.log /tmp/hsx-bench-vllm/*-stacks.txt \
+        /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null ;;
     tests)
       step tests
-      timeout 900 python3 -m pytest tests/gpu -p no:cacheprovider -q -rA \
-        --junitxml "$RES/gpu-tests.xml" > "$RES/gpu-tests.log" 2>&1
-      tail -5 "$RES/gpu-tests.log" ;;
+      # One pytest per file, each under its own limit, verbose: a hung test costs its file,
+      # and what passed or failed before it is in the log as it happens.
+      for f in tests/gpu/test_*.py; do
+        name=$(basename "$f" .py)
+        timeout 900 python3 -m pytest "$f" -p no:cacheprovider -v -rA --timeout 600 \
+          --junitxml "$RES/$name.xml" > "$RES/$name.log" 2>&1
+        echo "$name: rc=$? $(tail -1 "$RES/$name.log")"
+      done ;;
     multi)
       step multi
       timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases hsx replicas2 tp2 --reps 1 \

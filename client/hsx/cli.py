@@ -10,8 +10,9 @@ HSX_API_TOKEN) say which server. Their results (a job id, a table, JSON) go to s
 they can be piped; progress and messages go to stderr.
 
 Exit codes: 0 done, 1 the job failed while running (or was cancelled; or the server
-answered with another error), 2 the job was refused (bad job file, bad model or layers,
-unwritable output, a path outside the server's allowed roots) before anything started.
+answered with another error; or `hsx verify` found bad shards), 2 the job was refused
+(bad job file, bad model or layers, unwritable output, a path outside the server's
+allowed roots) before anything started.
 """
 
 from __future__ import annotations
@@ -169,6 +170,48 @@ def _cmd_export(args: argparse.Namespace) -> int:
     console().print(f"train with: speculators train --data-path {summary.dest} "
                     f"--target-layer-ids {ids} --on-missing raise ...")
     return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    """Check every committed shard of an output; with --repair withdraw the bad ones."""
+    from hsx.output import Output, OutputCorrupt, OutputNotFound, StorageError
+
+    output = Output(args.uri)
+    try:
+        manifest = output.manifest()
+        units = output.committed_units()
+        with console().status(f"verifying {len(units)} committed shards of {output}") as st:
+            checked = 0
+
+            def tick(unit: int) -> None:
+                nonlocal checked
+                checked += 1
+                st.update(f"verifying shards of {output}: {checked}/{len(units)}")
+
+            bad = output.check_shards(on_checked=tick)
+    except (OutputNotFound, OutputCorrupt, StorageError) as err:
+        return _error(str(err), EXIT_REFUSED)
+    withdrawn = output.withdraw([b.unit for b in bad]) if args.repair and bad else []
+    if args.json:
+        sys.stdout.write(json.dumps({
+            "output": str(output), "units_total": len(manifest.units), "committed": len(units),
+            "bad": [{"unit": b.unit, "shard": b.shard, "reason": b.reason} for b in bad],
+            "withdrawn": withdrawn,
+        }) + "\n")
+    else:
+        for b in bad:  # one line each, tab-separated: for grep and cut
+            sys.stdout.write(f"unit {b.unit}\t{b.shard}\t{b.reason}\n")
+        if not bad:
+            console().print(f"[green]ok[/]: {len(units)} committed shards of {output} "
+                            "match their checksums")
+        elif withdrawn:
+            console().print(f"[yellow]withdrawn[/] {len(withdrawn)} bad shard(s) (units "
+                            f"{withdrawn}); run the job again to extract them")
+        else:
+            console().print(f"[bold red]{len(bad)} of {len(units)} committed shards are bad[/]; "
+                            "`hsx verify --repair` withdraws them so that a rerun of the "
+                            "job extracts those units again")
+    return EXIT_FAILED if bad else 0
 
 
 def _train_spec(args: argparse.Namespace) -> Any:
@@ -890,6 +933,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export what a still-running job has committed so far")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("verify", help="check every committed shard's checksums; "
+                       "--repair withdraws the bad ones so a rerun extracts them again")
+    p.add_argument("uri", help="the hsx output (directory, file:// or s3:// URI)")
+    p.add_argument("--repair", action="store_true",
+                   help="withdraw the commits of bad shards and remove them (no job may run "
+                   "on the output meanwhile)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.set_defaults(func=_cmd_verify)
 
     _add_remote_parsers(sub)
     return parser

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -54,13 +55,13 @@ class Settings(BaseSettings):
         None,
         description="Ray cluster to join (e.g. ray://head:10001); None starts a local Ray.",
     )
-    allowed_roots: Annotated[list[Path] | None, NoDecode] = Field(
+    allowed_roots: Annotated[list[Path | str] | None, NoDecode] = Field(
         None,
         description=(
-            "Directories that job datasets and outputs must lie in (symlinks resolved). "
-            "Unset: no restriction on a loopback server without a token, else the "
-            "directory the server was started in. A JSON list or paths separated by "
-            "`:` or `,`."
+            "Directories (symlinks resolved) and bucket prefixes (`s3://bucket/prefix`) "
+            "that job datasets and outputs must lie in. Unset: no restriction on a "
+            "loopback server without a token, else the directory the server was started "
+            "in. A JSON list, or entries separated by `,` (or `:` between local paths)."
         ),
     )
     api_token: str | None = Field(
@@ -121,14 +122,18 @@ class Settings(BaseSettings):
             return None  # `HSX_ALLOWED_ROOTS=` means unset, as for the token
         if text.startswith("["):
             return json.loads(text)
-        return [part for part in text.replace(",", os.pathsep).split(os.pathsep) if part]
+        # `:` separates local paths; inside `s3://...` it is the scheme's.
+        parts = re.split(rf",|{re.escape(os.pathsep)}(?!//)", text)
+        return [part for part in parts if part]
 
     @field_validator("allowed_roots")
     @classmethod
-    def _absolute_roots(cls, roots: list[Path] | None) -> list[Path] | None:
+    def _absolute_roots(cls, roots: list[Path | str] | None) -> list[Path | str] | None:
         if roots is None:
             return None
-        return [Path(os.path.realpath(root.expanduser())) for root in roots]
+        from hsx_service.paths import normalize_root
+
+        return [normalize_root(root) for root in roots]
 
     @field_validator("api_token")
     @classmethod
@@ -147,7 +152,7 @@ class Settings(BaseSettings):
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    def effective_roots(self) -> list[Path] | None:
+    def effective_roots(self) -> list[Path | str] | None:
         """The roots paths are checked against; None means no restriction."""
         if self.allowed_roots is not None:
             return self.allowed_roots

@@ -7,8 +7,11 @@ named. A path is judged by where it really lands: `..` and symlinks are resolved
 is what gets resolved — realpath does exactly that), and containment is decided by path
 components, so `/data-evil` is not inside `/data`.
 
-A `file://` URI is checked as the local path it names. Other schemes (`s3://`, ...) are
-not local paths; whether they are supported at all is the scheduler's answer.
+A `file://` URI is checked as the local path it names. A bucket URI (`s3://`, `gs://`,
+`az://`) is checked against the bucket roots (`s3://bucket/prefix`): same scheme and
+bucket, and the prefix's segments first in the URI's key, so `s3://b/data-evil` is not
+inside `s3://b/data`; `.`, `..` and empty segments are refused (storage keys have none).
+Any other scheme is refused while roots are set.
 
 What this cannot do: a path that is swapped for a symlink after the check (a race with
 someone who can already write inside an allowed root) is not caught here.
@@ -48,6 +51,40 @@ def local_candidates(field: str, value: str) -> list[str] | None:
     return [urllib.parse.unquote(parsed.path), value[len(FILE_SCHEME):]]
 
 
+OBJECT_SCHEMES = ("s3", "gs", "az")
+
+
+def bucket_location(field: str, value: str) -> tuple[str, str, tuple[str, ...]] | None:
+    """(scheme, bucket, key segments) of a bucket URI; None when `value` is not one."""
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme.lower() not in OBJECT_SCHEMES:
+        return None
+    bucket, _, key = rest.partition("/")
+    segments = tuple(key.rstrip("/").split("/")) if key.rstrip("/") else ()
+    if not bucket or any(seg in ("", ".", "..") for seg in segments):
+        raise JobRefused(
+            f"{field}: {value}: a bucket URI is s3://bucket/prefix with no empty, '.' or "
+            "'..' segments"
+        )
+    return scheme.lower(), bucket, segments
+
+
+def normalize_root(root: str | Path) -> str | Path:
+    """A root as checks compare it: a bucket URI normalized, a local path resolved."""
+    text = os.fspath(root)
+    try:
+        location = bucket_location("allowed root", text)
+    except JobRefused as err:
+        raise ValueError(str(err)) from None
+    if location is not None:
+        scheme, bucket, segments = location
+        return f"{scheme}://{bucket}" + "".join(f"/{seg}" for seg in segments)
+    candidates = local_candidates("allowed root", text)
+    if candidates is None:
+        raise ValueError(f"allowed root {text!r}: use a directory, file:// or s3://bucket/prefix")
+    return resolve(candidates[0])
+
+
 def resolve(path: str | Path) -> Path:
     """Where `path` really lands: `~` expanded, symlinks and `..` resolved.
 
@@ -62,24 +99,37 @@ def within(path: Path, root: Path) -> bool:
     return path == root or path.is_relative_to(root)
 
 
-def check_path(field: str, value: str, roots: Sequence[Path]) -> None:
+def check_path(field: str, value: str, roots: Sequence[str | Path]) -> None:
     """Raise JobRefused (naming `field`) unless every reading of `value` is inside a root."""
-    candidates = local_candidates(field, value)
-    if candidates is None:
-        return
-    resolved_roots = [resolve(root) for root in roots]
+    normalized = [normalize_root(root) for root in roots]
+    allowed = ", ".join(str(root) for root in normalized) or "none"
+    location = bucket_location(field, value)
+    if location is not None:
+        for root in normalized:
+            inside = bucket_location("allowed root", str(root)) if isinstance(root, str) else None
+            if inside is not None and inside[:2] == location[:2] and (
+                location[2][: len(inside[2])] == inside[2]
+            ):
+                return
+        raise JobRefused(f"{field}: {value} is outside the server's allowed roots ({allowed})")
+    if "://" in value and not value.startswith(FILE_SCHEME):
+        raise JobRefused(
+            f"{field}: {value}: only local paths, file:// and bucket URIs inside the "
+            f"server's allowed roots ({allowed}) are accepted"
+        )
+    candidates = local_candidates(field, value) or []
+    local_roots = [root for root in normalized if isinstance(root, Path)]
     for candidate in candidates:
         real = resolve(candidate)
-        if any(within(real, root) for root in resolved_roots):
+        if any(within(real, root) for root in local_roots):
             continue
         where = f" (resolves to {real})" if str(real) != candidate else ""
-        allowed = ", ".join(str(root) for root in resolved_roots) or "none"
         raise JobRefused(
             f"{field}: {value}{where} is outside the server's allowed roots ({allowed})"
         )
 
 
-def check_job_paths(spec: JobSpec, roots: Sequence[Path] | None) -> None:
+def check_job_paths(spec: JobSpec, roots: Sequence[str | Path] | None) -> None:
     """Refuse a job whose dataset or output lies outside `roots` (None: no restriction)."""
     if roots is None:
         return

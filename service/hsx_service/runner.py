@@ -28,7 +28,8 @@ from typing import Any
 
 from hsx import __version__
 from hsx.modelinfo import ModelInfo
-from hsx.output import OutputCorrupt, OutputTotals, StorageError
+from hsx.output import CommitRecord, OutputCorrupt, OutputTotals, StorageError, faults
+from hsx.output.storage import is_disk_full
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
 from hsx.spec import JobSpec
@@ -156,6 +157,7 @@ class _Slot:
     inflight: dict[Any, WorkUnit] = field(default_factory=dict)
     units_run: int = 0
     placement_group: Any = None
+    ready_failures: int = 0  # readiness checks of the current restart that failed
 
     @property
     def unit(self) -> WorkUnit | None:
@@ -164,6 +166,10 @@ class _Slot:
 
 
 PLACEMENT_TIMEOUT_S = 120.0
+# A restarted worker is asked whether it is ready up to READY_CHECKS times (pauses growing
+# by READY_PAUSE_S to 2 s: about 3 minutes in all) before the job fails.
+READY_CHECKS = 100
+READY_PAUSE_S = 0.2
 LOCAL_RAY_MIN_CPUS = 8
 
 
@@ -204,6 +210,8 @@ class EnginePool:
                 "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
             }
+            if os.environ.get(faults.ENV):  # crash tests: the workers are the ones to die
+                env[faults.ENV] = os.environ[faults.ENV]
             if not gpus:
                 binding = _cpu_binding(index, replicas, tp)
                 if binding:
@@ -338,6 +346,7 @@ class DispatchResult:
     failed_units: dict[int, str] = field(default_factory=dict)  # unit -> last error
     cancelled: bool = False
     restarts: int = 0
+    fatal: str | None = None  # what stopped the whole job (a full disk), not one unit
 
 
 def run_job(
@@ -359,6 +368,10 @@ def run_job(
         job = prepare(spec)
     except (StorageError, OutputCorrupt) as err:  # the output failed while being prepared
         raise JobRefused(f"output: {err}") from err
+    except OSError as err:
+        if is_disk_full(err):
+            raise JobFailed(disk_full_message(spec.output, err)) from err
+        raise
     if hooks.on_prepared is not None:
         hooks.on_prepared(job)
     try:
@@ -374,6 +387,8 @@ def run_job(
             finally:
                 if owned:
                     pool.shutdown()
+        if result.fatal is not None:
+            raise JobFailed(result.fatal)
         if result.cancelled:
             raise JobCancelled("cancelled")
         if result.failed_units:
@@ -382,11 +397,23 @@ def run_job(
         return finish(job, started, restarts=result.restarts)
     except (StorageError, OutputCorrupt) as err:  # committed units stay valid
         raise JobFailed(f"output: {err}") from err
+    except OSError as err:
+        if is_disk_full(err):
+            raise JobFailed(disk_full_message(job.output, err)) from err
+        raise
+
+
+def disk_full_message(output: Any, err: BaseException) -> str:
+    """The one message of a job stopped by a full output file system."""
+    return (f"output: no space left on device (ENOSPC) on {output}: free space there and "
+            f"run the job again; every committed unit is kept ({_first_line(err)})")
 
 
 def finish(job: PreparedJob, started: float, *, restarts: int = 0) -> JobSummary:
     """Every unit is committed: drop what attempts left behind, publish complete.json."""
-    job.output.clean_orphans()  # no attempt runs now: what no record names is garbage
+    # Every unit is committed: no attempt (of this driver or another) can commit now,
+    # so whatever no record names is garbage.
+    job.output.clean_orphans(final=True)
     summary = JobSummary.of(job.output.totals(), str(job.output), time.time() - started,
                             restarts=restarts)
     job.output.mark_complete(
@@ -420,7 +447,7 @@ def execute(
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     spec = job.spec
-    job.output.clean_orphans()
+    job.output.clean_orphans()  # what lost attempts left; another driver may be running
     config = engine_config_for(spec, job.model, job.layers)
     ensure_ray(spec.ray_address, spec.replicas * spec.tensor_parallel_size)
     check_capacity(spec)
@@ -456,7 +483,15 @@ def execute(
         if not slot.inflight:
             raise JobFailed(f"{slot.name}: {message}") from err
         retry = []
-        for unit in slot.inflight.values():
+        for ref, unit in list(slot.inflight.items()):
+            try:
+                # The attempt may have committed before its worker died: then it is done.
+                record = job.output.read_commit(unit.unit)
+            except FileNotFoundError:
+                record = None
+            if record is not None:
+                unit_done(slot, ref, record_report(record, slot.name))
+                continue
             attempts[unit.unit] = attempts.get(unit.unit, 0) + 1
             gave_up = attempts[unit.unit] >= max_attempts
             logger.warning("unit %d failed on %s (attempt %d): %s",
@@ -473,6 +508,39 @@ def execute(
         queue.extendleft(reversed(retry))
         slot.inflight.clear()
         restart(slot, kill)
+
+    def stop_for_full_disk(slot: _Slot, ref: Any, err: BaseException) -> None:
+        """The output's disk is full: no unit can commit. Dispatch stops, the units
+        in flight end (they fail alike or commit), the job fails naming ENOSPC."""
+        unit = slot.inflight.pop(ref)
+        message = _first_line(err)
+        logger.error("unit %d: the output is full: %s", unit.unit, message)
+        live.pop(unit.unit, None)
+        result.failed_units[unit.unit] = message
+        if hooks.on_unit_error is not None:
+            hooks.on_unit_error(unit, attempts.get(unit.unit, 0) + 1, message, True)
+        if result.fatal is None:
+            result.fatal = disk_full_message(job.output, err)
+        queue.clear()
+        slot.state = "busy" if slot.inflight else "idle"
+
+    def unit_done(slot: _Slot, ref: Any, report: Any) -> None:
+        unit = slot.inflight.pop(ref)
+        alone.discard(unit.unit)
+        slot.state = "busy" if slot.inflight else "idle"
+        slot.units_run += 1
+        live.pop(unit.unit, None)
+        progress.units_done += 1
+        progress.shards += 1
+        progress.samples_done += report.samples + len(report.errors)
+        progress.samples_failed += len(report.errors)
+        progress.tokens_done += report.tokens
+        progress.bytes += report.bytes
+        progress.rate_tokens += report.tokens
+        progress.samples_generated += report.generated
+        progress.tokens_generated += report.generated_tokens
+        if hooks.on_unit_done is not None:
+            hooks.on_unit_done(report)
 
     def restart(slot: _Slot, kill: bool) -> None:
         pool.restarts += 1
@@ -508,7 +576,8 @@ def execute(
     first_ready: float | None = None
 
     emit(False)
-    while any(s.inflight for s in slots) or (queue and not result.cancelled):
+    while any(s.inflight for s in slots) or (queue and not result.cancelled
+                                              and result.fatal is None):
         if not gate_open:
             gate_open = all(s.state != "starting" for s in slots) or (
                 first_ready is not None and time.monotonic() - first_ready > START_GRACE_S
@@ -544,11 +613,20 @@ def execute(
                 try:
                     ray.get(ref)
                     slot.state = "idle"
+                    slot.ready_failures = 0
                 except RayActorError as err:
                     if slot.units_run == 0:
                         # It never ran a unit: the engine cannot start (bad model, no memory).
                         raise JobFailed(f"{slot.name} could not start: {_first_line(err)}") from err
-                    restart(slot, kill=False)
+                    # While Ray restarts a dead worker, calls to it fail at once: this is the
+                    # same restart, asked again after a pause, and an engine that no longer
+                    # starts at all ends the job instead of being asked forever.
+                    slot.ready_failures += 1
+                    if slot.ready_failures > READY_CHECKS:
+                        raise JobFailed(f"{slot.name} did not start again after it failed: "
+                                        f"{_first_line(err)}") from err
+                    time.sleep(min(READY_PAUSE_S * slot.ready_failures, 2.0))
+                    slot.ready_ref = slot.actor.ready.remote()
                     continue
                 if first_ready is None:
                     first_ready = time.monotonic()
@@ -561,24 +639,12 @@ def execute(
                 fail_slot(slot, err, kill=False)
                 continue
             except RayTaskError as err:  # a unit raised: restart the engine, retry its units
-                fail_slot(slot, err, kill=True)
+                if is_disk_full(err):
+                    stop_for_full_disk(slot, ref, err)
+                else:
+                    fail_slot(slot, err, kill=True)
                 continue
-            unit = slot.inflight.pop(ref)
-            alone.discard(unit.unit)
-            slot.state = "busy" if slot.inflight else "idle"
-            slot.units_run += 1
-            live.pop(unit.unit, None)
-            progress.units_done += 1
-            progress.shards += 1
-            progress.samples_done += report.samples + len(report.errors)
-            progress.samples_failed += len(report.errors)
-            progress.tokens_done += report.tokens
-            progress.bytes += report.bytes
-            progress.rate_tokens += report.tokens
-            progress.samples_generated += report.generated
-            progress.tokens_generated += report.generated_tokens
-            if hooks.on_unit_done is not None:
-                hooks.on_unit_done(report)
+            unit_done(slot, ref, report)
         if time.monotonic() - last_poll >= POLL_S:
             last_poll = time.monotonic()
             busy = [s for s in slots if s.inflight]
@@ -595,6 +661,19 @@ def execute(
             emit(True)
     emit(False)
     return result
+
+
+def record_report(record: CommitRecord, worker: str) -> Any:
+    """A UnitReport of a unit found committed (its worker died before reporting it)."""
+    from hsx_workers.worker import UnitReport
+
+    answers = record.regenerations
+    return UnitReport(unit=record.unit, won=True, samples=record.samples,
+                      tokens=record.tokens, bytes=record.bytes,
+                      errors=[e.model_dump() for e in record.errors], worker=worker,
+                      generated=answers.rows if answers else 0,
+                      generated_tokens=answers.tokens if answers else 0,
+                      truncated=answers.truncated if answers else 0)
 
 
 def check_capacity(spec: JobSpec) -> None:

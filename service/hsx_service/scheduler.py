@@ -121,6 +121,7 @@ class Scheduler:
         self._ttl = float(getattr(settings, "lease_ttl_s", 20.0))
         self._lost = threading.Event()  # the lease was taken over: step down
         self._standby: str | None = None  # why this coordinator waits, while it does
+        self._stepped_down: str | None = None  # why it lost the lease, until it holds it again
         self._thread_ended = False  # the job thread returned (rather than died)
         self._trainings_resumed = False
         self._current: str | None = None  # the job the job thread runs now
@@ -192,6 +193,7 @@ class Scheduler:
         if was_standby:
             self._load()
         self._standby = None
+        self._stepped_down = None
         self._lost.clear()
         self._trainings_resumed = False
 
@@ -207,8 +209,10 @@ class Scheduler:
                     self._acquire()
                     renewed = time.monotonic()
                 except LedgerHeld as err:
-                    self._standby = (f"standby: {err.holder.describe()} holds the ledger; "
-                                     "this coordinator takes over when it stops")
+                    # A coordinator that stepped down keeps saying why while it waits.
+                    why = f"{self._stepped_down}; " if self._stepped_down else ""
+                    self._standby = (f"standby: {why}{err.holder.describe()} holds the "
+                                     "ledger; this coordinator takes over when it stops")
                     self._mirror()
                     self._stop.wait(SUPERVISE_TICK_S)
                     continue
@@ -253,6 +257,7 @@ class Scheduler:
         logger.error("stepping down: %s", reason)
         self._ready = False
         self._lost.set()
+        self._stepped_down = reason
         self._standby = f"standby: {reason}"
         with self._wake:
             self._wake.notify_all()

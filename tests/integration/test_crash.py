@@ -107,7 +107,7 @@ def killed_worker_run(
     try:
         _wait_for_partial_shard(output, proc, min_commits=2)
         workers = worker_processes(proc.pid)
-        assert workers, "no ExtractionWorker process found under hsx extract"
+        assert len(workers) == 1, f"one ExtractionWorker under hsx extract, found {workers}"
         for worker in workers:
             worker.send_signal(signal.SIGKILL)
         _assert_only_complete_shards_visible(output)
@@ -121,7 +121,8 @@ def test_killed_worker_leaves_nothing_partial_and_the_job_completes(
     killed_worker_run: tuple[Path, dict[str, Any]], chat_dataset: ChatDataset
 ) -> None:
     output, summary = killed_worker_run
-    assert summary["restarts"] >= 1
+    # One worker killed once is one restart, however long Ray takes to bring it back.
+    assert summary["restarts"] == 1
     ds = HiddenStatesDataset(output)
     assert ds.complete
     assert ds.verify() == len(ds.records)

@@ -67,3 +67,25 @@ def write_inputs_table(output: Output | Path | str, rows: list[int],
     for batch in table.to_batches():
         writer.write(batch)
     writer.commit()
+
+
+def flip_sample_byte(shard: Path, sample: int, tensor: str = "hidden_states") -> int:
+    """Flip one byte in the middle of sample `sample`'s rows of `tensor` in a shard file
+    (in place, as a failing disk would); returns that sample's sample_index."""
+    from hsx.output.shards import _NUMPY_DTYPES, ShardReader
+
+    reader = ShardReader(shard)
+    info = reader._tensors[tensor]
+    row_bytes = _NUMPY_DTYPES[info["dtype"]].itemsize
+    for dim in info["shape"][1:]:
+        row_bytes *= dim
+    first, last = int(reader.offsets[sample]), int(reader.offsets[sample + 1])
+    at = reader._data_start + info["data_offsets"][0] + (first + last) // 2 * row_bytes
+    index = int(reader.sample_indices[sample])
+    reader.close()
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    return index

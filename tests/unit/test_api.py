@@ -327,19 +327,20 @@ def test_paths_outside_allowed_roots_are_refused(
     outside.mkdir()
     (root / "escape").symlink_to(outside)
     fields = {"model": "tiny", "dataset": str(root / "d.jsonl"), "output": str(root / "out")}
-    settings = Settings(allowed_roots=[root])
+    settings = Settings(allowed_roots=[root, "s3://b/team"])
     with TestClient(create_app(settings, fake)) as c:
         assert c.post("/v1/jobs", json={"spec": fields}).status_code == 201
         for bad in (str(root / ".." / "elsewhere" / "x"), str(root / "escape" / "x"),
-                    f"file://{outside}/x", str(tmp_path / "root-evil" / "x")):
+                    f"file://{outside}/x", str(tmp_path / "root-evil" / "x"),
+                    "s3://b/x", "s3://b/team-evil/x"):
             response = c.post("/v1/jobs", json={"spec": {**fields, field: bad}})
             assert response.status_code == 422, bad
             error = response.json()
             assert error["field"] == f"spec.{field}"
             assert "outside the server's allowed roots" in error["message"]
-        # Other schemes are not local paths: the scheduler decides about them.
+        # A bucket prefix among the roots: what lies under it is allowed.
         if field == "output":
-            other = c.post("/v1/jobs", json={"spec": {**fields, "output": "s3://b/x"}})
+            other = c.post("/v1/jobs", json={"spec": {**fields, "output": "s3://b/team/x"}})
             assert other.status_code == 201
     assert fake.calls.count("submit") == (2 if field == "output" else 1)
 
@@ -614,6 +615,12 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert settings.effective_roots() == settings.allowed_roots
     monkeypatch.setenv("HSX_ALLOWED_ROOTS", '["/a", "/b"]')
     assert Settings().allowed_roots == [Path("/a"), Path("/b")]
+    monkeypatch.setenv("HSX_ALLOWED_ROOTS", f"s3://team/hs/,{tmp_path}:S3://b")
+    assert Settings().allowed_roots == ["s3://team/hs", Path(os.path.realpath(tmp_path)),
+                                        "s3://b"]
+    monkeypatch.setenv("HSX_ALLOWED_ROOTS", "s3://team/../x")
+    with pytest.raises(ValueError, match=r"no empty, '\.' or '\.\.' segments"):
+        Settings()
     monkeypatch.delenv("HSX_ALLOWED_ROOTS")
     assert Settings().effective_roots() is None  # loopback, no token: the laptop case
     assert Settings(host="0.0.0.0").effective_roots() == [Path(os.path.realpath(os.getcwd()))]

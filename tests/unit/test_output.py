@@ -9,6 +9,7 @@ same paths run against a real S3 server in tests/integration/test_output_s3.py.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from hsx.output import (
 from hsx.output.layout import COMMITS_DIR, ERRORS, INPUTS, MANIFEST, SHARDS_DIR, TMP_DIR
 from hsx.output.local_storage import LocalStorage
 from hsx.output.tables import ERRORS_SCHEMA, INPUTS_SCHEMA, TableWriter
-from tests.unit.outputs import make_manifest, write_manifest
+from tests.unit.outputs import flip_sample_byte, make_manifest, write_manifest
 from tests.unit.test_dataset import LAYERS, UNITS, check, sample, write_unit
 from tests.unit.test_dataset import write_manifest as write_planned
 
@@ -75,8 +76,8 @@ class RangedStorage(Storage):
     def check_writable(self) -> None:
         self.disk.check_writable()
 
-    def abort_incomplete_writes(self) -> int:
-        return self.disk.abort_incomplete_writes()
+    def abort_incomplete_writes(self, which: Callable[[str], bool] | None = None) -> int:
+        return self.disk.abort_incomplete_writes(which)
 
 
 @pytest.fixture(params=["mapped", "ranged"])
@@ -228,7 +229,11 @@ def test_clean_orphans_and_the_complete_marker(written: Path) -> None:
     (written / SHARDS_DIR / "unit-000007-dead.safetensors").write_bytes(b"x" * 10)
     (written / TMP_DIR / "shards--unit-000001-b.safetensors.1234.part").write_bytes(b"y")
     (written / COMMITS_DIR / "notes.txt").write_text("not a record")
-    assert out.clean_orphans() == 2
+    # Safe beside a running attempt: only unit 1's loser (unit 1 is committed); unit 7's
+    # shard may be an attempt between its upload and its record.
+    assert out.clean_orphans() == 1
+    assert (written / SHARDS_DIR / "unit-000007-dead.safetensors").exists()
+    assert out.clean_orphans(final=True) == 1  # nothing runs: unit 7's is garbage too
     assert len(list((written / SHARDS_DIR).iterdir())) == 3
     assert out.verify() == 3
     assert not out.is_complete()
@@ -355,3 +360,75 @@ def test_a_commit_that_fails_takes_its_shard_back(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="access denied"):
         w.commit()
     assert out.committed_units() == set() and out.storage.list(SHARDS_DIR) == []
+
+
+# --------------------------------------------------------------------------- corruption
+
+
+@pytest.mark.parametrize("tensor", ["hidden_states", "input_ids"])
+def test_a_flipped_byte_is_named_with_its_shard_and_sample(
+        written: Path, kind: str, tensor: str) -> None:
+    out = open_output(written, kind)
+    record = out.read_commit(1)
+    index = flip_sample_byte(written / record.shard, 2, tensor)
+    ds = HiddenStatesDataset(out, backend="numpy")
+    bad_position = next(i for i, r in enumerate(ds.records) if r.unit == 1)
+    first = ds._index.starts[bad_position]
+    with pytest.raises(ShardCorrupt, match=rf"unit-000001-.*\(unit 1\): sample 2 "
+                                           rf"\(sample_index {index}\)"):
+        ds[first + 2]
+    for i in range(len(ds)):  # every other sample reads
+        if i != first + 2:
+            ds[i]
+    bad = out.check_shards()
+    assert [(b.unit, b.shard) for b in bad] == [(1, out.url(record.shard))]
+    assert "data checksum mismatch" in bad[0].reason
+    assert f"samples 2 (sample_index {index}) fail their checksums" in bad[0].reason
+    with pytest.raises(ShardCorrupt, match="1 corrupt shard"):
+        out.verify()
+    out.mark_complete({"samples": 12})
+    assert out.withdraw([1, 5]) == [1]
+    assert out.committed_units() == {0, 2} and not out.is_complete()
+    assert not (written / record.shard).exists()
+    assert out.check_shards() == [] and out.verify() == 2
+
+
+def test_a_record_that_cannot_be_read_is_listed(written: Path) -> None:
+    (written / COMMITS_DIR / "unit-000002.json").write_text("{not json")
+    out = Output(written)
+    bad = out.check_shards()
+    assert [b.unit for b in bad] == [2] and "unit-000002.json" in bad[0].shard
+    assert out.withdraw([2]) == [2] and out.committed_units() == {0, 1}
+    # Its shard, which no record names now: removed by the final clean-up (a rerun's end).
+    assert out.clean_orphans() == 0 and out.clean_orphans(final=True) == 1
+
+
+def test_hsx_verify_lists_bad_shards_and_repair_withdraws_them(
+        written: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hsx.cli import main
+
+    assert main(["verify", str(written)]) == 0
+    out = Output(written)
+    flip_sample_byte(written / out.read_commit(2).shard, 0)
+    assert main(["verify", str(written), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [b["unit"] for b in report["bad"]] == [2] and report["withdrawn"] == []
+    assert main(["verify", str(written)]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unit 2\t") and "checksum" in lines[0]
+    assert main(["verify", str(written), "--repair", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["withdrawn"] == [2]
+    assert main(["verify", str(written)]) == 0
+    assert Output(written).committed_units() == {0, 1}
+    assert main(["verify", str(written / "nothing-here")]) == 2
+
+
+def test_a_disk_full_error_is_recognised_after_crossing_processes() -> None:
+    import errno
+
+    from hsx.output.storage import is_disk_full
+
+    assert is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert is_disk_full(RuntimeError("cannot write shard data: [Errno 28] No space left on "
+                                     "device"))
+    assert not is_disk_full(OSError(errno.EACCES, "Permission denied"))

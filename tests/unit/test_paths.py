@@ -89,8 +89,26 @@ def test_file_uris(tree: dict[str, Path]) -> None:
     for host in ("otherhost", "localhost"):
         assert "no host" in refused(f"file://{host}{data}/x", [data])
     assert local_candidates("output", "s3://bucket/x") is None
-    check_path("output", "s3://bucket/x", [data])  # not a local path: the scheduler decides
     assert local_candidates("output", "file:///a%20b") == ["/a b", "/a%20b"]
+
+
+def test_bucket_prefixes_as_roots(tree: dict[str, Path]) -> None:
+    roots: list[str | Path] = [tree["data"], "s3://team/hs/", "GS://other"]
+    for value in ("s3://team/hs", "s3://team/hs/job-1", "s3://team/hs/a/b/", "gs://other/x",
+                  str(tree["data"] / "out")):
+        check_path("output", value, roots)
+    for value in ("s3://team/hs-evil/x", "s3://team/x", "s3://team", "s3://teamx/hs/a",
+                  "gs://team/hs/a", "az://team/hs/a"):
+        assert "outside the server's allowed roots" in refused(value, roots)
+    for value in ("s3://team/hs/../x", "s3://team/hs//x", "s3://team/hs/./x", "s3:///hs"):
+        assert "no empty, '.' or '..' segments" in refused(value, roots)
+    # A bucket is not a local root and a directory is not a bucket root.
+    refused("s3://bucket/x", [tree["data"]])
+    refused(str(tree["data"] / "x"), ["s3://team/hs"])
+    # Schemes that name neither are refused while roots are set.
+    assert "only local paths, file:// and bucket URIs" in refused("http://host/x", roots)
+    check_job_paths(JobSpec(model="m", dataset="s3://team/hs/data.jsonl",
+                            output="s3://team/hs/out"), roots)
 
 
 def test_home_is_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

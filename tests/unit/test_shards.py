@@ -205,7 +205,8 @@ def test_safetensors_library_reads_shard(tmp_path: Path, storage: str) -> None:
     record = write_unit(tmp_path, 9, samples, storage)
     path = tmp_path / record.shard
     ours = ShardReader(path)
-    names = {"hidden_states", "offsets", "sample_index", "input_ids", "loss_mask"}
+    names = {"hidden_states", "offsets", "sample_index", "input_ids", "loss_mask",
+             "sample_digests"}
     if storage == "fp8":
         names.add("scales")
     with safe_open(str(path), framework="pt") as f:
@@ -214,6 +215,7 @@ def test_safetensors_library_reads_shard(tmp_path: Path, storage: str) -> None:
         assert meta == {
             "format": "hsx-shard", "format_version": "1", "unit": "9",
             "layers": json.dumps(LAYERS), "storage_dtype": storage, "hidden_size": "24",
+            "sample_digest": "blake3",
         }
         for name in names:
             theirs = f.get_tensor(name)
@@ -405,11 +407,11 @@ def test_sigkill_mid_write_leaves_nothing_visible(tmp_path: Path) -> None:
     assert [r.unit for r in read_commits(tmp_path)] == [0]
     # A shard renamed into shards/ whose commit never happened is invisible too.
     (tmp_path / SHARDS_DIR / "unit-000005-dead.safetensors").write_bytes(b"x" * 100)
-    assert Output(tmp_path).clean_orphans() == 2
+    assert Output(tmp_path).clean_orphans(final=True) == 2
     assert not any((tmp_path / TMP_DIR).iterdir())
     assert len(list((tmp_path / SHARDS_DIR).iterdir())) == 1
     verify(tmp_path, read_commits(tmp_path)[0])
-    assert Output(tmp_path).clean_orphans() == 0
+    assert Output(tmp_path).clean_orphans(final=True) == 0
 
 
 def test_checksum_is_blake3_and_sha256_on_request(tmp_path: Path) -> None:
@@ -426,6 +428,9 @@ def test_checksum_is_blake3_and_sha256_on_request(tmp_path: Path) -> None:
                                   "header": blake3.blake3(data[:header_end]).hexdigest(),
                                   "data": blake3.blake3(data[header_end:]).hexdigest()}
     assert sha.checksum.algorithm == "sha256"
+    # The data sections differ: each holds its samples' digests in its own algorithm.
+    data = (tmp_path / "s" / sha.shard).read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
     assert sha.checksum.data == hashlib.sha256(data[header_end:]).hexdigest()
     verify(tmp_path / "s", sha)
     with pytest.raises(ValueError, match="checksum must be"):

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from hsx.output.output import Output, OutputNotFound, OutputTotals
+from hsx.output.output import BadShard, Output, OutputNotFound, OutputTotals
 from hsx.output.records import (
     CommitRecord,
     JobMismatch,
@@ -33,6 +33,7 @@ from hsx.output.storage import (
 )
 
 __all__ = [
+    "BadShard",
     "CommitRecord",
     "CommitResult",
     "JobMismatch",

@@ -26,6 +26,8 @@ local-disk things.
 
 from __future__ import annotations
 
+import re
+
 FORMAT_NAME = "hsx-hidden-states"
 FORMAT_VERSION = 1
 SHARD_FORMAT_NAME = "hsx-shard"
@@ -68,6 +70,18 @@ def shard_path(unit: int, attempt: str) -> str:
 
 def regenerations_path(unit: int, attempt: str) -> str:
     return f"{REGENERATIONS_DIR}/{unit_name(unit)}-{attempt}.arrow"
+
+
+_UNIT_KEY = re.compile(
+    rf"^(?:{SHARDS_DIR}/unit-(\d{{6,}})-[A-Za-z0-9_.]+\.safetensors"
+    rf"|{REGENERATIONS_DIR}/unit-(\d{{6,}})-[A-Za-z0-9_.]+\.arrow)$")
+
+
+def unit_of_key(key: str) -> int | None:
+    """The unit an attempt's object (`shard_path`, `regenerations_path`) belongs to, or
+    None for any other key."""
+    m = _UNIT_KEY.match(key)
+    return None if m is None else int(m.group(1) or m.group(2))
 
 
 def checkpoint_name(step: int) -> str:

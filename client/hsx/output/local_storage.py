@@ -17,6 +17,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from hsx.output import faults
 from hsx.output.storage import (
     STAGING_DIR,
     ObjectExistsError,
@@ -194,12 +195,15 @@ class LocalStorage(Storage):
                 raise
             raise StorageError(f"{self.uri} is not writable: {err.strerror or err}") from err
 
-    def abort_incomplete_writes(self) -> int:
+    def abort_incomplete_writes(self, which: Callable[[str], bool] | None = None) -> int:
         staging = self.root / STAGING_DIR
         if not staging.is_dir():
             return 0
         removed = 0
         for entry in staging.iterdir():
+            # Staging names are `<key with / as -->.<random>.part` (_staging_file).
+            if which is not None and not which(entry.name.rsplit(".", 2)[0].replace("--", "/")):
+                continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
@@ -239,7 +243,9 @@ class LocalObjectWriter(ObjectWriter):
             self._rewrite_with_head(head)
         elif head:
             _write_all(self._fd, memoryview(head), 0)
+        faults.reached("after_shard_write", self.key)
         os.fsync(self._fd)
+        faults.reached("after_fsync", self.key)
         size = os.fstat(self._fd).st_size
         os.close(self._fd)
         self._fd = -1

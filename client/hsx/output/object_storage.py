@@ -23,13 +23,16 @@ has static credentials; anything else says what to do instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import logging
 import os
+import random
 import secrets
 import tempfile
-from collections.abc import Iterator, Mapping
-from typing import Any
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from hsx.output.s3_multipart import (
     DEFAULT_MAX_INFLIGHT,
@@ -55,7 +58,15 @@ _S3_OWN_OPTIONS = frozenset({
     "allow_http", "virtual_hosted_style_request",
 })
 _SPOOL_CHUNK = 8 * 2**20
-_QUICK_RETRY = {"max_retries": 1, "retry_timeout": _dt.timedelta(seconds=10)}
+# The preflight probe's retries: enough to ride out a flaky store (a 5xx, a dropped
+# connection), few and quick enough that a wrong endpoint fails in seconds.
+_QUICK_RETRY = {
+    "max_retries": 4, "retry_timeout": _dt.timedelta(seconds=10),
+    "backoff": {"init_backoff": _dt.timedelta(milliseconds=100),
+                "max_backoff": _dt.timedelta(seconds=1), "base": 2},
+}
+_QUICK_ATTEMPTS = 5  # hsx's own client, for the bucket's HEAD
+_QUICK_CALLS = 3  # obstore calls of the probe (each already retried by obstore)
 
 
 _OBSTORE_PID: int | None = None
@@ -85,6 +96,47 @@ def _obstore(uri: str, what: str) -> Any:
 
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+_CALL_ATTEMPTS = 5
+# What obstore does not retry itself (measured through tests/faultproxy.py): an answer
+# cut off mid-body after the store acted ("request or response body error"), a
+# connection reset while sending. The call is repeated whole; a create repeated after
+# its first try landed fails with ObjectExistsError, which ShardWriter.commit resolves
+# by reading the record back.
+_TRANSIENT = ("body error", "error sending request", "connection reset",
+              "connection closed", "IncompleteBody", "broken pipe")
+_T = TypeVar("_T")
+
+
+def _transient(err: Exception) -> bool:
+    from obstore import exceptions as obx
+
+    if isinstance(err, obx.AlreadyExistsError | obx.NotFoundError | FileNotFoundError
+                  | obx.PermissionDeniedError | obx.UnauthenticatedError
+                  | obx.PreconditionError):
+        return False
+    text = str(err)
+    return any(marker in text for marker in _TRANSIENT)
+
+
+def _call(what: str, fn: Callable[[], _T], attempts: int = _CALL_ATTEMPTS) -> _T:
+    """`fn()` (one obstore call), repeated with backoff on transient failures that
+    obstore's own retries leave (`_TRANSIENT`); errors become StorageErrors naming
+    `what` and the cause."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except Exception as err:
+            if attempt == attempts or not _transient(err):
+                failed = _translate(err, what)
+                if attempt > 1:
+                    failed = type(failed)(f"{failed} (after {attempt} attempts)")
+                raise failed from err
+            delay = min(0.2 * 2 ** (attempt - 1), 2.0) * (0.5 + random.random())
+            logger.warning("%s: %s; retrying in %.2f s", what, _first_line(err), delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _translate(err: Exception, what: str) -> StorageError:
@@ -203,17 +255,14 @@ class ObjectStoreStorage(Storage):
 
     def create(self, key: str, data: bytes) -> None:
         obstore = _obstore(self.uri, "write")
-        try:
-            obstore.put(self.store, check_key(key), data, mode="create", use_multipart=False)
-        except Exception as err:
-            raise _translate(err, self.url(key)) from err
+        key = check_key(key)
+        _call(self.url(key), lambda: obstore.put(self.store, key, data, mode="create",
+                                                 use_multipart=False))
 
     def put(self, key: str, data: bytes) -> None:
         obstore = _obstore(self.uri, "write")
-        try:
-            obstore.put(self.store, check_key(key), data)
-        except Exception as err:
-            raise _translate(err, self.url(key)) from err
+        key = check_key(key)
+        _call(self.url(key), lambda: obstore.put(self.store, key, data))
 
     # -- large objects
 
@@ -242,10 +291,8 @@ class ObjectStoreStorage(Storage):
                 raise ObjectNotFoundError(f"{self.url(key)} does not exist")
             return data
         obstore = _obstore(self.uri, "read")
-        try:
-            return bytes(obstore.get(self.store, check_key(key)).bytes())
-        except Exception as err:
-            raise _translate(err, self.url(key)) from err
+        key = check_key(key)
+        return _call(self.url(key), lambda: bytes(obstore.get(self.store, key).bytes()))
 
     def read_range(self, key: str, start: int, length: int) -> memoryview:
         if start < 0 or length < 0:
@@ -262,11 +309,9 @@ class ObjectStoreStorage(Storage):
                                    f"got {len(got)}")
             return memoryview(got)
         obstore = _obstore(self.uri, "read")
-        try:
-            data = memoryview(obstore.get_range(self.store, check_key(key), start=start,
-                                                length=length))
-        except Exception as err:
-            raise _translate(err, f"{self.url(key)} [{start}, {start + length})") from err
+        key = check_key(key)
+        data = _call(f"{self.url(key)} [{start}, {start + length})", lambda: memoryview(
+            obstore.get_range(self.store, key, start=start, length=length)))
         if data.nbytes != length:
             raise StorageError(
                 f"{self.url(key)}: asked bytes [{start}, {start + length}), got {data.nbytes}"
@@ -279,12 +324,11 @@ class ObjectStoreStorage(Storage):
             size = http.head_object(check_key(key))
             return None if size is None else ObjectInfo(key, size)
         obstore = _obstore(self.uri, "read")
+        key = check_key(key)
         try:
-            meta = obstore.head(self.store, check_key(key))
-        except FileNotFoundError:
+            meta = _call(self.url(key), lambda: obstore.head(self.store, key))
+        except ObjectNotFoundError:
             return None
-        except Exception as err:
-            raise _translate(err, self.url(key)) from err
         return ObjectInfo(key, int(meta["size"]))
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
@@ -294,23 +338,22 @@ class ObjectStoreStorage(Storage):
             return sorted((ObjectInfo(k, n) for k, n in http.list_objects(folder)),
                           key=lambda info: info.key)
         obstore = _obstore(self.uri, "list")
-        out: list[ObjectInfo] = []
-        try:
+
+        def listing() -> list[ObjectInfo]:
+            out: list[ObjectInfo] = []
             for batch in obstore.list(self.store, folder or None, chunk_size=1000):
                 out.extend(ObjectInfo(m["path"], int(m["size"])) for m in batch)
-        except Exception as err:
-            raise _translate(err, f"listing {self.url(folder)}") from err
-        out.sort(key=lambda info: info.key)
-        return out
+            return out
+
+        return sorted(_call(f"listing {self.url(folder)}", listing), key=lambda i: i.key)
 
     def delete(self, key: str) -> None:
         obstore = _obstore(self.uri, "delete")
+        key = check_key(key)
         try:
-            obstore.delete(self.store, check_key(key))
-        except FileNotFoundError:
+            _call(self.url(key), lambda: obstore.delete(self.store, key))
+        except ObjectNotFoundError:
             return
-        except Exception as err:
-            raise _translate(err, self.url(key)) from err
 
     # -- checks and clean-up
 
@@ -326,32 +369,34 @@ class ObjectStoreStorage(Storage):
         store = self._make_store(_QUICK_RETRY)
         probe = f".hsx-probe-{secrets.token_hex(6)}"
         where = f"{self.uri} (probe object {probe})"
-        try:
-            obstore.put(store, probe, b"hsx", mode="create", use_multipart=False)
-        except Exception as err:
-            raise _translate(err, f"cannot write to {where}") from err
+        # The name is random: if it exists, a retry found our own first try.
+        with contextlib.suppress(ObjectExistsError):
+            _call(f"cannot write to {where}", lambda: obstore.put(
+                store, probe, b"hsx", mode="create", use_multipart=False), _QUICK_CALLS)
         try:
             try:
-                obstore.put(store, probe, b"again", mode="create", use_multipart=False)
-            except Exception as err:
-                if not isinstance(_translate(err, where), ObjectExistsError):
-                    raise _translate(err, where) from err
+                _call(where, lambda: obstore.put(
+                    store, probe, b"again", mode="create", use_multipart=False),
+                    _QUICK_CALLS)
+            except ObjectExistsError:
+                pass
             else:
                 raise StorageError(
                     f"{self.uri}: the object store does not honour conditional writes "
                     "(a second PUT with If-None-Match: * replaced the object); hsx needs "
                     "them to commit each unit exactly once"
                 )
-            got = bytes(obstore.get(store, probe).bytes())
+            got = _call(where, lambda: bytes(obstore.get(store, probe).bytes()),
+                        _QUICK_CALLS)
             if got != b"hsx":
                 raise StorageError(f"{where}: read back {got!r} instead of what was written")
             if self.multipart is not None:
                 self._check_multipart(probe + ".mp")
         finally:
             try:
-                obstore.delete(store, probe)
-            except Exception as err:
-                logger.warning("%s: could not delete the probe: %s", where, _first_line(err))
+                _call(where, lambda: obstore.delete(store, probe), _QUICK_CALLS)
+            except StorageError as err:
+                logger.warning("%s: could not delete the probe: %s", where, err)
 
     def _check_bucket(self) -> None:
         """HEAD the bucket first: SeaweedFS answers a PUT into a missing bucket with a
@@ -359,7 +404,8 @@ class ObjectStoreStorage(Storage):
         if self.multipart is None:
             return
         client = S3MultipartClient(
-            self.multipart.settings, self.multipart.prefix, max_attempts=2, timeout_s=10.0
+            self.multipart.settings, self.multipart.prefix, max_attempts=_QUICK_ATTEMPTS,
+            timeout_s=10.0,
         )
         try:
             status = client.head_bucket()
@@ -391,14 +437,15 @@ class ObjectStoreStorage(Storage):
             raise
         self.delete(key)
 
-    def abort_incomplete_writes(self) -> int:
+    def abort_incomplete_writes(self, which: Callable[[str], bool] | None = None) -> int:
         if self.multipart is None:
             logger.info(
                 "%s: unfinished uploads cannot be listed without static credentials; a "
                 "bucket lifecycle rule should expire them", self.uri,
             )
             return 0
-        uploads = self.multipart.list_uploads()
+        uploads = [(key, upload_id) for key, upload_id in self.multipart.list_uploads()
+                   if which is None or which(key)]
         for key, upload_id in uploads:
             self.multipart.abort_upload(key, upload_id)
         if uploads:
@@ -465,12 +512,10 @@ class StagedObjectWriter(ObjectWriter):
         obstore = _obstore(self._store.uri, "write")
         self._file.flush()
         try:
-            obstore.put(
+            _call(self._store.url(self.key), lambda: obstore.put(
                 self._store.store, self.key, self._chunks(head),
                 chunk_size=self._store.part_size, max_concurrency=self._store.max_inflight,
-            )
-        except Exception as err:
-            raise _translate(err, self._store.url(self.key)) from err
+            ))
         finally:
             self._file.close()
         return len(head) + self.body_bytes

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from hsx.output.layout import (
     SHARDS_DIR,
     commit_path,
     regenerations_path,
+    unit_of_key,
 )
 from hsx.output.records import (
     CommitRecord,
@@ -45,7 +46,7 @@ from hsx.output.records import (
     SampleError,
 )
 from hsx.output.shards import ShardCorrupt, ShardReader, ShardWriter, verify_shard
-from hsx.output.storage import ObjectExistsError, Storage
+from hsx.output.storage import ObjectExistsError, Storage, StorageError
 from hsx.output.tables import (
     ERRORS_SCHEMA,
     INPUTS_SCHEMA,
@@ -66,6 +67,15 @@ _READ_THREADS = 8  # commit records fetched side by side from an object store
 
 class OutputNotFound(FileNotFoundError):
     """No hsx output at the location (it has no manifest)."""
+
+
+@dataclass(frozen=True)
+class BadShard:
+    """A committed unit whose shard (or commit record) fails its checks."""
+
+    unit: int
+    shard: str  # the shard's URL (or the commit record's, when that cannot be read)
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -312,19 +322,95 @@ class Output:
             )
         return reader
 
-    def verify(self, records: Iterable[CommitRecord] | None = None) -> int:
-        """Check every committed shard's size and checksums (the whole of each is read);
-        returns how many. Raises ShardCorrupt naming every shard that fails."""
-        records = self.commits() if records is None else list(records)
-        problems = []
+    def check_shards(
+        self,
+        records: Iterable[CommitRecord] | None = None,
+        on_checked: Callable[[int], None] | None = None,
+    ) -> list[BadShard]:
+        """Check every committed shard (or those of `records`): its commit record parses,
+        the shard has the record's size and checksums (the whole of it is read), and its
+        header agrees with the record and the manifest. Returns the bad ones, by unit;
+        where the data checksum fails, the reason names the samples whose own digests
+        fail. `on_checked(unit)` is called after each unit (for progress)."""
+        bad: list[BadShard] = []
+        if records is None:
+            found: list[CommitRecord] = []
+            for unit in sorted(self.committed_units()):
+                try:
+                    found.append(self.read_commit(unit))
+                except (OutputCorrupt, StorageError, OSError) as err:
+                    bad.append(BadShard(unit, self.url(commit_path(unit)), str(err)))
+            records = found
         for record in records:
             try:
                 verify_shard(self.storage, record)
-            except OutputCorrupt as err:
-                problems.append(str(err))
-        if problems:
-            raise ShardCorrupt(f"{len(problems)} corrupt shard(s): " + "; ".join(problems))
+                self._open_checked(record).close()
+            except (OutputCorrupt, StorageError, OSError) as err:
+                reason = str(err)
+                if "data checksum" in reason:
+                    reason += self._bad_samples(record)
+                bad.append(BadShard(record.unit, self.url(record.shard), reason))
+            if on_checked is not None:
+                on_checked(record.unit)
+        return sorted(bad, key=lambda b: b.unit)
+
+    def _bad_samples(self, record: CommitRecord) -> str:
+        """"; samples ..." naming the samples whose digests fail (empty if none can be)."""
+        try:
+            reader = self._open_checked(record)
+        except (OutputCorrupt, StorageError, OSError):
+            return ""
+        if reader.sample_digests is None:
+            return ""
+        failing = []
+        for i in range(len(reader)):
+            try:
+                reader.sample(i)
+            except (OutputCorrupt, OSError):
+                failing.append(f"{i} (sample_index {int(reader.sample_indices[i])})")
+        reader.close()
+        return f"; samples {', '.join(failing)} fail their checksums" if failing else ""
+
+    def _open_checked(self, record: CommitRecord) -> ShardReader:
+        """`open_shard`, or where there is no manifest (a bare folder of shards) the
+        shard checked against its record alone."""
+        if self.read_manifest() is None:
+            return ShardReader.open(self.storage, record.shard, record=record)
+        return self.open_shard(record)
+
+    def verify(self, records: Iterable[CommitRecord] | None = None) -> int:
+        """Check every committed shard as `check_shards` does; returns how many were
+        checked. Raises ShardCorrupt naming every shard that fails."""
+        records = self.commits() if records is None else list(records)
+        bad = self.check_shards(records)
+        if bad:
+            raise ShardCorrupt(f"{len(bad)} corrupt shard(s): " +
+                               "; ".join(b.reason for b in bad))
         return len(records)
+
+    def withdraw(self, units: Iterable[int]) -> list[int]:
+        """Take units' commits back, so that a rerun of the job extracts them again:
+        complete.json first (the output is no longer complete), then each unit's commit
+        record, then its shard. A crash in between leaves at worst a shard no record
+        names, which the rerun's `clean_orphans` removes. Only while no job runs on this
+        output. Returns the units withdrawn (those that had a commit record)."""
+        withdrawn = []
+        self.storage.delete(COMPLETE)
+        for unit in sorted(set(units)):
+            key = commit_path(unit)
+            try:
+                shard: str | None = self.read_commit(unit).shard
+            except FileNotFoundError:
+                continue
+            except OutputCorrupt:
+                shard = None  # an unreadable record: its shard becomes an orphan
+            self.storage.delete(key)
+            if shard is not None:
+                self.storage.delete(shard)
+            withdrawn.append(unit)
+            logger.warning("%s: unit %d withdrawn (its commit record and shard removed)",
+                           self, unit)
+        return withdrawn
 
     # ------------------------------------------------------------------ totals, errors
 
@@ -388,20 +474,34 @@ class Output:
         """StorageError, naming the location and the problem, unless it can be written."""
         self.storage.check_writable()
 
-    def clean_orphans(self) -> int:
-        """Remove what crashed or losing attempts left: unfinished writes (staging files,
-        multipart uploads) and shards no commit record names. Returns how many.
+    def clean_orphans(self, *, final: bool = False) -> int:
+        """Remove what losing or crashed attempts left: their shards and unfinished
+        writes (multipart uploads, staging files). Returns how many.
 
-        Only while no attempt of this output runs: a running attempt's shard is an
-        "orphan" between its upload and its commit record.
+        By default only what belongs to units already committed by another attempt:
+        such an attempt can never commit, so this is safe while other drivers work on
+        the same output (two coordinators, two `hsx extract`). `final=True` also removes
+        every other shard no record names and every other unfinished write (a crashed
+        ingestion's staging, a stale probe): only when no attempt can still commit,
+        i.e. once every unit is committed, or by hand.
         """
-        removed = self.storage.abort_incomplete_writes()
         records = self.commits()
-        named = {r.shard for r in records}
-        named.update(r.regenerations.key for r in records if r.regenerations is not None)
+        committed: dict[int, set[str]] = {}
+        for r in records:
+            committed[r.unit] = {r.shard}
+            if r.regenerations is not None:
+                committed[r.unit].add(r.regenerations.key)
+
+        def garbage(key: str) -> bool:
+            unit = unit_of_key(key)
+            if unit is None or unit not in committed:
+                return final
+            return key not in committed[unit]
+
+        removed = self.storage.abort_incomplete_writes(None if final else garbage)
         for folder in (SHARDS_DIR, REGENERATIONS_DIR):
             for info in self.storage.list(folder):
-                if info.key not in named:
+                if garbage(info.key):
                     self.storage.delete(info.key)
                     removed += 1
         if removed:

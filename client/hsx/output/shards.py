@@ -49,6 +49,7 @@ from typing import Any, Literal
 import ml_dtypes
 import numpy as np
 
+from hsx.output import faults
 from hsx.output.layout import SHARD_FORMAT_NAME, commit_path, shard_path, unit_name
 from hsx.output.records import CommitRecord, OutputCorrupt, RegenerationsRef
 from hsx.output.storage import ObjectExistsError, ObjectWriter, Storage, StorageError
@@ -76,6 +77,13 @@ _HEADER_PREFIX = 8  # little-endian u64 header length, as safetensors defines
 _QUEUE_DEPTH = 4  # samples in flight between add() and the writer thread
 _HASH_CHUNK = 16 * 1024 * 1024
 _REMOTE_HEAD = _HEADER_PREFIX + DEFAULT_HEADER_RESERVE  # first GET of a remote shard
+
+SAMPLE_DIGESTS = "sample_digests"
+"""Optional tensor [n, 32] U8: each sample's digest (the shard's checksum algorithm, named
+in the metadata's `sample_digest`) over its hidden_states rows, then its input_ids,
+loss_mask and (fp8) scales rows. Readers check it on every sample they return, so a
+flipped byte is named with its sample; shards written before it have none."""
+_SAMPLE_DIGEST_BYTES = 32
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -252,11 +260,14 @@ class _DataStream:
 
     def __init__(self, sink: ObjectWriter, name: str, checksum: str) -> None:
         self._sink = sink
+        self._checksum = checksum
         self.sha = new_hasher(checksum)
+        self.sample_digests: list[bytes] = []  # one per put(), in order (see put)
         self.nbytes = 0
         self._error: BaseException | None = None
         self._writes: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
-        self._hashes: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._hashes: queue.Queue[tuple[np.ndarray, bytes] | None] = queue.Queue(
+            maxsize=_QUEUE_DEPTH)
         self._threads = [
             threading.Thread(target=self._run, args=(q, fn), name=f"hsx-shard-{name}-{what}",
                              daemon=True)
@@ -271,8 +282,13 @@ class _DataStream:
     def _write(self, item: np.ndarray) -> None:
         self._sink.write(item.data)
 
-    def _hash(self, item: np.ndarray) -> None:
-        self.sha.update(item.data)
+    def _hash(self, item: tuple[np.ndarray, bytes]) -> None:
+        raw, rest = item
+        self.sha.update(raw.data)
+        sample = new_hasher(self._checksum)
+        sample.update(raw.data)
+        sample.update(rest)
+        self.sample_digests.append(sample.digest())
 
     def _run(self, items: queue.Queue[Any], handle: Any) -> None:
         background_priority()
@@ -289,17 +305,22 @@ class _DataStream:
                 items.task_done()
 
     def _raise_pending(self) -> None:
-        if self._error is not None:
-            raise OSError(f"cannot write shard data: {self._error}") from self._error
+        err = self._error
+        if err is not None:
+            # errno kept: a full disk (ENOSPC) is told apart from other failures upstream.
+            code = err.errno if isinstance(err, OSError) else None
+            raise OSError(code, f"cannot write shard data: {err}") from err
 
-    def put(self, buf: np.ndarray) -> None:
+    def put(self, buf: np.ndarray, rest: bytes = b"") -> None:
+        """Append one sample's hidden states; its digest covers them, then `rest` (its
+        other rows: input_ids, loss_mask, scales)."""
         self._raise_pending()
         if not buf.flags.c_contiguous:
             raise ValueError("internal: shard buffers must be C-contiguous")
         # Raw bytes: the buffer protocol cannot describe ml_dtypes' bf16/fp8.
         raw = buf.reshape(-1).view(np.uint8)
         self._writes.put(raw)
-        self._hashes.put(raw)
+        self._hashes.put((raw, rest))
         self.nbytes += buf.nbytes
 
     def flush(self) -> None:
@@ -471,9 +492,14 @@ class ShardWriter:
             payload, scales = self._encode(hidden_states, where, take)
         else:
             payload, scales = self._take_quantized(hidden_states, scales, where, take)
-        self._stream.put(payload)
-        self._input_ids.append(ids.astype(np.int32))
-        self._loss_mask.append(mask.astype(np.uint8))
+        ids, mask = ids.astype(np.int32), mask.astype(np.uint8)
+        rows = [ids.tobytes(), mask.tobytes()]
+        if scales is not None:
+            scales = np.ascontiguousarray(scales, np.float32)
+            rows.append(scales.tobytes())
+        self._stream.put(payload, b"".join(rows))
+        self._input_ids.append(ids)
+        self._loss_mask.append(mask)
         if scales is not None:
             self._scales.append(scales)
         self._sample_indices.append(sample_index)
@@ -511,6 +537,7 @@ class ShardWriter:
         except BaseException:
             self.abort()
             raise
+        faults.reached("after_publish", self.key)
         self._state = "committed"
         record = CommitRecord.model_validate({
             "unit": self.unit,
@@ -562,6 +589,7 @@ class ShardWriter:
                     with contextlib.suppress(StorageError, OSError):
                         self.storage.delete(key_)
             raise  # the create's own error
+        faults.reached("after_commit_record", self.key)
         logger.info(
             "%s committed: %d samples, %d tokens, %d bytes (attempt %s)",
             unit, record.samples, record.tokens, size, self.attempt,
@@ -662,6 +690,11 @@ class ShardWriter:
             out.append(("scales", "F32", [t, n_layers], scales.astype(np.float32)))
         out.append(("input_ids", "I32", [t], cat(self._input_ids, np.int32)))
         out.append(("loss_mask", "U8", [t], cat(self._loss_mask, np.uint8)))
+        digests = self._stream.sample_digests
+        if len(digests) != n:
+            raise RuntimeError(f"internal: {len(digests)} sample digests for {n} samples")
+        table = np.frombuffer(b"".join(digests), np.uint8).reshape(n, _SAMPLE_DIGEST_BYTES)
+        out.append((SAMPLE_DIGESTS, "U8", [n, _SAMPLE_DIGEST_BYTES], table))
         return out
 
     def _header(self, small: list[tuple[str, str, list[int], np.ndarray]]) -> bytes:
@@ -674,6 +707,7 @@ class ShardWriter:
                 "layers": json.dumps(self.layers),
                 "storage_dtype": self.storage_dtype,
                 "hidden_size": str(self.hidden_size),
+                "sample_digest": self.checksum,
             },
             "hidden_states": {
                 "dtype": _HIDDEN_DTYPE[self.storage_dtype],
@@ -941,6 +975,8 @@ class ShardReader:
         names = ["hidden_states", "offsets", "sample_index", "input_ids", "loss_mask"]
         if self.storage_dtype == "fp8":
             names.append("scales")
+        if SAMPLE_DIGESTS in header:
+            names.append(SAMPLE_DIGESTS)
         for name in names:
             self._check_tensor(name, size)
         # Off the map: every tensor but hidden_states, in one read.
@@ -957,6 +993,19 @@ class ShardReader:
         self.num_tokens = int(self._tensors["hidden_states"]["shape"][0])
         if self.offsets[0] != 0 or self.offsets[-1] != self.num_tokens:
             raise ShardCorrupt(f"{self.name}: offsets do not span the {self.num_tokens} tokens")
+        self.sample_digests: np.ndarray | None = None
+        """Each sample's digest [n, 32] (None in shards written before them)."""
+        self._digest_algorithm = str(meta.get("sample_digest", ""))
+        if SAMPLE_DIGESTS in self._tensors:
+            digests = self.tensor(SAMPLE_DIGESTS).copy()
+            if digests.shape != (len(self.sample_indices), _SAMPLE_DIGEST_BYTES):
+                raise ShardCorrupt(f"{self.name}: {SAMPLE_DIGESTS} has shape {digests.shape} "
+                                   f"for {len(self.sample_indices)} samples")
+            try:
+                new_hasher(self._digest_algorithm)
+            except ValueError as err:
+                raise ShardCorrupt(f"{self.name}: sample_digest: {err}") from None
+            self.sample_digests = digests
 
     @classmethod
     def open(cls, storage: Storage, key: str, *, record: CommitRecord | None = None
@@ -1040,8 +1089,31 @@ class ShardReader:
                 self._np_views[name] = view
         return view
 
+    def _check_sample(self, i: int, a: int, b: int, hidden: tuple[Any, int, list[int]]) -> None:
+        """ShardCorrupt unless sample i's bytes (hidden rows `hidden`, as `_buffer` gave
+        them, then its other rows) hash to its digest."""
+        digests = self.sample_digests
+        if digests is None:
+            return
+        sha = new_hasher(self._digest_algorithm)
+        names = ["hidden_states", "input_ids", "loss_mask"]
+        if self.storage_dtype == "fp8":
+            names.append("scales")
+        for name in names:
+            buf, offset, shape = hidden if name == "hidden_states" else self._buffer(name, a, b - a)
+            nbytes = math.prod(shape) * _NUMPY_DTYPES[self._tensors[name]["dtype"]].itemsize
+            sha.update(memoryview(buf).cast("B")[offset : offset + nbytes])
+        if sha.digest() != digests[i].tobytes():
+            raise ShardCorrupt(
+                f"shard {self.name} (unit {self.unit}): sample {i} (sample_index "
+                f"{int(self.sample_indices[i])}) does not match its checksum; the shard is "
+                "corrupt (`hsx verify --repair` withdraws it so that a rerun extracts it again)"
+            )
+
     def _numpy(self, name: str, first: int = 0, rows: int | None = None) -> np.ndarray:
-        buf, offset, shape = self._buffer(name, first, rows)
+        return self._numpy_view(name, *self._buffer(name, first, rows))
+
+    def _numpy_view(self, name: str, buf: Any, offset: int, shape: list[int]) -> np.ndarray:
         dtype = _NUMPY_DTYPES[self._tensors[name]["dtype"]]
         count = math.prod(shape)
         if count == 0:
@@ -1061,9 +1133,11 @@ class ShardReader:
         return view
 
     def _torch(self, name: str, first: int = 0, rows: int | None = None) -> Any:
+        return self._torch_view(name, *self._buffer(name, first, rows))
+
+    def _torch_view(self, name: str, buf: Any, offset: int, shape: list[int]) -> Any:
         import torch
 
-        buf, offset, shape = self._buffer(name, first, rows)
         dtype = _torch_dtype(self._tensors[name]["dtype"])
         count = math.prod(shape)
         if count == 0:
@@ -1071,9 +1145,15 @@ class ShardReader:
         return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
 
     def sample(
-        self, i: int, *, backend: Backend = "numpy", dequantize: bool = True
+        self, i: int, *, backend: Backend = "numpy", dequantize: bool = True,
+        verify: bool = True,
     ) -> dict[str, Any]:
-        """Sample `i` of this shard (0 <= i < len; negative counts from the end)."""
+        """Sample `i` of this shard (0 <= i < len; negative counts from the end).
+
+        With `verify` (the default) the sample's bytes are checked against its digest
+        (shards that carry them: `SAMPLE_DIGESTS`); a mismatch raises ShardCorrupt
+        naming the shard, its unit and the sample.
+        """
         n = len(self)
         if i < 0:
             i += n
@@ -1088,11 +1168,14 @@ class ShardReader:
             "input_ids": get("input_ids")[a:b],
             "loss_mask": get("loss_mask")[a:b],
         }
+        hidden_rows = self._buffer("hidden_states", a, b - a)
+        if verify and self.sample_digests is not None:
+            self._check_sample(i, a, b, hidden_rows)
         if self._small is None:
             hidden = get("hidden_states")[a:b]
-        else:  # one ranged read of just this sample's rows
-            rows = self._torch if backend == "torch" else self._numpy
-            hidden = rows("hidden_states", a, b - a)
+        else:  # one ranged read of just this sample's rows, the one hashed above
+            view = self._torch_view if backend == "torch" else self._numpy_view
+            hidden = view("hidden_states", *hidden_rows)
         if self.storage_dtype == "fp8":
             scales = get("scales")[a:b]
             if dequantize:

@@ -29,8 +29,10 @@ a folder: `list("commits")` lists everything under `commits/`, never `commitsX/.
 from __future__ import annotations
 
 import abc
+import errno
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -55,6 +57,16 @@ class ObjectExistsError(StorageError):
 
 class ObjectNotFoundError(StorageError, FileNotFoundError):
     """The object does not exist."""
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether an error (or its message, for one that crossed a process boundary) says
+    the output's file system is full: ENOSPC, or EDQUOT (a quota)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    return any(words in text for words in (os.strerror(errno.ENOSPC),
+                                           os.strerror(errno.EDQUOT)))
 
 
 @dataclass(frozen=True)
@@ -257,9 +269,10 @@ class Storage(abc.ABC):
         """Write, read back and delete a probe object; StorageError naming the problem."""
 
     @abc.abstractmethod
-    def abort_incomplete_writes(self) -> int:
+    def abort_incomplete_writes(self, which: Callable[[str], bool] | None = None) -> int:
         """Remove unfinished writes (staging files, multipart uploads) left by crashed
-        writers; return how many. Only while no writer of this storage is running."""
+        writers; return how many. `which(key)` says which keys' writes are garbage (None:
+        all of them, only while no writer of this storage is running)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"

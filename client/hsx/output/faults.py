@@ -1,0 +1,64 @@
+"""Named fault points in the commit protocol, for crash tests: `HSX_FAULT_POINT`.
+
+`HSX_FAULT_POINT=<point>` (or `<point>:<n>`) makes the process SIGKILL itself the first
+(the n-th) time it reaches that step of writing a shard, counting in this process only.
+The variable is read once, when `hsx.output` is imported; unset, `reached()` is one
+comparison. The job driver hands the variable on to the worker actors it starts
+(runner.EnginePool), so `HSX_FAULT_POINT=after_publish hsx extract job.yaml` kills each
+worker process at its first publish. The points, in the order a unit's commit takes them
+(docs/FORMAT.md, "Commit protocol"):
+
+- `after_shard_write`: the shard's bytes and header are written to its staging file
+  (`.tmp/`), not yet fsynced (local disk);
+- `after_fsync`: the staging file is fsynced, not yet renamed into `shards/` (local disk);
+- `after_publish`: the shard is in `shards/` (renamed and its folder fsynced; on an object
+  store, the upload completed), its commit record not yet created;
+- `after_commit_record`: the commit record exists, the worker has not yet reported the unit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from hsx.output.layout import SHARDS_DIR
+
+ENV = "HSX_FAULT_POINT"
+POINTS = ("after_shard_write", "after_fsync", "after_publish", "after_commit_record")
+
+
+def parse(value: str) -> tuple[str, int] | None:
+    """(point, n) from the variable's value; None when empty. ValueError names the problem."""
+    value = value.strip()
+    if not value:
+        return None
+    point, _, count = value.partition(":")
+    if point not in POINTS:
+        raise ValueError(f"{ENV}={value!r}: the point must be one of {', '.join(POINTS)}")
+    try:
+        n = int(count) if count else 1
+    except ValueError:
+        raise ValueError(f"{ENV}={value!r}: the count after ':' must be a number") from None
+    if n < 1:
+        raise ValueError(f"{ENV}={value!r}: the count must be >= 1")
+    return point, n
+
+
+_ARMED = parse(os.environ.get(ENV, ""))
+_seen = 0
+
+
+def reached(point: str, key: str) -> None:
+    """Step `point` of writing object `key` is done: die here if this is the armed one.
+
+    Only shards count (`key`, the shard's key, is under shards/): the inputs table and
+    other objects pass through the same storage writers.
+    """
+    global _seen
+    if _ARMED is None or _ARMED[0] != point:
+        return
+    if not key.startswith(SHARDS_DIR + "/"):
+        return
+    _seen += 1
+    if _seen == _ARMED[1]:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,190 @@
+"""The fault matrix: real Ray, real vLLM CPU engines, faults injected, then the audit.
+
+- SIGKILL at each named step of the commit protocol (`HSX_FAULT_POINT`): the job's
+  worker dies there; a rerun completes and the output passes the audit.
+- Corruption: a byte flipped in a committed shard is named (shard and sample) by the
+  reader and by `hsx verify`; `--repair` and a rerun re-extract exactly that unit.
+- Disk full: the output on a small tmpfs; the job fails naming ENOSPC with nothing
+  partial visible, and completes once space is freed.
+
+Every case uses one small dataset of 16 rows (2 bad) planned as 2 units, so a killed
+worker holds both units at once and each killed run costs one engine start. Reruns use
+the session's warm engine pool. Each case prints its figures (`pytest -s`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hsx.dataset import HiddenStatesDataset
+from hsx.output import Output, ShardCorrupt
+from hsx.output import faults as fault_points
+from hsx.output.layout import COMMITS_DIR, SHARDS_DIR, TMP_DIR
+from hsx_workers.tiny_models import ChatDataset, make_chat_dataset
+from tests.unit.outputs import flip_sample_byte
+
+from .audit import audit, units_named
+
+pytestmark = pytest.mark.integration
+
+UNIT_TOKENS = 1200  # 16 rows of seed 3: two units of ~1.1k tokens (~2.2 MB shards)
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> ChatDataset:
+    return make_chat_dataset(tmp_path_factory.mktemp("chaos") / "chat.jsonl", n=16, seed=3,
+                             bad_rows=2)
+
+
+@pytest.fixture
+def job(make_job: Any, small_dataset: ChatDataset, tmp_path: Path) -> Any:
+    def make(output: Path | None = None) -> Any:
+        return make_job(output or tmp_path / "out", dataset=str(small_dataset.path),
+                        unit_tokens=UNIT_TOKENS)
+    return make
+
+
+def report(case: str, figures: dict[str, Any]) -> None:
+    print(f"\nchaos {case}: {json.dumps(figures)}")
+
+
+@pytest.mark.parametrize("point", fault_points.POINTS)
+def test_sigkill_at_a_commit_step_then_a_rerun_completes(
+    point: str, job: Any, engine_pool: Any, small_dataset: ChatDataset, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hsx_service.runner import EnginePool, JobFailed, run_job
+
+    spec = job()
+    output = Path(spec.output)
+    # The pool hands the variable to the actors it starts: the worker dies at `point`
+    # of its first unit, holding both units; with one attempt each, the job fails.
+    monkeypatch.setenv(fault_points.ENV, point)
+    killed_pool = EnginePool()
+    try:
+        with pytest.raises(JobFailed) as failed:
+            run_job(spec, pool=killed_pool, max_attempts=1)
+    finally:
+        killed_pool.shutdown()
+        monkeypatch.delenv(fault_points.ENV)
+    out = Output(output)
+    assert len(out.manifest().units) == 2
+    committed = out.committed_units()
+    given_up = units_named(str(failed.value))
+    # The job's error list is true: a unit it gave up has no commit, and one that
+    # committed before its worker died is not listed as given up.
+    assert given_up and not committed.intersection(given_up), (failed.value, committed)
+    assert committed.union(given_up) == {0, 1}
+    assert committed == ({0} if point == "after_commit_record" else set())
+    # What a crash there leaves: nothing a reader sees but whole, committed shards.
+    shards = {p.name for p in (output / SHARDS_DIR).glob("*")}
+    staged = list((output / TMP_DIR).glob("shards--*"))
+    if point in ("after_shard_write", "after_fsync"):
+        assert staged and not shards  # the staging file only
+    elif point == "after_publish":
+        assert len(shards) == 1 and not list((output / COMMITS_DIR).glob("*.json"))
+    assert out.check_shards() == []
+    assert len(HiddenStatesDataset(output)) == sum(r.samples for r in out.commits())
+
+    done: list[int] = []
+    from hsx_service.runner import DispatchHooks
+
+    summary = run_job(spec, pool=engine_pool,
+                      hooks=DispatchHooks(on_unit_done=lambda r: done.append(r.unit)))
+    assert sorted(done) == sorted({0, 1} - committed)  # only what was not committed
+    assert summary.restarts == 0
+    report(f"sigkill {point}", {"faults": 1, **audit(output, small_dataset)})
+
+
+def test_a_corrupt_shard_is_named_verified_repaired_and_extracted_again(
+    job: Any, engine_pool: Any, small_dataset: ChatDataset, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hsx.cli import main
+    from hsx_service.runner import DispatchHooks, run_job
+
+    spec = job()
+    output = Path(spec.output)
+    run_job(spec, pool=engine_pool)
+    audit(output, small_dataset)
+    out = Output(output)
+    record = out.read_commit(1)
+    index = flip_sample_byte(output / record.shard, 1)
+
+    ds = HiddenStatesDataset(output, backend="numpy")
+    position = ds._index.starts[1] + 1  # unit 1's second sample
+    with pytest.raises(ShardCorrupt, match=rf"{Path(record.shard).name} \(unit 1\): sample 1 "
+                                           rf"\(sample_index {index}\)"):
+        ds[position]
+
+    capsys.readouterr()
+    assert main(["verify", str(output)]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unit 1\t"), lines
+    assert Path(record.shard).name in lines[0] and f"sample_index {index}" in lines[0]
+    assert main(["verify", str(output), "--repair", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out.strip())["withdrawn"] == [1]
+
+    done: list[int] = []
+    run_job(spec, pool=engine_pool, hooks=DispatchHooks(on_unit_done=lambda r: done.append(r.unit)))
+    assert done == [1]  # exactly the withdrawn unit
+    assert main(["verify", str(output)]) == 0
+    report("corruption", {"faults": 1, "bad_shards_listed": len(lines), "re_extracted": done,
+                          **audit(output, small_dataset)})
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    where.mkdir(parents=True)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                       check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {detail.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_fails_the_job_naming_enospc_and_a_rerun_completes(
+    job: Any, engine_pool: Any, small_dataset: ChatDataset, tmp_path: Path,
+) -> None:
+    from hsx_service.runner import DispatchHooks, JobFailed, run_job
+
+    with small_tmpfs(tmp_path / "disk", "8m") as disk:
+        filler = disk / "filler"
+
+        def fill(_job: Any) -> None:
+            # Once the job is prepared (its preflight saw room for it), something else
+            # fills the disk: room is left for no shard (~2.2 MB each).
+            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+            filler.write_bytes(b"\0" * (free - 256 * 1024))
+
+        spec = job(disk / "out")
+        output = Path(spec.output)
+        with pytest.raises(JobFailed) as failed:
+            run_job(spec, pool=engine_pool, hooks=DispatchHooks(on_prepared=fill))
+        message = str(failed.value)
+        assert "no space left on device (ENOSPC)" in message and str(output) in message
+        assert "Traceback" not in message and len(message.splitlines()) == 1
+        out = Output(output)
+        assert out.committed_units() == set() and not out.is_complete()
+        assert not list((output / SHARDS_DIR).glob("*"))  # no partial shard visible
+        assert not (output / TMP_DIR).exists() or not any((output / TMP_DIR).iterdir())
+
+        filler.unlink()
+        summary = run_job(spec, pool=engine_pool)
+        assert summary.shards == 2
+        figures = audit(output, small_dataset)
+        shutil.rmtree(output)  # before the tmpfs goes
+    report("disk full", {"faults": 1, "message": message, **figures})
