@@ -576,6 +576,8 @@ class _ServerProgress(JobProgress):
             workers={w.name: w.state for w in status.workers},
             restarts=status.restarts,
             started_at=status.started_at or status.created_at,
+            samples_generated=status.samples_generated,
+            tokens_generated=status.tokens_generated,
         )
         self._rate = status.tokens_per_s
         self._eta = status.eta_s
@@ -678,6 +680,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("tokens", f"{job.tokens_done:,} / {job.tokens_total:,}"),
         ("rate", f"{job.tokens_per_s:,.0f} tok/s, ETA {_duration(job.eta_s)}"),
         ("units", f"{job.units_done} / {job.units_total} ({job.units_failed} failed)"),
+        *([("regenerated", f"{job.samples_generated:,} samples, "
+                           f"{job.tokens_generated:,} tokens")]
+          if job.spec is not None and job.spec.regenerate is not None else []),
         ("shards", f"{job.shards} ({job.bytes / 2**20:,.1f} MiB)"),
         ("workers", ", ".join(f"{w.name}: {w.state}" for w in job.workers) or "-"),
         ("restarts", str(job.restarts)),

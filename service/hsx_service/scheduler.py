@@ -717,7 +717,8 @@ def _ray_lost(err: BaseException) -> bool:
 
 
 _STATUS_NUMBERS = ("samples_total", "samples_done", "samples_failed", "tokens_total",
-                   "tokens_done", "bytes", "shards", "units_total", "units_done", "units_failed")
+                   "tokens_done", "bytes", "shards", "units_total", "units_done", "units_failed",
+                   "samples_generated", "tokens_generated")
 
 
 def thin_curve(points: builtins.list[tuple[float, float, int]],
