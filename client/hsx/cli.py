@@ -293,6 +293,9 @@ def _train_local(target: str, spec: Any, draft_dir: str | None) -> int:
         summary = train(output, root, spec, out)
     except TrainRefused as err:
         return _error(str(err), EXIT_REFUSED)
+    except StorageError as err:
+        return _error(f"{err}; the next `hsx train` resumes from the newest checkpoint",
+                      EXIT_FAILED)
     except KeyboardInterrupt:
         return _error("interrupted; the next `hsx train` resumes from the newest checkpoint",
                       130)
@@ -301,8 +304,10 @@ def _train_local(target: str, spec: Any, draft_dir: str | None) -> int:
     best = summary.get("best") or {}
     chosen = (f"; draft/ holds step {best['step']}, expected acceptance length "
               f"{best['expected_acceptance_length']:.2f} on held-out samples") if best else ""
+    into = f"{output.url(DRAFT_DIR)} (trained in {root / DRAFT_DIR})" \
+        if output.local_root is None else str(root / DRAFT_DIR)
     out.print(f"[green]trained[/] {summary['step']} steps, {summary['epoch']} epochs{resumed} "
-              f"-> {root / DRAFT_DIR}{chosen}")
+              f"-> {into}{chosen}")
     again = "" if draft_dir is None else f" --draft-dir {draft_dir}"
     out.print(f"measure with: hsx eval-draft {output}{again}", markup=False, highlight=False)
     out.print(f"serve with: vllm serve {output.manifest().model} --speculative-config "
@@ -412,11 +417,11 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
     try:
         output = Output(args.output)
         root = draft_folder(output, args.draft_dir) if args.draft is None else None
-    except (StorageError, ValueError) as err:
+        result = evaluate_draft(output, draft_root=args.draft_dir, prompts=args.prompts,
+                                max_tokens=args.max_tokens, k=args.k, prefix=args.prefix,
+                                draft=args.draft, target=args.target)
+    except (StorageError, ValueError, FileNotFoundError) as err:
         return _error(str(err), EXIT_REFUSED)
-    result = evaluate_draft(output, draft_root=args.draft_dir, prompts=args.prompts,
-                            max_tokens=args.max_tokens, k=args.k, prefix=args.prefix,
-                            draft=args.draft, target=args.target)
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
         return 0
@@ -427,7 +432,8 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
         f"{result['draft_tokens']} draft tokens accepted in {result['drafts']} drafts; "
         f"acceptance per position [{rates}])", markup=False, highlight=False)
     if root is not None:
-        console().print(f"recorded in {root / DRAFT_EVAL}", markup=False, highlight=False)
+        where = output.url(DRAFT_EVAL) if output.local_root is None else root / DRAFT_EVAL
+        console().print(f"recorded in {where}", markup=False, highlight=False)
     return 0
 
 
@@ -570,6 +576,8 @@ class _ServerProgress(JobProgress):
             workers={w.name: w.state for w in status.workers},
             restarts=status.restarts,
             started_at=status.started_at or status.created_at,
+            samples_generated=status.samples_generated,
+            tokens_generated=status.tokens_generated,
         )
         self._rate = status.tokens_per_s
         self._eta = status.eta_s
@@ -672,6 +680,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("tokens", f"{job.tokens_done:,} / {job.tokens_total:,}"),
         ("rate", f"{job.tokens_per_s:,.0f} tok/s, ETA {_duration(job.eta_s)}"),
         ("units", f"{job.units_done} / {job.units_total} ({job.units_failed} failed)"),
+        *([("regenerated", f"{job.samples_generated:,} samples, "
+                           f"{job.tokens_generated:,} tokens")]
+          if job.spec is not None and job.spec.regenerate is not None else []),
         ("shards", f"{job.shards} ({job.bytes / 2**20:,.1f} MiB)"),
         ("workers", ", ".join(f"{w.name}: {w.state}" for w in job.workers) or "-"),
         ("restarts", str(job.restarts)),
@@ -845,15 +856,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true",
                    help="job id only: start the training and return at once")
     p.add_argument("--draft-dir", help="output only: the local folder to train the draft "
-                                       "into (default the output's; needed for s3://)")
+                                       "in (default the output's; for s3:// a folder in "
+                                       "$HSX_CACHE, ~/.cache/hsx, uploaded to the bucket)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(
         "eval-draft", help="acceptance of an output's trained draft in vLLM (greedy, eagle3)")
     p.add_argument("output", help="the output the draft was trained on (prompts come from it)")
-    p.add_argument("--draft-dir", help="the local folder the draft was trained into (as "
-                                       "`hsx train --draft-dir`; default the output's; "
-                                       "needed for s3://)")
+    p.add_argument("--draft-dir", help="the local folder the draft was trained in (as "
+                                       "`hsx train --draft-dir`; default the output's; for "
+                                       "s3:// the bucket's draft is downloaded there)")
     p.add_argument("--draft", help="draft folder (default: <draft-dir>/draft; another one is "
                                    "measured but not recorded)")
     p.add_argument("--target", help="target model (default: the output's model)")

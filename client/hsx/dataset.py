@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, SupportsIndex
 
 from hsx.output import CommitRecord, Manifest, Output, ShardReader
+from hsx.regenerate import loads_messages
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ class HiddenStatesDataset:
     ids in `manifest.layers`; `input_ids` is int32, `loss_mask` uint8 — torch tensors
     when the backend is torch ("auto": torch if it is installed), numpy otherwise (bf16
     as `ml_dtypes.bfloat16`). On local disk tensors are zero-copy views of the
-    memory-mapped shards.
+    memory-mapped shards. On an output of a job with `regenerate:`, `ds[i]` also holds
+    `regeneration`: the conversation captured and the dataset's original, with the
+    sampling seeds and finish reasons (`regeneration(record, sample_index)`).
 
     `follow=True` makes `iter(ds)` and `shards()` wait for new shards (checking every
     `poll_interval` seconds) until the job has written complete.json; `timeout` bounds
@@ -103,11 +106,13 @@ class HiddenStatesDataset:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
+        # unit -> sample_index -> its regenerations row, for outputs that regenerate
+        self._regenerations: OrderedDict[int, dict[int, dict[str, Any]]] = OrderedDict()
         self._resolved: Literal["torch", "numpy"] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_pid", "_lock", "_readers", "_resolved"):
+        for key in ("_pid", "_lock", "_readers", "_regenerations", "_resolved"):
             state.pop(key, None)
         return state
 
@@ -174,8 +179,30 @@ class HiddenStatesDataset:
         if not 0 <= i < idx.total:
             raise IndexError(f"index {index} out of range for {idx.total} samples")
         k = bisect.bisect_right(idx.starts, i) - 1
-        reader = self._reader(idx.order[k])
-        return reader.sample(i - idx.starts[k], backend=self._backend())
+        record = idx.order[k]
+        sample = self._reader(record).sample(i - idx.starts[k], backend=self._backend())
+        if record.regenerations is not None:
+            sample["regeneration"] = self.regeneration(record, int(sample["sample_index"]))
+        return sample
+
+    def regeneration(self, record: CommitRecord, sample_index: int) -> dict[str, Any]:
+        """A regenerating job's answer for one sample of a committed unit: `messages`
+        (the conversation captured), `original` (the dataset's), and per regenerated
+        turn its `seeds` and `finish_reasons`, `generated_tokens`, `truncated`."""
+        with self._lock:
+            rows = self._regenerations.get(record.unit)
+        if rows is None:
+            table = self.output.read_regenerations(record)
+            rows = {} if table is None else {int(r["sample_index"]): r
+                                             for r in table.to_pylist()}
+            with self._lock:
+                self._regenerations[record.unit] = rows
+                while len(self._regenerations) > self.max_open_shards:
+                    self._regenerations.popitem(last=False)
+        row = dict(rows[sample_index])
+        row["messages"] = loads_messages(row["messages"])
+        row["original"] = loads_messages(row["original"])
+        return row
 
     def __repr__(self) -> str:
         return (

@@ -43,7 +43,8 @@ import pyarrow as pa
 
 from hsx.output import Output
 from hsx.output.layout import ERRORS, INPUTS
-from hsx.output.tables import ERRORS_SCHEMA, INPUTS_SCHEMA
+from hsx.output.tables import ERRORS_SCHEMA, INPUTS_SCHEMA, with_messages
+from hsx.regenerate import dumps_messages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -339,6 +340,7 @@ class _Sample:
     input_ids: np.ndarray  # int32
     loss_mask: np.ndarray  # uint8
     truncated: bool
+    messages: list[dict[str, Any]] | None = None  # the parsed conversation of a chat row
 
 
 @dataclass
@@ -640,7 +642,12 @@ def _reason_text(reason: str) -> str:
     return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 1] + "…"
 
 
-def _inputs_batch(indices: list[int], samples: list[_Sample]) -> pa.RecordBatch:
+NOT_A_CHAT = ("regenerate needs a conversation (`messages` or `conversations`) to "
+              "answer; this row has none")
+
+
+def _inputs_batch(indices: list[int], samples: list[_Sample], *, messages: bool = False
+                  ) -> pa.RecordBatch:
     lengths = np.fromiter((len(s.input_ids) for s in samples), dtype=np.int32,
                           count=len(samples))
     offsets = np.zeros(len(samples) + 1, dtype=np.int32)
@@ -651,15 +658,17 @@ def _inputs_batch(indices: list[int], samples: list[_Sample]) -> pa.RecordBatch:
     else:
         ids, mask = np.zeros(0, np.int32), np.zeros(0, np.uint8)
     offsets_arr = pa.array(offsets, type=pa.int32())
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array(indices, type=pa.int64()),
-            pa.ListArray.from_arrays(offsets_arr, pa.array(ids, type=pa.int32())),
-            pa.ListArray.from_arrays(offsets_arr, pa.array(mask, type=pa.uint8())),
-            pa.array(lengths, type=pa.int32()),
-        ],
-        schema=INPUTS_SCHEMA,
-    )
+    columns = [
+        pa.array(indices, type=pa.int64()),
+        pa.ListArray.from_arrays(offsets_arr, pa.array(ids, type=pa.int32())),
+        pa.ListArray.from_arrays(offsets_arr, pa.array(mask, type=pa.uint8())),
+        pa.array(lengths, type=pa.int32()),
+    ]
+    if not messages:
+        return pa.RecordBatch.from_arrays(columns, schema=INPUTS_SCHEMA)
+    texts = [dumps_messages(s.messages or []) for s in samples]
+    return pa.RecordBatch.from_arrays([*columns, pa.array(texts, type=pa.string())],
+                                      schema=with_messages(INPUTS_SCHEMA))
 
 
 def _summarize(counts: np.ndarray) -> LengthSummary:
@@ -698,12 +707,15 @@ def ingest(
     trust_remote_code: bool = False,
     batch_rows: int = 1024,
     progress: Callable[[int], None] | None = None,
+    keep_messages: bool = False,
 ) -> IngestResult:
     """Tokenize every row of `dataset` into the output's inputs.arrow and errors.arrow.
 
     Each table appears only once complete (staged, then published whole), so a reader
     never sees half of one. `progress`, if given, is called after each batch
-    with the number of rows read so far.
+    with the number of rows read so far. `keep_messages` (a job that regenerates)
+    keeps each row's parsed conversation in the inputs table's `messages` column, and
+    refuses rows that carry none.
     """
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
@@ -720,13 +732,16 @@ def ingest(
                        "recorded as errors", tokenizer_path)
 
     out = Output.of(output)
-    inputs = out.table_writer(INPUTS)
+    inputs = out.table_writer(INPUTS, messages=keep_messages)
     errors = out.table_writer(ERRORS)
     counts = np.zeros(max_seq_len + 1, dtype=np.int64)
     num_rows = num_errors = num_tokens = num_loss = num_truncated = 0
     try:
         for batch in _batched(iter_rows(dataset, batch_rows=batch_rows), batch_rows):
             results = _process_batch(batch, tokenizer, vocab_size, max_seq_len, kwargs)
+            if keep_messages:
+                results = [NOT_A_CHAT if isinstance(r, _Sample) and r.messages is None
+                           else r for r in results]
             good_idx: list[int] = []
             good: list[_Sample] = []
             bad_idx: list[int] = []
@@ -742,7 +757,7 @@ def ingest(
                     num_tokens += len(outcome.input_ids)
                     num_loss += int(outcome.loss_mask.sum())
                     num_truncated += outcome.truncated
-            inputs.write(_inputs_batch(good_idx, good))
+            inputs.write(_inputs_batch(good_idx, good, messages=keep_messages))
             errors.write(pa.RecordBatch.from_arrays(
                 [pa.array(bad_idx, pa.int64()), pa.array(bad, pa.string())],
                 schema=ERRORS_SCHEMA))
@@ -793,6 +808,8 @@ def _process_batch(rows: list[Row], tokenizer: PreTrainedTokenizerBase, vocab_si
                          strict=True):
         if isinstance(sample, _Sample) and not sample.loss_mask.any():
             sample = "the chat template renders no tokens for the assistant messages"
+        if isinstance(sample, _Sample):
+            sample.messages = chats[i].messages
         results[i] = sample
 
     final: list[_Sample | str] = []
@@ -800,12 +817,38 @@ def _process_batch(rows: list[Row], tokenizer: PreTrainedTokenizerBase, vocab_si
         if r is None:
             raise RuntimeError(f"row {i} of the batch was not processed")
         if isinstance(r, _Sample) and len(r.input_ids) > max_seq_len:
-            r = _Sample(r.input_ids[:max_seq_len], r.loss_mask[:max_seq_len], truncated=True)
+            r = _Sample(r.input_ids[:max_seq_len], r.loss_mask[:max_seq_len], truncated=True,
+                        messages=r.messages)
             if i in chats and not r.loss_mask.any():
                 r = (f"no assistant tokens within the first {max_seq_len} tokens "
                      "(max_seq_len); the row would train on nothing")
         final.append(r)
     return final
+
+
+def tokenize_conversations(tokenizer: PreTrainedTokenizerBase,
+                           conversations: list[list[dict[str, Any]]], max_seq_len: int,
+                           chat_template_kwargs: dict[str, Any] | None = None,
+                           ) -> list[tuple[np.ndarray, np.ndarray] | str]:
+    """(input_ids, loss_mask) of each conversation exactly as ingestion makes them
+    (template, assistant mask, truncation), or the reason it cannot be used."""
+    rows: list[Row] = [{"messages": c} for c in conversations]
+    out: list[tuple[np.ndarray, np.ndarray] | str] = []
+    for r in _process_batch(rows, tokenizer, len(tokenizer), max_seq_len,
+                            dict(chat_template_kwargs or {})):
+        out.append(r if isinstance(r, str) else (r.input_ids, r.loss_mask))
+    return out
+
+
+def generation_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                      chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The token ids a model answers `messages` from: the chat template with the
+    generation prompt, tokenized as ingestion tokenizes chats."""
+    try:
+        text = _render(tokenizer, messages, True, dict(chat_template_kwargs or {}))
+    except Exception as err:  # a template raises anything (jinja errors, raise_exception)
+        raise ValueError(f"the chat template failed: {type(err).__name__}: {err}") from err
+    return _encode(tokenizer, [text], special=False)[0]
 
 
 # ----------------------------------------------------------------------------- fingerprints

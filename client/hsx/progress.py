@@ -28,6 +28,9 @@ class JobProgress:
     # tokens/s over the run so far, counted from the first token of this run
     rate_tokens: int = 0
     rate_since: float | None = None
+    # A regenerating job's first stage: samples answered by the target, tokens generated
+    samples_generated: int = 0
+    tokens_generated: int = 0
 
     def tokens_per_s(self) -> float:
         if self.rate_since is None:
@@ -58,6 +61,8 @@ class JobProgress:
             "worker_units": dict(self.worker_units),
             "units_failed": self.units_failed,
             "restarts": self.restarts,
+            "samples_generated": self.samples_generated,
+            "tokens_generated": self.tokens_generated,
         }
 
 
@@ -106,6 +111,9 @@ class ProgressBar:
         rate = f"{p.tokens_per_s():,.0f}"
         starting = sum(state == "starting" for state in p.workers.values())
         extra = f"{p.shards} shards"
+        if p.samples_generated or p.tokens_generated:
+            extra = (f"{p.samples_generated} regenerated ({p.tokens_generated:,} tokens), "
+                     + extra)
         if starting:
             extra += f", {starting} engine{'s' if starting > 1 else ''} starting"
         if p.samples_failed:

@@ -228,6 +228,43 @@ class TrainSpec(BaseModel):
         return self
 
 
+class RegenerateSpec(BaseModel):
+    """Regenerate the assistant turns with the target before capturing them.
+
+    The job's own vLLM engines first answer each conversation (vLLM sampling, with a
+    seed per sample derived from `seed` and the sample index, so a retried unit gives
+    the same answers), then capture the hidden states over the regenerated conversation
+    (the chat template applied to it). The answers are stored per unit beside the
+    shard and committed with it (docs/FORMAT.md, "Regenerated conversations").
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature; 0 is greedy decoding."
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens "
+        "whose probability reaches top_p."
+    )
+    max_tokens: int = Field(
+        512, ge=1, description="At most this many tokens per regenerated turn; a turn that "
+        "reaches it is kept and flagged `truncated` (not an error)."
+    )
+    seed: int = Field(
+        0, ge=0, description="Job seed: each sample's sampling seed is derived from it, the "
+        "sample index and the turn (hsx.regenerate.sample_seed)."
+    )
+    turns: Literal["last", "each"] = Field(
+        "last",
+        description=(
+            "`last`: the last assistant turn is regenerated (messages after it are "
+            "dropped). `each`: every assistant turn in order, each answered given the "
+            "regenerated turns before it."
+        ),
+    )
+
+
 class JobSpec(BaseModel):
     """One extraction job: model x dataset -> per-layer hidden states in `output`."""
 
@@ -304,6 +341,13 @@ class JobSpec(BaseModel):
             "trainer starts with the extraction and keeps up with it."
         ),
     )
+    regenerate: RegenerateSpec | None = Field(
+        None,
+        description=(
+            "Answer the dataset's conversations with the target before capture, and "
+            "capture over its answers (rows must carry `messages`; engine `vllm`)."
+        ),
+    )
 
     @field_validator("layers")
     @classmethod
@@ -321,6 +365,18 @@ class JobSpec(BaseModel):
         # Stored in ascending order whatever order is asked: vLLM emits them sorted.
         return sorted(layers)
 
+    @model_validator(mode="after")
+    def _regenerate_engine(self) -> JobSpec:
+        if self.regenerate is not None and self.engine != "vllm":
+            raise ValueError(
+                f"regenerate needs engine `vllm` (it generates with the job's vLLM "
+                f"engines); engine is `{self.engine}`")
+        if self.regenerate is not None and self.regenerate.max_tokens >= self.max_seq_len:
+            raise ValueError(
+                f"regenerate.max_tokens ({self.regenerate.max_tokens}) leaves no room for "
+                f"the conversation within max_seq_len ({self.max_seq_len})")
+        return self
+
     def data_fingerprint(self) -> str:
         """Hash of the fields that decide the output's content.
 
@@ -333,6 +389,9 @@ class JobSpec(BaseModel):
             "storage_dtype", "unit_tokens", "chat_template_kwargs",
         )
         payload = {k: getattr(self, k) for k in keys}
+        if self.regenerate is not None:
+            # Only when set: outputs of jobs without it keep their fingerprint.
+            payload["regenerate"] = self.regenerate.model_dump(mode="json")
         blob = json.dumps(payload, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -86,6 +86,10 @@ class JobStatus(BaseModel):
     units_total: int = Field(0, description="Work units planned.")
     units_done: int = Field(0, description="Work units committed.")
     units_failed: int = Field(0, description="Work units given up after repeated failures.")
+    samples_generated: int = Field(
+        0, description="A regenerating job's first stage: samples the target has answered."
+    )
+    tokens_generated: int = Field(0, description="Tokens the target generated for them.")
     tokens_per_s: float = Field(0.0, description="Extraction rate of the current run.")
     tokens_per_s_avg: float = Field(
         0.0,

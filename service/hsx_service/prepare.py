@@ -294,6 +294,7 @@ def prepare(spec: JobSpec) -> PreparedJob:
             output,
             chat_template_kwargs=spec.chat_template_kwargs,
             trust_remote_code=spec.trust_remote_code,
+            keep_messages=spec.regenerate is not None,
         )
         data_fp = result.dataset_fingerprint
         lengths = output.inputs().column("length").to_numpy()

@@ -86,6 +86,8 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int]) -> Any
     options["max_inflight_tokens"] = spec.vllm.max_inflight_tokens
     if spec.vllm.engine_args():
         options["engine_args"] = spec.vllm.engine_args()
+    if spec.regenerate is not None:
+        options["generates"] = True  # sampling with per-request seeds (vllm_engine.py)
     return EngineConfig(
         model=spec.model,
         layers=layers,
@@ -463,16 +465,19 @@ def execute(
     queue: deque[WorkUnit] = deque(job.pending)
     attempts: dict[int, int] = {}
     alone: set[int] = set()  # units that were on a failed worker: retried one at a time
-    live: dict[int, tuple[int, int]] = {}  # unit -> (samples, tokens) while it runs
+    # unit -> (samples, tokens) captured, (samples, tokens) regenerated, while it runs
+    live: dict[int, tuple[int, int, int, int]] = {}
     last_poll = 0.0
 
     def emit(extra_live: bool) -> None:
         shown = JobProgress(**{**progress.__dict__, "workers": {}})
         if extra_live:
             # What is shown includes the units still running, as far as they got.
-            shown.samples_done += sum(s for s, _ in live.values())
-            shown.tokens_done += sum(t for _, t in live.values())
-            shown.rate_tokens += sum(t for _, t in live.values())
+            shown.samples_done += sum(c[0] for c in live.values())
+            shown.tokens_done += sum(c[1] for c in live.values())
+            shown.rate_tokens += sum(c[1] for c in live.values())
+            shown.samples_generated += sum(c[2] for c in live.values())
+            shown.tokens_generated += sum(c[3] for c in live.values())
         for slot in slots:
             shown.workers[slot.name] = slot.state
             if slot.unit is not None:
@@ -540,6 +545,8 @@ def execute(
         progress.tokens_done += report.tokens
         progress.bytes += report.bytes
         progress.rate_tokens += report.tokens
+        progress.samples_generated += report.generated
+        progress.tokens_generated += report.generated_tokens
         if hooks.on_unit_done is not None:
             hooks.on_unit_done(report)
 
@@ -673,7 +680,8 @@ def execute(
                     held = {u.unit for u in slot.inflight.values()}
                     for unit, counts in units.items():
                         if unit in held:
-                            live[unit] = (int(counts[0]), int(counts[1]))
+                            c = [int(x) for x in counts] + [0, 0]  # older workers: 2
+                            live[unit] = (c[0], c[1], c[2], c[3])
             except (GetTimeoutError, RayActorError, RayTaskError, NodeDiedError):
                 pass
             emit(True)
@@ -685,9 +693,13 @@ def record_report(record: CommitRecord, worker: str) -> Any:
     """A UnitReport of a unit found committed (its worker died before reporting it)."""
     from hsx_workers.worker import UnitReport
 
+    answers = record.regenerations
     return UnitReport(unit=record.unit, won=True, samples=record.samples,
                       tokens=record.tokens, bytes=record.bytes,
-                      errors=[e.model_dump() for e in record.errors], worker=worker)
+                      errors=[e.model_dump() for e in record.errors], worker=worker,
+                      generated=answers.rows if answers else 0,
+                      generated_tokens=answers.tokens if answers else 0,
+                      truncated=answers.truncated if answers else 0)
 
 
 def check_capacity(spec: JobSpec) -> None:

@@ -49,12 +49,13 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import Metric
 
+from hsx.draft import draft_view
 from hsx.output import OutputCorrupt, StorageError
+from hsx.output.layout import DRAFT_DIR
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
 from hsx.spec import JobSpec, TrainSpec
@@ -327,8 +328,6 @@ class Scheduler:
             return self._same_or_conflict(existing, spec), False
         check_estimated_output(spec, *preflight(spec))
         check_capacity(spec)
-        if spec.train is not None:
-            draft_root(spec.output)
         location = open_output(spec.output).location
         for other in self.ledger.jobs():
             if not other.state.finished and open_output(other.output).location == location:
@@ -382,12 +381,11 @@ class Scheduler:
         if not self._ready:
             raise self.not_ready()
         row = self._row(job_id)
-        root = draft_root(row.output)
         if row.state in (JobState.failed, JobState.cancelled) and not (
                 open_output(row.output).has_manifest()):
             raise JobRefused(f"job {job_id} is {row.state.value} and left no output to train on")
         check_draft_layers(row.spec)
-        self.trainings.start(job_id, root, spec)
+        self.trainings.start(job_id, row.output, spec)
         return self.train_status(job_id)
 
     def train_status(self, job_id: str) -> TrainStatus:
@@ -396,7 +394,9 @@ class Scheduler:
         if training is None:
             raise JobNotFound(
                 f"job {job_id} has no training; POST /v1/jobs/{job_id}/train starts one")
-        return self.trainings.status(training, draft_root(row.output))
+        output = open_output(row.output)
+        where = None if output.local_root is not None else output.url(DRAFT_DIR)
+        return self.trainings.status(training, draft_view(output), where)
 
     def throughput(self, job_id: str) -> Throughput:
         """The job's tokens/s over time (kept after it ends), at most CURVE_POINTS points."""
@@ -417,10 +417,8 @@ class Scheduler:
             if job is None or not (row.state in (TrainState.starting, TrainState.running)
                                    or is_recent(job, now)):
                 continue
-            root = open_output(job.output).local_root
-            if root is None:
-                continue  # the coordinator trains drafts on local outputs only
             try:
+                root = draft_view(open_output(job.output))
                 trainings.append(self.trainings.status(row, root))
             except OSError:
                 logger.warning("metrics: cannot read the training of %s", row.job_id,
@@ -541,10 +539,7 @@ class Scheduler:
             self._reconcile()
             if not self._trainings_resumed:
                 self._trainings_resumed = True
-                # The coordinator trains drafts of outputs on a file system only.
-                self.trainings.resume_all({
-                    row.id: root for row in self.ledger.jobs()
-                    if (root := open_output(row.output).local_root) is not None})
+                self.trainings.resume_all({row.id: row.output for row in self.ledger.jobs()})
         except LeaseLost:
             self._lost.set()
             self._thread_ended = True
@@ -605,7 +600,7 @@ class Scheduler:
             if row.spec.train is not None and self.ledger.training(job_id) is None:
                 # Started now, it follows the shards as they are committed (or waits for
                 # the end when `follow` is off).
-                self.trainings.start(job_id, draft_root(row.output), row.spec.train)
+                self.trainings.start(job_id, row.output, row.spec.train)
             # Engines stay warm between jobs on the same config; others give their place.
             self.pool.keep_only(engine_key(row.spec, job.model, job.layers))
 
@@ -722,7 +717,8 @@ def _ray_lost(err: BaseException) -> bool:
 
 
 _STATUS_NUMBERS = ("samples_total", "samples_done", "samples_failed", "tokens_total",
-                   "tokens_done", "bytes", "shards", "units_total", "units_done", "units_failed")
+                   "tokens_done", "bytes", "shards", "units_total", "units_done", "units_failed",
+                   "samples_generated", "tokens_generated")
 
 
 def thin_curve(points: builtins.list[tuple[float, float, int]],
@@ -737,23 +733,6 @@ def thin_curve(points: builtins.list[tuple[float, float, int]],
         group = points[i : i + size]
         out.append((group[-1][0], sum(p[1] for p in group) / len(group), group[-1][2]))
     return out
-
-
-def draft_root(output: str) -> Path:
-    """The local folder a job's draft is trained into (its output's draft/ lives there).
-
-    JobRefused for an object-store output: the coordinator's trainer publishes
-    checkpoints by directory rename and hard links, so it needs a local (or mounted)
-    output; `hsx train URI --draft-dir DIR` trains from a bucket into a local folder.
-    """
-    root = open_output(output).local_root
-    if root is None:
-        raise JobRefused(
-            f"train: {output} is an object store, and the coordinator trains drafts into "
-            "the output's draft/ folder on a file system; run `hsx train "
-            f"{output} --draft-dir DIR` to train from it into a local folder"
-        )
-    return root
 
 
 def check_draft_layers(spec: JobSpec) -> None:

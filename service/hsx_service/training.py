@@ -5,11 +5,13 @@ The actor runs `DraftTrainer` (workers/hsx_workers/trainer.py); it takes a GPU w
 cluster has one, a CPU otherwise; with `workers` > 1 it drives a Ray Train run whose
 workers take them. This side polls its progress, keeps the ledger's `trainings` row
 current, and restarts a dead actor (up to MAX_TRAIN_RESTARTS times); the new actor
-resumes from the newest checkpoint in `<output>/draft/checkpoints/`. Once the training
+resumes from the newest checkpoint in `<output>/draft/checkpoints/` (for a bucket
+output, the bucket's newest uploaded one: see hsx.draft.BucketDraft). Once the training
 is done, a Ray task measures the draft in vLLM on held-out prompts (`evaluating`;
 draft/eval.json). What a status shows beyond the actor's last report (loss curve,
 validations, plan, best checkpoint, evaluation) is read from the output's `draft/`
-folder, so it survives the coordinator too.
+folder (`hsx.draft.draft_view`: for a bucket, a copy of its draft/ as last uploaded),
+so it survives the coordinator too.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from hsx.draft import (
-    checkpoint_step,
-    checkpoints,
+    newest_checkpoint,
     read_eval,
     read_metrics,
     read_train_state,
     read_validation,
 )
+from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_METRICS
 from hsx.spec import TrainSpec
 from hsx.wire import DraftEval, TrainPlan, TrainPoint, TrainState, TrainStatus, ValidationPoint
@@ -72,7 +74,8 @@ class Trainings:
         # re-reads the file only when the trainer has appended to it.
         self._history: dict[Path, tuple[tuple[int, int], list[TrainPoint]]] = {}
 
-    def start(self, job_id: str, output: Path, spec: TrainSpec) -> None:
+    def start(self, job_id: str, output: str, spec: TrainSpec) -> None:
+        """Train the draft of `output` (a job's output path or URI) in a new actor."""
         with self._lock:
             thread = self._threads.get(job_id)
             if thread is not None and thread.is_alive():
@@ -84,7 +87,7 @@ class Trainings:
             self._threads[job_id] = thread
         thread.start()
 
-    def resume_all(self, outputs: dict[str, Path]) -> None:
+    def resume_all(self, outputs: dict[str, str]) -> None:
         """After a coordinator restart: trainings that had not ended start again."""
         for row in self.ledger.trainings():
             if not row.state.finished and row.job_id in outputs:
@@ -100,14 +103,15 @@ class Trainings:
         for thread in list(self._threads.values()):
             thread.join(timeout=30)
 
-    def status(self, row: TrainRow, output: Path) -> TrainStatus:
+    def status(self, row: TrainRow, output: Path, draft: str | None = None) -> TrainStatus:
+        """`output`: the folder whose draft/ is read; `draft`: where the draft is, as
+        users reach it (default that folder's draft/; a bucket's URL for a bucket)."""
         live = self._live.get(row.job_id) or {}
         last = live.get("last") or {}
         history = self._read_history(output)
         if not last and history:
             last = history[-1].model_dump()
         on_disk = read_train_state(output) or {}
-        saved = checkpoints(output)
         plan = on_disk.get("plan")
         best = on_disk.get("best") or {}
         evaluation = read_eval(output)
@@ -116,13 +120,13 @@ class Trainings:
             with contextlib.suppress(ValueError):  # a record of another shape
                 validation.append(ValidationPoint.model_validate(record))
         return TrainStatus(
-            job_id=row.job_id, state=row.state, draft=str(output / DRAFT_DIR),
+            job_id=row.job_id, state=row.state, draft=draft or str(output / DRAFT_DIR),
             step=int(last.get("step", on_disk.get("step", 0))),
             epoch=int(last.get("epoch", on_disk.get("epoch", 0))),
             loss=last.get("loss"), acc=list(last.get("acc") or []),
             tokens_per_s=float(last.get("tokens_per_s", 0.0)),
             wait_fraction=float(last.get("wait_fraction", 0.0)),
-            checkpoint_step=checkpoint_step(saved[-1]) if saved else None,
+            checkpoint_step=newest_checkpoint(output),
             restarts=row.restarts,
             resumed_from=live.get("resumed_from", on_disk.get("resumed_from")),
             first_step_at=live.get("first_step_at", on_disk.get("first_step_at")),
@@ -156,7 +160,7 @@ class Trainings:
         if self.on_change is not None:
             self.on_change(job_id)
 
-    def _watch(self, job_id: str, output: Path, spec: TrainSpec) -> None:
+    def _watch(self, job_id: str, output: str, spec: TrainSpec) -> None:
         import ray
 
         row = self.ledger.training(job_id)
@@ -191,7 +195,7 @@ class Trainings:
             return
         self._set(job_id, TrainState.stopped)
 
-    def _evaluate(self, output: Path, spec: TrainSpec) -> bool:
+    def _evaluate(self, output: str, spec: TrainSpec) -> bool:
         """vLLM measures the draft on held-out prompts (a Ray task with the engine's
         resources); its result or its error lands in draft/eval.json. False when the
         coordinator stopped meanwhile (the next start measures again)."""
@@ -204,7 +208,7 @@ class Trainings:
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
         ref = task.options(num_cpus=1, num_gpus=1 if gpu else 0, max_retries=0,
                            runtime_env={"env_vars": env}).remote(
-            str(output), prompts=spec.eval_prompts, max_tokens=spec.eval_max_tokens,
+            Output(output), prompts=spec.eval_prompts, max_tokens=spec.eval_max_tokens,
             k=spec.ttt_steps)
         while True:
             ready, _ = ray.wait([ref], timeout=POLL_S)
@@ -226,7 +230,7 @@ class Trainings:
                     result.get("mean_acceptance_length", 0.0), result.get("k"))
         return True
 
-    def _new_actor(self, output: Path, spec: TrainSpec) -> Any:
+    def _new_actor(self, output: str, spec: TrainSpec) -> Any:
         import ray
 
         from hsx_workers.trainer_actor import TrainerActor
@@ -237,7 +241,9 @@ class Trainings:
         options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 1,
                                    "num_gpus": 1 if gpu else 0}
         actor_cls: Any = ray.remote(TrainerActor)
-        return actor_cls.options(**options).remote(str(output), spec.model_dump(mode="json"))
+        # The Output carries the endpoint and credentials resolved here to the actor.
+        return actor_cls.options(**options).remote(Output(output),
+                                                   spec.model_dump(mode="json"))
 
     def _follow(self, job_id: str, actor: Any) -> tuple[str, str | None]:
         """Poll the actor until `run` ends: (done | stopped | failed | died, error)."""

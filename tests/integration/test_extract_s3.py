@@ -8,7 +8,7 @@
   ever listed, the unit is retried, the job completes, no upload or orphan is left, and
   a rerun has nothing to do.
 - `HiddenStatesDataset("s3://...")`, `hsx export --format speculators` from the bucket,
-  and `hsx train s3://... --draft-dir DIR` read the same output.
+  and `hsx train s3://...` (checkpoints uploaded into it) read the same output.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pytest
 
 from hsx.dataset import HiddenStatesDataset
 from hsx.output import Output
-from hsx.output.layout import DRAFT_CHECKPOINTS, SHARDS_DIR
+from hsx.output.layout import DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_UPLOADED, SHARDS_DIR
 from hsx.output.object_storage import ObjectStoreStorage
 from hsx_service.runner import JobSummary, run_job
 from hsx_workers.tiny_models import ChatDataset, make_chat_dataset
@@ -167,17 +167,16 @@ def test_export_and_training_read_the_bucket(
     first = exported[0]
     assert isinstance(first, dict)
     assert first["input_ids"].tolist() == ds[0]["input_ids"].long().tolist()
-    # Training from the bucket; checkpoints go to a local folder (the trainer publishes
-    # them by folder renames and hard links).
-    assert main(["train", uri]) == 2
-    assert "--draft-dir" in capsys.readouterr().err
-    draft = tmp_path / "draft-root"
-    assert main(["train", uri, "--draft-dir", str(draft), "--set", "max_steps=2",
-                 "--set", "batch_tokens=512", "--set", "checkpoint_every=2",
-                 "--set", "draft_vocab_size=256"]) == 0
+    # Training from the bucket into the bucket (a working folder under $HSX_CACHE).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HSX_CACHE", str(tmp_path / "cache"))
+        assert main(["train", uri, "--set", "max_steps=2", "--set", "batch_tokens=512",
+                     "--set", "checkpoint_every=2", "--set", "draft_vocab_size=256"]) == 0
     captured = capsys.readouterr()
     assert "trained 2 steps" in captured.out + captured.err
-    assert [p.name for p in (draft / DRAFT_CHECKPOINTS).iterdir()] == ["step-00000002"]
+    bucket = Output(uri).storage
+    assert bucket.exists(f"{DRAFT_CHECKPOINTS}/step-00000002/{DRAFT_UPLOADED}")
+    assert bucket.exists(f"{DRAFT_DIR}/model.safetensors")
 
 
 def test_hsx_extract_into_the_bucket_again_has_nothing_to_do(

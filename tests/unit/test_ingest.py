@@ -13,12 +13,15 @@ import pyarrow as pa
 import pytest
 
 from hsx.ingest import (
+    NOT_A_CHAT,
     DatasetFormatError,
     DatasetNotFoundError,
     IngestResult,
     dataset_fingerprint,
+    generation_prompt,
     ingest,
     load_tokenizer,
+    tokenize_conversations,
     tokenizer_fingerprint,
 )
 from hsx.output import Output, layout
@@ -535,3 +538,21 @@ def test_dataset_fingerprint_follows_changes(tmp_path: Path) -> None:
     path.write_text(json.dumps({"text": "bb"}) + "\n")
     os.utime(path, ns=(1, 1))
     assert dataset_fingerprint(path) != first
+
+
+def test_a_regenerating_job_keeps_each_conversation_and_refuses_rows_without_one(
+    tiny_tokenizer: Path, tmp_path: Path, tok: Any
+) -> None:
+    result, inputs, errors = _ingest(
+        [{"messages": CHAT}, {"prompt": "no conversation"}, {"text": "none either"}],
+        tiny_tokenizer, tmp_path, keep_messages=True)
+    assert result.num_samples == 1
+    assert json.loads(inputs[0]["messages"]) == CHAT
+    assert errors == {1: NOT_A_CHAT, 2: NOT_A_CHAT}
+    # The worker tokenizes a regenerated conversation exactly as ingestion did.
+    tokenized = tokenize_conversations(tok, [CHAT], 256)[0]
+    assert not isinstance(tokenized, str)
+    assert tokenized[0].tolist() == inputs[0]["input_ids"]
+    assert tokenized[1].tolist() == inputs[0]["loss_mask"]
+    prompt = generation_prompt(tok, CHAT[:2])
+    assert inputs[0]["input_ids"][: len(prompt)] == prompt

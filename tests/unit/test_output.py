@@ -399,7 +399,7 @@ def test_a_record_that_cannot_be_read_is_listed(written: Path) -> None:
     bad = out.check_shards()
     assert [b.unit for b in bad] == [2] and "unit-000002.json" in bad[0].shard
     assert out.withdraw([2]) == [2] and out.committed_units() == {0, 1}
-    # Its shard, which no record names now: garbage once nothing runs on the output.
+    # Its shard, which no record names now: removed by the final clean-up (a rerun's end).
     assert out.clean_orphans() == 0 and out.clean_orphans(final=True) == 1
 
 

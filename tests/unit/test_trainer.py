@@ -474,32 +474,89 @@ def test_held_out_validation(tmp_path: Path, tiny_llama: Path) -> None:
                                       for ids in UNITS.values() for i in ids if i not in held)
 
 
-def test_an_object_store_outputs_draft_lives_in_a_local_folder(tmp_path: Path,
-                                                                 tiny_llama: Path) -> None:
-    """Read through ranged reads (no local paths, as in a bucket), trained and
-    validated the same; the draft and eval-draft's record go to the folder named."""
-    from hsx_workers.acceptance import evaluate_draft, held_out_prompts
+def _bucket_files(root: Path, folder: str) -> dict[str, bytes]:
+    base = root / folder
+    return {p.name: p.read_bytes() for p in base.iterdir() if p.is_file()}
+
+
+def test_an_object_store_outputs_draft_is_uploaded_and_resumed(
+        tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read through ranged reads (no local paths, as in a bucket), trained and validated
+    the same in a local working folder; each checkpoint and draft/ are uploaded with
+    their uploaded.json; a run with an empty working folder resumes from the bucket's
+    newest checkpoint; a checkpoint without its marker is never taken; eval-draft's
+    download gives the bucket's draft."""
+    from hsx.draft import BucketDraft, draft_folder, fetch_draft
+    from hsx.output.layout import DRAFT_UPLOADED
+    from hsx_workers.acceptance import held_out_prompts
     from tests.unit.test_output import RangedStorage
 
     root = make_output(tmp_path / "out", tiny_llama)
     bucket = Output(RangedStorage(root))
     assert bucket.local_root is None
-    with pytest.raises(ValueError, match="--draft-dir"):
-        DraftTrainer(bucket, spec())
-    with pytest.raises(ValueError, match="--draft-dir"):
-        evaluate_draft(bucket)
     assert held_out_prompts(bucket, spec(val_fraction=0.25), 4) == held_out_prompts(
         Output(root), spec(val_fraction=0.25), 4)
+    monkeypatch.setenv("HSX_CACHE", str(tmp_path / "cache-a"))
+    work = draft_folder(bucket)
+    assert work.parent == tmp_path / "cache-a" / "drafts" and work == draft_folder(bucket)
+    with pytest.raises(FileNotFoundError, match="no trained draft"):
+        fetch_draft(bucket)
+    trainer = DraftTrainer(bucket, spec(max_steps=4, val_fraction=0.25))
+    assert trainer.run().step == 4
+    assert sorted(c.name for c in (work / DRAFT_CHECKPOINTS).iterdir()) == [
+        "step-00000002", "step-00000004"]
+    rows = [json.loads(x) for x in (work / "draft/validation.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4] and rows[0]["tokens"] > 0
+    # In the bucket: each checkpoint whole, with its marker naming its files.
+    for name in ("step-00000002", "step-00000004"):
+        uploaded = _bucket_files(root, f"{DRAFT_CHECKPOINTS}/{name}")
+        marker = json.loads(uploaded.pop(DRAFT_UPLOADED))
+        assert uploaded == _bucket_files(work, f"{DRAFT_CHECKPOINTS}/{name}")
+        assert marker["files"] == {k: len(v) for k, v in uploaded.items()}
+        assert {"model.safetensors", "trainer_state.pt", "config.json"} <= set(uploaded)
+    top = _bucket_files(root, DRAFT_DIR)
+    assert set(json.loads(top.pop(DRAFT_UPLOADED))["files"]) == set(top)
+    assert top == _bucket_files(work, DRAFT_DIR)
+    assert json.loads(top["train.json"])["state"] == "done"
+
+    # Another machine: an empty working folder resumes from the bucket's step 4 (a
+    # step-6 folder without its marker, a crashed upload, is not taken).
+    (root / DRAFT_CHECKPOINTS / "step-00000006").mkdir()
+    (root / DRAFT_CHECKPOINTS / "step-00000006" / "model.safetensors").write_bytes(b"cut")
+    monkeypatch.setenv("HSX_CACHE", str(tmp_path / "cache-b"))
+    second = DraftTrainer(bucket, spec(max_steps=8, val_fraction=0.25))
+    assert second.run().step == 8 and second.resumed_from == 4
+    steps = [json.loads(x)["step"] for x in (root / DRAFT_METRICS).read_text().splitlines()]
+    assert steps == list(range(1, 9))
+    # Pruned here, pruned in the bucket (the best, step 2 or another, is kept).
+    local = sorted(p.name for p in (draft_folder(bucket) / DRAFT_CHECKPOINTS).iterdir())
+    assert sorted(BucketDraft(bucket.storage, tmp_path / "x").complete_checkpoints()) == [
+        int(n.split("-")[1]) for n in local]
+    assert sorted({p.parent.name for p in (root / DRAFT_CHECKPOINTS).rglob("*")
+                   if p.is_file()}) == local  # no object of another checkpoint is left
+    assert "step-00000008" in local
+
+    # eval-draft on a third machine: the bucket's draft, byte for byte.
+    monkeypatch.setenv("HSX_CACHE", str(tmp_path / "cache-c"))
+    fetched = fetch_draft(bucket) / DRAFT_DIR
+    top = _bucket_files(root, DRAFT_DIR)
+    marker_bytes = json.dumps(json.loads(top.pop(DRAFT_UPLOADED)), indent=2).encode()
+    assert _bucket_files(fetched.parent, DRAFT_DIR) == {**top, DRAFT_UPLOADED: marker_bytes}
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    loaded = Eagle3DraftModel.from_pretrained(str(fetched))
+    assert loaded.fc.weight.shape == (HIDDEN, 2 * HIDDEN)
+    # Training with --draft-dir uploads into the bucket too.
     elsewhere = tmp_path / "draft-root"
-    trainer = DraftTrainer(bucket, spec(max_steps=2, val_fraction=0.25),
-                           draft_root=elsewhere)
-    assert trainer.run().step == 2
-    assert [c.name for c in (elsewhere / DRAFT_CHECKPOINTS).iterdir()] == ["step-00000002"]
-    rows = [json.loads(x) for x in (elsewhere / "draft/validation.jsonl").read_text()
-            .splitlines()]
-    assert [r["step"] for r in rows] == [2] and rows[0]["tokens"] > 0
-    assert (elsewhere / DRAFT_DIR / "model.safetensors").exists()
-    assert not (root / DRAFT_DIR).exists()  # nothing written into the "bucket"
+    third = DraftTrainer(bucket, spec(max_steps=10, val_fraction=0.25), draft_root=elsewhere)
+    assert third.run().step == 10 and third.resumed_from == 8
+    assert (root / DRAFT_CHECKPOINTS / "step-00000010" / DRAFT_UPLOADED).is_file()
+    # The coordinator's status reads a copy of the bucket's draft/, not a working folder.
+    from hsx.draft import draft_view, newest_checkpoint, read_train_state
+
+    view = draft_view(bucket)
+    assert view not in (draft_folder(bucket), elsewhere) and newest_checkpoint(view) == 10
+    assert (read_train_state(view) or {})["step"] == 10
 
 
 def _ddp_worker(rank: int, root: str, port: int, runs: tuple[int, ...], out: str) -> None:

@@ -19,10 +19,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx.draft import draft_folder, read_train_state, write_json
+from hsx.draft import draft_folder, fetch_draft, read_train_state, write_draft_json
 from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_EVAL
 from hsx.spec import TrainSpec
+
+EVAL_FILE = DRAFT_EVAL.rpartition("/")[2]
 
 MIN_ANSWER_TOKENS = 8
 
@@ -145,11 +147,12 @@ def evaluate_draft(
     """Measure the output's draft (or `draft`) in vLLM on the prompts its training held
     out (by its spec in draft/train.json, else the default one); with `record` (and the
     output's own draft) the result is written to draft/eval.json too. The draft lives in
-    `<draft_root>/draft/` (`hsx.draft.draft_folder`: the output's own folder on disk)."""
+    `<draft_root>/draft/` (`hsx.draft.draft_folder`: the output's own folder on disk);
+    an object-store output's is downloaded there first, and its eval.json uploaded."""
     out = Output.of(output)
     root: Path | None
     if draft is None:
-        root = draft_folder(out, draft_root)
+        root = fetch_draft(out, draft_root)
         draft = str(root / DRAFT_DIR)
         own = True
     else:  # another draft: the training's spec is read when its folder is known
@@ -166,11 +169,12 @@ def evaluate_draft(
             "draft_step": best.get("step", state.get("step")) if own else None,
             "time": time.time(), "error": None}
     if record and own and root is not None:
-        write_json(root / DRAFT_EVAL, body)
+        write_draft_json(out, root, EVAL_FILE, body)
     return body
 
 
-def record_eval_error(draft_root: str | Path, error: str) -> None:
-    """<draft_root>/draft/eval.json says why the measurement failed (the coordinator
+def record_eval_error(output: Output | str | Path, error: str) -> None:
+    """The output's draft/eval.json says why the measurement failed (the coordinator
     shows it)."""
-    write_json(Path(draft_root) / DRAFT_EVAL, {"error": error, "time": time.time()})
+    out = Output.of(output)
+    write_draft_json(out, draft_folder(out), EVAL_FILE, {"error": error, "time": time.time()})

@@ -47,6 +47,9 @@ from hsx_workers.vllm_compat import extract_states
 
 logger = logging.getLogger(__name__)
 
+SKIP_SAVE = "hsx_skip_save"
+"""In a request's kv_transfer_params: generation only, its states are not wanted."""
+
 
 def _write_spool_file(tensors: dict[str, torch.Tensor], event: Any, filename: str) -> None:
     """Thread-pool job: wait for the device-to-host copy, then publish."""
@@ -61,6 +64,16 @@ def _write_spool_file(tensors: dict[str, torch.Tensor], event: Any, filename: st
 
 class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
     """Store-only connector for `extract_hidden_states`, CPU and CUDA."""
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        # A regenerating job's generation requests have no states to keep: their blocks
+        # are freed at once and nothing is written to the spool.
+        if (request.kv_transfer_params or {}).get(SKIP_SAVE):
+            self._request_filenames.pop(request.request_id, None)
+            self._pending_saves.pop(request.request_id, None)
+            return False, None
+        return super().request_finished(request, block_ids)  # type: ignore[no-any-return]
 
     def wait_for_save(self) -> None:
         # No lock files: spool files are published by rename.

@@ -5,8 +5,11 @@ runs it on N Ray Train workers (DDP); the Ray actor in trainer_actor.py and `hsx
 call one or the other.
 
 - Output: read through `hsx.output.Output`, on local disk or an object store; the
-  draft goes to `<output>/draft/`, or under `draft_root` (a local folder, which an
-  object-store output needs: `hsx train URI --draft-dir DIR`).
+  draft goes to `<output>/draft/`, or under `draft_root` (a local folder). For an
+  object-store output it is trained in a local working folder (`hsx.draft.draft_folder`)
+  and the main worker copies each published checkpoint and draft/ into the bucket
+  (`hsx.draft.BucketDraft`); a run whose folder lacks the bucket's newest checkpoint
+  downloads it first.
 - Plan: what the spec leaves unset is chosen from the data and the device
   (`plan_schedule`): steps sized from the training tokens (not one epoch), tokens per
   step and learning rate per device; too few tokens for the schedule gives a warning.
@@ -60,6 +63,7 @@ import torch
 
 from hsx.dataset import HiddenStatesDataset
 from hsx.draft import (
+    bucket_draft,
     checkpoint_metrics,
     checkpoints,
     draft_folder,
@@ -69,7 +73,7 @@ from hsx.draft import (
     write_json,
 )
 from hsx.modelinfo import draft_aux_layers
-from hsx.output import CommitRecord, Manifest, Output, ShardReader, faults
+from hsx.output import CommitRecord, Manifest, Output, ShardReader, StorageError, faults
 from hsx.output.layout import (
     CHECKPOINT_METRICS,
     DRAFT_CHECKPOINTS,
@@ -526,6 +530,7 @@ class DraftTrainer:
         self.device = device
         self._validate_fn = validate  # tests replace the validation; None: held-out samples
         self.draft = self.root / DRAFT_DIR
+        self.bucket = bucket_draft(self.output, self.root)  # None on local disk
         self.state = TrainState()
         self.plan: Plan | None = None
         self.manifest: Manifest | None = None
@@ -626,6 +631,9 @@ class DraftTrainer:
 
     def _resume(self, model: Any, opt: torch.optim.Optimizer, sched: Any,
                 plan: Plan) -> None:
+        if self.bucket is not None and self.group.main:
+            self.bucket.pull_checkpoints()  # a restart elsewhere: the bucket's newest
+        self.group.barrier()
         saved_checkpoints = checkpoints(self.root)
         self._restore_best(saved_checkpoints)
         if not saved_checkpoints:
@@ -1054,6 +1062,13 @@ class DraftTrainer:
                 "best": self.best, "validation": self.last_validation,
                 "spec": self.spec.model_dump(mode="json")}
         write_json(self.root / DRAFT_STATE, body)
+        if self.bucket is not None:  # after each checkpoint too: it ends with this call
+            try:
+                self.bucket.push()
+            except (StorageError, OSError) as err:
+                if state != "failed":
+                    raise
+                logger.warning("%s: the failed state was not uploaded: %s", self.bucket, err)
 
     def _checkpoint(self, model: Any, opt: torch.optim.Optimizer, sched: Any) -> Path | None:
         """Validate, then (main worker) write the checkpoint and publish the best one."""
@@ -1172,7 +1187,8 @@ def train_distributed(
     (root / DRAFT_DIR).mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
         _train_worker,
-        train_loop_config={"output": output.uri, "draft_root": str(root),
+        # The Output itself: it carries the storage settings resolved here.
+        train_loop_config={"output": output, "draft_root": str(root),
                            "spec": spec.model_dump(mode="json"),
                            "poll_interval": poll_interval, "threads": 1},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),

@@ -9,18 +9,23 @@ worker writes (draft/metrics.jsonl, draft/train.json).
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Any
 
-from hsx.draft import last_record, read_train_state
+from hsx.draft import draft_folder, last_record, read_train_state
+from hsx.output import Output
 from hsx.output.layout import DRAFT_METRICS
 from hsx.spec import TrainSpec
 from hsx_workers.trainer import DraftTrainer, StepMetrics, train_distributed
 
 
 class TrainerActor:
-    def __init__(self, output: str, spec: dict[str, Any]) -> None:
-        self.output = output
+    """Trains the draft of `output` (an Output, which carries the storage settings the
+    coordinator resolved, or a path: a bucket's draft is trained in this node's working
+    folder and uploaded; see hsx.draft)."""
+
+    def __init__(self, output: Output | str, spec: dict[str, Any]) -> None:
+        self.output = Output.of(output)
+        self.root = draft_folder(self.output)  # where this node trains it
         self.spec = TrainSpec.model_validate(spec)
         self._stop = threading.Event()
         self._trainer: DraftTrainer | None = None
@@ -44,9 +49,8 @@ class TrainerActor:
         if trainer is not None:
             return {"last": self._last, "first_step_at": trainer.first_step_at,
                     "resumed_from": trainer.resumed_from}
-        root = Path(self.output)
-        state = read_train_state(root) or {}
-        return {"last": last_record(root / DRAFT_METRICS),
+        state = read_train_state(self.root) or {}
+        return {"last": last_record(self.root / DRAFT_METRICS),
                 "first_step_at": state.get("first_step_at"),
                 "resumed_from": state.get("resumed_from")}
 

@@ -16,6 +16,13 @@ engine, resources for its tensor-parallel ranks). A unit's life:
    attempt of the same unit won, this one's data is dropped and the unit reports
    `won=False`. `run_unit` returns that report.
 
+A unit of a job with `regenerate:` first has its conversations answered by the same
+engine (GenerateRequests in the same stream, so the engine keeps capturing the unit
+before it meanwhile), round by round for `turns: each`; the regenerated conversations
+are then tokenized as ingestion does and captured like any unit. Their table is stored
+whole before the commit record, which names it: a committed unit's answers are never
+generated again, and an attempt that loses the commit deletes its own.
+
 The driver keeps up to two units queued on each worker (runner.py) for that overlap.
 Per-sample failures are recorded in the commit record's errors and the unit goes on.
 `EngineDead` fails every unit the worker holds: the driver restarts the actor and
@@ -29,20 +36,26 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
+
 from hsx.output import Output, ShardWriter
 from hsx.output.shards import DEFAULT_CHECKSUM, background_priority
+from hsx.output.tables import MESSAGES_COLUMN, REGENERATIONS_SCHEMA
 from hsx.plan import WorkUnit
+from hsx.regenerate import Conversation, GeneratedTurn, dumps_messages, loads_messages, sample_seed
 from hsx_workers.engines.base import (
     WAIT,
     CaptureRequest,
     CaptureResult,
     EngineConfig,
     EngineDead,
+    GenerateRequest,
+    GenerateResult,
     _Wait,
     create_engine,
 )
@@ -64,6 +77,38 @@ class UnitReport:
     errors: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     worker: str = ""
+    generated: int = 0  # samples regenerated (a regenerating job)
+    generated_tokens: int = 0
+    truncated: int = 0  # regenerated samples with a turn that reached max_tokens
+
+
+@dataclass
+class _Regen:
+    """A unit's regeneration: its conversations, turn by turn."""
+
+    spec: dict[str, Any]  # the job's `regenerate:` section
+    tokenizer: Any
+    max_seq_len: int
+    template_kwargs: dict[str, Any]
+    provenance: dict[str, Any]
+    conversations: list[Conversation]
+    failed: dict[int, str] = field(default_factory=dict)  # sample_index -> reason
+    asked: int = 0  # answers awaited in the current round
+    generated: int = 0  # conversations fully answered
+    tokens: int = 0  # tokens generated
+
+    def table(self) -> pa.Table:
+        done = [c for c in self.conversations
+                if c.sample_index not in self.failed and c.finished]
+        return pa.Table.from_pydict({
+            "sample_index": [c.sample_index for c in done],
+            "messages": [dumps_messages(c.messages()) for c in done],
+            "original": [dumps_messages(c.original) for c in done],
+            "seeds": [[t.seed for t in c.done] for c in done],
+            "finish_reasons": [[t.finish_reason for t in c.done] for c in done],
+            "generated_tokens": [sum(t.tokens for t in c.done) for c in done],
+            "truncated": [c.truncated for c in done],
+        }, schema=REGENERATIONS_SCHEMA)
 
 
 @dataclass
@@ -83,6 +128,15 @@ class _UnitRun:
     done: int = 0  # results taken
     tokens_done: int = 0
     failure: BaseException | None = None
+    regen: _Regen | None = None
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+    except ImportError:
+        return ""
+    return str(getattr(vllm, "__version__", ""))
 
 
 class ExtractionWorker:
@@ -103,6 +157,7 @@ class ExtractionWorker:
         self._dead: BaseException | None = None
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-commit",
                                              initializer=background_priority)
+        self._tokenizers: dict[str, Any] = {}  # a regenerating job's tokenizer, by path
         self.engine = create_engine(engine, engine_config)
 
     def pid(self) -> int:
@@ -111,15 +166,19 @@ class ExtractionWorker:
     def ready(self) -> bool:
         return True
 
-    def progress(self) -> dict[int, tuple[int, int]]:
-        """unit -> (samples, tokens) taken so far, for the units in flight (polled)."""
+    def progress(self) -> dict[int, tuple[int, int, int, int]]:
+        """unit -> (samples, tokens) captured and (samples, tokens) regenerated so far,
+        for the units in flight (polled)."""
         with self._lock:
             runs = list(self._routing)
-        return {run.unit.unit: (run.done, run.tokens_done) for run in runs}
+        return {run.unit.unit: (run.done, run.tokens_done,
+                                run.regen.generated if run.regen else 0,
+                                run.regen.tokens if run.regen else 0) for run in runs}
 
     def _rows(self, output: Output, unit: WorkUnit
-              ) -> tuple[Output, list[tuple[int, list[int], list[int]]]]:
-        """The worker's Output for `output` (kept between units) and the unit's rows."""
+              ) -> tuple[Output, list[tuple[int, list[int], list[int]]], pa.Table]:
+        """The worker's Output for `output` (kept between units), the unit's rows and
+        their table."""
         with self._lock:
             if self._output is None or self._output.uri != output.uri:
                 self._output = output
@@ -132,7 +191,34 @@ class ExtractionWorker:
                 table.column("loss_mask").to_pylist(),
                 strict=True,
             )
-        )
+        ), table
+
+    def _regen_of(self, output: Output, table: pa.Table) -> _Regen | None:
+        """The unit's regeneration, when its job regenerates: ingestion kept the
+        conversations, and the manifest holds the job's `regenerate:` section."""
+        if MESSAGES_COLUMN not in table.column_names:
+            return None
+        manifest = output.manifest()
+        spec = manifest.spec.get("regenerate")
+        if not spec:
+            return None
+        path = manifest.spec.get("tokenizer") or manifest.model
+        tokenizer = self._tokenizers.get(path)
+        if tokenizer is None:
+            from hsx.ingest import load_tokenizer
+
+            tokenizer = load_tokenizer(path, trust_remote_code=manifest.trust_remote_code)
+            self._tokenizers = {path: tokenizer}
+        conversations = [
+            Conversation(int(i), loads_messages(m), spec.get("turns", "last"))
+            for i, m in zip(table.column("sample_index").to_pylist(),
+                            table.column(MESSAGES_COLUMN).to_pylist(), strict=True)
+        ]
+        provenance = {"model": manifest.model, "engine": "vllm", **spec,
+                      "vllm_version": _vllm_version()}
+        return _Regen(spec, tokenizer, manifest.max_seq_len,
+                      dict(manifest.spec.get("chat_template_kwargs") or {}), provenance,
+                      conversations)
 
     def run_unit(self, output: Output | str, storage_dtype: str, unit: WorkUnit,
                  checksum: str = DEFAULT_CHECKSUM) -> UnitReport:
@@ -142,8 +228,9 @@ class ExtractionWorker:
         resolved) or its URI. Units queued by concurrent calls run back to back through
         one engine, in the order the calls arrived.
         """
-        out, rows = self._rows(Output.of(output), unit)
-        run = _UnitRun(out, storage_dtype, checksum, unit, rows)
+        out, rows, table = self._rows(Output.of(output), unit)
+        run = _UnitRun(out, storage_dtype, checksum, unit, rows,
+                       regen=self._regen_of(out, table))
         with self._lock:
             if self._dead is not None:
                 raise EngineDead(f"{self.name}: the engine is gone: {self._dead}")
@@ -177,7 +264,7 @@ class ExtractionWorker:
                     run.writer.abort()
                 run.future.set_exception(err)
 
-    def _feed(self) -> Iterator[CaptureRequest | _Wait]:
+    def _feed(self) -> Iterator[CaptureRequest | GenerateRequest | _Wait]:
         """The requests of the queued units, back to back; WAIT while none is queued."""
         run: _UnitRun | None = None
         idle_since = time.monotonic()
@@ -193,10 +280,84 @@ class ExtractionWorker:
                             return
                     yield WAIT
                     continue
+                if run.regen is not None:
+                    yield from self._regenerate(run, run.regen)
+                    if not run.rows:  # every answer failed: nothing to capture
+                        with self._lock:
+                            self._routing.remove(run)
+                        self._committer.submit(self._commit, run)
+                        run = None
+                        continue
             idle_since = time.monotonic()
             index, ids, _mask = run.rows[run.fed]
             run.fed += 1
             yield CaptureRequest(index, ids)
+
+    def _regenerate(self, run: _UnitRun, regen: _Regen) -> Iterator[GenerateRequest | _Wait]:
+        """Answer the unit's conversations round by round (one round per regenerated
+        turn), then set its rows to the regenerated conversations' tokens."""
+        spec = regen.spec
+        from hsx.ingest import generation_prompt, tokenize_conversations
+
+        while True:
+            asks = []
+            for conv in regen.conversations:
+                if conv.sample_index in regen.failed:
+                    continue
+                prompt_messages = conv.next_prompt()
+                if prompt_messages is None:
+                    continue
+                try:
+                    prompt = generation_prompt(regen.tokenizer, prompt_messages,
+                                               regen.template_kwargs)
+                except ValueError as err:
+                    regen.failed[conv.sample_index] = f"regenerate: {err}"
+                    continue
+                room = regen.max_seq_len - len(prompt)
+                if room < 1:
+                    regen.failed[conv.sample_index] = (
+                        f"regenerate: the conversation before turn {len(conv.done)} takes "
+                        f"{len(prompt)} tokens, no room to answer within max_seq_len "
+                        f"({regen.max_seq_len})")
+                    continue
+                seed = sample_seed(int(spec.get("seed", 0)), conv.sample_index, len(conv.done))
+                asks.append(GenerateRequest(
+                    conv.sample_index, prompt, min(int(spec["max_tokens"]), room),
+                    float(spec["temperature"]), float(spec["top_p"]), seed,
+                    on_done=self._answer(regen, conv, seed)))
+            if not asks:
+                break
+            regen.asked = len(asks)
+            yield from asks
+            while regen.asked:
+                yield WAIT  # the engine steps; each answer arrives through on_done
+        done = [c for c in regen.conversations if c.sample_index not in regen.failed]
+        tokenized = tokenize_conversations(regen.tokenizer, [c.messages() for c in done],
+                                           regen.max_seq_len, regen.template_kwargs)
+        rows = []
+        for conv, result in zip(done, tokenized, strict=True):
+            if isinstance(result, str):
+                regen.failed[conv.sample_index] = f"regenerate: {result}"
+            else:
+                rows.append((conv.sample_index, result[0].tolist(), result[1].tolist()))
+        run.rows = rows
+        run.errors.extend({"sample_index": i, "reason": r}
+                          for i, r in sorted(regen.failed.items()))
+
+    @staticmethod
+    def _answer(regen: _Regen, conv: Conversation, seed: int
+                ) -> Callable[[GenerateResult], None]:
+        def on_done(result: GenerateResult) -> None:
+            regen.asked -= 1
+            if result.error is not None:
+                regen.failed[conv.sample_index] = f"regenerate: {result.error}"
+                return
+            conv.answer(GeneratedTurn(result.text, len(result.token_ids),
+                                      result.finish_reason, seed))
+            regen.tokens += len(result.token_ids)
+            regen.generated += conv.finished
+
+        return on_done
 
     def _next_run(self) -> _UnitRun | None:
         """The next queued unit with its writer open, now awaiting results; None if none."""
@@ -253,7 +414,11 @@ class ExtractionWorker:
                 raise run.failure
             if writer is None:
                 raise RuntimeError(f"unit {run.unit.unit} has no writer")
-            outcome = writer.commit(errors=run.errors)
+            ref = None
+            if run.regen is not None:
+                ref = run.output.put_regenerations(run.unit.unit, writer.attempt,
+                                                   run.regen.table(), run.regen.provenance)
+            outcome = writer.commit(errors=run.errors, regenerations=ref)
         except BaseException as err:
             if writer is not None:
                 writer.abort()
@@ -269,6 +434,9 @@ class ExtractionWorker:
             errors=[e.model_dump() for e in record.errors],
             seconds=time.monotonic() - run.started,
             worker=self.name,
+            generated=record.regenerations.rows if record.regenerations else 0,
+            generated_tokens=record.regenerations.tokens if record.regenerations else 0,
+            truncated=record.regenerations.truncated if record.regenerations else 0,
         ))
 
     def shutdown(self) -> None:

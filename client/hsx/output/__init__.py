@@ -18,6 +18,7 @@ from hsx.output.records import (
     JobMismatch,
     Manifest,
     OutputCorrupt,
+    RegenerationsRef,
     SampleError,
     UnitPlan,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "OutputCorrupt",
     "OutputNotFound",
     "OutputTotals",
+    "RegenerationsRef",
     "SampleError",
     "ShardCorrupt",
     "ShardReader",

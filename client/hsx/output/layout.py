@@ -1,8 +1,10 @@
 """Names of the objects in a job's output location (see docs/FORMAT.md).
 
 The same keys on local disk and in an object store (`s3://bucket/prefix/<key>`); only
-`.tmp/` (local staging) and `draft/` (written by the trainer on a file system) are
-local-disk things.
+`.tmp/` (local staging) is a local-disk thing. The trainer writes `draft/` on a file
+system; for an object-store output it trains in a local folder and uploads each finished
+checkpoint and the draft beside it, each folder ending with its `uploaded.json`
+(`hsx.draft.BucketDraft`).
 
 ```
 <output>/
@@ -10,6 +12,7 @@ local-disk things.
   inputs.arrow                     every good sample: sample_index, input_ids, loss_mask, length
   errors.arrow                     every bad row from ingestion: sample_index, reason
   shards/unit-000042-<attempt>.safetensors   one shard per work unit
+  regenerations/unit-000042-<attempt>.arrow  a regenerating job's answers of that unit
   commits/unit-000042.json         the commit record that makes that shard visible
   complete.json                    written once every unit is committed
   .tmp/                            in-progress files (local disk); never read by readers
@@ -20,6 +23,8 @@ local-disk things.
     validation.jsonl                 one record per validation (at each checkpoint)
     train.json                       the trainer's state, plan, best checkpoint
     eval.json                        the draft's acceptance in vLLM on held-out prompts
+    uploaded.json                    in a bucket: written last, names the files of draft/
+                                     (and of each checkpoint folder) a reader may take
 ```
 """
 
@@ -36,6 +41,7 @@ INPUTS = "inputs.arrow"
 ERRORS = "errors.arrow"
 COMPLETE = "complete.json"
 SHARDS_DIR = "shards"
+REGENERATIONS_DIR = "regenerations"
 COMMITS_DIR = "commits"
 TMP_DIR = ".tmp"
 DRAFT_DIR = "draft"
@@ -46,6 +52,7 @@ DRAFT_VALIDATION = "draft/validation.jsonl"
 DRAFT_EVAL = "draft/eval.json"
 DRAFT_STOP = "draft/.stop"  # asks a running (distributed) training to checkpoint and stop
 CHECKPOINT_METRICS = "metrics.json"  # in each checkpoint folder
+DRAFT_UPLOADED = "uploaded.json"  # in a bucket: draft/'s and each checkpoint's, written last
 
 # Layer-id convention recorded in the manifest (DESIGN.md, "Layer ids").
 LAYER_CONVENTION = (
@@ -66,13 +73,20 @@ def shard_path(unit: int, attempt: str) -> str:
     return f"{SHARDS_DIR}/{unit_name(unit)}-{attempt}.safetensors"
 
 
-_SHARD_KEY = re.compile(rf"^{SHARDS_DIR}/unit-(\d{{6,}})-[A-Za-z0-9_.]+\.safetensors$")
+def regenerations_path(unit: int, attempt: str) -> str:
+    return f"{REGENERATIONS_DIR}/{unit_name(unit)}-{attempt}.arrow"
 
 
-def unit_of_shard_key(key: str) -> int | None:
-    """The unit a shard key (`shard_path`) belongs to, or None for any other key."""
-    m = _SHARD_KEY.match(key)
-    return int(m.group(1)) if m else None
+_UNIT_KEY = re.compile(
+    rf"^(?:{SHARDS_DIR}/unit-(\d{{6,}})-[A-Za-z0-9_.]+\.safetensors"
+    rf"|{REGENERATIONS_DIR}/unit-(\d{{6,}})-[A-Za-z0-9_.]+\.arrow)$")
+
+
+def unit_of_key(key: str) -> int | None:
+    """The unit an attempt's object (`shard_path`, `regenerations_path`) belongs to, or
+    None for any other key."""
+    m = _UNIT_KEY.match(key)
+    return None if m is None else int(m.group(1) or m.group(2))
 
 
 def checkpoint_name(step: int) -> str:

@@ -14,6 +14,7 @@ connections); what it caches (the manifest, the inputs table's reader) is rebuil
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import logging
 import os
@@ -31,19 +32,30 @@ from hsx.output.layout import (
     ERRORS,
     INPUTS,
     MANIFEST,
+    REGENERATIONS_DIR,
     SHARDS_DIR,
     commit_path,
-    unit_of_shard_key,
+    regenerations_path,
+    unit_of_key,
 )
-from hsx.output.records import CommitRecord, Manifest, OutputCorrupt, SampleError
+from hsx.output.records import (
+    CommitRecord,
+    Manifest,
+    OutputCorrupt,
+    RegenerationsRef,
+    SampleError,
+)
 from hsx.output.shards import ShardCorrupt, ShardReader, ShardWriter, verify_shard
 from hsx.output.storage import ObjectExistsError, Storage, StorageError
 from hsx.output.tables import (
     ERRORS_SCHEMA,
     INPUTS_SCHEMA,
+    REGENERATE_KEY,
+    REGENERATIONS_SCHEMA,
     TableRows,
     TableWriter,
     read_table,
+    with_messages,
 )
 from hsx.progress import JobProgress
 
@@ -79,6 +91,8 @@ class OutputTotals:
     bytes: int
     unit_errors: int  # samples a worker could not extract (commit records' errors)
     ingest_errors: int  # rows refused at ingestion
+    generated: int = 0  # samples whose conversation was regenerated (regenerate:)
+    generated_tokens: int = 0
 
     @property
     def errors(self) -> int:
@@ -96,6 +110,8 @@ class OutputTotals:
             bytes=self.bytes,
             units_total=self.units_total,
             units_done=self.units_done,
+            samples_generated=self.generated,
+            tokens_generated=self.generated_tokens,
         )
 
 
@@ -203,12 +219,18 @@ class Output:
 
     # ------------------------------------------------------------------ tables
 
-    def table_writer(self, name: str) -> TableWriter:
-        """A writer of `inputs.arrow` or `errors.arrow` (visible once committed)."""
+    def table_writer(self, name: str, *, messages: bool = False) -> TableWriter:
+        """A writer of `inputs.arrow` or `errors.arrow` (visible once committed).
+
+        `messages`: the inputs table of a regenerating job also keeps each row's
+        conversation (a `messages` column of JSON text)."""
         schemas = {INPUTS: INPUTS_SCHEMA, ERRORS: ERRORS_SCHEMA}
         if name not in schemas:
             raise ValueError(f"{name!r} is not a table of an output ({sorted(schemas)})")
-        return TableWriter(self.storage, name, schemas[name])
+        if messages and name != INPUTS:
+            raise ValueError("only the inputs table keeps messages")
+        schema = with_messages(INPUTS_SCHEMA) if messages else schemas[name]
+        return TableWriter(self.storage, name, schema)
 
     def inputs(self) -> pa.Table:
         """The whole inputs table (memory-mapped on local disk)."""
@@ -226,6 +248,37 @@ class Output:
         if not self.storage.exists(ERRORS):
             return ERRORS_SCHEMA.empty_table()
         return read_table(self.storage, ERRORS)
+
+    # ------------------------------------------------------------------ regenerations
+
+    def put_regenerations(self, unit: int, attempt: str, table: pa.Table,
+                          provenance: Mapping[str, Any]) -> RegenerationsRef:
+        """Store one attempt's regenerated conversations of `unit` whole (one object,
+        created once); the commit record that names the result makes it visible."""
+        table = table.cast(REGENERATIONS_SCHEMA.with_metadata(
+            {REGENERATE_KEY: json.dumps(dict(provenance), sort_keys=True).encode()}))
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        data = sink.getvalue().to_pybytes()
+        key = regenerations_path(unit, attempt)
+        self.storage.create(key, data)
+        return RegenerationsRef(
+            key=key, sha256=hashlib.sha256(data).hexdigest(), rows=table.num_rows,
+            bytes=len(data), tokens=sum(table.column("generated_tokens").to_pylist()),
+            truncated=sum(table.column("truncated").to_pylist()))
+
+    def read_regenerations(self, record: CommitRecord) -> pa.Table | None:
+        """The regenerated conversations of a committed unit, checked against its
+        record (None for a unit of a job that does not regenerate)."""
+        ref = record.regenerations
+        if ref is None:
+            return None
+        data = self.storage.read(ref.key)
+        if len(data) != ref.bytes or hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise OutputCorrupt(f"{self.url(ref.key)} does not match the checksum in the "
+                                f"commit record of unit {record.unit}")
+        return pa.ipc.open_file(pa.BufferReader(data)).read_all()
 
     # ------------------------------------------------------------------ commits
 
@@ -375,6 +428,8 @@ class Output:
             bytes=sum(r.bytes for r in records),
             unit_errors=sum(len(r.errors) for r in records),
             ingest_errors=manifest.num_errors,
+            generated=sum(r.regenerations.rows for r in records if r.regenerations),
+            generated_tokens=sum(r.regenerations.tokens for r in records if r.regenerations),
         )
 
     def errors(
@@ -430,19 +485,25 @@ class Output:
         ingestion's staging, a stale probe): only when no attempt can still commit,
         i.e. once every unit is committed, or by hand.
         """
-        committed = {r.unit: r.shard for r in self.commits()}
+        records = self.commits()
+        committed: dict[int, set[str]] = {}
+        for r in records:
+            committed[r.unit] = {r.shard}
+            if r.regenerations is not None:
+                committed[r.unit].add(r.regenerations.key)
 
         def garbage(key: str) -> bool:
-            unit = unit_of_shard_key(key)
+            unit = unit_of_key(key)
             if unit is None or unit not in committed:
                 return final
-            return committed[unit] != key
+            return key not in committed[unit]
 
         removed = self.storage.abort_incomplete_writes(None if final else garbage)
-        for info in self.storage.list(SHARDS_DIR):
-            if garbage(info.key):
-                self.storage.delete(info.key)
-                removed += 1
+        for folder in (SHARDS_DIR, REGENERATIONS_DIR):
+            for info in self.storage.list(folder):
+                if garbage(info.key):
+                    self.storage.delete(info.key)
+                    removed += 1
         if removed:
             logger.info("removed %d orphaned objects from %s", removed, self)
         return removed

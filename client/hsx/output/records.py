@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from hsx.output.layout import FORMAT_VERSION, SHARDS_DIR
+from hsx.output.layout import FORMAT_VERSION, REGENERATIONS_DIR, SHARDS_DIR
 from hsx.plan import WorkUnit
 
 
@@ -147,6 +147,32 @@ class SampleError(BaseModel):
     reason: str = Field(..., description="Why it has no hidden states, in words.")
 
 
+def _key_in(key: str, folder: str, what: str) -> str:
+    """`key` if it names an object directly inside `folder`, else ValueError."""
+    parts = key.split("/")
+    if len(parts) != 2 or parts[0] != folder or parts[1] in ("", ".", ".."):
+        raise ValueError(f"names bad {what} {key!r}")
+    return key
+
+
+class RegenerationsRef(BaseModel):
+    """The table of a unit's regenerated conversations, named by its commit record."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    key: str = Field(..., description="The table's key, relative to the output.")
+    sha256: str = Field(..., description="Lowercase hex SHA-256 of the whole table file.")
+    rows: int = Field(..., ge=0, description="Regenerated samples in it.")
+    bytes: int = Field(..., ge=0, description="Size of the table file.")
+    tokens: int = Field(0, ge=0, description="Tokens the engine generated for them.")
+    truncated: int = Field(0, ge=0, description="Samples with a turn cut at max_tokens.")
+
+    @field_validator("key")
+    @classmethod
+    def _key_in_folder(cls, key: str) -> str:
+        return _key_in(key, REGENERATIONS_DIR, "regenerations table")
+
+
 class CommitRecord(BaseModel):
     """commits/unit-XXXXXX.json: the record that makes one unit's shard visible."""
 
@@ -173,14 +199,14 @@ class CommitRecord(BaseModel):
         default_factory=list, description="The unit's samples that could not be extracted."
     )
     committed_at: str = Field("", description="When the record was created (ISO 8601).")
+    regenerations: RegenerationsRef | None = Field(
+        None, description="A regenerating job's answers of this unit (None otherwise)."
+    )
 
     @field_validator("shard")
     @classmethod
     def _shard_in_shards(cls, shard: str) -> str:
-        parts = shard.split("/")
-        if len(parts) != 2 or parts[0] != SHARDS_DIR or parts[1] in ("", ".", ".."):
-            raise ValueError(f"names bad shard {shard!r}")
-        return shard
+        return _key_in(shard, SHARDS_DIR, "shard")
 
     def checksums(self) -> tuple[str, str, str]:
         """(algorithm, header digest, data digest), from `checksum` or older records' keys."""

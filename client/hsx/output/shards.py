@@ -51,7 +51,7 @@ import numpy as np
 
 from hsx.output import faults
 from hsx.output.layout import SHARD_FORMAT_NAME, commit_path, shard_path, unit_name
-from hsx.output.records import CommitRecord, OutputCorrupt
+from hsx.output.records import CommitRecord, OutputCorrupt, RegenerationsRef
 from hsx.output.storage import ObjectExistsError, ObjectWriter, Storage, StorageError
 
 logger = logging.getLogger(__name__)
@@ -511,12 +511,15 @@ class ShardWriter:
         self._check_open()
         self._stream.flush()
 
-    def commit(self, errors: Iterable[Mapping[str, Any]] = ()) -> CommitResult:
+    def commit(self, errors: Iterable[Mapping[str, Any]] = (),
+               regenerations: RegenerationsRef | None = None) -> CommitResult:
         """Finish, publish and return the unit's commit record (see the class docstring).
 
         `errors` are this unit's samples that could not be extracted
         ({"sample_index", "reason"}); they go into the commit record so that every
-        sample of the unit is accounted for.
+        sample of the unit is accounted for. `regenerations` names this attempt's table
+        of regenerated conversations, already stored whole: it becomes visible with the
+        shard, through the record, and is deleted with it when another attempt won.
         """
         self._check_open()
         try:
@@ -548,7 +551,9 @@ class ShardWriter:
             "sample_indices_last": self._sample_indices[-1] if self._sample_indices else None,
             "errors": error_rows,
             "committed_at": _now_iso(),
+            "regenerations": regenerations,
         })
+        own = [self.key] + ([regenerations.key] if regenerations is not None else [])
         unit = unit_name(self.unit)
         key = commit_path(self.unit)
         try:
@@ -563,7 +568,8 @@ class ShardWriter:
             if existing.attempt == self.attempt:
                 # Ours: a retried create whose first try had landed.
                 return CommitResult(won=True, record=existing)
-            self.storage.delete(self.key)
+            for key_ in own:
+                self.storage.delete(key_)
             logger.info(
                 "%s: attempt %s lost to attempt %s; its shard is deleted",
                 unit, self.attempt, existing.attempt,
@@ -579,8 +585,9 @@ class ShardWriter:
             if existing is not None and existing.attempt == self.attempt:
                 return CommitResult(won=True, record=existing)
             if known:
-                with contextlib.suppress(StorageError, OSError):
-                    self.storage.delete(self.key)
+                for key_ in own:
+                    with contextlib.suppress(StorageError, OSError):
+                        self.storage.delete(key_)
             raise  # the create's own error
         faults.reached("after_commit_record", self.key)
         logger.info(

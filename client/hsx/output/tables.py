@@ -30,6 +30,25 @@ INPUTS_SCHEMA = pa.schema(
     ]
 )
 ERRORS_SCHEMA = pa.schema([("sample_index", pa.int64()), ("reason", pa.string())])
+MESSAGES_COLUMN = "messages"
+# A regenerating job's answers, one table per committed unit (docs/FORMAT.md).
+REGENERATIONS_SCHEMA = pa.schema(
+    [
+        ("sample_index", pa.int64()),
+        ("messages", pa.string()),  # JSON: the conversation captured (regenerated)
+        ("original", pa.string()),  # JSON: the dataset's conversation
+        ("seeds", pa.list_(pa.int64())),  # sampling seed of each regenerated turn
+        ("finish_reasons", pa.list_(pa.string())),  # vLLM's, per turn: stop | length
+        ("generated_tokens", pa.int32()),
+        ("truncated", pa.bool_()),  # a turn stopped at max_tokens
+    ]
+)
+REGENERATE_KEY = b"hsx.regenerate"  # schema metadata: model and sampling parameters
+
+
+def with_messages(schema: pa.Schema) -> pa.Schema:
+    """The inputs schema of a regenerating job: each row's conversation kept (JSON)."""
+    return schema.append(pa.field(MESSAGES_COLUMN, pa.string()))
 
 ROWS_PER_BATCH = 1024
 _ROWS_KEY = b"hsx.rows_per_batch"

@@ -505,6 +505,11 @@
     $("#stat-bytes").title = `${fmtInt(status.bytes)} bytes`;
     $("#stat-units").textContent = `${fmtInt(status.units_done)} / ${fmtInt(status.units_total)}`
       + (status.units_failed ? ` (${fmtInt(status.units_failed)} failed)` : "");
+    const regenerates = Boolean(status.spec && status.spec.regenerate);
+    $("#stat-generated-box").hidden = !regenerates;
+    $("#stat-generated").textContent = regenerates
+      ? `${fmtInt(status.samples_generated)} samples, ${fmtCompact(status.tokens_generated)} tokens`
+      : "–";
     $("#stat-failed").textContent = fmtInt(status.samples_failed);
     $("#stat-failed").classList.toggle("warn", status.samples_failed > 0);
     $("#stat-restarts").textContent = fmtInt(status.restarts);

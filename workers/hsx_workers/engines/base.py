@@ -14,7 +14,7 @@ as `CaptureResult.error`; anything that means the engine itself is gone raises
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,6 +47,35 @@ class CaptureRequest:
     input_ids: list[int]
 
 
+@dataclass
+class GenerateResult:
+    """The engine's answer to a GenerateRequest (or why there is none)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "stop" | "length"
+    error: str | None = None
+
+
+@dataclass
+class GenerateRequest:
+    """Answer a prompt (a regenerating job's turn) inside a capture stream.
+
+    It travels in the same request stream as CaptureRequests, so the engine keeps
+    capturing one unit while it generates the next one's answers; its result goes to
+    `on_done` (called on the thread that iterates `capture`), not into the stream of
+    CaptureResults.
+    """
+
+    sample_index: int
+    input_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    on_done: Callable[[GenerateResult], None]
+
+
 class _Wait:
     """See WAIT."""
 
@@ -59,7 +88,7 @@ WAIT = _Wait()
 finished (a worker between work units): the engine goes on with what it has in flight
 and asks again, instead of draining as at the end of the stream."""
 
-RequestStream = Iterable["CaptureRequest | _Wait"]
+RequestStream = Iterable["CaptureRequest | GenerateRequest | _Wait"]
 
 IDLE_SLEEP_S = 0.002
 """How long an engine with nothing in flight sleeps after a WAIT before asking again."""
@@ -100,7 +129,9 @@ class CaptureEngine(Protocol):
     config: EngineConfig
 
     def capture(self, requests: RequestStream) -> Iterator[CaptureResult]:
-        """Yield one result per request, in request order. `requests` may yield WAIT."""
+        """Yield one result per CaptureRequest, in request order. `requests` may yield
+        WAIT, and GenerateRequests (answered through their `on_done`; an engine that
+        cannot generate answers each with an error)."""
         ...
 
     def close(self) -> None: ...

@@ -25,6 +25,8 @@ from hsx_workers.engines.base import (
     CaptureRequest,
     CaptureResult,
     EngineConfig,
+    GenerateRequest,
+    GenerateResult,
     RequestStream,
 )
 
@@ -88,6 +90,10 @@ class HfEngine:
                     batch, longest = [], 0
                 else:
                     time.sleep(IDLE_SLEEP_S)
+                continue
+            if isinstance(req, GenerateRequest):
+                # The job spec refuses regenerate with this engine; a stray one is answered.
+                req.on_done(GenerateResult(error="the hf engine does not generate"))
                 continue
             if not isinstance(req, CaptureRequest):
                 raise TypeError(f"capture takes CaptureRequest or WAIT, got {req!r}")

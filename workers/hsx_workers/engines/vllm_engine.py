@@ -29,6 +29,8 @@ from hsx_workers.engines.base import (
     CaptureResult,
     EngineConfig,
     EngineDead,
+    GenerateRequest,
+    GenerateResult,
     RequestStream,
 )
 from hsx_workers.spool import ERROR_SUFFIX, SPOOL_SUFFIX, read_error, spool_root, take_spool_file
@@ -36,6 +38,7 @@ from hsx_workers.spool import ERROR_SUFFIX, SPOOL_SUFFIX, read_error, spool_root
 logger = logging.getLogger(__name__)
 
 SPOOL_TIMEOUT_S = 120.0
+WHOLE_PREFILL_MIN_TOKENS = 4096  # per-step budget of a CPU engine without chunked prefill
 
 
 class VllmEngine:
@@ -90,6 +93,8 @@ class VllmEngine:
                     "distributed_executor_backend"):
             if opts.get(key) is not None:
                 engine_args[key] = opts[key]
+        if opts.get("generates"):
+            self._seeded_sampling_args(engine_args)
         # The job's own vLLM engine arguments, as they are (preflight refused any that
         # vLLM does not know or that capture sets).
         engine_args.update(opts.get("engine_args") or {})
@@ -107,6 +112,24 @@ class VllmEngine:
         logger.info("vLLM engine ready in %.1fs (spool %s%s)", time.monotonic() - started,
                     self.spool, ", hook capture" if self.hooks else "")
         self._next_id = 0
+
+    @staticmethod
+    def _seeded_sampling_args(engine_args: dict[str, Any]) -> None:
+        """An engine that also generates with per-request seeds (regenerate:).
+
+        On the CPU platform vLLM rewinds a seeded request's generator after each partial
+        prefill chunk, which CPU generators cannot do ("CPU Generator does not use
+        offset"): there, prompts are prefilled whole (no chunked prefill), which also
+        keeps a seed's draws independent of how a batch was cut.
+        """
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        engine_args["enable_chunked_prefill"] = False
+        engine_args["max_num_batched_tokens"] = max(
+            int(engine_args.get("max_num_batched_tokens") or 0), engine_args["max_model_len"],
+            WHOLE_PREFILL_MIN_TOKENS)
 
     def _capture_path(self) -> str:
         """The model preflight's capture path for this model with the vllm engine."""
@@ -172,12 +195,16 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from hsx_workers.connector import SKIP_SAVE
+
         engine = self.llm.llm_engine
         params = SamplingParams(max_tokens=1, detokenize=False)
         pending = iter(requests)
         order: list[int] = []  # sample indexes in request order
         # request id -> (request, its position in `order`), while inside vLLM
         running: dict[str, tuple[CaptureRequest, int]] = {}
+        # request id -> generation request, while inside vLLM
+        generating: dict[str, GenerateRequest] = {}
         # spool file name -> (request, position, since when it is awaited)
         arriving: dict[str, tuple[CaptureRequest, int, float]] = {}
         ready: dict[int, CaptureResult] = {}
@@ -202,8 +229,13 @@ class VllmEngine:
                 if req is WAIT:
                     waiting = True
                     break
+                if isinstance(req, GenerateRequest):
+                    if self._add_generation(engine, req, generating, SKIP_SAVE):
+                        inflight_tokens += len(req.input_ids) + req.max_tokens
+                    continue
                 if not isinstance(req, CaptureRequest):
-                    raise TypeError(f"capture takes CaptureRequest or WAIT, got {req!r}")
+                    raise TypeError(f"capture takes CaptureRequest, GenerateRequest or WAIT, "
+                                    f"got {req!r}")
                 order.append(req.sample_index)
                 request_id = f"s{req.sample_index}-{self._next_id}"
                 self._next_id += 1
@@ -224,12 +256,21 @@ class VllmEngine:
             while emitted < len(order) and emitted in ready:
                 yield ready.pop(emitted)
                 emitted += 1
-            if exhausted and emitted == len(order):
+            if exhausted and emitted == len(order) and not generating:
                 return
 
-            if running:
+            if running or generating:
                 for out in step():
                     if not out.finished:
+                        continue
+                    gen_id = self._known_id(out.request_id, generating)
+                    if gen_id is not None:
+                        gen = generating.pop(gen_id)
+                        inflight_tokens -= len(gen.input_ids) + gen.max_tokens
+                        completion = out.outputs[0]
+                        gen.on_done(GenerateResult(
+                            text=completion.text, token_ids=list(completion.token_ids),
+                            finish_reason=str(completion.finish_reason)))
                         continue
                     req, position = running.pop(self._base_request_id(out.request_id, running))
                     name = self._spool_name(out)
@@ -281,15 +322,48 @@ class VllmEngine:
         path = (getattr(out, "kv_transfer_params", None) or {}).get("hidden_states_path")
         return os.path.basename(str(path)) if path else None
 
+    def _add_generation(self, engine: Any, req: GenerateRequest,
+                        generating: dict[str, GenerateRequest], skip_save: str) -> bool:
+        """Hand a generation request to vLLM; False (and its error answered) if refused."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.hooks:
+            req.on_done(GenerateResult(error="regeneration is not supported on the hook "
+                                             "capture path (models without EAGLE-3 outputs)"))
+            return False
+        params = SamplingParams(
+            n=1, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+            max_tokens=req.max_tokens,
+            extra_args={"kv_transfer_params": {skip_save: True}},
+        )
+        request_id = f"g{req.sample_index}-{self._next_id}"
+        self._next_id += 1
+        try:
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(req.input_ids)),
+                               params)
+        except ValueError as err:  # vLLM refuses this prompt (too long, bad ids)
+            req.on_done(GenerateResult(error=f"vLLM refused the prompt: {err}"))
+            return False
+        generating[request_id] = req
+        return True
+
     @staticmethod
-    def _base_request_id(request_id: str, running: dict[str, Any]) -> str:
+    def _known_id(request_id: str, requests: dict[str, Any]) -> str | None:
         # vLLM may append a suffix to the id it was given.
-        if request_id in running:
+        if request_id in requests:
             return request_id
-        for known in running:
+        for known in requests:
             if request_id.startswith(known + "-"):
                 return known
-        raise EngineDead(f"vLLM returned an unknown request id {request_id!r}")
+        return None
+
+    @classmethod
+    def _base_request_id(cls, request_id: str, running: dict[str, Any]) -> str:
+        known = cls._known_id(request_id, running)
+        if known is None:
+            raise EngineDead(f"vLLM returned an unknown request id {request_id!r}")
+        return known
 
     def _collect(self, req: CaptureRequest, path: str) -> CaptureResult:
         """The request's states, mapped from its spool file (no copy), checked."""
