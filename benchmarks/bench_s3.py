@@ -324,33 +324,38 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only takes {', '.join(sorted(SECTIONS))}, got {args.only!r}")
     latencies = [float(x) for x in args.latency_ms.split(",") if x.strip()]
     results: dict[str, dict[str, Any]] = {}
+
+    def done(name: str, result: dict[str, Any]) -> None:  # saved at once: a cut run keeps it
+        results[name] = result
+        machine = common.machine_info()
+        machine["loadavg_at_end"] = list(os.getloadavg())
+        common.save_section(out, name, {**result, **config, "date": common.now_iso()}, machine)
+
     server = SeaweedS3.start(work / "seaweedfs")
     try:
         uri = None
         if "output" in only or "read" in only:
             print(f"s3_output: {n} samples of ~{args.tokens} tokens, hidden {args.hidden}",
                   flush=True)
-            results["s3_output"], uri = run_output(server, samples, args.unit_samples,
-                                                   args.hidden, reps, work, part)
+            output, uri = run_output(server, samples, args.unit_samples, args.hidden, reps,
+                                     work, part)
+            done("s3_output", output)
         for ms in latencies if "latency" in only else []:
             print(f"s3_output through a proxy adding {ms:g} ms per request", flush=True)
             with latency_proxy(server.endpoint, ms) as endpoint:
                 result, _ = run_output(server, samples, args.unit_samples, args.hidden, reps,
                                        work, part, endpoint)
-            results[f"s3_output_latency_{ms:g}ms"] = {**result, "latency_ms": ms}
+            done(f"s3_output_latency_{ms:g}ms", {**result, "latency_ms": ms})
         if "upload" in only:
             print(f"s3_upload: one shard of {len(unit)} samples", flush=True)
-            results["s3_upload"] = run_upload(server, unit, args.hidden, reps, part)
+            done("s3_upload", run_upload(server, unit, args.hidden, reps, part))
         if "read" in only and uri is not None:
             print("s3_read: every sample of the hsx output", flush=True)
-            results["s3_read"] = run_read(server, uri, reps)
+            done("s3_read", run_read(server, uri, reps))
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
     for name, result in results.items():
-        machine = common.machine_info()
-        machine["loadavg_at_end"] = list(os.getloadavg())
-        common.save_section(out, name, {**result, **config, "date": common.now_iso()}, machine)
         print(f"\n{name}")
         print(common.table(common.RATIO_HEADERS,
                            [common.ratio_row(k, e) for k, e in result["ratios"].items()]))
