@@ -331,29 +331,41 @@ def main(argv: list[str] | None = None) -> int:
         machine["loadavg_at_end"] = list(os.getloadavg())
         common.save_section(out, name, {**result, **config, "date": common.now_iso()}, machine)
 
-    server = SeaweedS3.start(work / "seaweedfs")
+    @contextlib.contextmanager
+    def fresh_server(tag: str) -> Iterator[Any]:
+        # One server per section, its data gone after: the tests' server holds 8 GB
+        # (16 volumes of 512 MiB) and deleted objects free nothing until a vacuum.
+        folder = work / f"seaweedfs-{tag}"
+        server = SeaweedS3.start(folder)
+        try:
+            yield server
+        finally:
+            server.stop()
+            shutil.rmtree(folder, ignore_errors=True)
+
     try:
-        uri = None
         if "output" in only or "read" in only:
-            print(f"s3_output: {n} samples of ~{args.tokens} tokens, hidden {args.hidden}",
-                  flush=True)
-            output, uri = run_output(server, samples, args.unit_samples, args.hidden, reps,
-                                     work, part)
-            done("s3_output", output)
+            with fresh_server("output") as server:
+                print(f"s3_output: {n} samples of ~{args.tokens} tokens, hidden "
+                      f"{args.hidden}", flush=True)
+                output, uri = run_output(server, samples, args.unit_samples, args.hidden,
+                                         reps, work, part)
+                done("s3_output", output)
+                if "read" in only:
+                    print("s3_read: every sample of the hsx output", flush=True)
+                    done("s3_read", run_read(server, uri, reps))
         for ms in latencies if "latency" in only else []:
-            print(f"s3_output through a proxy adding {ms:g} ms per request", flush=True)
-            with latency_proxy(server.endpoint, ms) as endpoint:
+            with fresh_server(f"latency-{ms:g}") as server, \
+                    latency_proxy(server.endpoint, ms) as endpoint:
+                print(f"s3_output through a proxy adding {ms:g} ms per request", flush=True)
                 result, _ = run_output(server, samples, args.unit_samples, args.hidden, reps,
                                        work, part, endpoint)
             done(f"s3_output_latency_{ms:g}ms", {**result, "latency_ms": ms})
         if "upload" in only:
-            print(f"s3_upload: one shard of {len(unit)} samples", flush=True)
-            done("s3_upload", run_upload(server, unit, args.hidden, reps, part))
-        if "read" in only and uri is not None:
-            print("s3_read: every sample of the hsx output", flush=True)
-            done("s3_read", run_read(server, uri, reps))
+            with fresh_server("upload") as server:
+                print(f"s3_upload: one shard of {len(unit)} samples", flush=True)
+                done("s3_upload", run_upload(server, unit, args.hidden, reps, part))
     finally:
-        server.stop()
         shutil.rmtree(work, ignore_errors=True)
     for name, result in results.items():
         print(f"\n{name}")
