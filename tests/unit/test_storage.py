@@ -406,3 +406,73 @@ def test_s3_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "envsecret" not in repr(settings)
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     assert S3Settings.resolve("b", {}).base_url() == ("https://b.s3.eu-west-1.amazonaws.com", "")
+
+
+class _FakeMultipartS3:
+    """The multipart calls of one bucket, in memory (an httpx MockTransport handler)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, dict[int, bytes]] = {}
+        self.objects: dict[str, bytes] = {}
+        self.order: list[int] = []
+        self.sizes: dict[int, int] = {}
+
+    def __call__(self, request: Any) -> Any:
+        import httpx
+
+        key, params = request.url.path, dict(request.url.params)
+        if request.method == "POST" and "uploads" in params:
+            self.parts["up"] = {}
+            return httpx.Response(200, content=b"<R><UploadId>up</UploadId></R>")
+        if request.method == "PUT" and "partNumber" in params:
+            number = int(params["partNumber"])
+            self.parts[params["uploadId"]][number] = request.read()
+            self.order.append(number)
+            self.sizes[number] = len(self.parts[params["uploadId"]][number])
+            return httpx.Response(200, headers={"ETag": f'"{number}"'})
+        if request.method == "POST":
+            parts = self.parts.pop(params["uploadId"])
+            self.objects[key] = b"".join(parts[n] for n in sorted(parts))
+            return httpx.Response(200, content=b"<R/>")
+        if request.method == "PUT":
+            self.objects[key] = request.read()
+            return httpx.Response(200)
+        return httpx.Response(400)
+
+
+@pytest.mark.parametrize("body_mib", [3, 23])
+def test_s3_parts_writer_keeps_or_copies_and_sends_part_one_last(
+    store: LocalStorage, body_mib: int
+) -> None:
+    import numpy as np
+
+    from hsx.output.s3_multipart import MIN_PART_SIZE, S3PartsWriter
+
+    s3 = _FakeMultipartS3()
+    client: Any = _s3_client(s3)
+    rng = np.random.default_rng(0)
+    chunks = [rng.integers(0, 255, n, dtype=np.uint8) for n in
+              rng.integers(1, 2**20, 4 * body_mib)]
+    body = np.concatenate(chunks).tobytes()[: body_mib * 2**20]
+    part = MIN_PART_SIZE + 2**20
+    writer = S3PartsWriter(store, client, "shards/x", 100, part_size=part, max_inflight=2)
+    at = 0
+    for i, chunk in enumerate(chunks):  # kept and copied writes, interleaved
+        piece = chunk[: len(body) - at]
+        if i % 3 == 0:
+            scratch = bytearray(piece.tobytes())
+            writer.write(scratch)
+            scratch[:] = b"\0" * len(scratch)  # a copied write may be reused at once
+        else:
+            writer.write(piece, keep=True)
+        at += len(piece)
+    head = b"H" * 100
+    assert writer.finish(head).size == len(head) + len(body)
+    assert s3.objects["/bkt/pre/shards/x"] == head + body
+    if body_mib * 2**20 + 100 <= part:
+        assert s3.order == []  # one PUT
+    else:
+        assert sorted(s3.order) == list(range(1, len(s3.order) + 1))
+        assert s3.order[0] != 1  # part 1 holds the head: it goes after the first parts
+        sizes = [s3.sizes[n] for n in sorted(s3.sizes)]
+        assert set(sizes[:-1]) == {part}  # equal parts but the last (R2 wants it)

@@ -4,8 +4,8 @@ A shard's header (its first bytes) is known only when its last sample is in, and
 object store cannot seek back. S3 multipart uploads take parts in any order and
 assemble them by part number at completion, so `S3PartsWriter` keeps part 1 (the head
 plus the first `part_size - head_size` bytes of the body) in memory, uploads parts 2..n
-while the body streams, and uploads part 1 last, when the head is known. Memory stays at
-about `part_size * (max_inflight + 2)`; nothing is staged on local disk; until
+while the body streams, and uploads part 1 beside the last ones, when the head is known.
+Memory stays at about `part_size * (max_inflight + 2)`; nothing is staged on local disk; until
 CompleteMultipartUpload nothing is visible, and an abort (or a crash, then
 `abort_incomplete_writes`) removes the parts. docs/ARCHITECTURE.md ("Storage") has the
 options that were weighed.
@@ -456,7 +456,11 @@ class S3PartsWriter(ObjectWriter):
     """Streams one object as a multipart upload whose part 1 (head + first body bytes)
     is uploaded last; see the module docstring. A body that fits in part 1 is one PUT.
 
-    Body bytes are copied once, into part buffers that are recycled after their upload.
+    A part is a list of buffers sent one after the other. Bytes written with
+    `keep=True` (a shard's samples, which the shard writer owns and never changes) are
+    referenced, not copied; other writes are copied once. A part's buffers are released
+    when its upload is done. Part 1 goes up beside the last parts, as soon as the head
+    is known.
     """
 
     def __init__(
@@ -476,10 +480,11 @@ class S3PartsWriter(ObjectWriter):
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self._client = client
         self._part_size = part_size
-        self._first: bytearray | None = None  # the body bytes of part 1, behind the head
-        self._buf = bytearray(max(MIN_PART_SIZE, part_size - head_size))
+        self._first: list[memoryview] | None = None  # the body of part 1, behind the head
+        self._pieces: list[memoryview] = []  # the part being gathered
+        self._copied = bytearray()  # copied bytes not yet closed into a piece
+        self._room = max(MIN_PART_SIZE, part_size - head_size)  # of the part being gathered
         self._fill = 0
-        self._free: list[bytearray] = []  # part buffers whose upload is done
         self._upload_id: str | None = None
         self._next_part = 2
         self._etags: dict[int, str] = {}
@@ -491,22 +496,37 @@ class S3PartsWriter(ObjectWriter):
         self._futures: list[concurrent.futures.Future[None]] = []
 
     def _write(self, data: memoryview) -> None:
+        self._append(data, keep=False)
+
+    def _write_kept(self, data: memoryview) -> None:
+        self._append(data, keep=True)
+
+    def _append(self, data: memoryview, *, keep: bool) -> None:
         self._raise_pending()
         while data.nbytes:
-            take = min(len(self._buf) - self._fill, data.nbytes)
-            self._buf[self._fill : self._fill + take] = data[:take]
+            take = min(self._room - self._fill, data.nbytes)
+            if keep:
+                self._close_copied()
+                self._pieces.append(data[:take])
+            else:
+                self._copied += data[:take]
             self._fill += take
             data = data[take:]
-            if self._fill == len(self._buf):
-                full = self._buf
-                self._buf = self._free.pop() if self._free else bytearray(self._part_size)
-                self._fill = 0
+            if self._fill == self._room:
+                self._close_copied()
+                full, self._pieces = self._pieces, []
+                self._room, self._fill = self._part_size, 0
                 if self._first is None:
                     self._first = full
                 else:
-                    self._submit(full, len(full))
+                    self._submit(self._next_number(), full)
 
-    def _submit(self, buf: bytearray, nbytes: int) -> None:
+    def _close_copied(self) -> None:
+        if self._copied:
+            self._pieces.append(memoryview(self._copied))
+            self._copied = bytearray()
+
+    def _next_number(self) -> int:
         number = self._next_part
         if number > MAX_PARTS:
             raise StorageError(
@@ -514,6 +534,9 @@ class S3PartsWriter(ObjectWriter):
                 f"{self._part_size} bytes; use a larger part_size"
             )
         self._next_part += 1
+        return number
+
+    def _submit(self, number: int, pieces: list[memoryview]) -> None:
         if self._upload_id is None:
             self._upload_id = self._client.create_upload(self.key)
         self._slots.acquire()  # bounded memory: wait while max_inflight parts are uploading
@@ -524,13 +547,12 @@ class S3PartsWriter(ObjectWriter):
             try:
                 if self._error is None:
                     self._etags[number] = self._client.upload_part(
-                        self.key, upload_id, number, [memoryview(buf)[:nbytes]]
+                        self.key, upload_id, number, pieces
                     )
             except BaseException as err:  # re-raised in the writer's thread
                 self._error = err
             finally:
-                if len(buf) == self._part_size:
-                    self._free.append(buf)
+                pieces.clear()  # the buffers go as soon as their part is up
                 self._slots.release()
 
         self._futures.append(self._pool.submit(run))
@@ -541,21 +563,21 @@ class S3PartsWriter(ObjectWriter):
 
     def _finish(self, head: bytes) -> int:
         size = len(head) + self.body_bytes
-        tail = memoryview(self._buf)[: self._fill]
+        self._close_copied()
         if self._first is None:  # all of it fits in one part: a plain PUT
             self._pool.shutdown()
-            self._client.put_object(self.key, [memoryview(head), tail])
+            self._client.put_object(self.key, [memoryview(head), *self._pieces])
             return size
-        if self._fill:
-            self._submit(self._buf, self._fill)
+        if self._pieces:
+            self._submit(self._next_number(), self._pieces)
+            self._pieces = []
+        self._submit(1, [memoryview(head), *self._first])
+        self._first = None
         concurrent.futures.wait(self._futures)
         self._pool.shutdown()
         self._raise_pending()
         if self._upload_id is None:
             raise AssertionError("internal: parts without an upload")  # pragma: no cover
-        self._etags[1] = self._client.upload_part(
-            self.key, self._upload_id, 1, [memoryview(head), memoryview(self._first)]
-        )
         parts = sorted(self._etags.items())
         if [n for n, _ in parts] != list(range(1, len(parts) + 1)):
             raise StorageError(
@@ -566,7 +588,7 @@ class S3PartsWriter(ObjectWriter):
 
     def _abort(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._first, self._buf, self._free = None, bytearray(), []
+        self._first, self._pieces, self._copied = None, [], bytearray()
         if self._upload_id is not None:
             try:
                 self._client.abort_upload(self.key, self._upload_id)

@@ -280,7 +280,9 @@ class _DataStream:
             thread.start()
 
     def _write(self, item: np.ndarray) -> None:
-        self._sink.write(item.data)
+        # The sample's buffer is the writer's own (add() copied it or was handed it) and
+        # never changes: an object store's part may reference it instead of copying it.
+        self._sink.write(item.data, keep=True)
 
     def _hash(self, item: tuple[np.ndarray, bytes]) -> None:
         raw, rest = item
@@ -738,7 +740,7 @@ class ShardWriter:
         data_sha = self._stream.sha
         for _, _, _, arr in small:
             buf = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
-            self._sink.write(buf)
+            self._sink.write(buf, keep=True)
             data_sha.update(buf)
         header = self._header(small)
         header_len = self._header_len

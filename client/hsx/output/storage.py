@@ -121,12 +121,20 @@ class ObjectWriter(abc.ABC):
         self.body_bytes = 0
         self._state = "open"
 
-    def write(self, data: Any) -> None:
-        """Append `data` (any contiguous bytes-like object) to the body."""
+    def write(self, data: Any, *, keep: bool = False) -> None:
+        """Append `data` (any contiguous bytes-like object) to the body.
+
+        `keep=True` promises that `data` stays unchanged until the writer is finished or
+        aborted: a writer that holds bytes back (an object store's parts) then keeps a
+        reference to them instead of a copy.
+        """
         self._check_open()
         view = memoryview(data).cast("B")
         if view.nbytes:
-            self._write(view)
+            if keep:
+                self._write_kept(view)
+            else:
+                self._write(view)
             self.body_bytes += view.nbytes
 
     def finish(self, head: bytes = b"") -> ObjectInfo:
@@ -166,6 +174,10 @@ class ObjectWriter(abc.ABC):
 
     @abc.abstractmethod
     def _write(self, data: memoryview) -> None: ...
+
+    def _write_kept(self, data: memoryview) -> None:
+        """`_write` of bytes the caller keeps unchanged (see `write`)."""
+        self._write(data)
 
     @abc.abstractmethod
     def _finish(self, head: bytes) -> int:
