@@ -9,7 +9,8 @@ Two sections, each alternating its variants (order rotated every repetition):
 
 `storage_s3` — the same bytes into a SeaweedFS S3 server started on loopback (the
 tests' server, tests/s3server.py), which shares this machine's cores:
-- `hsx-parts`      S3PartsWriter: multipart upload, part 1 (64 KiB head + body) last.
+- `hsx-parts`      S3PartsWriter: multipart upload, part 1 (64 KiB head + body)
+                   beside the last parts.
 - `obstore-put`    `obstore.put(bytes)`: obstore's own multipart PUT of the bytes in
                    memory (the baseline: a raw multipart PUT).
 - `obstore-writer` ObstoreStreamWriter (obstore.open_writer), the no-head path.
