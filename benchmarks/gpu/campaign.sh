@@ -6,7 +6,8 @@
 #   setsid nohup bash benchmarks/gpu/campaign.sh STEPS... > /tmp/hsx-gpu/campaign.log 2>&1 &
 #   bash benchmarks/gpu/campaign.sh --collect SECONDS   # wait up to SECONDS, tar into $OUT
 #
-# Steps, in the order given: smoke, bench (capture path on one GPU), tests (tests/gpu),
+# Steps, in the order given: smoke, bench (capture path on one GPU), tests (tests/gpu, or
+# the files and test ids in GPU_TESTS),
 # multi (2 engines vs 1, TP=2 vs 1), train (trainer scaling, 2 GPUs vs 1). Each step
 # writes into /tmp/hsx-gpu/results; one failing step does not stop the next.
 set -uo pipefail
@@ -61,8 +62,9 @@ for s in "$@"; do
       step tests
       # One pytest per file, each under its own limit, verbose: a hung test costs its file,
       # and what passed or failed before it is in the log as it happens.
-      for f in tests/gpu/test_*.py; do
-        name=$(basename "$f" .py)
+      # GPU_TESTS picks files or test ids (default: every file of tests/gpu).
+      for f in ${GPU_TESTS:-tests/gpu/test_*.py}; do
+        name=$(echo "$f" | sed 's|.*/||; s|\.py||; s|::|-|g')
         timeout 900 python3 -m pytest "$f" -p no:cacheprovider -v -rA --timeout 600 \
           --junitxml "$RES/$name.xml" > "$RES/$name.log" 2>&1
         echo "$name: rc=$? $(tail -1 "$RES/$name.log")"

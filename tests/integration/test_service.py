@@ -415,27 +415,25 @@ def _load_kill_and_take_over(
     client = holder.client()
     tiny = [f"t{i:03d}" for i in range(LOAD_JOBS)]
 
-    def submit(job_id: str) -> Any:
+    def submit(job_id: str, rows: ChatDataset = tiny_rows) -> Any:
         return lambda: client.submit(
-            _spec(tiny_llama, tiny_rows, tmp_path / job_id, name=f"load {job_id}"),
+            _spec(tiny_llama, rows, tmp_path / job_id, name=f"load {job_id}"),
             job_id=job_id)
 
+    # One of the first jobs reads the whole chat dataset (many units), so that it is
+    # surely caught running and cancelled there: a tiny job goes from queued to succeeded
+    # between two polls.
+    cancelled_mid_run = tiny[1]
     for job_id in tiny[:RAN_JOBS]:
-        submit(job_id)()
+        submit(job_id, chat_dataset if job_id == cancelled_mid_run else tiny_rows)()
     big = client.submit(_spec(tiny_llama, chat_dataset, tmp_path / "resumed"), job_id="resumed")
-    # Meanwhile the first tiny jobs run; one is cancelled while it runs.
-    cancelled_mid_run = None
     retries = [submit(job_id) for job_id in tiny[RAN_JOBS : RAN_JOBS + 20]]
     submitted = _each([submit(job_id) for job_id in tiny[RAN_JOBS:]] + retries)
     assert {j.id for j in submitted} == set(tiny[RAN_JOBS:])  # a retry is the same job
-    for job_id in tiny[1:RAN_JOBS]:
-        while (state := client.get(job_id).state) == JobState.queued:
-            time.sleep(0.01)
-        if state == JobState.running:
-            client.cancel(job_id)
-            cancelled_mid_run = job_id
-            break
-    assert cancelled_mid_run is not None, "no tiny job was caught running"
+    while (state := client.get(cancelled_mid_run).state) == JobState.queued:
+        time.sleep(0.01)
+    assert state == JobState.running, state
+    client.cancel(cancelled_mid_run)
 
     # The big job runs after the tiny ones; once it has committed a unit, kill -9.
     output = tmp_path / "resumed"
