@@ -2,8 +2,9 @@
 
 `SeaweedS3.start(dir)` runs `weed server` (master, volume, filer and S3 gateway in one
 process) on free loopback ports with S3 authentication on (one identity, random keys),
-waits until a bucket can be created, and returns the endpoint and credentials. `stop()`
-always kills it: SeaweedFS ignores SIGTERM for a while, so SIGKILL follows a short grace.
+waits until a bucket can be created and an object stored, and returns the endpoint and
+credentials. `stop()` always kills it: SeaweedFS ignores SIGTERM for a while, so SIGKILL
+follows a short grace.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 START_TIMEOUT_S = 90.0
+MIN_FREE_SPACE = "256MiB"  # below this SeaweedFS stops taking objects (see start())
 STOP_GRACE_S = 3.0
 
 
@@ -109,6 +111,10 @@ class SeaweedS3:
             # Fixed default ports that would collide between two servers; not needed.
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=512", "-volume.max=16",
+            # SeaweedFS marks every volume read-only below 1% of the disk free (2.5 GB of
+            # a 252 GB disk) and then answers each object PUT with a 500 after 30 s, while
+            # buckets are still created; the tests' objects need far less.
+            f"-volume.minFreeSpace={MIN_FREE_SPACE}",
             f"-filer.localSocket={workdir / 'filer.sock'}",
             f"-s3.localSocket={workdir / 's3.sock'}",
         ]
@@ -124,6 +130,7 @@ class SeaweedS3:
         )
         try:
             server._wait_for_bucket(bucket)
+            server._check_object_write(bucket)
         except BaseException:
             server.stop()
             raise
@@ -157,6 +164,35 @@ class SeaweedS3:
             f"SeaweedFS S3 did not come up in {START_TIMEOUT_S:.0f} s ({last!r}):\n"
             f"{self.log_tail()}"
         )
+
+    def _check_object_write(self, bucket: str) -> None:
+        """One object written and deleted, or a RuntimeError that says why not.
+
+        A bucket is created by the filer alone; an object needs a writable volume. Without
+        this check a server that cannot store (a full disk) costs every S3 test minutes of
+        the client's retries, and the reason is only in weed.log."""
+        from hsx.output.s3_multipart import S3MultipartClient, S3Settings
+
+        client = S3MultipartClient(S3Settings.resolve(bucket, self.options), max_attempts=1,
+                                   timeout_s=START_TIMEOUT_S)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            while True:
+                try:
+                    client.put_object(".hsx-test-probe", [memoryview(b"probe")])
+                    client.request("DELETE", ".hsx-test-probe")
+                    return
+                except Exception as err:  # the volume server may not have joined yet
+                    if time.monotonic() > deadline:
+                        free = shutil.disk_usage(self.workdir).free
+                        raise RuntimeError(
+                            f"SeaweedFS S3 created bucket {bucket} but cannot store an "
+                            f"object ({err}); {free / 2**30:.2f} GiB free under "
+                            f"{self.workdir}:\n{self.log_tail()}"
+                        ) from err
+                    time.sleep(1)
+        finally:
+            client.close()
 
     def log_tail(self, n: int = 30) -> str:
         try:
