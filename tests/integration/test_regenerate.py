@@ -4,6 +4,7 @@
   and differ from the dataset's, the shard's token ids are the chat template of the
   regenerated conversation, truncation is flagged, every row is accounted for once, and
   each turn's seed is the one derived from the job seed and the sample.
+- Another unit plan of the same job answers every sample token for token the same.
 - `turns: each` on multi-turn chats: every assistant turn is answered, in order.
 - `hsx extract` killed -9 mid-job, then rerun: every regeneration committed before the
   kill is byte-identical afterwards, and every row is in the output exactly once.
@@ -112,6 +113,24 @@ def test_answers_come_from_the_engine_and_states_are_captured_over_them(
     assert provenance["model"] == str(tiny_llama)
     assert provenance["temperature"] == REGEN["temperature"]
     assert provenance["seed"] == REGEN["seed"]
+
+
+def test_another_unit_plan_gives_every_sample_the_same_answer(
+    regenerated: tuple[Path, list[JobProgress]], tmp_path: Path, make_job: Any,
+    engine_pool: Any,
+) -> None:
+    """A turn's seed depends on the sample, not on its unit or batch: units of another
+    size (other batches in the engine) answer token for token the same. vLLM's CPU
+    build broke this (15 of 199 equal) until hsx fixed its sampling under capture
+    (vllm_compat.fix_cpu_sampling_constraints)."""
+    first = _regenerations(regenerated[0])
+    output = tmp_path / "other-plan"
+    run_job(make_job(output, regenerate=REGEN, unit_tokens=1024), pool=engine_pool)
+    second = _regenerations(output)
+    assert len(Output(output).commits()) > len(Output(regenerated[0]).commits())
+    assert set(second) == set(first)
+    differ = [i for i in first if first[i]["messages"] != second[i]["messages"]]
+    assert not differ, f"{len(differ)} of {len(first)} answers differ, e.g. sample {differ[0]}"
 
 
 def test_each_turn_is_answered_in_order(

