@@ -24,6 +24,12 @@ shows in vLLM's acceptance length instead of hiding:
   applies the norm again, which multiplies those dimensions once more), as it does on a
   real model, instead of passing unnoticed.
 
+The language also comes as chats (`write_chat_tokenizer`, `write_language_chats`): a
+word-level tokenizer whose words are the language's token ids (`copy w16 w40 =>` is
+`COPY 16 40 SEP`) and a chat template that renders a user turn as the prompt and an
+assistant turn as the answer, so `regenerate:` can have the target answer a chat dataset
+whose answers follow another rule.
+
 A permutation chain (this module's former language) hid all of that: the next token was
 a fixed function of the current one, so a draft learned it from the token embeddings
 alone, whatever the hidden states said.
@@ -40,7 +46,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from hsx_workers.tiny_models import BOS_ID, make_tiny_model
+from hsx_workers.tiny_models import BOS, BOS_ID, EOT, PAD, SPECIAL_TOKENS, make_tiny_model
 
 logger = logging.getLogger(__name__)
 
@@ -281,3 +287,79 @@ def language_of(model_dir: str | Path) -> TaskLanguage:
     fields = {k: int(info[k]) for k in ("size", "seed", "min_words", "max_words",
                                         "min_chain", "max_chain")}
     return TaskLanguage(**fields)
+
+
+# --------------------------------------------------------------------------- as chats
+
+TASK_WORDS = {COPY_ID: "copy", MAP_ID: "map", CHAIN_ID: "chain"}
+SEP_WORD = "=>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ ' ' + message['content'] | trim }}{% endgeneration %}"
+    "{% else %}"
+    "{{ message['content'] | trim }}{{ ' =>' }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+"""A user turn is the prompt (`BOS TASK words SEP`), an assistant turn the answer; the
+generation prompt adds nothing (SEP already ends the user turn)."""
+
+
+def _word(token: int) -> str:
+    if token in TASK_WORDS:
+        return TASK_WORDS[token]
+    if token == SEP_ID:
+        return SEP_WORD
+    return f"w{token}"
+
+
+def write_chat_tokenizer(model_dir: str | Path, language: TaskLanguage) -> Path:
+    """Give a learnable target a word-level tokenizer over its language's ids and
+    `CHAT_TEMPLATE` (replacing the byte-level one `make_tiny_model` wrote)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for token in (*TASK_WORDS, SEP_ID, *language.words):
+        vocab[_word(token)] = token
+    vocab["<unk>"] = max(vocab.values()) + 1
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=BOS, eos_token=EOT, pad_token=PAD,
+        unk_token="<unk>", model_max_length=8192, clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    out = Path(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):
+        (out / name).unlink(missing_ok=True)
+    tokenizer.save_pretrained(str(out))
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # as tiny_models.build_tokenizer
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def as_chat(ids: list[int], loss_mask: list[int]) -> list[dict[str, str]]:
+    """One sample of the language (`TaskLanguage.sample`) as a user and an assistant turn."""
+    start = loss_mask.index(1)
+    if ids[0] != BOS_ID or ids[start - 1] != SEP_ID:
+        raise ValueError(f"not a sample of the language: {ids}")
+    return [{"role": "user", "content": " ".join(_word(t) for t in ids[1:start - 1])},
+            {"role": "assistant", "content": " ".join(_word(t) for t in ids[start:])}]
+
+
+def write_language_chats(path: str | Path, n: int, *, language: TaskLanguage,
+                         seed: int = 1) -> Path:
+    """JSONL of chats (`messages`) whose answers follow `language`'s rules."""
+    rng = random.Random(seed)
+    out = Path(path)
+    with out.open("w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"messages": as_chat(*language.sample(rng))}) + "\n")
+    return out
