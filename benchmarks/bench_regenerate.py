@@ -97,7 +97,10 @@ def main() -> int:
                           "samples": summary.samples, "tokens": summary.tokens,
                           "generated_tokens": Output(output).totals().generated_tokens}
     finally:
-        pool.shutdown()
+        pool.shutdown()  # its engines' processes go with their actors
+        import ray
+
+        ray.shutdown()
     for name, run in runs.items():
         output = work / name
         t0 = time.monotonic()
@@ -122,7 +125,7 @@ def main() -> int:
     }
     save_section(Path(args.out), "regenerate", payload, machine_info())
     print(json.dumps({k: v for k, v in payload.items() if k != "runs"}))
-    os._exit(0)  # Ray and vLLM's teardown adds minutes and nothing
+    return 0
 
 
 if __name__ == "__main__":
