@@ -192,10 +192,10 @@ def default_draft(extracted: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     second = _train_with_defaults(output)
     text = second.stdout + second.stderr
     assert f"resumed from step {saved}" in text, text[-3000:]
-    assert "plan: 400 steps of 1,024 tokens (packs of 512) on cpu" in text, text[-3000:]
+    assert "plan: 800 steps of 1,024 tokens (packs of 512) on cpu" in text, text[-3000:]
     state = json.loads((output / DRAFT_DIR / "train.json").read_text())
     assert state["state"] == "done" and state["resumed_from"] == saved
-    assert state["step"] == state["plan"]["steps"] == 400
+    assert state["step"] == state["plan"]["steps"] == 800
     return output
 
 
@@ -212,7 +212,7 @@ def test_hsx_train_with_no_options_gives_a_draft_vllm_accepts(default_draft: Pat
 def test_draft_folder_holds_the_best_validated_checkpoint(default_draft: Path) -> None:
     rows = read_validation(default_draft)
     steps = [r["step"] for r in rows]
-    assert steps == sorted(set(steps)) and steps[-1] == 400  # one per checkpoint, resumed
+    assert steps == sorted(set(steps)) and steps[-1] == 800  # one per checkpoint, resumed
     assert all(r["expected_acceptance_length"] >= 1.0 for r in rows)
     assert rows[-1]["expected_acceptance_length"] > rows[0]["expected_acceptance_length"]
     assert _published_step(default_draft) == _best_validated_step(default_draft)
