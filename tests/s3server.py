@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,24 +147,30 @@ class SeaweedS3:
         finally:
             client.close()
 
-    def _wait_for_bucket(self, bucket: str) -> None:
+    def _until_done(self, action: Callable[[], None]) -> BaseException | None:
+        """Run `action` until it returns (None) or START_TIMEOUT_S passes (its last
+        error); a server that exits meanwhile raises at once."""
         deadline = time.monotonic() + START_TIMEOUT_S
-        last: BaseException | None = None
-        while time.monotonic() < deadline:
+        while True:
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"weed server exited with {self.process.returncode}:\n{self.log_tail()}"
                 )
             try:
-                self.make_bucket(bucket)
-                return
-            except Exception as err:
-                last = err
+                action()
+                return None
+            except Exception as err:  # not up yet, or the volume server not joined yet
+                if time.monotonic() > deadline:
+                    return err
                 time.sleep(0.5)
-        raise RuntimeError(
-            f"SeaweedFS S3 did not come up in {START_TIMEOUT_S:.0f} s ({last!r}):\n"
-            f"{self.log_tail()}"
-        )
+
+    def _wait_for_bucket(self, bucket: str) -> None:
+        last = self._until_done(lambda: self.make_bucket(bucket))
+        if last is not None:
+            raise RuntimeError(
+                f"SeaweedFS S3 did not come up in {START_TIMEOUT_S:.0f} s ({last!r}):\n"
+                f"{self.log_tail()}"
+            )
 
     def _check_object_write(self, bucket: str) -> None:
         """One object written and deleted, or a RuntimeError that says why not.
@@ -175,24 +182,21 @@ class SeaweedS3:
 
         client = S3MultipartClient(S3Settings.resolve(bucket, self.options), max_attempts=1,
                                    timeout_s=START_TIMEOUT_S)
-        deadline = time.monotonic() + START_TIMEOUT_S
+
+        def probe() -> None:
+            client.put_object(".hsx-test-probe", [memoryview(b"probe")])
+            client.request("DELETE", ".hsx-test-probe")
+
         try:
-            while True:
-                try:
-                    client.put_object(".hsx-test-probe", [memoryview(b"probe")])
-                    client.request("DELETE", ".hsx-test-probe")
-                    return
-                except Exception as err:  # the volume server may not have joined yet
-                    if time.monotonic() > deadline:
-                        free = shutil.disk_usage(self.workdir).free
-                        raise RuntimeError(
-                            f"SeaweedFS S3 created bucket {bucket} but cannot store an "
-                            f"object ({err}); {free / 2**30:.2f} GiB free under "
-                            f"{self.workdir}:\n{self.log_tail()}"
-                        ) from err
-                    time.sleep(1)
+            last = self._until_done(probe)
         finally:
             client.close()
+        if last is not None:
+            free = shutil.disk_usage(self.workdir).free
+            raise RuntimeError(
+                f"SeaweedFS S3 created bucket {bucket} but cannot store an object ({last}); "
+                f"{free / 2**30:.2f} GiB free under {self.workdir}:\n{self.log_tail()}"
+            )
 
     def log_tail(self, n: int = 30) -> str:
         try:

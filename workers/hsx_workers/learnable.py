@@ -46,7 +46,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from hsx_workers.tiny_models import BOS, BOS_ID, EOT, PAD, SPECIAL_TOKENS, make_tiny_model
+from hsx_workers.tiny_models import (
+    BOS,
+    BOS_ID,
+    EOT,
+    PAD,
+    SPECIAL_TOKENS,
+    make_tiny_model,
+    save_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -337,11 +345,7 @@ def write_chat_tokenizer(model_dir: str | Path, language: TaskLanguage) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "chat_template.jinja"):
         (out / name).unlink(missing_ok=True)
-    tokenizer.save_pretrained(str(out))
-    config_file = out / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # as tiny_models.build_tokenizer
-    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    save_tokenizer(tokenizer, out)
     return out
 
 

@@ -179,14 +179,21 @@ def build_tokenizer(
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     if path is not None:
-        tokenizer.save_pretrained(str(path))
-        # transformers 5 writes its internal class name ("TokenizersBackend"); the public
-        # alias loads in transformers 4 and 5 alike, and in vLLM's tokenizer loader.
-        config_file = Path(path) / "tokenizer_config.json"
-        config = json.loads(config_file.read_text())
-        config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        config_file.write_text(json.dumps(config, indent=2) + "\n")
+        save_tokenizer(tokenizer, path)
     return tokenizer
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, path: str | Path) -> None:
+    """`save_pretrained`, naming the class every loader knows.
+
+    transformers 5 writes its internal class name ("TokenizersBackend"); the public alias
+    loads in transformers 4 and 5 alike, and in vLLM's tokenizer loader.
+    """
+    tokenizer.save_pretrained(str(path))
+    config_file = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------- models
