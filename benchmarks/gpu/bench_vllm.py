@@ -199,7 +199,12 @@ class Bench:
             def prepared(_job: Any) -> None:
                 marks["start"] = time.perf_counter()
 
-            summary = run_job(spec, pool=self._pool, hooks=DispatchHooks(on_prepared=prepared))
+            def unit_done(report: Any) -> None:
+                commits.append((time.perf_counter(), report.tokens))
+
+            commits: list[tuple[float, int]] = []
+            summary = run_job(spec, pool=self._pool,
+                              hooks=DispatchHooks(on_prepared=prepared, on_unit_done=unit_done))
             seconds = time.perf_counter() - marks["start"]
         profiled = {}
         if spy is not None:
@@ -217,6 +222,7 @@ class Bench:
         shutil.rmtree(spec.output, ignore_errors=True)
         return {"tokens": summary.tokens, "seconds": round(seconds, 3),
                 "tokens_per_s": round(summary.tokens / seconds),
+                **_commit_times(marks["start"], commits),
                 "bytes": summary.bytes, "shards": summary.shards,
                 "spool_peak_bytes": peak.peak, "restarts": summary.restarts, **profiled}
 
@@ -345,6 +351,16 @@ class SpoolPeak:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _commit_times(start: float, commits: list[tuple[float, int]]) -> dict[str, Any]:
+    """When each unit committed, and the rate between the first and the last commit: the
+    steady rate, without the job's start (first unit) and with the last unit's tail."""
+    out: dict[str, Any] = {"commit_s": [round(t - start, 3) for t, _ in commits]}
+    if len(commits) > 1:
+        span = commits[-1][0] - commits[0][0]
+        out["steady_tokens_per_s"] = round(sum(n for _, n in commits[1:]) / span) if span else None
+    return out
 
 
 def _actor_profiler(out: Path) -> Any:
