@@ -457,6 +457,7 @@ class _Group:
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
+        self.device = torch.device("cpu")  # where a tensor must be to be reduced
         if world > 1:
             import torch.distributed as dist
 
@@ -466,6 +467,9 @@ class _Group:
             if dist.get_rank() != rank or dist.get_world_size() != world:
                 raise RuntimeError(f"rank {rank}/{world} differs from torch.distributed's "
                                    f"{dist.get_rank()}/{dist.get_world_size()}")
+            # NCCL reduces only tensors on this worker's GPU; gloo those on the CPU.
+            if dist.get_backend() == "nccl":
+                self.device = torch.device("cuda", torch.cuda.current_device())
 
     @property
     def main(self) -> bool:
@@ -475,7 +479,9 @@ class _Group:
         if self.world > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            on_device = t.to(self.device)
+            dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+            return on_device.to(t.device)
         return t
 
     def any(self, flag: bool) -> bool:
