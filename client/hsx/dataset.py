@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, SupportsIndex
 
@@ -218,20 +218,22 @@ class HiddenStatesDataset:
             for j in range(len(reader)):
                 yield reader.sample(j, backend=backend)
 
-    def shards(self, records: Iterable[CommitRecord] | None = None) -> Iterator[ShardReader]:
+    def shards(self, records: Iterable[CommitRecord] | None = None, *,
+               stop: Callable[[], bool] | None = None) -> Iterator[ShardReader]:
         """Committed shards as ShardReaders (with `.record`), in unit order.
 
         With follow=True: each shard once, as its commit appears (new ones in unit
-        order), until complete.json exists and every committed shard has been yielded.
+        order), until complete.json exists and every committed shard has been yielded,
+        or `stop()` says so while it waits for the next commit.
         With `records` (commit records from `records`, e.g. shuffled): those shards, in
         that order.
         """
         if records is None:
-            records = self._follow_records() if self.follow else iter(self._index.order)
+            records = self._follow_records(stop) if self.follow else iter(self._index.order)
         for record in records:
             yield self._reader(record)
 
-    def _follow_records(self) -> Iterator[CommitRecord]:
+    def _follow_records(self, stop: Callable[[], bool] | None) -> Iterator[CommitRecord]:
         seen: set[int] = set()
         last_new = time.monotonic()
         while True:
@@ -253,6 +255,8 @@ class HiddenStatesDataset:
                     f"{self.uri}: no new shard for {self.timeout:g}s and the job is not "
                     f"complete ({len(seen)} shards read)"
                 )
+            if stop is not None and stop():
+                return
             time.sleep(self.poll_interval)
 
     def _check_all_units(self, seen: set[int]) -> None:

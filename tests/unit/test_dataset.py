@@ -220,6 +220,19 @@ def test_follow_shards_and_timeout(output: Path) -> None:
     assert [r.unit for r in ds.shards()] == [0, 1, 2]
 
 
+def test_follow_ends_early_when_its_stop_says_so(output: Path) -> None:
+    ds = HiddenStatesDataset(output, follow=True, poll_interval=0.02)  # no timeout
+    asked: list[int] = []
+
+    def stop() -> bool:  # "go on" once, then "stop"
+        asked.append(len(ds.records))
+        return len(asked) > 1
+
+    units = [r.unit for r in ds.shards(stop=stop)]
+    # Every committed shard first; the stop is asked only while waiting for the next.
+    assert units == [0, 1, 2] and asked == [3, 3]
+
+
 def test_verify_reports_corrupt_shards(output: Path) -> None:
     ds = HiddenStatesDataset(output)
     path = output / ds.records[1].shard

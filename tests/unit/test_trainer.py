@@ -31,6 +31,7 @@ from hsx.spec import JobSpec, SpecError, TrainSpec, parse_job
 from hsx_workers.learnable import COPY_ID, MAP_ID, SEP_ID, TaskLanguage
 from hsx_workers.trainer import (
     DraftTrainer,
+    EpochEnd,
     Scores,
     StepMetrics,
     TrainRefused,
@@ -416,6 +417,46 @@ def test_steps_are_packs_of_whole_samples(tmp_path: Path, tiny_llama: Path) -> N
                for ids in UNITS.values() for i in ids if i not in held)
     assert trained == want
     assert all(s.tokens <= 40 for s in steps)
+
+
+def test_prefetch_reads_on_across_epoch_ends(tmp_path: Path, tiny_llama: Path) -> None:
+    root = make_output(tmp_path / "out", tiny_llama)
+    trainer = DraftTrainer(root, spec(batch_tokens=40, pack_tokens=16))
+    trainer.device = torch.device("cpu")
+    trainer.plan = trainer._make_plan(Output(root).manifest())
+    trainer.state.epoch, trainer.state.units_done = 3, [1]  # resumed in epoch 3, unit 1 done
+    batches = {e: list(trainer._batches(e, torch.float32, done))
+               for e, done in ((3, [1]), (4, []), (5, []))}
+    started: list[int] = []  # the epochs the reader began
+    read = trainer._batches
+
+    def spy(epoch: int, *args: Any) -> Any:
+        started.append(epoch)
+        yield from read(epoch, *args)
+
+    trainer._batches = spy  # type: ignore[method-assign]
+    items = trainer._prefetch(3, torch.float32)
+    got: list[Any] = []
+    for item in items:
+        got.append(item)
+        if item == EpochEnd(4):
+            break
+    # Nothing more asked for: the reader goes on into epoch 5 by itself.
+    deadline = time.monotonic() + 30
+    while 5 not in started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert started[:3] == [3, 4, 5]
+    queued = next(items)
+    items.close()  # the consumer stops reading: the reader thread has ended
+    assert not [t for t in threading.enumerate() if t.name == "hsx-train-data"]
+    want = [*batches[3], EpochEnd(3), *batches[4], EpochEnd(4)]
+    assert [x if isinstance(x, EpochEnd) else x.units for x in got] == [
+        x if isinstance(x, EpochEnd) else x.units for x in want]
+    assert sorted(u for b in batches[3] for u in b.units) == [0, 2]  # resumed: unit 1 left out
+    assert sorted(u for b in batches[4] for u in b.units) == [0, 1, 2]
+    assert isinstance(queued, type(batches[5][0])) and queued.units == batches[5][0].units
+    assert all(torch.equal(a["input_ids"], b["input_ids"])
+               for a, b in zip(queued.packs, batches[5][0].packs, strict=True))
 
 
 def test_later_worse_checkpoint_does_not_replace_the_best(tmp_path: Path,

@@ -261,6 +261,16 @@ class StepBatch:
     units: list[int]
 
 
+READER_JOIN_S = 30.0  # how long a finished training waits for its data thread to stop
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """This worker's data of `epoch` ended (the prefetch goes on with the next epoch)."""
+
+    epoch: int
+
+
 @dataclass
 class Scores:
     """Sums over packs (and workers): loss x tokens, tokens, right and total per TTT step."""
@@ -694,24 +704,24 @@ class DraftTrainer:
     def _own(self, unit: int) -> bool:
         return unit % self.group.world == self.group.rank
 
-    def _units(self, ds: HiddenStatesDataset, epoch: int) -> Iterator[ShardReader]:
-        done = set(self.state.units_done)
+    def _units(self, ds: HiddenStatesDataset, epoch: int, done: set[int],
+               halted: Callable[[], bool]) -> Iterator[ShardReader]:
         if epoch == 0 and not ds.complete:
-            shards = ds.shards()  # follow=True: as commits land
+            shards = ds.shards(stop=halted)  # follow=True: as commits land
         else:
             ds.refresh()
             records = [r for r in ds.records if r.unit not in done and self._own(r.unit)]
             _seeded(self.spec.seed, epoch, 1).shuffle(records)
             shards = ds.shards(records)
         for reader in shards:
-            if self.stop.is_set():
+            if halted():
                 return
             unit = unit_of(reader)
             if unit not in done and self._own(unit):
                 yield reader
 
-    def _wait_for_complete(self) -> None:
-        while not self.output.is_complete() and not self.stop.is_set():
+    def _wait_for_complete(self, halted: Callable[[], bool]) -> None:
+        while not self.output.is_complete() and not halted():
             time.sleep(self.poll_interval)
 
     def _collate(self, dtype: torch.dtype, hidden: int, aux: int) -> Callable[..., Any]:
@@ -731,11 +741,15 @@ class DraftTrainer:
 
         return collate
 
-    def _batches(self, epoch: int, dtype: torch.dtype) -> Iterator[StepBatch]:
-        """This worker's steps of one epoch, in order; each names the units it finishes."""
+    def _batches(self, epoch: int, dtype: torch.dtype, done: Sequence[int] = (),
+                 halted: Callable[[], bool] | None = None) -> Iterator[StepBatch]:
+        """This worker's steps of one epoch, in order; each names the units it finishes.
+        `done`: units of this epoch trained before a resume, left out; `halted()`: stop
+        reading (default: the training's stop)."""
         plan = self._plan()
+        halted = halted or self.stop.is_set
         if not self.spec.follow:
-            self._wait_for_complete()
+            self._wait_for_complete(halted)
         ds = HiddenStatesDataset(self.output, follow=True, backend="torch",
                                  poll_interval=self.poll_interval)
         collate = self._collate(dtype, ds.manifest.hidden_size, len(ds.manifest.layers) - 1)
@@ -743,7 +757,7 @@ class DraftTrainer:
         pack: list[dict[str, Any]] = []
         pack_tokens = step_tokens = 0
         finished: list[int] = []
-        for reader in self._units(ds, epoch):
+        for reader in self._units(ds, epoch, set(done), halted):
             unit = unit_of(reader)
             order = [j for j in range(len(reader))
                      if int(reader.sample_indices[j]) not in self._val_set]
@@ -771,25 +785,42 @@ class DraftTrainer:
         if packs or finished:
             yield StepBatch(packs, step_tokens + pack_tokens, finished)
 
-    def _prefetch(self, epoch: int, dtype: torch.dtype) -> Iterator[StepBatch]:
+    def _prefetch(self, epoch: int, dtype: torch.dtype) -> Iterator[StepBatch | EpochEnd]:
+        """This worker's steps from `epoch` on (the units of it in state.units_done left
+        out), an EpochEnd after each epoch's last. One thread reads ahead across epoch
+        ends, so a new epoch's first step does not wait for its first unit to be read
+        (with small data and several workers, epochs end every few steps). It ends when
+        the training stops or the consumer stops reading."""
         q: queue.Queue[Any] = queue.Queue(maxsize=4)
         end = object()
         abandoned = threading.Event()  # the consumer stopped reading
 
+        def halted() -> bool:
+            return self.stop.is_set() or abandoned.is_set()
+
+        def put(item: Any, give_up: Callable[[], bool]) -> bool:
+            while not give_up():
+                try:
+                    q.put(item, timeout=0.5)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def produce() -> None:
             try:
-                for item in self._batches(epoch, dtype):
-                    while not (self.stop.is_set() or abandoned.is_set()):
-                        try:
-                            q.put(item, timeout=0.5)
+                done, current = list(self.state.units_done), epoch
+                while not halted():
+                    for batch in self._batches(current, dtype, done, halted):
+                        if not put(batch, halted):
                             break
-                        except queue.Full:
-                            continue
-                    if self.stop.is_set() or abandoned.is_set():
+                    # An epoch cut short by the stop has not ended.
+                    if halted() or not put(EpochEnd(current), halted):
                         break
-                q.put(end)
+                    done, current = [], current + 1
+                put(end, abandoned.is_set)  # a stopped training still reads to the end
             except BaseException as err:
-                q.put(err)
+                put(err, abandoned.is_set)
 
         thread = threading.Thread(target=produce, name="hsx-train-data", daemon=True)
         thread.start()
@@ -805,6 +836,10 @@ class DraftTrainer:
                 yield item
         finally:
             abandoned.set()
+            # A reader thread still inside torch or pyarrow when the interpreter exits
+            # aborts the process ("terminate called without an active exception", after
+            # the training succeeded): it is let reach its next check of `abandoned`.
+            thread.join(timeout=READER_JOIN_S)
 
     def _val_samples(self, ds: HiddenStatesDataset) -> Iterator[dict[str, Any]]:
         """This worker's share of the held-out samples committed so far."""
@@ -881,6 +916,15 @@ class DraftTrainer:
             while self.state.step < end:
                 stepped, fresh = False, not self.state.units_done
                 for batch in self._prefetch(self.state.epoch, dtype):
+                    if isinstance(batch, EpochEnd):
+                        if fresh and not stepped:
+                            raise TrainRefused(f"worker {self.group.rank} of "
+                                               f"{self.group.world} found no training "
+                                               "sample in its units")
+                        self.state.epoch += 1
+                        self.state.units_done = []
+                        stepped, fresh = False, True
+                        continue
                     if batch.packs:
                         if self._stop_requested():
                             stopped = True
@@ -897,11 +941,6 @@ class DraftTrainer:
                 if self.stop.is_set():  # the data ended early because of the stop
                     stopped = self._stop_requested()
                     break
-                if fresh and not stepped:
-                    raise TrainRefused(f"worker {self.group.rank} of {self.group.world} "
-                                       "found no training sample in its units")
-                self.state.epoch += 1
-                self.state.units_done = []
         except BaseException as err:
             if self.group.main:
                 self._write_state("failed", error=f"{type(err).__name__}: {err}")
