@@ -134,6 +134,9 @@ class Bench:
 
     def _vllm_alone(self, variant: str) -> dict[str, Any]:
         """drop or bare in a child process (its GPU memory is back when it exits)."""
+        if self._pool is not None:  # an earlier hsx phase's engine holds the GPU's memory
+            self._pool.shutdown()
+            self._pool = None
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(BENCH), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
         cmd = [sys.executable, __file__, "--child", variant, "--workdir", str(self.work),
