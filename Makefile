@@ -13,8 +13,8 @@ demo: env
 test: env lint
 	$(PY)/pytest
 
-# The long end-to-end runs (draft training judged by vLLM, every architecture, fuzzing,
-# load, TP=2 on CPU): over CI's time budget together with the rest.
+# The long end-to-end runs (every architecture, the long fuzz, TP=2 on CPU, the live
+# dashboard): over CI's time budget together with the rest.
 test-slow: env
 	$(PY)/pytest -m slow
 
