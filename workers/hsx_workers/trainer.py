@@ -913,14 +913,15 @@ class DraftTrainer:
         end = min(plan.steps, self.spec.max_steps or plan.steps)
         stopped = False
         try:
-            while self.state.step < end:
+            if self.state.step < end:  # else a resumed run that had already ended
                 stepped, fresh = False, not self.state.units_done
+                # The reader goes on from epoch to epoch; it ends only once the training is
+                # asked to stop (or with the error it met, raised here).
                 for batch in self._prefetch(self.state.epoch, dtype):
                     if isinstance(batch, EpochEnd):
                         if fresh and not stepped:
-                            raise TrainRefused(f"worker {self.group.rank} of "
-                                               f"{self.group.world} found no training "
-                                               "sample in its units")
+                            raise TrainRefused(f"worker {self.group.rank} of {self.group.world} "
+                                               "found no training sample in its units")
                         self.state.epoch += 1
                         self.state.units_done = []
                         stepped, fresh = False, True
@@ -936,11 +937,9 @@ class DraftTrainer:
                         self._checkpoint(model, opt, sched)
                     if self.state.step >= end:
                         break
-                if stopped or self.state.step >= end:
-                    break
-                if self.stop.is_set():  # the data ended early because of the stop
-                    stopped = self._stop_requested()
-                    break
+                else:
+                    if self.stop.is_set():  # the data ended early because of the stop
+                        stopped = self._stop_requested()
         except BaseException as err:
             if self.group.main:
                 self._write_state("failed", error=f"{type(err).__name__}: {err}")
