@@ -19,6 +19,14 @@ benchmarks/gpu/README.md), so the ratios compare like with like:
            replicas 1 (target >= 1.9).
 - `tp2`    (2 GPUs) one engine with tensor_parallel_size 2 (placement group, vLLM's Ray
            executor); ratio against TP=1 (reported).
+- `inflight` the bf16 tmpfs job with `vllm.max_inflight_tokens` at --inflight (default
+           262,144) instead of 65,536: does a deeper queue in vLLM shorten the job?
+
+Every hsx run also reports where a unit's time goes after vLLM computes it (`stages_s`,
+medians over units, from the workers' UnitReport.marks): vLLM's report of the request
+finished -> its states taken from the spool -> the last sample handed to the shard
+writer -> written -> committed; and the same marks of the last unit from the start
+(`last_unit_s`): the job's drain.
 
 Targets (issue "The capture path at vLLM's ceiling"): hsx on tmpfs >= 0.95 of drop;
 hsx on disk >= 0.95 of min(drop, disk ceiling); the same for fp8.
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -58,7 +67,7 @@ SHAPE_8B: dict[str, Any] = {
     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
 }
-PHASES = ("disk", "drop", "bare", "hsx", "replicas2", "tp2")
+PHASES = ("disk", "drop", "bare", "hsx", "inflight", "replicas2", "tp2")
 
 
 class Bench:
@@ -174,10 +183,12 @@ class Bench:
     def bare(self) -> dict[str, Any]:
         return self._vllm_alone("bare")
 
-    def _spec(self, output: Path, dtype: str, rows: str = "rows", **over: Any) -> Any:
+    def _spec(self, output: Path, dtype: str, rows: str = "rows",
+              vllm_over: dict[str, Any] | None = None, **over: Any) -> Any:
         from hsx.spec import JobSpec
 
-        vllm: dict[str, Any] = {"gpu_memory_utilization": self.args.gpu_memory_utilization}
+        vllm: dict[str, Any] = {"gpu_memory_utilization": self.args.gpu_memory_utilization,
+                                **(vllm_over or {})}
         if not self.cpu:
             vllm["load_format"] = "dummy"
         return JobSpec(model=str(self.model), dataset=str(self.work / f"{rows}.jsonl"),
@@ -201,11 +212,14 @@ class Bench:
         with peak, spy or contextlib.nullcontext():
             def prepared(_job: Any) -> None:
                 marks["start"] = time.perf_counter()
+                marks["start_monotonic"] = time.monotonic()
 
             def unit_done(report: Any) -> None:
                 commits.append((time.perf_counter(), report.tokens))
+                reports.append(report)
 
             commits: list[tuple[float, int]] = []
+            reports: list[Any] = []
             summary = run_job(spec, pool=self._pool,
                               hooks=DispatchHooks(on_prepared=prepared, on_unit_done=unit_done))
             seconds = time.perf_counter() - marks["start"]
@@ -226,6 +240,7 @@ class Bench:
         return {"tokens": summary.tokens, "seconds": round(seconds, 3),
                 "tokens_per_s": round(summary.tokens / seconds),
                 **_commit_times(marks["start"], commits),
+                **_stages(marks["start_monotonic"], reports),
                 "bytes": summary.bytes, "shards": summary.shards,
                 "spool_peak_bytes": peak.peak, "restarts": summary.restarts, **profiled}
 
@@ -245,6 +260,17 @@ class Bench:
                 out[f"{dtype}-tmpfs-profiled"] = run
                 log(f"hsx {dtype} tmpfs under py-spy: {run['tokens_per_s']:,} tok/s")
         return out
+
+    def inflight(self) -> dict[str, Any]:
+        tokens = self.args.inflight
+        runs = []
+        for rep in range(self.args.reps):
+            run = self._job(self._spec(self.tmpfs / "out-inflight", "bf16",
+                                       vllm_over={"max_inflight_tokens": tokens}))
+            runs.append(run)
+            log(f"inflight {tokens}, rep {rep}: {run['tokens_per_s']:,} tok/s "
+                f"(spool peak {run['spool_peak_bytes'] / 2**30:.2f} GiB)")
+        return {"bf16-tmpfs": runs, "max_inflight_tokens": tokens}
 
     def replicas2(self) -> dict[str, Any]:
         runs = []
@@ -294,6 +320,9 @@ class Bench:
             out["replicas 2 / replicas 1"] = {
                 "median": round(med(p["replicas2"]["bf16-tmpfs"]) / med(one), 3),
                 "target": 1.9}
+        if one and p.get("inflight"):
+            out["inflight deep / default"] = {
+                "median": round(med(p["inflight"]["bf16-tmpfs"]) / med(one), 3)}
         if one and p.get("tp2"):
             out["tp 2 / tp 1"] = {"median": round(med(p["tp2"]["bf16-tmpfs"]) / med(one), 3)}
         if drop and p.get("bare"):
@@ -364,6 +393,28 @@ def _commit_times(start: float, commits: list[tuple[float, int]]) -> dict[str, A
         span = commits[-1][0] - commits[0][0]
         out["steady_tokens_per_s"] = round(sum(n for _, n in commits[1:]) / span) if span else None
     return out
+
+
+STAGES = ("queued", "fed", "fed_last", "computed", "spooled", "taken", "written", "committed")
+
+
+def _stages(start: float, reports: list[Any]) -> dict[str, Any]:
+    """Where units' time went after vLLM computed them (medians over units, seconds), and
+    the last unit's marks from the start: the job's drain. Marks are the workers'
+    time.monotonic(), the same clock as `start` on one host."""
+    marked = [r.marks for r in reports if getattr(r, "marks", None)]
+    if not marked:
+        return {}
+    steps = [(a, b) for a, b in itertools.pairwise(STAGES) if a != "queued"]
+    stages: dict[str, float] = {}
+    for a, b in steps:
+        spans = sorted(m[b] - m[a] for m in marked if a in m and b in m)
+        if spans:
+            stages[f"{a}->{b}"] = round(spans[len(spans) // 2], 3)
+    last = max(marked, key=lambda m: m.get("committed", 0.0))
+    return {"stages_s": stages,
+            "first_fed_s": round(min(m.get("fed", start) for m in marked) - start, 3),
+            "last_unit_s": {k: round(v - start, 3) for k, v in last.items()}}
 
 
 def _actor_profiler(out: Path) -> Any:
@@ -500,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tmpfs", default="/dev/shm/hsx-bench-vllm")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--child-timeout", type=float, default=600)
+    p.add_argument("--inflight", type=int, default=262144,
+                   help="max_inflight_tokens of the `inflight` phase")
     p.add_argument("--cpu", action="store_true", help="check the script on CPU (tiny model)")
     p.add_argument("--profile", action="store_true",
                    help="one more tmpfs run per dtype under py-spy: where the actor and the "

@@ -80,6 +80,11 @@ class UnitReport:
     generated: int = 0  # samples regenerated (a regenerating job)
     generated_tokens: int = 0
     truncated: int = 0  # regenerated samples with a turn that reached max_tokens
+    # Where the unit's time went: time.monotonic() on the worker's host when it was
+    # queued, its first and last request fed to the engine, its last request computed
+    # and taken from the spool (engines that tell), its last sample handed to the
+    # writer, all of it written, and committed. Benchmarks read the hand-off from it.
+    marks: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,6 +134,10 @@ class _UnitRun:
     tokens_done: int = 0
     failure: BaseException | None = None
     regen: _Regen | None = None
+    marks: dict[str, float] = field(default_factory=dict)  # see UnitReport.marks
+
+    def mark(self, stage: str, at: float | None = None) -> None:
+        self.marks[stage] = time.monotonic() if at is None else at
 
 
 def _vllm_version() -> str:
@@ -290,7 +299,11 @@ class ExtractionWorker:
                         continue
             idle_since = time.monotonic()
             index, ids, _mask = run.rows[run.fed]
+            if run.fed == 0:
+                run.mark("fed")
             run.fed += 1
+            if run.fed == len(run.rows):
+                run.mark("fed_last")
             yield CaptureRequest(index, ids)
 
     def _regenerate(self, run: _UnitRun, regen: _Regen) -> Iterator[GenerateRequest | _Wait]:
@@ -402,7 +415,11 @@ class ExtractionWorker:
                 run.writer.abort()
         run.done += 1
         run.tokens_done += len(result.input_ids)
+        for stage, at in (("computed", result.computed_at), ("spooled", result.spooled_at)):
+            if at > run.marks.get(stage, 0.0):
+                run.mark(stage, at)
         if run.done == len(run.rows):
+            run.mark("taken")
             with self._lock:
                 self._routing.popleft()
             self._committer.submit(self._commit, run)
@@ -414,6 +431,8 @@ class ExtractionWorker:
                 raise run.failure
             if writer is None:
                 raise RuntimeError(f"unit {run.unit.unit} has no writer")
+            writer.flush()
+            run.mark("written")
             ref = None
             if run.regen is not None:
                 ref = run.output.put_regenerations(run.unit.unit, writer.attempt,
@@ -424,6 +443,7 @@ class ExtractionWorker:
                 writer.abort()
             run.future.set_exception(err)
             return
+        run.mark("committed")
         record = outcome.record
         run.future.set_result(UnitReport(
             unit=run.unit.unit,
@@ -437,6 +457,7 @@ class ExtractionWorker:
             generated=record.regenerations.rows if record.regenerations else 0,
             generated_tokens=record.regenerations.tokens if record.regenerations else 0,
             truncated=record.regenerations.truncated if record.regenerations else 0,
+            marks={"queued": run.started, **run.marks},
         ))
 
     def shutdown(self) -> None:

@@ -63,8 +63,8 @@ class GenerateRequest:
 
     It travels in the same request stream as CaptureRequests, so the engine keeps
     capturing one unit while it generates the next one's answers; its result goes to
-    `on_done` (called on the thread that iterates `capture`), not into the stream of
-    CaptureResults.
+    `on_done` (called on the thread that pulls the request stream), not into the stream
+    of CaptureResults.
     """
 
     sample_index: int
@@ -106,6 +106,11 @@ class CaptureResult:
     owned: bool = False
     # [T, L] fp8 scales when hidden_states is already quantized (float8_e4m3fn).
     scales: Any = None
+    # time.monotonic() when the engine reported the request computed, and when its
+    # states were taken from the spool (0.0 where an engine does not tell): the
+    # stages of a unit's hand-off, in UnitReport.marks.
+    computed_at: float = 0.0
+    spooled_at: float = 0.0
 
 
 @dataclass
@@ -131,7 +136,8 @@ class CaptureEngine(Protocol):
     def capture(self, requests: RequestStream) -> Iterator[CaptureResult]:
         """Yield one result per CaptureRequest, in request order. `requests` may yield
         WAIT, and GenerateRequests (answered through their `on_done`; an engine that
-        cannot generate answers each with an error)."""
+        cannot generate answers each with an error). An engine may pull `requests` on
+        a thread of its own (the vllm engine does), never on two at once."""
         ...
 
     def close(self) -> None: ...

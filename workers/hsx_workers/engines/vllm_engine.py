@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -38,7 +39,44 @@ from hsx_workers.spool import ERROR_SUFFIX, SPOOL_SUFFIX, read_error, spool_root
 logger = logging.getLogger(__name__)
 
 SPOOL_TIMEOUT_S = 120.0
+SPOOL_POLL_S = 0.001  # how often the spool is read while a published file is awaited
 WHOLE_PREFILL_MIN_TOKENS = 4096  # per-step budget of a CPU engine without chunked prefill
+
+
+class _Flight:
+    """One `capture` call's requests between its two threads (all under `cv`)."""
+
+    def __init__(self, budget: int) -> None:
+        self.cv = threading.Condition()
+        self.budget = budget  # prompt tokens allowed inside vLLM and its spool at once
+        self.tokens = 0
+        self.positions = 0  # capture requests handed over; a result's position in order
+        self.ready: dict[int, CaptureResult] = {}  # position -> result, not yet yielded
+        # spool file name -> (request, position, when vLLM reported it finished)
+        self.arriving: dict[str, tuple[CaptureRequest, int, float]] = {}
+        self.driving = True  # the driver may still hand over requests
+        self.stopping = False  # the consumer is gone: the driver stops
+        self.error: BaseException | None = None
+
+    def has_room(self) -> bool:
+        with self.cv:
+            return self.tokens < self.budget
+
+    def position(self) -> int:
+        """The next capture request's place in the order of results."""
+        with self.cv:
+            self.positions += 1
+            return self.positions - 1
+
+    def admit(self, tokens: int) -> None:
+        with self.cv:
+            self.tokens += tokens
+
+    def settle(self, position: int, result: CaptureResult) -> None:
+        """A result known without the spool (an error): ready at once."""
+        with self.cv:
+            self.ready[position] = result
+            self.cv.notify_all()
 
 
 class VllmEngine:
@@ -192,6 +230,77 @@ class VllmEngine:
         logger.info("multimodal wrapper: capturing its text path (language_model_only)")
 
     def capture(self, requests: RequestStream) -> Iterator[CaptureResult]:
+        """Two threads: a driver (`_drive`) hands requests to vLLM and steps it; this
+        generator takes each request's states from the spool as soon as they are
+        published and yields them in request order.
+
+        vLLM's `step()` blocks until the engine core's next output, which is a whole
+        batch later (0.4 s for 16k tokens of an 8B model on an H200). In one thread,
+        states already in the spool waited for it, and for them the shard writer; the
+        admission of new requests waited for the writer in turn.
+        """
+        flight = _Flight(self.max_inflight_tokens)
+        driver = threading.Thread(target=self._drive, args=(requests, flight),
+                                  name="hsx-vllm-driver", daemon=True)
+        driver.start()
+        try:
+            yield from self._in_order(flight)
+        finally:
+            with flight.cv:
+                flight.stopping = True
+                flight.cv.notify_all()
+            # A step in progress ends with the engine's current batch.
+            driver.join(timeout=SPOOL_TIMEOUT_S)
+            if driver.is_alive():
+                logger.error("the vLLM driver thread did not stop")
+
+    def _in_order(self, flight: _Flight) -> Iterator[CaptureResult]:
+        """Results in request order, each as soon as its spool file is published."""
+        emitted = 0
+        while True:
+            with flight.cv:
+                if flight.error is not None:
+                    raise flight.error
+                out = []
+                while emitted in flight.ready:
+                    out.append(flight.ready.pop(emitted))
+                    emitted += 1
+                if not out and not flight.arriving:
+                    if not flight.driving and emitted == flight.positions:
+                        return
+                    flight.cv.wait(IDLE_SLEEP_S)
+                    continue
+                awaited = dict(flight.arriving)
+            yield from out
+            if out:
+                continue
+            # One directory read per round, not a stat per request in flight.
+            present = set(os.listdir(self.spool))
+            now = time.monotonic()
+            taken = {}
+            for name, (req, position, since) in awaited.items():
+                if name in present or name + ERROR_SUFFIX in present:
+                    result = self._collect(req, str(self.spool / name))
+                    result.computed_at, result.spooled_at = since, time.monotonic()
+                    taken[name] = (position, result, len(req.input_ids))
+                elif now - since > SPOOL_TIMEOUT_S:
+                    raise EngineDead(f"hidden states of sample {req.sample_index} "
+                                     f"never arrived in {self.spool / name}")
+            if not taken:
+                # The connector publishes each file when its device-to-host copy is
+                # done, a step after vLLM reports the request finished.
+                time.sleep(SPOOL_POLL_S)
+                continue
+            with flight.cv:
+                for name, (position, result, tokens) in taken.items():
+                    del flight.arriving[name]
+                    flight.ready[position] = result
+                    flight.tokens -= tokens
+                flight.cv.notify_all()
+
+    def _drive(self, requests: RequestStream, flight: _Flight) -> None:
+        """The driver thread: admits requests while the in-flight budget allows, steps
+        vLLM, and hands each finished request's spool file name to `_in_order`."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -200,17 +309,11 @@ class VllmEngine:
         engine = self.llm.llm_engine
         params = SamplingParams(max_tokens=1, detokenize=False)
         pending = iter(requests)
-        order: list[int] = []  # sample indexes in request order
-        # request id -> (request, its position in `order`), while inside vLLM
-        running: dict[str, tuple[CaptureRequest, int]] = {}
-        # request id -> generation request, while inside vLLM
-        generating: dict[str, GenerateRequest] = {}
-        # spool file name -> (request, position, since when it is awaited)
-        arriving: dict[str, tuple[CaptureRequest, int, float]] = {}
-        ready: dict[int, CaptureResult] = {}
-        inflight_tokens = 0
+        running: dict[str, tuple[CaptureRequest, int]] = {}  # request id -> (request, position)
+        generating: dict[str, GenerateRequest] = {}  # request id -> generation request
         exhausted = False
-        emitted = 0
+        # An engine core running in this process (no multiprocessing) moves only when
+        # stepped: it is stepped while files are awaited, or they never come.
         in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
         def step() -> list[Any]:
@@ -219,93 +322,87 @@ class VllmEngine:
             except Exception as err:
                 raise EngineDead(f"vLLM engine failed: {type(err).__name__}: {err}") from err
 
-        while True:
-            waiting = False
-            while not exhausted and inflight_tokens < self.max_inflight_tokens:
-                req = next(pending, None)
-                if req is None:
-                    exhausted = True
-                    break
-                if req is WAIT:
-                    waiting = True
-                    break
-                if isinstance(req, GenerateRequest):
-                    if self._add_generation(engine, req, generating, SKIP_SAVE):
-                        inflight_tokens += len(req.input_ids) + req.max_tokens
-                    continue
-                if not isinstance(req, CaptureRequest):
-                    raise TypeError(f"capture takes CaptureRequest, GenerateRequest or WAIT, "
-                                    f"got {req!r}")
-                order.append(req.sample_index)
-                request_id = f"s{req.sample_index}-{self._next_id}"
-                self._next_id += 1
-                try:
-                    engine.add_request(
-                        request_id, TokensPrompt(prompt_token_ids=list(req.input_ids)), params
-                    )
-                except ValueError as err:  # vLLM refuses this prompt (too long, bad ids)
-                    ready[len(order) - 1] = CaptureResult(
-                        req.sample_index, req.input_ids, error=f"vLLM refused the prompt: {err}"
-                    )
-                    continue
-                running[request_id] = (req, len(order) - 1)
-                inflight_tokens += len(req.input_ids)
-
-            # Emit in request order as results become ready (keyed by position: a
-            # stream may carry the same sample index twice, from two jobs' units).
-            while emitted < len(order) and emitted in ready:
-                yield ready.pop(emitted)
-                emitted += 1
-            if exhausted and emitted == len(order) and not generating:
-                return
-
-            if running or generating:
-                for out in step():
-                    if not out.finished:
+        try:
+            while not flight.stopping:
+                while not exhausted and flight.has_room():
+                    req = next(pending, None)
+                    if req is None:
+                        exhausted = True
+                        break
+                    if req is WAIT:
+                        break
+                    if isinstance(req, GenerateRequest):
+                        if self._add_generation(engine, req, generating, SKIP_SAVE):
+                            with flight.cv:
+                                flight.tokens += len(req.input_ids) + req.max_tokens
                         continue
-                    gen_id = self._known_id(out.request_id, generating)
-                    if gen_id is not None:
-                        gen = generating.pop(gen_id)
-                        inflight_tokens -= len(gen.input_ids) + gen.max_tokens
-                        completion = out.outputs[0]
-                        gen.on_done(GenerateResult(
-                            text=completion.text, token_ids=list(completion.token_ids),
-                            finish_reason=str(completion.finish_reason)))
-                        continue
-                    req, position = running.pop(self._base_request_id(out.request_id, running))
-                    name = self._spool_name(out)
-                    if not name:
-                        inflight_tokens -= len(req.input_ids)
-                        ready[position] = CaptureResult(
+                    if not isinstance(req, CaptureRequest):
+                        raise TypeError(f"capture takes CaptureRequest, GenerateRequest or "
+                                        f"WAIT, got {req!r}")
+                    position = flight.position()
+                    request_id = f"s{req.sample_index}-{self._next_id}"
+                    self._next_id += 1
+                    try:
+                        engine.add_request(
+                            request_id, TokensPrompt(prompt_token_ids=list(req.input_ids)),
+                            params)
+                    except ValueError as err:  # vLLM refuses this prompt (too long, bad ids)
+                        flight.settle(position, CaptureResult(
                             req.sample_index, req.input_ids,
-                            error="vLLM returned no hidden states for this request",
-                        )
-                    else:
-                        arriving[name] = (req, position, time.monotonic())
-            elif arriving:
-                # The engine core publishes the last files on its own, a step or two
-                # after the outputs; wait for them without busy-spinning. An engine
-                # core running in this process (no multiprocessing) moves only when
-                # stepped, so step it.
-                if in_process:
-                    step()
-                time.sleep(0.001)
-            elif waiting:
-                time.sleep(IDLE_SLEEP_S)
-
-            if arriving:
-                # One directory read per round, not a stat per request in flight.
-                present = set(os.listdir(self.spool))
-                now = time.monotonic()
-                for name, (req, position, since) in list(arriving.items()):
-                    if name not in present and name + ERROR_SUFFIX not in present:
-                        if now - since > SPOOL_TIMEOUT_S:
-                            raise EngineDead(f"hidden states of sample {req.sample_index} "
-                                             f"never arrived in {self.spool / name}")
+                            error=f"vLLM refused the prompt: {err}"))
                         continue
-                    del arriving[name]
-                    inflight_tokens -= len(req.input_ids)
-                    ready[position] = self._collect(req, str(self.spool / name))
+                    running[request_id] = (req, position)
+                    flight.admit(len(req.input_ids))
+
+                if running or generating:
+                    self._finished(step(), running, generating, flight)
+                elif in_process and flight.arriving:
+                    step()
+                    time.sleep(SPOOL_POLL_S)
+                elif exhausted:
+                    return
+                else:
+                    # The stream said WAIT, or the budget is spent on states in the spool.
+                    with flight.cv:
+                        flight.cv.wait(IDLE_SLEEP_S)
+        except BaseException as err:
+            with flight.cv:
+                flight.error = err
+        finally:
+            with flight.cv:
+                flight.driving = False
+                flight.cv.notify_all()
+
+    def _finished(self, outputs: list[Any], running: dict[str, tuple[CaptureRequest, int]],
+                  generating: dict[str, GenerateRequest], flight: _Flight) -> None:
+        """One step's finished requests: answers go to their callers, captures join the
+        files awaited in the spool."""
+        now = time.monotonic()
+        for out in outputs:
+            if not out.finished:
+                continue
+            gen_id = self._known_id(out.request_id, generating)
+            if gen_id is not None:
+                gen = generating.pop(gen_id)
+                with flight.cv:
+                    flight.tokens -= len(gen.input_ids) + gen.max_tokens
+                completion = out.outputs[0]
+                gen.on_done(GenerateResult(
+                    text=completion.text, token_ids=list(completion.token_ids),
+                    finish_reason=str(completion.finish_reason)))
+                continue
+            req, position = running.pop(self._base_request_id(out.request_id, running))
+            name = self._spool_name(out)
+            if not name:
+                with flight.cv:
+                    flight.tokens -= len(req.input_ids)
+                flight.settle(position, CaptureResult(
+                    req.sample_index, req.input_ids,
+                    error="vLLM returned no hidden states for this request"))
+                continue
+            with flight.cv:
+                flight.arriving[name] = (req, position, now)
+                flight.cv.notify_all()
 
     def _spool_name(self, out: Any) -> str | None:
         """The name, in this engine's spool, of a finished request's states file."""
