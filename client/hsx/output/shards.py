@@ -249,9 +249,11 @@ def new_hasher(algorithm: str) -> Any:
 class _DataStream:
     """Appends sample buffers to the shard's object writer, hashing beside the writes.
 
-    Two threads, so the caller (the engine thread) produces the next sample while this
-    one reaches the storage: one writes, one hashes (a hash in series with the writes
-    halved the writer's rate on an H200 node). The writer syncs in the background on
+    Three threads, so the caller (the engine thread) produces the next sample while
+    these reach the storage: one writes, one hashes the shard's data, one each sample
+    (a hash in series with the writes halved the writer's rate on an H200 node, and the
+    two hashes in one thread kept it as busy as the writes: a backlog that the last
+    unit of a job drained after vLLM had finished). The writer syncs in the background on
     local disk (`fdatasync` every 256 MiB, so the fsync at commit has little left) and
     uploads parts in the background on object stores. Write and hash release the GIL.
     The bounded queues keep at most `_QUEUE_DEPTH` samples in memory. An error is kept
@@ -266,14 +268,17 @@ class _DataStream:
         self.nbytes = 0
         self._error: BaseException | None = None
         self._writes: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
-        self._hashes: queue.Queue[tuple[np.ndarray, bytes] | None] = queue.Queue(
+        self._hashes: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._digests: queue.Queue[tuple[np.ndarray, bytes] | None] = queue.Queue(
             maxsize=_QUEUE_DEPTH)
+        self._queues: list[queue.Queue[Any]] = [self._writes, self._hashes, self._digests]
         self._threads = [
             threading.Thread(target=self._run, args=(q, fn), name=f"hsx-shard-{name}-{what}",
                              daemon=True)
             for q, fn, what in (
                 (self._writes, self._write, "write"),
                 (self._hashes, self._hash, "hash"),
+                (self._digests, self._digest, "digest"),
             )
         ]
         for thread in self._threads:
@@ -284,9 +289,11 @@ class _DataStream:
         # never changes: an object store's part may reference it instead of copying it.
         self._sink.write(item.data, keep=True)
 
-    def _hash(self, item: tuple[np.ndarray, bytes]) -> None:
-        raw, rest = item
+    def _hash(self, raw: np.ndarray) -> None:
         self.sha.update(raw.data)
+
+    def _digest(self, item: tuple[np.ndarray, bytes]) -> None:
+        raw, rest = item
         sample = new_hasher(self._checksum)
         sample.update(raw.data)
         sample.update(rest)
@@ -322,17 +329,17 @@ class _DataStream:
         # Raw bytes: the buffer protocol cannot describe ml_dtypes' bf16/fp8.
         raw = buf.reshape(-1).view(np.uint8)
         self._writes.put(raw)
-        self._hashes.put((raw, rest))
+        self._hashes.put(raw)
+        self._digests.put((raw, rest))
         self.nbytes += buf.nbytes
 
     def flush(self) -> None:
-        self._writes.join()
-        self._hashes.join()
+        for items in self._queues:
+            items.join()
         self._raise_pending()
 
     def close(self, *, check: bool = True) -> None:
-        queues: list[queue.Queue[Any]] = [self._writes, self._hashes]
-        for items, thread in zip(queues, self._threads, strict=True):
+        for items, thread in zip(self._queues, self._threads, strict=True):
             if thread.is_alive():
                 items.put(None)
                 thread.join()
