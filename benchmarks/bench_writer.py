@@ -6,7 +6,10 @@ from 256..2048 — written two or three ways into the same directory, alternatin
 - `hsx-torch`  ShardWriter.add() with CPU torch bf16 tensors (what the extraction worker
                hands it), then commit(): header, fsync, rename into shards/, commit
                record created with link(), directory fsyncs.
-- `hsx-numpy`  the same with numpy (ml_dtypes.bfloat16) arrays.
+- `hsx-numpy`  the same with numpy (ml_dtypes.bfloat16) arrays, which add() copies (the
+               caller may reuse them).
+- `hsx-spool`  numpy arrays handed over (`add(..., take=True)`): what the vLLM engine's
+               worker does with the states it maps from its spool; no copy.
 - `raw`        the same hidden-state bytes with plain `f.write` of each sample's buffer
                into a new file, then `os.fsync` — what the disk can do.
 
@@ -18,6 +21,7 @@ Run: `python benchmarks/bench_writer.py [--quick]` (or through run_all.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -34,7 +38,7 @@ import common
 LAYERS = [2, 16, 29, 32]
 HIDDEN = 4096
 TARGET = 0.9
-VARIANTS = ("hsx-torch", "hsx-numpy", "raw")
+VARIANTS = ("hsx-torch", "hsx-numpy", "hsx-spool", "raw")
 
 Sample = tuple[np.ndarray, np.ndarray, Any]
 
@@ -65,14 +69,15 @@ def as_torch(samples: list[Sample]) -> list[Sample]:
             for ids, mask, hs in samples]
 
 
-def write_hsx(root: Path, samples: list[Sample]) -> dict[str, Any]:
-    """One shard through ShardWriter; seconds in all, and until the last add() returned."""
+def write_hsx(root: Path, samples: list[Sample], take: bool = False) -> dict[str, Any]:
+    """One shard through ShardWriter; seconds in all, and until the last add() returned.
+    `take`: the samples are handed over (nobody writes into them afterwards)."""
     from hsx.output import ShardWriter
 
     start = time.perf_counter()
     writer = ShardWriter(root, 0, layers=LAYERS, hidden_size=HIDDEN, storage_dtype="bf16")
     for i, (ids, mask, hs) in enumerate(samples):
-        writer.add(i, ids, mask, hs)
+        writer.add(i, ids, mask, hs, take=take)
     added = time.perf_counter()
     result = writer.commit()
     end = time.perf_counter()
@@ -101,7 +106,7 @@ def write_raw(path: Path, samples: list[Sample]) -> dict[str, Any]:
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, float], dict[str, Any]]:
     med = {v: common.median([r["gb_per_s"] for r in rs]) for v, rs in runs.items()}
     ratios = {f"{v}/raw": common.compare(runs[v], runs["raw"], "gb_per_s", TARGET)
-              for v in ("hsx-torch", "hsx-numpy") if v in runs}
+              for v in ("hsx-torch", "hsx-numpy", "hsx-spool") if v in runs}
     return med, ratios
 
 
@@ -124,13 +129,17 @@ def run(*, quick: bool, out: Path, size_mib: int | None = None, reps: int | None
     machine = common.machine_info()
     print(f"writer: {size / common.MiB:.0f} MiB per shard, {reps} reps, in {work}", flush=True)
     samples = make_samples(size)
-    inputs = {"hsx-torch": as_torch(samples), "hsx-numpy": samples, "raw": samples}
+    inputs = {"hsx-torch": as_torch(samples), "hsx-numpy": samples, "hsx-spool": samples,
+              "raw": samples}
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     try:
         for rep in range(reps):
             for order, variant in enumerate(common.alternating(VARIANTS, rep)):
                 target = work / f"{variant}-{rep}"
-                write = write_raw if variant == "raw" else write_hsx
+                if variant == "raw":
+                    write = write_raw
+                else:
+                    write = functools.partial(write_hsx, take=variant == "hsx-spool")
                 _, cpu, res = common.timed(lambda: write(target, inputs[variant]))  # noqa: B023
                 seconds, nbytes = res["seconds"], res["bytes"]
                 runs[variant].append({"rep": rep, "order": order, **res, "cpu_s": cpu,
