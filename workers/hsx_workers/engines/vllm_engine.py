@@ -72,6 +72,11 @@ class _Flight:
         with self.cv:
             self.tokens += tokens
 
+    def release(self, tokens: int) -> None:
+        """Tokens that left vLLM without a spool file (an answer, a missing file)."""
+        with self.cv:
+            self.tokens -= tokens
+
     def settle(self, position: int, result: CaptureResult) -> None:
         """A result known without the spool (an error): ready at once."""
         with self.cv:
@@ -265,14 +270,15 @@ class VllmEngine:
                 while emitted in flight.ready:
                     out.append(flight.ready.pop(emitted))
                     emitted += 1
-                if not out and not flight.arriving:
-                    if not flight.driving and emitted == flight.positions:
-                        return
-                    flight.cv.wait(IDLE_SLEEP_S)
-                    continue
-                awaited = dict(flight.arriving)
-            yield from out
+                if not out:
+                    if not flight.arriving:
+                        if not flight.driving and emitted == flight.positions:
+                            return
+                        flight.cv.wait(IDLE_SLEEP_S)
+                        continue
+                    awaited = dict(flight.arriving)
             if out:
+                yield from out
                 continue
             # One directory read per round, not a stat per request in flight.
             present = set(os.listdir(self.spool))
@@ -333,8 +339,7 @@ class VllmEngine:
                         break
                     if isinstance(req, GenerateRequest):
                         if self._add_generation(engine, req, generating, SKIP_SAVE):
-                            with flight.cv:
-                                flight.tokens += len(req.input_ids) + req.max_tokens
+                            flight.admit(len(req.input_ids) + req.max_tokens)
                         continue
                     if not isinstance(req, CaptureRequest):
                         raise TypeError(f"capture takes CaptureRequest, GenerateRequest or "
@@ -384,8 +389,7 @@ class VllmEngine:
             gen_id = self._known_id(out.request_id, generating)
             if gen_id is not None:
                 gen = generating.pop(gen_id)
-                with flight.cv:
-                    flight.tokens -= len(gen.input_ids) + gen.max_tokens
+                flight.release(len(gen.input_ids) + gen.max_tokens)
                 completion = out.outputs[0]
                 gen.on_done(GenerateResult(
                     text=completion.text, token_ids=list(completion.token_ids),
@@ -394,8 +398,7 @@ class VllmEngine:
             req, position = running.pop(self._base_request_id(out.request_id, running))
             name = self._spool_name(out)
             if not name:
-                with flight.cv:
-                    flight.tokens -= len(req.input_ids)
+                flight.release(len(req.input_ids))
                 flight.settle(position, CaptureResult(
                     req.sample_index, req.input_ids,
                     error="vLLM returned no hidden states for this request"))
