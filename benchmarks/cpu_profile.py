@@ -24,7 +24,7 @@ RATE_HZ = 100
 
 # (category, regex over one frame "function (file:line)"), tried innermost frame first.
 RULES: tuple[tuple[str, str], ...] = (
-    ("shard: checksum", r"_DataStream\._hash|_DataStream\._digest"),
+    ("shard: checksum", r"_DataStream\._digest"),
     ("shard: write", r"_DataStream\._write"),
     ("shard: fdatasync", r"_DataStream\._sync"),
     ("shard: commit (fsync, rename, record)", r"ShardWriter\.commit"),

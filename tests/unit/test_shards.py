@@ -423,27 +423,63 @@ def test_checksum_is_blake3_and_sha256_on_request(tmp_path: Path) -> None:
     sha = write_unit(tmp_path / "s", 0, make_samples(3), checksum="sha256")
     data = (tmp_path / "b" / record.shard).read_bytes()
     header_end = 8 + int.from_bytes(data[:8], "little")
+    tail = header_end + _hidden_bytes(data)
     assert record.checksum is not None and sha.checksum is not None
-    assert record.checksum.model_dump() == {"algorithm": "blake3",
+    assert record.checksum.model_dump() == {"algorithm": "blake3", "scheme": "samples",
                                   "header": blake3.blake3(data[:header_end]).hexdigest(),
-                                  "data": blake3.blake3(data[header_end:]).hexdigest()}
+                                  "data": blake3.blake3(data[tail:]).hexdigest()}
     assert sha.checksum.algorithm == "sha256"
     # The data sections differ: each holds its samples' digests in its own algorithm.
     data = (tmp_path / "s" / sha.shard).read_bytes()
     header_end = 8 + int.from_bytes(data[:8], "little")
-    assert sha.checksum.data == hashlib.sha256(data[header_end:]).hexdigest()
+    tail = header_end + _hidden_bytes(data)
+    assert sha.checksum.data == hashlib.sha256(data[tail:]).hexdigest()
     verify(tmp_path / "s", sha)
     with pytest.raises(ValueError, match="checksum must be"):
         ShardWriter(tmp_path, 1, layers=LAYERS, hidden_size=32, storage_dtype="bf16",
                     checksum="md5")  # type: ignore[arg-type]
 
 
+def _hidden_bytes(shard: bytes) -> int:
+    n = int.from_bytes(shard[:8], "little")
+    return int(json.loads(shard[8 : 8 + n])["hidden_states"]["data_offsets"][1])
+
+
+def test_records_whose_data_digest_covers_the_whole_section_still_verify(
+        tmp_path: Path) -> None:
+    import blake3
+
+    record = write_unit(tmp_path, 0, make_samples(3))
+    assert record.checksum is not None
+    data = (tmp_path / record.shard).read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    fields = json.loads(record.to_json())
+    del fields["checksum"]["scheme"]  # as records written before schemes were
+    fields["checksum"]["data"] = blake3.blake3(data[header_end:]).hexdigest()
+    whole = CommitRecord.parse(json.dumps(fields).encode(), "whole-section record")
+    assert whole.checksum_scheme() == "whole"
+    verify(tmp_path, whole)
+    with pytest.raises(ShardCorrupt, match="data checksum mismatch"):
+        # the same digest read under the samples scheme
+        assert whole.checksum is not None
+        mixed = whole.checksum.model_copy(update={"scheme": "samples"})
+        verify(tmp_path, record.model_copy(update={"checksum": mixed}))
+    fields["checksum"]["scheme"] = "chunks"
+    with pytest.raises(ShardCorrupt, match="scheme 'chunks' is unknown; upgrade hsx"):
+        verify(tmp_path, CommitRecord.model_validate(fields))
+
+
 def test_records_from_before_checksum_named_its_algorithm_still_verify(tmp_path: Path) -> None:
+    import hashlib
+
     record = write_unit(tmp_path, 0, make_samples(3), checksum="sha256")
     assert record.checksum is not None
     fields = record.model_dump(exclude={"checksum"})
     fields["header_sha256"] = record.checksum.header
-    fields["data_sha256"] = record.checksum.data
+    # Such records' data digest covers the whole data section.
+    data = (tmp_path / record.shard).read_bytes()
+    fields["data_sha256"] = hashlib.sha256(
+        data[8 + int.from_bytes(data[:8], "little"):]).hexdigest()
     old = CommitRecord.parse(json.dumps(fields).encode(), "old record")
     verify(tmp_path, old)
     assert old.checksums() == ("sha256", fields["header_sha256"], fields["data_sha256"])
@@ -503,12 +539,18 @@ def test_verify_catches_flipped_bytes(tmp_path: Path) -> None:
         data[pos] ^= 0x01
         return bytes(data)
 
-    path.write_bytes(flipped(header_end + 100))
-    with pytest.raises(ShardCorrupt, match="data checksum mismatch"):
-        verify(tmp_path, record)
-    path.write_bytes(flipped(len(original) - 1))  # last byte of loss_mask
-    with pytest.raises(ShardCorrupt, match="data checksum mismatch"):
-        verify(tmp_path, record)
+    # The first and last byte of every tensor, hidden_states' last sample included: the
+    # data digest covers the tail, the samples' digests (in the tail) cover the rest.
+    header = json.loads(original[8:header_end])
+    header.pop("__metadata__")
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        for pos in (start, end - 1):
+            path.write_bytes(flipped(header_end + pos))
+            with pytest.raises(ShardCorrupt, match="data checksum mismatch"):
+                verify(tmp_path, record)
+            assert name  # (for the report of a failing case)
+    assert "sample_digests" in header and "hidden_states" in header
     path.write_bytes(flipped(20))
     with pytest.raises(ShardCorrupt, match="header checksum mismatch"):
         verify(tmp_path, record)

@@ -360,15 +360,12 @@ class Output:
             reader = self._open_checked(record)
         except (OutputCorrupt, StorageError, OSError):
             return ""
-        if reader.sample_digests is None:
-            return ""
-        failing = []
-        for i in range(len(reader)):
+        with reader:
             try:
-                reader.sample(i)
+                failing = [f"{i} (sample_index {int(reader.sample_indices[i])})"
+                           for i in reader.failing_samples()]
             except (OutputCorrupt, OSError):
-                failing.append(f"{i} (sample_index {int(reader.sample_indices[i])})")
-        reader.close()
+                return ""
         return f"; samples {', '.join(failing)} fail their checksums" if failing else ""
 
     def _open_checked(self, record: CommitRecord) -> ShardReader:

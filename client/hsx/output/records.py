@@ -129,11 +129,14 @@ class Manifest(BaseModel):
 
 
 class Checksum(BaseModel):
-    """The digests of a shard: `header` over bytes [0, 8 + N), `data` over the rest."""
+    """The digests of a shard: `header` over bytes [0, 8 + N), `data` over the data
+    section's bytes after hidden_states (`scheme` "samples": those hold each sample's
+    digest) or, in records without a scheme, over the whole data section."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
     algorithm: str = Field(..., description="blake3 or sha256.")
+    scheme: str = Field("whole", description="What `data` covers: samples or whole.")
     header: str = Field(..., description="Lowercase hex digest of the header bytes.")
     data: str = Field(..., description="Lowercase hex digest of the data section.")
 
@@ -215,6 +218,10 @@ class CommitRecord(BaseModel):
         if self.header_sha256 is not None and self.data_sha256 is not None:
             return "sha256", self.header_sha256, self.data_sha256
         raise OutputCorrupt(f"commit record of unit {self.unit} has no checksum")
+
+    def checksum_scheme(self) -> str:
+        """What the data digest covers: "samples" or "whole" (older records)."""
+        return self.checksum.scheme if self.checksum is not None else "whole"
 
     def to_json(self) -> builtins.bytes:
         legacy = {"header_sha256", "data_sha256"} if self.checksum is not None else None

@@ -61,6 +61,10 @@ Backend = Literal["numpy", "torch"]
 Checksum = Literal["blake3", "sha256"]
 
 DEFAULT_CHECKSUM: Checksum = "blake3"
+CHECKSUM_SCHEME = "samples"
+"""What a commit record's data digest covers (docs/FORMAT.md, "Checksums"): `samples`,
+the bytes after hidden_states, which hold each sample's digest (so every byte is hashed
+once, not twice); `whole` (records without a scheme), the whole data section."""
 """BLAKE3 runs at several GB/s on one core (sha256 at 0.7-1.4 GB/s, below a fast disk:
 it was the writer's limit); sha256 stays available, and records of either are read."""
 
@@ -249,11 +253,10 @@ def new_hasher(algorithm: str) -> Any:
 class _DataStream:
     """Appends sample buffers to the shard's object writer, hashing beside the writes.
 
-    Three threads, so the caller (the engine thread) produces the next sample while
-    these reach the storage: one writes, one hashes the shard's data, one each sample
-    (a hash in series with the writes halved the writer's rate on an H200 node, and the
-    two hashes in one thread kept it as busy as the writes: a backlog that the last
-    unit of a job drained after vLLM had finished). The writer syncs in the background on
+    Two threads, so the caller (the engine thread) produces the next sample while
+    these reach the storage: one writes, one hashes each sample (a hash in series with
+    the writes halved the writer's rate on an H200 node). Each byte is hashed once: the
+    shard's data digest covers the samples through their digests (`CHECKSUM_SCHEME`). The writer syncs in the background on
     local disk (`fdatasync` every 256 MiB, so the fsync at commit has little left) and
     uploads parts in the background on object stores. Write and hash release the GIL.
     The bounded queues keep at most `_QUEUE_DEPTH` samples in memory. An error is kept
@@ -263,21 +266,18 @@ class _DataStream:
     def __init__(self, sink: ObjectWriter, name: str, checksum: str) -> None:
         self._sink = sink
         self._checksum = checksum
-        self.sha = new_hasher(checksum)
         self.sample_digests: list[bytes] = []  # one per put(), in order (see put)
         self.nbytes = 0
         self._error: BaseException | None = None
         self._writes: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
-        self._hashes: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._digests: queue.Queue[tuple[np.ndarray, bytes] | None] = queue.Queue(
             maxsize=_QUEUE_DEPTH)
-        self._queues: list[queue.Queue[Any]] = [self._writes, self._hashes, self._digests]
+        self._queues: list[queue.Queue[Any]] = [self._writes, self._digests]
         self._threads = [
             threading.Thread(target=self._run, args=(q, fn), name=f"hsx-shard-{name}-{what}",
                              daemon=True)
             for q, fn, what in (
                 (self._writes, self._write, "write"),
-                (self._hashes, self._hash, "hash"),
                 (self._digests, self._digest, "digest"),
             )
         ]
@@ -288,9 +288,6 @@ class _DataStream:
         # The sample's buffer is the writer's own (add() copied it or was handed it) and
         # never changes: an object store's part may reference it instead of copying it.
         self._sink.write(item.data, keep=True)
-
-    def _hash(self, raw: np.ndarray) -> None:
-        self.sha.update(raw.data)
 
     def _digest(self, item: tuple[np.ndarray, bytes]) -> None:
         raw, rest = item
@@ -329,7 +326,6 @@ class _DataStream:
         # Raw bytes: the buffer protocol cannot describe ml_dtypes' bf16/fp8.
         raw = buf.reshape(-1).view(np.uint8)
         self._writes.put(raw)
-        self._hashes.put(raw)
         self._digests.put((raw, rest))
         self.nbytes += buf.nbytes
 
@@ -555,7 +551,8 @@ class ShardWriter:
             "samples": self.num_samples,
             "tokens": self.num_tokens,
             "bytes": size,
-            "checksum": {"algorithm": self.checksum, "header": header_sha, "data": data_sha},
+            "checksum": {"algorithm": self.checksum, "scheme": CHECKSUM_SCHEME,
+                         "header": header_sha, "data": data_sha},
             "sample_indices_first": self._sample_indices[0] if self._sample_indices else None,
             "sample_indices_last": self._sample_indices[-1] if self._sample_indices else None,
             "errors": error_rows,
@@ -744,7 +741,7 @@ class ShardWriter:
                 f"internal: streamed {self._stream.nbytes} bytes, expected {expected}"
             )
         small = self._small_tensors()
-        data_sha = self._stream.sha
+        data_sha = new_hasher(self.checksum)  # the tail: it holds the samples' digests
         for _, _, _, arr in small:
             buf = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
             self._sink.write(buf, keep=True)
@@ -772,7 +769,9 @@ def verify_shard(storage: Storage, record: CommitRecord) -> None:
     """Check a committed shard against its record's size and checksums; raise ShardCorrupt.
 
     Reads the whole shard once: from the file on local disk, by ranged reads (16 MiB
-    each) from an object store.
+    each) from an object store. Under the `samples` scheme the data digest covers the
+    bytes after hidden_states and each sample's rows are checked against its digest;
+    under `whole` (older records) the data digest covers the whole data section.
     """
     what = f"shard {storage.url(record.shard)} (unit {record.unit})"
     info = storage.head(record.shard)
@@ -784,11 +783,15 @@ def verify_shard(storage: Storage, record: CommitRecord) -> None:
     if size < _HEADER_PREFIX:
         raise ShardCorrupt(f"{what} is truncated")
     algorithm, header_digest, data_digest = record.checksums()
+    scheme = record.checksum_scheme()
+    if scheme not in ("whole", CHECKSUM_SCHEME):
+        raise ShardCorrupt(f"{what}: checksum scheme {scheme!r} is unknown; upgrade hsx")
     try:
         header_sha, data_sha = new_hasher(algorithm), new_hasher(algorithm)
     except ValueError as err:
         raise ShardCorrupt(f"{what}: {err}") from None
-    with _ByteSource.open(storage, record.shard, size) as source:
+    source = _ByteSource.open(storage, record.shard, size)
+    try:
         prefix = source.read(0, _HEADER_PREFIX)
         (n,) = struct.unpack("<Q", prefix)
         if _HEADER_PREFIX + n > size:
@@ -797,9 +800,24 @@ def verify_shard(storage: Storage, record: CommitRecord) -> None:
         source.hash_range(_HEADER_PREFIX, n, header_sha)
         if header_sha.hexdigest() != header_digest:
             raise ShardCorrupt(f"{what}: header checksum mismatch")
-        source.hash_range(_HEADER_PREFIX + n, size - _HEADER_PREFIX - n, data_sha)
+        start = _HEADER_PREFIX + n
+        if scheme == CHECKSUM_SCHEME:
+            header = json.loads(bytes(source.read(_HEADER_PREFIX, n)))
+            start += int(header["hidden_states"]["data_offsets"][1])
+        source.hash_range(start, size - start, data_sha)
         if data_sha.hexdigest() != data_digest:
             raise ShardCorrupt(f"{what}: data checksum mismatch")
+        if scheme == CHECKSUM_SCHEME:
+            reader, source = ShardReader(source, record=record), None
+            with reader:
+                if reader.sample_digests is None:
+                    raise ShardCorrupt(f"{what}: the record's checksum needs sample digests "
+                                       "and the shard has none")
+                if reader.failing_samples():
+                    raise ShardCorrupt(f"{what}: data checksum mismatch")
+    finally:
+        if source is not None:
+            source.close()
 
 
 class _ByteSource:
@@ -1097,6 +1115,18 @@ class ShardReader:
             if name != "hidden_states" or self._small is None:
                 self._np_views[name] = view
         return view
+
+    def failing_samples(self) -> list[int]:
+        """The samples whose bytes do not match their digests (none without digests);
+        reads every sample's rows once."""
+        failing = []
+        for i in range(len(self) if self.sample_digests is not None else 0):
+            a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+            try:
+                self._check_sample(i, a, b, self._buffer("hidden_states", a, b - a))
+            except ShardCorrupt:
+                failing.append(i)
+        return failing
 
     def _check_sample(self, i: int, a: int, b: int, hidden: tuple[Any, int, list[int]]) -> None:
         """ShardCorrupt unless sample i's bytes (hidden rows `hidden`, as `_buffer` gave
