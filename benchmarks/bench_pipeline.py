@@ -57,7 +57,7 @@ DIAGNOSTIC_VARIANTS = ("hsx-capture", "hsx-nice0")
 # Environment of a diagnostic variant: hsx-nice0 is hsx with its background threads
 # (shard writer, committer, connector's spool writers) at normal priority.
 VARIANT_ENV = {"hsx-nice0": {"HSX_BACKGROUND_NICE": "0"}}
-TARGETS = {"hsx/drop": 0.9, "hsx/files": 1.0}
+TARGETS = {"hsx/drop": 0.95, "hsx/files": 1.15}
 REPORT_ONLY = ("hsx-omp1/drop", "hsx-omp1/files", "hsx/bare", "drop/bare", "files/drop",
                "hsx-capture/drop", "hsx-omp1/hsx-capture", "hsx-nice0/drop", "hsx/hsx-nice0")
 MAX_SEQ_LEN = 1024
