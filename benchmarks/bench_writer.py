@@ -9,9 +9,12 @@ from 256..2048 — written two or three ways into the same directory, alternatin
 - `hsx-numpy`  the same with numpy (ml_dtypes.bfloat16) arrays, which add() copies (the
                caller may reuse them).
 - `hsx-spool`  numpy arrays handed over (`add(..., take=True)`): what the vLLM engine's
-               worker does with the states it maps from its spool; no copy.
+               worker does with the states it maps from its spool; no copy. Each starts
+               on a page, as hidden_states do in a spool file's mapping (spool.py).
 - `raw`        the same hidden-state bytes with plain `f.write` of each sample's buffer
-               into a new file, then `os.fsync` — what the disk can do.
+               into a new file, then `os.fsync` — what a plain writer gets.
+- `raw-direct` the page-aligned buffers written with O_DIRECT (no page cache: the disk
+               reads them from memory), then `os.fsync` — what the disk can do (report).
 
 Each repetition writes a new file and deletes it afterwards (not timed); fsync makes
 the page cache irrelevant to the result. GB/s = bytes of the file / seconds.
@@ -38,7 +41,7 @@ import common
 LAYERS = [2, 16, 29, 32]
 HIDDEN = 4096
 TARGET = 0.9
-VARIANTS = ("hsx-torch", "hsx-numpy", "hsx-spool", "raw")
+VARIANTS = ("hsx-torch", "hsx-numpy", "hsx-spool", "raw", "raw-direct")
 
 Sample = tuple[np.ndarray, np.ndarray, Any]
 
@@ -59,6 +62,19 @@ def make_samples(total_bytes: int, *, seed: int = 0) -> list[Sample]:
         samples.append((ids, mask, hs_bf16))
         size += hs_bf16.nbytes
     return samples
+
+
+def page_aligned(samples: list[Sample]) -> list[Sample]:
+    """The same samples with hidden states copied into page-aligned memory, as they lie
+    in a spool file's mapping."""
+    out = []
+    for ids, mask, hs in samples:
+        block = np.empty(hs.nbytes + 4096, np.uint8)
+        skip = -int(block.ctypes.data) % 4096
+        aligned = block[skip : skip + hs.nbytes].view(hs.dtype).reshape(hs.shape)
+        aligned[...] = hs
+        out.append((ids, mask, aligned))
+    return out
 
 
 def as_torch(samples: list[Sample]) -> list[Sample]:
@@ -103,10 +119,34 @@ def write_raw(path: Path, samples: list[Sample]) -> dict[str, Any]:
             "fsync_s": end - written}
 
 
+def write_raw_direct(path: Path, samples: list[Sample]) -> dict[str, Any]:
+    """The same bytes (page-aligned buffers) written with O_DIRECT, then fsync."""
+    bufs = [np.asarray(hs).reshape(-1).view(np.uint8) for _, _, hs in samples]
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+    try:
+        offset = 0
+        for buf in bufs:
+            view = memoryview(buf)
+            while view.nbytes:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        written = time.perf_counter()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    end = time.perf_counter()
+    return {"seconds": end - start, "bytes": offset, "write_s": written - start,
+            "fsync_s": end - written}
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, float], dict[str, Any]]:
     med = {v: common.median([r["gb_per_s"] for r in rs]) for v, rs in runs.items()}
     ratios = {f"{v}/raw": common.compare(runs[v], runs["raw"], "gb_per_s", TARGET)
               for v in ("hsx-torch", "hsx-numpy", "hsx-spool") if v in runs}
+    if runs.get("raw-direct"):
+        ratios["hsx-spool/raw-direct"] = common.compare(
+            runs["hsx-spool"], runs["raw-direct"], "gb_per_s", None)
     return med, ratios
 
 
@@ -129,8 +169,9 @@ def run(*, quick: bool, out: Path, size_mib: int | None = None, reps: int | None
     machine = common.machine_info()
     print(f"writer: {size / common.MiB:.0f} MiB per shard, {reps} reps, in {work}", flush=True)
     samples = make_samples(size)
-    inputs = {"hsx-torch": as_torch(samples), "hsx-numpy": samples, "hsx-spool": samples,
-              "raw": samples}
+    aligned = page_aligned(samples)
+    inputs = {"hsx-torch": as_torch(samples), "hsx-numpy": samples,
+              "hsx-spool": aligned, "raw": samples, "raw-direct": aligned}
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     try:
         for rep in range(reps):
@@ -138,6 +179,8 @@ def run(*, quick: bool, out: Path, size_mib: int | None = None, reps: int | None
                 target = work / f"{variant}-{rep}"
                 if variant == "raw":
                     write = write_raw
+                elif variant == "raw-direct":
+                    write = write_raw_direct
                 else:
                     write = functools.partial(write_hsx, take=variant == "hsx-spool")
                 _, cpu, res = common.timed(lambda: write(target, inputs[variant]))  # noqa: B023

@@ -276,6 +276,128 @@ def test_writer_syncs_in_the_background(
     assert store.size("big") == 6000
 
 
+def _aligned(data: bytes) -> memoryview:
+    import numpy as np
+
+    block = np.empty(len(data) + 4096, np.uint8)
+    skip = -int(block.ctypes.data) % 4096
+    view = block[skip : skip + len(data)]
+    view[:] = np.frombuffer(data, np.uint8)
+    return memoryview(view)
+
+
+def _writes_by_descriptor(monkeypatch: pytest.MonkeyPatch, fail_direct: bool = False
+                          ) -> list[tuple[str, int]]:
+    """Records ("direct" or "cached", bytes) per write; `fail_direct`: direct writes are
+    refused with EINVAL, as by a file system that wants a larger alignment."""
+    import errno
+
+    import hsx.output.local_storage as local
+
+    seen: list[tuple[str, int]] = []
+    real_open, real_write_all = local.os.open, local._write_all
+    direct_fds: set[int] = set()
+
+    def opened(path: Any, flags: int, *args: Any) -> int:
+        fd = real_open(path, flags, *args)
+        if flags & getattr(os, "O_DIRECT", 0):
+            direct_fds.add(fd)
+        return fd
+
+    def write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
+        direct = fd in direct_fds
+        if direct and fail_direct:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        seen.append(("direct" if direct else "cached", data.nbytes))
+        real_write_all(fd, data, offset)
+
+    monkeypatch.setattr(local.os, "open", opened)
+    monkeypatch.setattr(local, "_write_all", write_all)
+    return seen
+
+
+def _skip_without_direct_io(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / "direct-probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except (AttributeError, OSError):
+        pytest.skip("no O_DIRECT on this file system")
+    finally:
+        (folder / "direct-probe").unlink(missing_ok=True)
+
+
+def test_aligned_bodies_bypass_the_page_cache_and_the_rest_does_not(
+    store: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _skip_without_direct_io(store.root)
+    seen = _writes_by_descriptor(monkeypatch)
+    a, b, c = os.urandom(8192), os.urandom(1000), os.urandom(4096)
+    with store.open_writer("shards/s", head_size=512) as w:
+        w.write(_aligned(a), keep=True)
+        w.write(_aligned(a[:4096]).toreadonly()[1:513])  # aligned length, not address
+        w.write(_aligned(b), keep=True)  # not a whole block: the position is odd after it
+        w.write(_aligned(c), keep=True)
+        w.finish(b"h" * 512)
+    assert seen[:4] == [("direct", 8192), ("cached", 512), ("cached", 1000), ("cached", 4096)]
+    assert store.read("shards/s") == b"h" * 512 + a + a[1:513] + b + c
+
+
+def test_a_refused_direct_write_goes_through_the_page_cache(
+    store: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _skip_without_direct_io(store.root)
+    seen = _writes_by_descriptor(monkeypatch, fail_direct=True)
+    body = os.urandom(3 * 4096)
+    with store.open_writer("shards/s", head_size=512) as w:
+        w.write(_aligned(body), keep=True)
+        w.write(_aligned(body), keep=True)
+        w.finish(b"h" * 512)
+    assert seen[:2] == [("cached", len(body)), ("cached", len(body))]
+    assert not store.direct_io  # the storage's next objects do not try again
+    assert store.read("shards/s") == b"h" * 512 + body + body
+
+
+@pytest.mark.parametrize("take", [True, False])
+def test_a_shard_of_whole_blocks_is_written_direct_and_reads_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, take: bool
+) -> None:
+    import ml_dtypes
+    import numpy as np
+
+    from hsx.output import ShardWriter
+    from hsx.output.shards import ShardReader, verify_shard
+
+    _skip_without_direct_io(tmp_path)
+    seen = _writes_by_descriptor(monkeypatch)
+    rng = np.random.default_rng(0)
+    samples = []
+    for t in (3, 17, 64):  # [T, 4, 64] bf16: 512 bytes a token
+        hs = rng.standard_normal((t, 4, 64), dtype=np.float32).astype(ml_dtypes.bfloat16)
+        block = np.frombuffer(_aligned(hs.tobytes()), ml_dtypes.bfloat16).reshape(hs.shape)
+        samples.append((np.arange(t), np.ones(t, np.uint8), block))
+    with ShardWriter(tmp_path, 0, layers=[1, 2, 3, 4], hidden_size=64,
+                     storage_dtype="bf16") as writer:
+        for i, (ids, mask, hs) in enumerate(samples):
+            writer.add(i, ids, mask, hs, take=take)
+        record = writer.commit().record
+    assert [n for how, n in seen if how == "direct"] == [t * 512 for t in (3, 17, 64)]
+    store = LocalStorage(tmp_path)
+    verify_shard(store, record)
+    with ShardReader.open(store, record.shard, record=record) as reader:
+        for i, (_, _, hs) in enumerate(samples):
+            assert reader.sample(i)["hidden_states"].tobytes() == hs.tobytes()
+
+
+def test_direct_io_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HSX_DIRECT_IO", "0")
+    seen = _writes_by_descriptor(monkeypatch)
+    store = LocalStorage(tmp_path)
+    with store.open_writer("x", head_size=512) as w:
+        w.write(_aligned(b"z" * 4096), keep=True)
+        w.finish(b"h" * 512)
+    assert seen[0] == ("cached", 4096)
+
+
 def test_crashed_writer_leaves_only_staging_files(store: LocalStorage) -> None:
     code = textwrap.dedent("""
         import os, sys

@@ -63,16 +63,50 @@ def publish_spool_file(filename: str, make: Callable[[], dict[str, Any]]) -> Non
     A failure (in `make` too) is published as `<file>.error`, so the reader stops
     waiting at once with the reason instead of timing out.
     """
-    from safetensors.torch import save_file
-
     partial_name = filename + PARTIAL_SUFFIX
     try:
-        save_file(make(), partial_name)
+        _save(make(), partial_name)
         os.replace(partial_name, filename)
     except BaseException as err:
         with open(filename + ERROR_SUFFIX, "w") as f:
             f.write(f"{type(err).__name__}: {err}")
         raise
+
+
+SPOOL_ALIGN = 4096
+"""A spool file's data starts on a page (its header is padded with spaces, as
+safetensors allows), so the first tensor, hidden_states, is page-aligned in the reader's
+mapping: the shard writer can hand those pages to the disk without copying them
+(local_storage.DIRECT_ALIGN)."""
+
+_SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32",
+                       "int64": "I64", "int32": "I32"}
+
+
+def _save(tensors: dict[str, Any], path: str) -> None:
+    """A safetensors file of CPU torch tensors, data aligned to SPOOL_ALIGN, each tensor
+    copied once (straight from its memory into the file)."""
+    import torch
+
+    header: dict[str, Any] = {}
+    parts = []
+    pos = 0
+    for name, tensor in tensors.items():
+        dtype = _SAFETENSORS_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"spool tensor {name} has dtype {tensor.dtype}")
+        flat = tensor.contiguous().reshape(-1)
+        data = flat.view(torch.uint8).numpy()
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape),
+                        "data_offsets": [pos, pos + data.nbytes]}
+        parts.append(data)
+        pos += data.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    n = -(-(8 + len(raw)) // SPOOL_ALIGN) * SPOOL_ALIGN - 8
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", n) + raw.ljust(n, b" "))
+        for data in parts:
+            f.write(data.data)
 
 
 def take_spool_file(path: str) -> dict[str, np.ndarray]:

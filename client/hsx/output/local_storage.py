@@ -10,12 +10,15 @@ and which `abort_incomplete_writes()` removes.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import secrets
 import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from hsx.output import faults
 from hsx.output.storage import (
@@ -34,6 +37,21 @@ SYNC_EVERY = 256 * 2**20
 `finish()` has little left to flush."""
 
 _COPY_CHUNK = 16 * 2**20
+
+DIRECT_IO_ENV = "HSX_DIRECT_IO"
+DIRECT_ALIGN = 512
+"""Offset, length and address alignment of a write that bypasses the page cache
+(O_DIRECT; the logical block size of common disks). A streamed object's body goes that
+way where its buffers allow: the disk then reads the states out of the caller's memory
+(DMA) instead of the CPU copying them into the page cache; on a CPU host, where the model
+computes on every core, that copy was the shard writer's largest cost (2026-12-01: 512
+MiB written direct in 0.26 s with 0.02 CPU-s, buffered 1.5 s and 1.5 CPU-s). Where the
+file system refuses O_DIRECT, or a buffer is not aligned, the write goes through the
+page cache as before."""
+
+
+def _address(data: memoryview) -> int:
+    return int(np.frombuffer(data, np.uint8).ctypes.data) if data.nbytes else 0
 
 
 def fsync_dir(path: Path) -> None:
@@ -60,6 +78,9 @@ class LocalStorage(Storage):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.uri = self.root.as_uri()
+        self.direct_io = os.environ.get(DIRECT_IO_ENV, "1").strip() != "0"
+        """Streamed bodies bypass the page cache where they can (see DIRECT_ALIGN);
+        turned off by the first refusal, or by HSX_DIRECT_IO=0."""
 
     @property
     def is_local(self) -> bool:
@@ -220,13 +241,43 @@ class LocalObjectWriter(ObjectWriter):
         super().__init__(storage, key, head_size)
         self._storage = storage
         self._path, self._fd = storage._staging_file(key)
+        self._direct = self._open_direct()
         self._pos = head_size
         self._unsynced = 0
         self._syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-fsync")
         self._sync: concurrent.futures.Future[None] | None = None
 
+    def _open_direct(self) -> int:
+        """A second descriptor of the staging file that bypasses the page cache, or -1."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag or not self._storage.direct_io:
+            return -1
+        try:
+            return os.open(self._path, os.O_WRONLY | flag)
+        except OSError:  # the file system has no direct I/O
+            self._storage.direct_io = False
+            return -1
+
+    def _close_direct(self) -> None:
+        if self._direct >= 0:
+            os.close(self._direct)
+            self._direct = -1
+
     def _write(self, data: memoryview) -> None:
-        _write_all(self._fd, data, self._pos)
+        if (self._direct >= 0 and self._pos % DIRECT_ALIGN == 0
+                and data.nbytes % DIRECT_ALIGN == 0 and _address(data) % DIRECT_ALIGN == 0):
+            try:
+                _write_all(self._direct, data, self._pos)
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise
+                # Refused after all (an alignment this file system wants larger): the
+                # page cache from now on, for this object and the storage's next ones.
+                self._storage.direct_io = False
+                self._close_direct()
+                _write_all(self._fd, data, self._pos)
+        else:
+            _write_all(self._fd, data, self._pos)
         self._pos += data.nbytes
         self._unsynced += data.nbytes
         if self._unsynced >= SYNC_EVERY and (self._sync is None or self._sync.done()):
@@ -239,6 +290,9 @@ class LocalObjectWriter(ObjectWriter):
         if self._sync is not None:
             self._sync.result()
         self._syncer.shutdown()
+        # Direct writes are done when they return; the fsync below makes them durable
+        # with the rest (it flushes the inode's metadata and the disk's cache).
+        self._close_direct()
         if len(head) != self.head_size:
             self._rewrite_with_head(head)
         elif head:
@@ -277,6 +331,7 @@ class LocalObjectWriter(ObjectWriter):
 
     def _abort(self) -> None:
         self._syncer.shutdown(wait=True)
+        self._close_direct()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

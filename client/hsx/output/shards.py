@@ -72,10 +72,12 @@ SHARD_FORMAT_VERSION = "1"
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value; per-token scales map each row's absmax onto it."""
 
-DEFAULT_HEADER_RESERVE = 64 * 1024
-"""Bytes reserved for the JSON header before the streamed data. A header is ~1 KiB; a
-larger one (very many samples do not enlarge it, only odd metadata could) makes the
-writer rewrite the file with a larger region instead of failing."""
+DEFAULT_HEADER_RESERVE = 64 * 1024 - 8
+"""Bytes reserved for the JSON header before the streamed data, so that the data starts
+at 64 KiB (aligned for direct I/O). A header is ~1 KiB; a larger one (very many samples
+do not enlarge it, only odd metadata could) makes the writer rewrite the file with a
+larger region instead of failing."""
+_BUFFER_ALIGN = 4096  # the writer's own copies start on a page (direct I/O needs 512)
 
 _HEADER_PREFIX = 8  # little-endian u64 header length, as safetensors defines
 _QUEUE_DEPTH = 4  # samples in flight between add() and the writer thread
@@ -127,6 +129,16 @@ def _is_torch_tensor(x: object) -> bool:
     # torch can only have made `x` if it is already imported; never import it to check.
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _aligned_copy(arr: np.ndarray) -> np.ndarray:
+    """A copy of `arr` whose memory starts on a page: the storage can then write it
+    without the page cache (local_storage.DIRECT_ALIGN)."""
+    block = np.empty(arr.nbytes + _BUFFER_ALIGN, np.uint8)
+    skip = -int(block.ctypes.data) % _BUFFER_ALIGN
+    out = block[skip : skip + arr.nbytes].view(arr.dtype).reshape(arr.shape)
+    np.copyto(out, arr)
+    return out
 
 
 def _now_iso() -> str:
@@ -643,7 +655,7 @@ class ShardWriter:
             raise ValueError(f"{where}: fp8 scales are not finite (inf or nan in the states)")
         out = np.ascontiguousarray(q)
         if np.may_share_memory(out, q) and not take:
-            out = out.copy()
+            out = _aligned_copy(out)
         return out, scales
 
     def _encode(self, hs: Any, where: str, take: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -663,7 +675,7 @@ class ShardWriter:
             elif t.data_ptr() == hs.data_ptr() and not take:
                 # Still the caller's memory; the writer thread reads it later. A numpy
                 # copy: torch's clone here ran 3-5x slower, on spinning OpenMP threads.
-                return _torch_bf16_to_numpy(t).copy(), None
+                return _aligned_copy(_torch_bf16_to_numpy(t)), None
             return _torch_bf16_to_numpy(t), None
         arr = np.asarray(hs)
         if arr.dtype not in (_BF16, np.dtype(np.float32), np.dtype(np.float16)):
@@ -673,7 +685,7 @@ class ShardWriter:
             return q, scales
         out = np.ascontiguousarray(arr.astype(_BF16, copy=False))
         if np.may_share_memory(out, arr) and not take:
-            out = out.copy()  # the caller may reuse its buffer before the thread writes it
+            out = _aligned_copy(out)  # the caller may reuse its buffer before it is written
         return out, None
 
     def _small_tensors(self) -> list[tuple[str, str, list[int], np.ndarray]]:
