@@ -53,13 +53,15 @@ from hsx.spec import JobSpec
 VARIANTS = ("hsx", "hsx-omp1", "drop", "files", "bare")
 # Diagnostics, run only when named with --variants: `hsx-capture` is hsx-omp1's engine
 # path (VllmEngine.capture: connector, spool file, load) without the shard writer.
-DIAGNOSTIC_VARIANTS = ("hsx-capture", "hsx-nice0")
+DIAGNOSTIC_VARIANTS = ("hsx-capture", "hsx-nice0", "hsx-direct")
 # Environment of a diagnostic variant: hsx-nice0 is hsx with its background threads
-# (shard writer, committer, connector's spool writers) at normal priority.
-VARIANT_ENV = {"hsx-nice0": {"HSX_BACKGROUND_NICE": "0"}}
+# (shard writer, committer, connector's spool writers) at normal priority; hsx-direct
+# writes shards with direct I/O (HSX_DIRECT_IO=1).
+VARIANT_ENV = {"hsx-nice0": {"HSX_BACKGROUND_NICE": "0"}, "hsx-direct": {"HSX_DIRECT_IO": "1"}}
 TARGETS = {"hsx/drop": 0.95, "hsx/files": 1.15}
 REPORT_ONLY = ("hsx-omp1/drop", "hsx-omp1/files", "hsx/bare", "drop/bare", "files/drop",
-               "hsx-capture/drop", "hsx-omp1/hsx-capture", "hsx-nice0/drop", "hsx/hsx-nice0")
+               "hsx-capture/drop", "hsx-omp1/hsx-capture", "hsx-nice0/drop", "hsx/hsx-nice0",
+               "hsx-direct/drop", "hsx-direct/hsx")
 MAX_SEQ_LEN = 1024
 MIN_PROMPT, MAX_PROMPT = 64, 1024
 WARMUP_PROMPTS = 8

@@ -11,6 +11,8 @@ from 256..2048 — written two or three ways into the same directory, alternatin
 - `hsx-spool`  numpy arrays handed over (`add(..., take=True)`): what the vLLM engine's
                worker does with the states it maps from its spool; no copy. Each starts
                on a page, as hidden_states do in a spool file's mapping (spool.py).
+- `hsx-direct` `hsx-spool` with direct I/O (HSX_DIRECT_IO=1): the disk reads the
+               states from memory; no copy into the page cache.
 - `raw`        the same hidden-state bytes with plain `f.write` of each sample's buffer
                into a new file, then `os.fsync` — what a plain writer gets.
 - `raw-direct` the page-aligned buffers written with O_DIRECT (no page cache: the disk
@@ -41,7 +43,7 @@ import common
 LAYERS = [2, 16, 29, 32]
 HIDDEN = 4096
 TARGET = 0.9
-VARIANTS = ("hsx-torch", "hsx-numpy", "hsx-spool", "raw", "raw-direct")
+VARIANTS = ("hsx-torch", "hsx-numpy", "hsx-spool", "hsx-direct", "raw", "raw-direct")
 
 Sample = tuple[np.ndarray, np.ndarray, Any]
 
@@ -85,11 +87,14 @@ def as_torch(samples: list[Sample]) -> list[Sample]:
             for ids, mask, hs in samples]
 
 
-def write_hsx(root: Path, samples: list[Sample], take: bool = False) -> dict[str, Any]:
+def write_hsx(root: Path, samples: list[Sample], take: bool = False,
+              direct: bool = False) -> dict[str, Any]:
     """One shard through ShardWriter; seconds in all, and until the last add() returned.
-    `take`: the samples are handed over (nobody writes into them afterwards)."""
+    `take`: the samples are handed over (nobody writes into them afterwards); `direct`:
+    with direct I/O."""
     from hsx.output import ShardWriter
 
+    os.environ["HSX_DIRECT_IO"] = "1" if direct else "0"  # read when the storage is made
     start = time.perf_counter()
     writer = ShardWriter(root, 0, layers=LAYERS, hidden_size=HIDDEN, storage_dtype="bf16")
     for i, (ids, mask, hs) in enumerate(samples):
@@ -144,9 +149,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, float], 
     med = {v: common.median([r["gb_per_s"] for r in rs]) for v, rs in runs.items()}
     ratios = {f"{v}/raw": common.compare(runs[v], runs["raw"], "gb_per_s", TARGET)
               for v in ("hsx-torch", "hsx-numpy", "hsx-spool") if v in runs}
-    if runs.get("raw-direct"):
-        ratios["hsx-spool/raw-direct"] = common.compare(
-            runs["hsx-spool"], runs["raw-direct"], "gb_per_s", None)
+    if runs.get("raw-direct") and runs.get("hsx-direct"):
+        ratios["hsx-direct/raw"] = common.compare(runs["hsx-direct"], runs["raw"], "gb_per_s")
+        ratios["hsx-direct/raw-direct"] = common.compare(
+            runs["hsx-direct"], runs["raw-direct"], "gb_per_s")
     return med, ratios
 
 
@@ -171,7 +177,8 @@ def run(*, quick: bool, out: Path, size_mib: int | None = None, reps: int | None
     samples = make_samples(size)
     aligned = page_aligned(samples)
     inputs = {"hsx-torch": as_torch(samples), "hsx-numpy": samples,
-              "hsx-spool": aligned, "raw": samples, "raw-direct": aligned}
+              "hsx-spool": aligned, "hsx-direct": aligned, "raw": samples,
+              "raw-direct": aligned}
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     try:
         for rep in range(reps):
@@ -182,7 +189,9 @@ def run(*, quick: bool, out: Path, size_mib: int | None = None, reps: int | None
                 elif variant == "raw-direct":
                     write = write_raw_direct
                 else:
-                    write = functools.partial(write_hsx, take=variant == "hsx-spool")
+                    write = functools.partial(
+                        write_hsx, take=variant in ("hsx-spool", "hsx-direct"),
+                        direct=variant == "hsx-direct")
                 _, cpu, res = common.timed(lambda: write(target, inputs[variant]))  # noqa: B023
                 seconds, nbytes = res["seconds"], res["bytes"]
                 runs[variant].append({"rep": rep, "order": order, **res, "cpu_s": cpu,

@@ -288,11 +288,14 @@ def _aligned(data: bytes) -> memoryview:
 
 def _writes_by_descriptor(monkeypatch: pytest.MonkeyPatch, fail_direct: bool = False
                           ) -> list[tuple[str, int]]:
-    """Records ("direct" or "cached", bytes) per write; `fail_direct`: direct writes are
-    refused with EINVAL, as by a file system that wants a larger alignment."""
+    """Records ("direct" or "cached", bytes) per write of storages made from now on, with
+    direct I/O on; `fail_direct`: direct writes are refused with EINVAL, as by a file
+    system that wants a larger alignment."""
     import errno
 
     import hsx.output.local_storage as local
+
+    monkeypatch.setenv("HSX_DIRECT_IO", "1")
 
     seen: list[tuple[str, int]] = []
     real_open, real_write_all = local.os.open, local._write_all
@@ -331,6 +334,7 @@ def test_aligned_bodies_bypass_the_page_cache_and_the_rest_does_not(
 ) -> None:
     _skip_without_direct_io(store.root)
     seen = _writes_by_descriptor(monkeypatch)
+    store = LocalStorage(store.root)
     a, b, c = os.urandom(8192), os.urandom(1000), os.urandom(4096)
     with store.open_writer("shards/s", head_size=512) as w:
         w.write(_aligned(a), keep=True)
@@ -347,6 +351,7 @@ def test_a_refused_direct_write_goes_through_the_page_cache(
 ) -> None:
     _skip_without_direct_io(store.root)
     seen = _writes_by_descriptor(monkeypatch, fail_direct=True)
+    store = LocalStorage(store.root)
     body = os.urandom(3 * 4096)
     with store.open_writer("shards/s", head_size=512) as w:
         w.write(_aligned(body), keep=True)
@@ -388,9 +393,9 @@ def test_a_shard_of_whole_blocks_is_written_direct_and_reads_back(
             assert reader.sample(i)["hidden_states"].tobytes() == hs.tobytes()
 
 
-def test_direct_io_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HSX_DIRECT_IO", "0")
+def test_direct_io_is_off_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _writes_by_descriptor(monkeypatch)
+    monkeypatch.delenv("HSX_DIRECT_IO")
     store = LocalStorage(tmp_path)
     with store.open_writer("x", head_size=512) as w:
         w.write(_aligned(b"z" * 4096), keep=True)

@@ -11,7 +11,9 @@ into the shard and dropped the arrays. Nothing in the spool ever reaches the out
 
 A spool file is a safetensors file: `hidden_states` [T, L, H] (bf16, or float8_e4m3fn
 with `scales` [T, L] f32 when the connector quantized on the device) and `token_ids` [T]
-(int64), the token ids vLLM actually processed.
+(int64), the token ids vLLM actually processed. hsx writes it itself (`_save`), with its
+data starting on a page, so the shard writer can send the mapped states to the disk
+without copying them (local_storage.DIRECT_ALIGN).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def _numpy_dtype(name: str) -> Any:
 
         _DTYPES.update({
             "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-            "F32": np.dtype(np.float32), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+            "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+            "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
         })
     if name not in _DTYPES:
         raise ValueError(f"spool file holds a tensor of dtype {name}")
@@ -80,7 +83,7 @@ mapping: the shard writer can hand those pages to the disk without copying them
 (local_storage.DIRECT_ALIGN)."""
 
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32",
-                       "int64": "I64", "int32": "I32"}
+                       "float16": "F16", "int64": "I64", "int32": "I32"}
 
 
 def _save(tensors: dict[str, Any], path: str) -> None:

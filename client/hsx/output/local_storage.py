@@ -41,13 +41,14 @@ _COPY_CHUNK = 16 * 2**20
 DIRECT_IO_ENV = "HSX_DIRECT_IO"
 DIRECT_ALIGN = 512
 """Offset, length and address alignment of a write that bypasses the page cache
-(O_DIRECT; the logical block size of common disks). A streamed object's body goes that
-way where its buffers allow: the disk then reads the states out of the caller's memory
-(DMA) instead of the CPU copying them into the page cache; on a CPU host, where the model
-computes on every core, that copy was the shard writer's largest cost (2026-12-01: 512
-MiB written direct in 0.26 s with 0.02 CPU-s, buffered 1.5 s and 1.5 CPU-s). Where the
-file system refuses O_DIRECT, or a buffer is not aligned, the write goes through the
-page cache as before."""
+(O_DIRECT; the logical block size of common disks). With HSX_DIRECT_IO=1 a streamed
+object's body goes that way where its buffers allow: the disk then reads the states out
+of the caller's memory (DMA) instead of the CPU copying them into the page cache
+(2026-12-01: 512 MiB in 0.26 s with 0.02 CPU-s, buffered 1.5 s and 1.5 CPU-s). It is
+off by default: each direct write waits for the disk, and in the CPU pipeline bench,
+on a shared disk, extraction ran at 0.855 of the page-cache path (docs/ARCHITECTURE.md).
+Where the file system refuses O_DIRECT, or a buffer is not aligned, the write goes
+through the page cache."""
 
 
 def _address(data: memoryview) -> int:
@@ -78,9 +79,9 @@ class LocalStorage(Storage):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.uri = self.root.as_uri()
-        self.direct_io = os.environ.get(DIRECT_IO_ENV, "1").strip() != "0"
-        """Streamed bodies bypass the page cache where they can (see DIRECT_ALIGN);
-        turned off by the first refusal, or by HSX_DIRECT_IO=0."""
+        self.direct_io = os.environ.get(DIRECT_IO_ENV, "0").strip() == "1"
+        """Streamed bodies bypass the page cache where they can (HSX_DIRECT_IO=1; see
+        DIRECT_ALIGN); turned off by the first refusal."""
 
     @property
     def is_local(self) -> bool:

@@ -268,9 +268,10 @@ class _DataStream:
     Two threads, so the caller (the engine thread) produces the next sample while
     these reach the storage: one writes, one hashes each sample (a hash in series with
     the writes halved the writer's rate on an H200 node). Each byte is hashed once: the
-    shard's data digest covers the samples through their digests (`CHECKSUM_SCHEME`). The writer syncs in the background on
-    local disk (`fdatasync` every 256 MiB, so the fsync at commit has little left) and
-    uploads parts in the background on object stores. Write and hash release the GIL.
+    shard's data digest covers the samples through their digests (`CHECKSUM_SCHEME`).
+    The writer syncs in the background on local disk (`fdatasync` every 256 MiB, so the
+    fsync at commit has little left) and uploads parts in the background on object
+    stores. Write and hash release the GIL.
     The bounded queues keep at most `_QUEUE_DEPTH` samples in memory. An error is kept
     and re-raised to the caller at its next call.
     """
@@ -802,7 +803,8 @@ def verify_shard(storage: Storage, record: CommitRecord) -> None:
         header_sha, data_sha = new_hasher(algorithm), new_hasher(algorithm)
     except ValueError as err:
         raise ShardCorrupt(f"{what}: {err}") from None
-    source = _ByteSource.open(storage, record.shard, size)
+    source: _ByteSource | None = _ByteSource.open(storage, record.shard, size)
+    assert source is not None
     try:
         prefix = source.read(0, _HEADER_PREFIX)
         (n,) = struct.unpack("<Q", prefix)
