@@ -61,12 +61,12 @@ Backend = Literal["numpy", "torch"]
 Checksum = Literal["blake3", "sha256"]
 
 DEFAULT_CHECKSUM: Checksum = "blake3"
+"""BLAKE3 runs at several GB/s on one core (sha256 at 0.7-1.4 GB/s, below a fast disk:
+it was the writer's limit); sha256 stays available, and records of either are read."""
 CHECKSUM_SCHEME = "samples"
 """What a commit record's data digest covers (docs/FORMAT.md, "Checksums"): `samples`,
 the bytes after hidden_states, which hold each sample's digest (so every byte is hashed
 once, not twice); `whole` (records without a scheme), the whole data section."""
-"""BLAKE3 runs at several GB/s on one core (sha256 at 0.7-1.4 GB/s, below a fast disk:
-it was the writer's limit); sha256 stays available, and records of either are read."""
 
 SHARD_FORMAT_VERSION = "1"
 FP8_MAX = 448.0
@@ -803,35 +803,29 @@ def verify_shard(storage: Storage, record: CommitRecord) -> None:
         header_sha, data_sha = new_hasher(algorithm), new_hasher(algorithm)
     except ValueError as err:
         raise ShardCorrupt(f"{what}: {err}") from None
-    source: _ByteSource | None = _ByteSource.open(storage, record.shard, size)
-    assert source is not None
-    try:
+    with _ByteSource.open(storage, record.shard, size) as source:
         prefix = source.read(0, _HEADER_PREFIX)
         (n,) = struct.unpack("<Q", prefix)
         if _HEADER_PREFIX + n > size:
             raise ShardCorrupt(f"{what}: header checksum mismatch (header length {n} is corrupt)")
+        header = source.read(_HEADER_PREFIX, n)
         header_sha.update(prefix)
-        source.hash_range(_HEADER_PREFIX, n, header_sha)
+        header_sha.update(header)
         if header_sha.hexdigest() != header_digest:
             raise ShardCorrupt(f"{what}: header checksum mismatch")
         start = _HEADER_PREFIX + n
         if scheme == CHECKSUM_SCHEME:
-            header = json.loads(bytes(source.read(_HEADER_PREFIX, n)))
-            start += int(header["hidden_states"]["data_offsets"][1])
+            start += int(json.loads(bytes(header))["hidden_states"]["data_offsets"][1])
         source.hash_range(start, size - start, data_sha)
         if data_sha.hexdigest() != data_digest:
             raise ShardCorrupt(f"{what}: data checksum mismatch")
         if scheme == CHECKSUM_SCHEME:
-            reader, source = ShardReader(source, record=record), None
-            with reader:
+            with ShardReader(source, record=record) as reader:  # closing it closes source
                 if reader.sample_digests is None:
                     raise ShardCorrupt(f"{what}: the record's checksum needs sample digests "
                                        "and the shard has none")
                 if reader.failing_samples():
                     raise ShardCorrupt(f"{what}: data checksum mismatch")
-    finally:
-        if source is not None:
-            source.close()
 
 
 class _ByteSource:
