@@ -306,7 +306,15 @@ class JobSpec(BaseModel):
     max_seq_len: int = Field(
         4096, gt=1, description="Samples are truncated to this many tokens."
     )
-    replicas: int = Field(1, ge=1, description="Number of engines (Ray actors) running at once.")
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Number of engines (Ray actors) running at once. None: as many as fit — on a "
+            "GPU cluster its GPUs ÷ tensor_parallel_size, less the trainer's GPUs when "
+            "`train:` can run beside the engines; 1 on a CPU cluster."
+        ),
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs (or CPU ranks) per engine for tensor parallelism."
     )

@@ -66,6 +66,29 @@ class WorkerTotals(BaseModel):
     seconds: float = Field(0.0, description="Time its committed units took, summed.")
 
 
+class ResourcePlan(BaseModel):
+    """Where a job's engines, its trainer and its evaluation run, as the coordinator
+    planned them from the cluster's resources and the spec (docs/ARCHITECTURE.md,
+    "Placement")."""
+
+    gpus: int = Field(0, description="GPUs of the Ray cluster when planned; 0: a CPU cluster.")
+    replicas: int = Field(1, description="Engines (a spec without `replicas` gets as many "
+                          "as fit).")
+    tensor_parallel_size: int = Field(1, description="GPUs (or CPU ranks) per engine.")
+    engine_gpus: int = Field(0, description="GPUs the engines hold together.")
+    train_gpus: int = Field(0, description="GPUs of the trainer (0: no training, or on CPU).")
+    eval_gpus: int = Field(0, description="GPUs of the evaluation (the target as the job runs "
+                           "it, with the draft).")
+    training: str = Field(
+        "none",
+        description=(
+            "`beside`: the trainer runs on GPUs of its own while the engines extract; "
+            "`after`: the engines yield their GPUs to it when the extraction ends; `none`."
+        ),
+    )
+    summary: str = Field("", description="The plan in words.")
+
+
 class JobStatus(BaseModel):
     id: str = Field(..., description="Job id.")
     name: str | None = Field(None, description="The spec's name.")
@@ -105,6 +128,15 @@ class JobStatus(BaseModel):
     )
     restarts: int = Field(0, description="Worker restarts during this job.")
     last_error: str | None = Field(None, description="The last error seen, if any.")
+    plan: ResourcePlan | None = Field(
+        None, description="Where its engines, trainer and evaluation run (set when it runs).")
+    waiting_for: str | None = Field(
+        None,
+        description=(
+            "What the job waits for and who holds it (`waiting for 1 GPU: held by the "
+            "trainer of job X`); None when it waits for nothing."
+        ),
+    )
     spec: JobSpec | None = Field(None, description="The job as submitted.")
     updated_at: float | None = Field(
         None,
@@ -261,6 +293,13 @@ class TrainStatus(BaseModel):
     resumed_from: int | None = Field(None, description="Step the current run resumed from.")
     first_step_at: float | None = Field(None, description="Unix time of the first step.")
     error: str | None = Field(None, description="Why the training failed, if it did.")
+    waiting_for: str | None = Field(
+        None,
+        description=(
+            "What the training (or its evaluation) waits for and who holds it; None when "
+            "it waits for nothing."
+        ),
+    )
     spec: TrainSpec = Field(..., description="The training as asked.")
     plan: TrainPlan | None = Field(
         None, description="What the trainer chose for the spec's unset fields.")

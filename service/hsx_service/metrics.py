@@ -61,6 +61,13 @@ METRICS: dict[str, tuple[str, str]] = {
     "hsx_train_tokens_per_second": ("gauge", "Training throughput."),
     "hsx_train_restarts_total": ("counter", "Trainer restarts (each resumes a checkpoint)."),
     "hsx_train_state": ("gauge", "1 for the training's current state (label state)."),
+    "hsx_job_waiting": ("gauge", "1 while the job waits for resources (its status's "
+                        "waiting_for says for what and who holds it)."),
+    "hsx_train_waiting": ("gauge", "1 while the training or its evaluation waits (for GPUs, "
+                          "or for the extraction its plan trains after)."),
+    "hsx_gpus_held": ("gauge", "GPUs held in the coordinator's books, by job and role "
+                      "(engine-N, trainer, evaluation)."),
+    "hsx_gpus_waited": ("gauge", "GPUs asked for and not granted yet, by job and role."),
 }
 
 ENGINE_STATES = ("starting", "idle", "busy", "dead")
@@ -123,8 +130,10 @@ class JobMetrics:
             self._unit_failures[job_id] = self._unit_failures.get(job_id, 0) + 1
 
     def families(self, statuses: Iterable[JobStatus], trainings: Iterable[TrainStatus],
-                 ready: bool, now: float | None = None) -> Iterator[Metric]:
-        """The metric families of one scrape."""
+                 ready: bool, now: float | None = None,
+                 gpus: tuple[Iterable[Any], Iterable[Any]] = ((), ())) -> Iterator[Metric]:
+        """The metric families of one scrape; `gpus`: the arbiter's holders and waiters
+        (placement.Holder: job, role, gpus)."""
         now = time.time() if now is None else now
         statuses = list(statuses)
         fam: dict[str, Any] = {}
@@ -132,6 +141,8 @@ class JobMetrics:
             if kind == "histogram":
                 continue
             labels = ["job"] if name.startswith(("hsx_job_", "hsx_train_")) else []
+            if name.startswith("hsx_gpus_"):
+                labels = ["job", "role"]
             if name in ("hsx_job_state", "hsx_job_engines", "hsx_train_state", "hsx_jobs"):
                 labels = [*labels, "state"]
             if kind == "counter":
@@ -171,6 +182,7 @@ class JobMetrics:
             fam["hsx_job_samples_failed_total"].add_metric(job, s.samples_failed)
             fam["hsx_job_restarts_total"].add_metric(job, s.restarts)
             fam["hsx_job_unit_failures_total"].add_metric(job, failures.get(s.id, 0))
+            fam["hsx_job_waiting"].add_metric(job, 1.0 if s.waiting_for else 0.0)
             if s.state == JobState.running:
                 since = last_commit.get(s.id, s.started_at or now)
                 fam["hsx_job_seconds_since_last_commit"].add_metric(job, max(now - since, 0.0))
@@ -188,9 +200,15 @@ class JobMetrics:
             fam["hsx_train_tokens_per_second"].add_metric(
                 job, t.tokens_per_s if t.state == TrainState.running else 0.0)
             fam["hsx_train_restarts_total"].add_metric(job, t.restarts)
+            fam["hsx_train_waiting"].add_metric(job, 1.0 if t.waiting_for else 0.0)
             for train_state in TrainState:
                 fam["hsx_train_state"].add_metric([t.job_id, train_state.value],
                                                   1.0 if t.state == train_state else 0)
+
+        held, waited = gpus
+        for name, holders in (("hsx_gpus_held", held), ("hsx_gpus_waited", waited)):
+            for h in holders:
+                fam[name].add_metric([h.job, h.role], h.gpus)
 
         self._forget([s.id for s in statuses if not is_recent(s, now)])
         yield from fam.values()

@@ -35,6 +35,8 @@ from hsx.output.storage import is_disk_full
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
 from hsx.spec import JobSpec
+from hsx.wire import ResourcePlan
+from hsx_service.placement import ENGINE, ClusterShape, GpuArbiter, Holder, place, plan_job
 from hsx_service.prepare import JobRefused, PreparedJob, preflight, prepare
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,19 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int]) -> Any
     )
 
 
+def target_engine_args(spec: JobSpec) -> dict[str, Any]:
+    """vLLM's arguments for the job's target outside capture (the draft's evaluation):
+    as the job's engines load it — tensor parallelism, dtype, memory share, remote code
+    and the job's own `vllm:` engine arguments."""
+    return {
+        "tensor_parallel_size": spec.tensor_parallel_size,
+        "dtype": spec.vllm.dtype,
+        "trust_remote_code": spec.trust_remote_code,
+        "gpu_memory_utilization": spec.vllm.gpu_memory_utilization,
+        **spec.vllm.engine_args(),
+    }
+
+
 def engine_key(spec: JobSpec, model: ModelInfo, layers: list[int]) -> tuple[Any, ...]:
     """Jobs with equal keys can share engines (EnginePool keeps actors by this key)."""
     return (spec.engine, repr(engine_config_for(spec, model, layers)))
@@ -159,6 +174,7 @@ class _Slot:
     inflight: dict[Any, WorkUnit] = field(default_factory=dict)
     units_run: int = 0
     placement_group: Any = None
+    holder: Holder | None = None  # its GPUs in the arbiter's books (GPU clusters)
     ready_failures: int = 0  # readiness checks of the current restart that failed
     ever_ready: bool = False  # it served once: a failed readiness check is a restart's
     check_at: float = 0.0  # when to ask a restarting worker again (ready_ref is None)
@@ -169,7 +185,6 @@ class _Slot:
         return next(iter(self.inflight.values()), None)
 
 
-PLACEMENT_TIMEOUT_S = 120.0
 # A restarted worker is asked whether it is ready up to READY_CHECKS times (pauses growing
 # by READY_PAUSE_S to READY_PAUSE_MAX_S: about 3 minutes in all) before the job fails, when
 # no other engine is left; while others run the job, it is asked every READY_PAUSE_MAX_S
@@ -193,25 +208,66 @@ def engine_bundles(tp: int, gpus: bool) -> list[dict[str, float]]:
     return [{"GPU": 1.0, "CPU": 1.0} for _ in range(tp)]
 
 
+def engine_resources(tp: int, gpus: bool) -> tuple[dict[str, Any], str | None]:
+    """What the process that builds a vLLM engine (the engine's actor, the evaluation's
+    task) takes inside the engine's placement group, and the executor vLLM must use.
+
+    GPU, TP 1: the GPU itself. GPU, TP > 1: nothing; vLLM's Ray executor puts its ranks
+    on the group's bundles (this is what spans nodes). CPU: the `tp` CPUs, ranks as
+    processes of the multiprocessing executor (inside a placement group vLLM would pick
+    its Ray executor, which refuses the CPU platform).
+    """
+    if not gpus:
+        return {"num_cpus": tp, "num_gpus": 0}, ("mp" if tp > 1 else None)
+    if tp == 1:
+        return {"num_cpus": 1, "num_gpus": 1}, None
+    return {"num_cpus": 0, "num_gpus": 0}, "ray"
+
+
+def in_group(pg: Any) -> Any:
+    """The scheduling strategy of the process that owns an engine in `pg`."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=0,
+        placement_group_capture_child_tasks=True)
+
+
 @dataclass
 class EnginePool:
     """Ray actors that each own one engine, kept by engine configuration."""
 
     actors: dict[tuple[Any, ...], list[_Slot]] = field(default_factory=dict)
     restarts: int = 0
+    arbiter: GpuArbiter = field(default_factory=GpuArbiter)
 
-    def slots(self, engine: str, config: Any, replicas: int, spec: JobSpec) -> list[_Slot]:
+    def slots(self, engine: str, config: Any, replicas: int, spec: JobSpec, *,
+              job: str = "local", order: float = 0.0, waits: Waits | None = None,
+              ) -> list[_Slot]:
+        """`replicas` workers of this engine configuration for `job`: the warm ones, and
+        new ones once the arbiter and Ray have their GPUs (meanwhile `waits` hears what
+        they wait for). Raises JobCancelled if `waits` says cancelled while waiting."""
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from hsx_workers.worker import ExtractionWorker
 
+        waits = waits or Waits()
         key = (engine, repr(config))
         have = self.actors.setdefault(key, [])
         gpus = ray.cluster_resources().get("GPU", 0)
+        if gpus and have and self.arbiter.waits_ahead_of((order, ENGINE)):
+            # Warm engines yield to what waits ahead of this job (an earlier job's trainer
+            # or evaluation); this job's engines then wait for their turn.
+            for slot in have:
+                self._stop(slot)
+            have.clear()
+        for slot in have[:replicas]:
+            if slot.holder is not None:
+                slot.holder.job, slot.holder.idle = job, False
         tp = config.tensor_parallel_size
         while len(have) < replicas:
             index = len(have)
+            name = f"engine-{index}"
             env = {
                 "VLLM_CPU_KVCACHE_SPACE": str(config.options.get("cpu_kvcache_gib", 1)),
                 "TOKENIZERS_PARALLELISM": "false",
@@ -223,40 +279,36 @@ class EnginePool:
                 binding = _cpu_binding(index, replicas, tp)
                 if binding:
                     env["VLLM_CPU_OMP_THREADS_BIND"] = binding
-            pg = _placement_group(engine_bundles(tp, bool(gpus)))
+            holder = None
+            if gpus:
+                holder = Holder(job=job, role=name, gpus=tp, order=(order, ENGINE))
+                if not self.arbiter.acquire(holder, cancelled=waits.cancelled,
+                                            on_wait=waits.on_wait):
+                    raise JobCancelled("cancelled while waiting for GPUs")
+            pg = place(engine_bundles(tp, bool(gpus)), f"{name} of job {job}",
+                       cancelled=waits.cancelled, on_wait=waits.on_wait)
+            if pg is None:
+                if holder is not None:
+                    self.arbiter.release(holder)
+                raise JobCancelled("cancelled while waiting for Ray to place an engine")
+            resources, backend = engine_resources(tp, bool(gpus))
             options: dict[str, Any] = {
                 "max_restarts": -1,
                 "max_task_retries": 0,
                 # run_unit calls wait side by side (DISPATCH_DEPTH); progress() answers.
                 "max_concurrency": DISPATCH_DEPTH + 2,
                 "runtime_env": {"env_vars": env},
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=pg,
-                    placement_group_bundle_index=0,
-                    placement_group_capture_child_tasks=True,
-                ),
+                "scheduling_strategy": in_group(pg),
+                **resources,
             }
             actor_config = config
-            if not gpus:
-                options["num_cpus"] = tp
-                if tp > 1:
-                    # Inside a placement group vLLM would pick its Ray executor, which
-                    # refuses the CPU platform.
-                    actor_config = dataclasses.replace(
-                        config, options={**config.options, "distributed_executor_backend": "mp"}
-                    )
-            elif tp == 1:
-                options.update(num_gpus=1, num_cpus=1)
-            else:
-                options.update(num_gpus=0, num_cpus=0)
+            if backend is not None:
                 actor_config = dataclasses.replace(
-                    config, options={**config.options, "distributed_executor_backend": "ray"}
-                )
-            name = f"engine-{index}"
+                    config, options={**config.options, "distributed_executor_backend": backend})
             actor_cls: Any = ray.remote(ExtractionWorker)
             actor = actor_cls.options(**options).remote(engine, actor_config, name)
             have.append(_Slot(name=name, actor=actor, ready_ref=actor.ready.remote(),
-                              placement_group=pg))
+                              placement_group=pg, holder=holder))
         return have[:replicas]
 
     def start(self, spec: JobSpec, timeout: float = 600.0) -> None:
@@ -264,60 +316,80 @@ class EnginePool:
         import ray
 
         info, layers, _ = preflight(spec)
-        ensure_ray(spec.ray_address, spec.replicas * spec.tensor_parallel_size)
+        ensure_ray(spec.ray_address, (spec.replicas or 1) * spec.tensor_parallel_size)
         config = engine_config_for(spec, info, layers)
-        slots = self.slots(spec.engine, config, spec.replicas, spec)
+        replicas = plan_job(spec, ClusterShape.of_ray()).replicas
+        slots = self.slots(spec.engine, config, replicas, spec, job="warm-up")
         starting = [s for s in slots if s.state == "starting"]
         ray.get([s.ready_ref for s in starting], timeout=timeout)
         for slot in starting:
             slot.state = "idle"
             slot.ever_ready = True
+        self.park()
 
-    def keep_only(self, key: tuple[Any, ...] | None) -> None:
-        """Stop every engine but those of `key` (engines hold GPUs and memory)."""
-
+    def keep_only(self, key: tuple[Any, ...] | None, replicas: int | None = None) -> None:
+        """Stop every engine but the first `replicas` of `key` (engines hold GPUs and
+        memory)."""
         for other in [k for k in self.actors if k != key]:
             for slot in self.actors.pop(other):
-                _stop(slot)
+                self._stop(slot)
+        if key in self.actors and replicas is not None:
+            for slot in self.actors[key][replicas:]:
+                self._stop(slot)
+            del self.actors[key][replicas:]
 
-    def shutdown(self) -> None:
-
+    def park(self) -> None:
+        """No job uses the engines now: their GPUs show as idle, and go to whatever waits
+        for them (`release_idle`)."""
         for slots in self.actors.values():
             for slot in slots:
-                _stop(slot)
+                if slot.holder is not None:
+                    slot.holder.idle = True
+
+    def release_idle(self) -> bool:
+        """Stop the engines no job uses, when something waits for GPUs. True if it did."""
+        if not self.arbiter.blocked_by_idle():
+            return False
+        for key in list(self.actors):
+            idle = [s for s in self.actors[key] if s.holder is not None and s.holder.idle]
+            for slot in idle:
+                logger.info("%s yields its GPU to %s", slot.holder.describe() if slot.holder
+                            else slot.name, ", ".join(h.describe()
+                                                      for h in self.arbiter.waiters()))
+                self._stop(slot)
+            self.actors[key] = [s for s in self.actors[key] if s not in idle]
+            if not self.actors[key]:
+                del self.actors[key]
+        return True
+
+    def shutdown(self) -> None:
+        for slots in self.actors.values():
+            for slot in slots:
+                self._stop(slot)
         self.actors.clear()
 
+    def _stop(self, slot: _Slot) -> None:
+        import ray
+        from ray.exceptions import ActorHandleNotFoundError
+        from ray.util.placement_group import remove_placement_group
 
-def _placement_group(bundles: list[dict[str, float]]) -> Any:
-    """Reserve an engine's bundles, or refuse with what it needs and what the cluster has."""
-    import ray
-    from ray.exceptions import GetTimeoutError
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    pg = placement_group(bundles, strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    except GetTimeoutError:
-        remove_placement_group(pg)
-        raise JobFailed(
-            f"cannot place an engine needing {bundles} within {PLACEMENT_TIMEOUT_S:.0f}s; "
-            f"the cluster has {ray.cluster_resources()} of which "
-            f"{ray.available_resources()} are free"
-        ) from None
-    return pg
+        if slot.holder is not None:
+            self.arbiter.release(slot.holder)
+        try:
+            ray.kill(slot.actor, no_restart=True)
+        except ActorHandleNotFoundError:
+            return  # its Ray session ended (Ray lost, or shut down and started again): gone
+        if slot.placement_group is not None:
+            remove_placement_group(slot.placement_group)
 
 
-def _stop(slot: _Slot) -> None:
-    import ray
-    from ray.exceptions import ActorHandleNotFoundError
-    from ray.util.placement_group import remove_placement_group
+@dataclass
+class Waits:
+    """How a wait for resources is told and ended: `on_wait(reason)` hears what it waits
+    for (None once it stops waiting); `cancelled()` ends it."""
 
-    try:
-        ray.kill(slot.actor, no_restart=True)
-    except ActorHandleNotFoundError:
-        return  # its Ray session ended (Ray lost, or shut down and started again): gone
-    if slot.placement_group is not None:
-        remove_placement_group(slot.placement_group)
+    cancelled: Callable[[], bool] | None = None
+    on_wait: Callable[[str | None], None] | None = None
 
 
 def _first_line(err: BaseException) -> str:
@@ -347,6 +419,10 @@ class DispatchHooks:
     on_unit_error: Callable[[WorkUnit, int, str, bool], None] | None = None
     on_restart: Callable[[str], None] | None = None
     cancelled: Callable[[], bool] | None = None
+    # Where the job's engines run (placement.plan_job), before any engine starts.
+    on_plan: Callable[[ResourcePlan], None] | None = None
+    # What the job waits for (GPUs, Ray's placement) and who holds it; None once it stops.
+    on_waiting: Callable[[str | None], None] | None = None
 
 
 @dataclass
@@ -363,12 +439,17 @@ def run_job(
     pool: EnginePool | None = None,
     hooks: DispatchHooks | None = None,
     max_attempts: int = MAX_ATTEMPTS,
+    job_id: str = "local",
+    submitted_at: float | None = None,
+    plan: ResourcePlan | None = None,
 ) -> JobSummary:
     """Run a job to completion: prepare, dispatch the pending units, publish complete.json.
 
     Raises JobRefused before anything heavy starts; JobFailed (units given up, engines
     that cannot start) or JobCancelled (`hooks.cancelled`) after. A job found complete
     returns at once (`nothing_to_do`). Without a `pool` one is made and shut down after.
+    `job_id` and `submitted_at` name the job and its place in line to the pool's GPU
+    arbiter; `plan` is where its engines run (made here from the cluster if not given).
     """
     hooks = hooks or DispatchHooks()
     started = time.time()
@@ -391,7 +472,8 @@ def run_job(
             owned = pool is None
             pool = pool or EnginePool()
             try:
-                result = execute(job, pool, hooks, max_attempts)
+                result = execute(job, pool, hooks, max_attempts, job_id=job_id,
+                                 submitted_at=submitted_at or started, plan=plan)
             finally:
                 if owned:
                     pool.shutdown()
@@ -439,7 +521,8 @@ def failed_units_message(failed: dict[int, str], total: int, max_attempts: int) 
 
 
 def execute(
-    job: PreparedJob, pool: EnginePool, hooks: DispatchHooks, max_attempts: int = MAX_ATTEMPTS
+    job: PreparedJob, pool: EnginePool, hooks: DispatchHooks, max_attempts: int = MAX_ATTEMPTS,
+    *, job_id: str = "local", submitted_at: float = 0.0, plan: ResourcePlan | None = None,
 ) -> DispatchResult:
     """Feed the job's pending units to its workers until none is left (or cancelled).
 
@@ -449,17 +532,33 @@ def execute(
     that kills engines is told apart from the units that were beside it. A unit that
     fails `max_attempts` times is given up: it stays uncommitted (a rerun retries it)
     and the others go on. On cancel, dispatch stops and the units already handed out
-    end by committing; nothing half-written becomes visible either way.
+    end by committing; nothing half-written becomes visible either way. Its engines come
+    from `pool` once the pool's GPU arbiter and Ray have their GPUs (placement.py), and
+    are parked (idle, kept warm) when it ends.
     """
+    spec = job.spec
+    job.output.clean_orphans()  # what lost attempts left; another driver may be running
+    config = engine_config_for(spec, job.model, job.layers)
+    ensure_ray(spec.ray_address, (spec.replicas or 1) * spec.tensor_parallel_size)
+    plan = plan or plan_job(spec, ClusterShape.of_ray())
+    if hooks.on_plan is not None:
+        hooks.on_plan(plan)
+    try:
+        slots = pool.slots(spec.engine, config, plan.replicas, spec, job=job_id,
+                           order=submitted_at,
+                           waits=Waits(cancelled=hooks.cancelled, on_wait=hooks.on_waiting))
+        return _dispatch(job, pool, hooks, slots, max_attempts)
+    finally:
+        pool.park()
+
+
+def _dispatch(job: PreparedJob, pool: EnginePool, hooks: DispatchHooks, slots: list[_Slot],
+              max_attempts: int) -> DispatchResult:
+    """execute's loop over the job's workers (see there)."""
     import ray
     from ray.exceptions import GetTimeoutError, NodeDiedError, RayActorError, RayTaskError
 
     spec = job.spec
-    job.output.clean_orphans()  # what lost attempts left; another driver may be running
-    config = engine_config_for(spec, job.model, job.layers)
-    ensure_ray(spec.ray_address, spec.replicas * spec.tensor_parallel_size)
-    check_capacity(spec)
-    slots = pool.slots(spec.engine, config, spec.replicas, spec)
     result = DispatchResult()
     progress = job.output.totals().progress()
     queue: deque[WorkUnit] = deque(job.pending)
@@ -700,16 +799,3 @@ def record_report(record: CommitRecord, worker: str) -> Any:
                       generated=answers.rows if answers else 0,
                       generated_tokens=answers.tokens if answers else 0,
                       truncated=answers.truncated if answers else 0)
-
-
-def check_capacity(spec: JobSpec) -> None:
-    """A job that needs more GPUs than the cluster has is refused, with the numbers."""
-    import ray
-
-    gpus = ray.cluster_resources().get("GPU", 0)
-    needed = spec.replicas * spec.tensor_parallel_size
-    if gpus and needed > gpus:
-        raise JobRefused(
-            f"replicas: {spec.replicas} replicas x tensor_parallel_size "
-            f"{spec.tensor_parallel_size} = {needed} GPUs, but the Ray cluster has {gpus:g}"
-        )

@@ -64,6 +64,7 @@ from hsx.wire import (
     ErrorRecord,
     JobState,
     JobStatus,
+    ResourcePlan,
     Throughput,
     ThroughputPoint,
     TrainState,
@@ -75,6 +76,7 @@ from hsx_service.board import StatusBoard
 from hsx_service.errors import JobConflict, JobNotFound, NotReady
 from hsx_service.ledger import JobRow, LeaseLost, Ledger, LedgerHeld
 from hsx_service.metrics import JobMetrics, is_recent
+from hsx_service.placement import GpuArbiter, plan_for_cluster, trains_on_gpus
 from hsx_service.prepare import (
     JobRefused,
     PreparedJob,
@@ -89,7 +91,6 @@ from hsx_service.runner import (
     EnginePool,
     JobCancelled,
     JobFailed,
-    check_capacity,
     engine_key,
     ensure_ray,
     run_job,
@@ -113,7 +114,11 @@ class Scheduler:
         self.settings = settings
         self.ledger = Ledger(settings.ledger_path)
         self.max_attempts = int(getattr(settings, "max_unit_attempts", MAX_ATTEMPTS))
-        self.pool = EnginePool()
+        # The one owner of the cluster's GPUs here: engines, trainers and evaluations ask it
+        # (placement.py); a request that waits wakes the job thread, which lets idle
+        # engines go.
+        self.arbiter = GpuArbiter(on_waiter=self._wake_up)
+        self.pool = EnginePool(arbiter=self.arbiter)
         self._ready = False
         self._stop = threading.Event()
         self._wake = threading.Condition()
@@ -129,8 +134,12 @@ class Scheduler:
         self._runner_restarts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._cancel: set[str] = set()
-        self.trainings = Trainings(self.ledger)
+        self.trainings = Trainings(self.ledger, self.arbiter)
         self.board = StatusBoard()
+        self._plans: dict[str, ResourcePlan] = {}  # where each job's work runs, as planned
+        self._waiting: dict[str, str] = {}  # job id -> what its run waits for now
+        # job id -> set once the job has ended: a training planned `after` waits for it
+        self._extracted: dict[str, threading.Event] = {}
         self.job_metrics = JobMetrics()
         self._publish_lock = threading.Lock()  # one status built and posted at a time
         self._last_publish: dict[str, float] = {}
@@ -267,7 +276,7 @@ class Scheduler:
             thread.join()  # dispatch stops at once; units already running end first
         self._thread = None
         self.trainings.stop()
-        self.trainings = Trainings(self.ledger)
+        self.trainings = Trainings(self.ledger, self.arbiter)
         self._reset_engines()
         self._live.clear()
         self._current = None
@@ -277,7 +286,11 @@ class Scheduler:
         """Stop this process's engines (a dead runner may have left units on them)."""
         with contextlib.suppress(Exception):  # Ray itself may be what failed
             self.pool.shutdown()
-        self.pool = EnginePool()
+        self.pool = EnginePool(arbiter=self.arbiter)
+
+    def _wake_up(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
 
     def _runner_died(self, job_id: str, reason: str) -> None:
         """Queue the job again (the next run resumes it), or fail it after too many."""
@@ -327,7 +340,7 @@ class Scheduler:
         if existing is not None:
             return self._same_or_conflict(existing, spec), False
         check_estimated_output(spec, *preflight(spec))
-        check_capacity(spec)
+        plan_for_cluster(spec)  # what this cluster can never provide is refused now
         location = open_output(spec.output).location
         for other in self.ledger.jobs():
             if not other.state.finished and open_output(other.output).location == location:
@@ -385,8 +398,20 @@ class Scheduler:
                 open_output(row.output).has_manifest()):
             raise JobRefused(f"job {job_id} is {row.state.value} and left no output to train on")
         check_draft_layers(row.spec)
-        self.trainings.start(job_id, row.output, spec)
+        self._start_training(row, spec)
         return self.train_status(job_id)
+
+    def _start_training(self, row: JobRow, spec: TrainSpec) -> None:
+        """Train the job's draft; on a cluster whose GPUs the engines take, only once the
+        extraction has ended (its plan says `after`)."""
+        after = None
+        if not row.state.finished:
+            plan = self._plans.get(row.id) or plan_for_cluster(row.spec)
+            wanted = trains_on_gpus(row.spec.model_copy(update={"train": spec}), plan.gpus)
+            if plan.engine_gpus + wanted > plan.gpus:
+                after = self._extracted.setdefault(row.id, threading.Event())
+        self.trainings.start(row.id, row.output, spec, job=row.spec, order=row.created_at,
+                             after=after)
 
     def train_status(self, job_id: str) -> TrainStatus:
         row = self._row(job_id)
@@ -423,7 +448,8 @@ class Scheduler:
             except OSError:
                 logger.warning("metrics: cannot read the training of %s", row.job_id,
                                exc_info=True)
-        return self.job_metrics.families(statuses, trainings, self._ready, now)
+        return self.job_metrics.families(statuses, trainings, self._ready, now,
+                                         gpus=(self.arbiter.holders(), self.arbiter.waiters()))
 
     # ------------------------------------------------------------ status
 
@@ -450,7 +476,8 @@ class Scheduler:
             id=row.id, name=row.spec.name, state=row.state, output=row.output,
             created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
             restarts=row.restarts, last_error=row.last_error, spec=row.spec,
-            updated_at=time.time(),
+            updated_at=time.time(), plan=self._plans.get(row.id),
+            waiting_for=self._waiting_for(row),
         )
         if live is not None:
             numbers = self._live_totals(row.id, live)
@@ -470,6 +497,13 @@ class Scheduler:
             status.worker_totals = sorted(self._workers.get(row.id, {}).values(),
                                           key=lambda w: w.name)
         return status
+
+    def _waiting_for(self, row: JobRow) -> str | None:
+        if row.state == JobState.running:
+            return self._waiting.get(row.id)
+        if row.state == JobState.queued:
+            return "its turn: jobs run one at a time, in the order they were submitted"
+        return None
 
     def _live_totals(self, job_id: str, live: JobProgress) -> dict[str, Any]:
         """The numbers of a running job: its progress, plus its earlier runs' time."""
@@ -539,7 +573,12 @@ class Scheduler:
             self._reconcile()
             if not self._trainings_resumed:
                 self._trainings_resumed = True
-                self.trainings.resume_all({row.id: row.output for row in self.ledger.jobs()})
+                rows = {row.id: row for row in self.ledger.jobs()}
+                for training in self.ledger.trainings():
+                    row = rows.get(training.job_id)
+                    if row is not None and not training.state.finished:
+                        logger.info("resuming the training of %s", row.id)
+                        self._start_training(row, training.spec)
         except LeaseLost:
             self._lost.set()
             self._thread_ended = True
@@ -550,6 +589,8 @@ class Scheduler:
             return
         self._ready = True
         while not self._stop.is_set() and not self._lost.is_set():
+            # Engines kept warm yield their GPUs to trainings and evaluations that wait.
+            self.pool.release_idle()
             row = self.ledger.next_queued()
             if row is None:
                 with self._wake:
@@ -590,6 +631,11 @@ class Scheduler:
     def _run(self, row: JobRow) -> None:
         job_id = row.id
         self._set_state(job_id, JobState.running)
+        try:
+            plan = self._plans[job_id] = plan_for_cluster(row.spec)
+        except JobRefused as err:  # the cluster shrank since the submit
+            self._end(job_id, JobState.failed, str(err))
+            return
 
         def prepared(job: PreparedJob) -> None:
             self.ledger.plan(job_id, [(u.unit, u.row_start, u.row_end, u.tokens)
@@ -597,12 +643,12 @@ class Scheduler:
             self.ledger.reconcile_units(job_id, {u.unit for u in job.units} - {
                 u.unit for u in job.pending})
             self._start_run(job_id, job.output.totals().progress())
+            # Engines stay warm between jobs on the same config; others give their place.
+            self.pool.keep_only(engine_key(row.spec, job.model, job.layers), plan.replicas)
             if row.spec.train is not None and self.ledger.training(job_id) is None:
                 # Started now, it follows the shards as they are committed (or waits for
-                # the end when `follow` is off).
-                self.trainings.start(job_id, row.output, row.spec.train)
-            # Engines stay warm between jobs on the same config; others give their place.
-            self.pool.keep_only(engine_key(row.spec, job.model, job.layers))
+                # the end when `follow` is off, or when its plan trains after extracting).
+                self._start_training(row, row.spec.train)
 
         hooks = DispatchHooks(
             on_prepared=prepared,
@@ -613,9 +659,11 @@ class Scheduler:
             on_restart=lambda _name: self._on_restart(job_id),
             # A coordinator that lost its lease stops dispatching, as for a cancel.
             cancelled=lambda: job_id in self._cancel or self._lost.is_set(),
+            on_waiting=lambda reason: self._on_waiting(job_id, reason),
         )
         try:
-            run_job(row.spec, pool=self.pool, hooks=hooks, max_attempts=self.max_attempts)
+            run_job(row.spec, pool=self.pool, hooks=hooks, max_attempts=self.max_attempts,
+                    job_id=job_id, submitted_at=row.created_at, plan=plan)
         except (JobRefused, JobFailed) as err:
             self._end(job_id, JobState.failed, str(err))
         except JobCancelled:
@@ -674,6 +722,13 @@ class Scheduler:
                     "tokens": w.tokens + report.tokens, "bytes": w.bytes + report.bytes,
                     "seconds": round(w.seconds + report.seconds, 3)})
 
+    def _on_waiting(self, job_id: str, reason: str | None) -> None:
+        if reason is None:
+            self._waiting.pop(job_id, None)
+        else:
+            self._waiting[job_id] = reason
+        self._publish(job_id, force=True)
+
     def _on_restart(self, job_id: str) -> None:
         self.ledger.add_restart(job_id)
         row = self._rows.get(job_id)
@@ -702,7 +757,10 @@ class Scheduler:
             self.ledger.put_totals(job_id, numbers)
         with self._lock:
             self._cancel.discard(job_id)
+        self._waiting.pop(job_id, None)
         self._set_state(job_id, state, error)  # applies the queued writes first
+        if state.finished:
+            self._extracted.setdefault(job_id, threading.Event()).set()
 
 
 def _ray_lost(err: BaseException) -> bool:

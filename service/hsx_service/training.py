@@ -8,10 +8,14 @@ current, and restarts a dead actor (up to MAX_TRAIN_RESTARTS times); the new act
 resumes from the newest checkpoint in `<output>/draft/checkpoints/` (for a bucket
 output, the bucket's newest uploaded one: see hsx.draft.BucketDraft). Once the training
 is done, a Ray task measures the draft in vLLM on held-out prompts (`evaluating`;
-draft/eval.json). What a status shows beyond the actor's last report (loss curve,
-validations, plan, best checkpoint, evaluation) is read from the output's `draft/`
-folder (`hsx.draft.draft_view`: for a bucket, a copy of its draft/ as last uploaded),
-so it survives the coordinator too.
+draft/eval.json), running the target as the job does (its tensor parallelism and its
+`vllm:` settings). The trainer and the evaluation get their GPUs from the coordinator's
+`GpuArbiter` (placement.py) and then from Ray through a placement group; while either
+waits, the training's status says for what and who holds it (`waiting_for`). A training
+whose plan trains after the extraction waits for the job to end first. What a status
+shows beyond the actor's last report (loss curve, validations, plan, best checkpoint,
+evaluation) is read from the output's `draft/` folder (`hsx.draft.draft_view`: for a
+bucket, a copy of its draft/ as last uploaded), so it survives the coordinator too.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +38,12 @@ from hsx.draft import (
 )
 from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_METRICS
-from hsx.spec import TrainSpec
+from hsx.spec import JobSpec, TrainSpec
 from hsx.wire import DraftEval, TrainPlan, TrainPoint, TrainState, TrainStatus, ValidationPoint
 from hsx_service.errors import JobConflict
 from hsx_service.ledger import Ledger, TrainRow
+from hsx_service.placement import EVALUATION, TRAINER, GpuArbiter, Holder, place
+from hsx_service.runner import engine_bundles, engine_resources, in_group, target_engine_args
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +69,12 @@ def read_history(root: Path) -> list[TrainPoint]:
 class Trainings:
     """Start, watch, restart and report the trainings; see the module docstring."""
 
-    def __init__(self, ledger: Ledger, on_change: Callable[[str], None] | None = None):
+    def __init__(self, ledger: Ledger, arbiter: GpuArbiter | None = None,
+                 on_change: Callable[[str], None] | None = None):
         self.ledger = ledger
+        self.arbiter = arbiter or GpuArbiter()
         self.on_change = on_change
+        self._waits: dict[str, str] = {}  # job id -> what its training waits for now
         self._lock = threading.Lock()
         self._threads: dict[str, threading.Thread] = {}
         self._live: dict[str, dict[str, Any]] = {}  # job id -> the actor's last progress
@@ -74,25 +84,26 @@ class Trainings:
         # re-reads the file only when the trainer has appended to it.
         self._history: dict[Path, tuple[tuple[int, int], list[TrainPoint]]] = {}
 
-    def start(self, job_id: str, output: str, spec: TrainSpec) -> None:
-        """Train the draft of `output` (a job's output path or URI) in a new actor."""
+    def start(self, job_id: str, output: str, spec: TrainSpec, *, job: JobSpec | None = None,
+              order: float = 0.0, after: threading.Event | None = None) -> None:
+        """Train the draft of `output` (a job's output path or URI) in a new actor.
+
+        `job`: the job whose target the evaluation runs as it does (default: the output's
+        model, TP 1); `order`: the job's place in line for GPUs (its submission time);
+        `after`: an event the training waits for before it asks for GPUs (the job's end,
+        when its plan trains after the extraction).
+        """
         with self._lock:
             thread = self._threads.get(job_id)
             if thread is not None and thread.is_alive():
                 raise JobConflict(f"job {job_id} is already training; wait for it to end")
             self.ledger.put_training(job_id, spec)
             self._live.pop(job_id, None)
-            thread = threading.Thread(target=self._watch, args=(job_id, output, spec),
+            run = _Run(job_id, output, spec, job, order, after)
+            thread = threading.Thread(target=self._watch, args=(run,),
                                       name=f"hsx-train-{job_id}", daemon=True)
             self._threads[job_id] = thread
         thread.start()
-
-    def resume_all(self, outputs: dict[str, str]) -> None:
-        """After a coordinator restart: trainings that had not ended start again."""
-        for row in self.ledger.trainings():
-            if not row.state.finished and row.job_id in outputs:
-                logger.info("resuming the training of %s", row.job_id)
-                self.start(row.job_id, outputs[row.job_id], row.spec)
 
     def stop(self) -> None:
         """Ask every actor to checkpoint and stop; their rows say `stopped`."""
@@ -130,7 +141,7 @@ class Trainings:
             restarts=row.restarts,
             resumed_from=live.get("resumed_from", on_disk.get("resumed_from")),
             first_step_at=live.get("first_step_at", on_disk.get("first_step_at")),
-            error=row.error, spec=row.spec,
+            error=row.error, spec=row.spec, waiting_for=self._waits.get(row.job_id),
             plan=TrainPlan.model_validate(plan) if isinstance(plan, dict) else None,
             warning=on_disk.get("warning"), history=history, validation=validation,
             best_step=best.get("step"),
@@ -160,13 +171,53 @@ class Trainings:
         if self.on_change is not None:
             self.on_change(job_id)
 
-    def _watch(self, job_id: str, output: str, spec: TrainSpec) -> None:
+    def _wait(self, job_id: str, reason: str | None) -> None:
+        """What the training waits for now (None: nothing), shown in its status."""
+        if reason is None:
+            self._waits.pop(job_id, None)
+        else:
+            self._waits[job_id] = reason
+        if self.on_change is not None:
+            self.on_change(job_id)
+
+    def _watch(self, run: _Run) -> None:
+        job_id = run.job_id
+        trainer = Holder(
+            job=job_id, role="trainer", gpus=self._trainer_gpus(run.spec),
+            order=(run.order, TRAINER), ready=run.after,
+            until=f"waiting for the extraction of job {job_id} to end: its engines hold the "
+                  "GPUs the trainer needs (the plan trains after it)")
+        seat = self._seat(run, trainer)
+        if seat is None:
+            self._set(job_id, TrainState.stopped)
+            return
+        evaluation = None
+        try:
+            outcome = self._train(run, seat)
+            if outcome == "done" and run.spec.eval_prompts > 0:
+                evaluation = self._evaluation_holder(run)
+                # In line before the trainer's GPUs go, so no later job slips in between.
+                self.arbiter.enqueue(evaluation)
+        finally:
+            seat.leave()
+        if outcome != "done":
+            return
+        if evaluation is not None:
+            self._set(job_id, TrainState.evaluating)
+            if not self._evaluate(run, evaluation):
+                self._set(job_id, TrainState.stopped)
+                return
+        self._set(job_id, TrainState.done)
+
+    def _train(self, run: _Run, seat: _Seat) -> str:
+        """Run trainer actors until one ends (restarting dead ones); the outcome."""
         import ray
 
+        job_id = run.job_id
         row = self.ledger.training(job_id)
         restarts = row.restarts if row else 0
         while not self._stopping.is_set():
-            actor = self._new_actor(output, spec)
+            actor = self._new_actor(run, seat)
             self._actors[job_id] = actor
             outcome, error = self._follow(job_id, actor)
             self._actors.pop(job_id, None)
@@ -175,7 +226,7 @@ class Trainings:
                 if restarts > MAX_TRAIN_RESTARTS:
                     self._set(job_id, TrainState.failed,
                               f"the trainer died {restarts} times; last: {error}", restarts)
-                    return
+                    return "failed"
                 logger.warning("training of %s: trainer died (%s); restarting from the "
                                "newest checkpoint", job_id, error)
                 self._set(job_id, TrainState.starting, error, restarts)
@@ -185,65 +236,113 @@ class Trainings:
                 self._set(job_id, TrainState.failed, error)
             elif outcome == "stopped":
                 self._set(job_id, TrainState.stopped)
-            else:
-                if spec.eval_prompts > 0:
-                    self._set(job_id, TrainState.evaluating)
-                    if not self._evaluate(output, spec):
-                        self._set(job_id, TrainState.stopped)
-                        return
-                self._set(job_id, TrainState.done)
-            return
+            return outcome
         self._set(job_id, TrainState.stopped)
+        return "stopped"
 
-    def _evaluate(self, output: str, spec: TrainSpec) -> bool:
-        """vLLM measures the draft on held-out prompts (a Ray task with the engine's
-        resources); its result or its error lands in draft/eval.json. False when the
-        coordinator stopped meanwhile (the next start measures again)."""
+    def _trainer_gpus(self, spec: TrainSpec) -> int:
+        import ray
+
+        if spec.device == "cpu" or ray.cluster_resources().get("GPU", 0) < 1:
+            return 0
+        return spec.workers
+
+    def _evaluation_holder(self, run: _Run) -> Holder:
+        """The evaluation's GPUs: as many as the job's engines use (its TP); none on a
+        CPU cluster, where the target runs as one rank (CPU TP binds cores by hand)."""
+        import ray
+
+        gpus = ray.cluster_resources().get("GPU", 0) >= 1
+        tp = run.job.tensor_parallel_size if run.job is not None and gpus else 1
+        return Holder(job=run.job_id, role="evaluation", gpus=tp if gpus else 0,
+                      order=(run.order, EVALUATION))
+
+    def _seat(self, run: _Run, holder: Holder) -> _Seat | None:
+        """The holder's GPUs: the arbiter's, then Ray's placement group (a bundle a GPU;
+        none on a CPU cluster, or for the driver of Ray Train workers, which place
+        themselves). None if the coordinator stopped meanwhile."""
+        job_id = run.job_id
+        on_wait = lambda reason: self._wait(job_id, reason)  # noqa: E731
+        if not self.arbiter.acquire(holder, cancelled=self._stopping.is_set, on_wait=on_wait):
+            return None
+        bundles = engine_bundles(holder.gpus, True) if holder.gpus else []
+        if holder.role == "trainer" and run.spec.workers > 1:
+            bundles = []  # Ray Train places its workers; the arbiter holds their GPUs
+        pg = None
+        if bundles:
+            pg = place(bundles, holder.describe(), cancelled=self._stopping.is_set,
+                       on_wait=on_wait)
+            if pg is None:
+                self.arbiter.release(holder)
+                return None
+        return _Seat(self.arbiter, holder, pg)
+
+    def _evaluate(self, run: _Run, holder: Holder) -> bool:
+        """vLLM measures the draft on held-out prompts (a Ray task placed as the job's
+        engines are: its tensor parallelism, its `vllm:` settings); its result or its
+        error lands in draft/eval.json. False when the coordinator stopped meanwhile (the
+        next start measures again)."""
         import ray
 
         from hsx_workers.acceptance import evaluate_draft, record_eval_error
 
-        gpu = spec.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
-        task: Any = ray.remote(evaluate_draft)
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        ref = task.options(num_cpus=1, num_gpus=1 if gpu else 0, max_retries=0,
-                           runtime_env={"env_vars": env}).remote(
-            Output(output), prompts=spec.eval_prompts, max_tokens=spec.eval_max_tokens,
-            k=spec.ttt_steps)
-        while True:
-            ready, _ = ray.wait([ref], timeout=POLL_S)
-            if ready:
-                break
-            if self._stopping.is_set():
-                with contextlib.suppress(Exception):
-                    ray.cancel(ref, force=True)
-                return False
+        output, spec = run.output, run.spec
+        seat = self._seat(run, holder)
+        if seat is None:
+            return False
         try:
-            result = ray.get(ref)
-        except Exception as err:
-            cause = getattr(err, "cause", None) or err
-            message = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-            logger.warning("evaluating the draft of %s failed: %s", output, message)
-            record_eval_error(output, message)
-            return True
+            gpus, tp = holder.gpus > 0, max(holder.gpus, 1)
+            resources, backend = engine_resources(tp, gpus)
+            engine = target_engine_args(run.job) if run.job is not None else {}
+            engine["tensor_parallel_size"] = tp
+            if backend is not None:
+                engine["distributed_executor_backend"] = backend
+            options: dict[str, Any] = {"max_retries": 0, "runtime_env": {"env_vars": {
+                "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}}
+            if seat.pg is not None:
+                options.update(resources, scheduling_strategy=in_group(seat.pg))
+            else:
+                options.update(num_cpus=1, num_gpus=0)
+            task: Any = ray.remote(evaluate_draft)
+            ref = task.options(**options).remote(
+                Output(output), prompts=spec.eval_prompts, max_tokens=spec.eval_max_tokens,
+                k=spec.ttt_steps, engine=engine)
+            while True:
+                ready, _ = ray.wait([ref], timeout=POLL_S)
+                if ready:
+                    break
+                if self._stopping.is_set():
+                    with contextlib.suppress(Exception):
+                        ray.cancel(ref, force=True)
+                    return False
+            try:
+                result = ray.get(ref)
+            except Exception as err:
+                cause = getattr(err, "cause", None) or err
+                message = (f"{type(cause).__name__}: "
+                           f"{str(cause).splitlines()[0] if str(cause) else ''}")
+                logger.warning("evaluating the draft of %s failed: %s", output, message)
+                record_eval_error(output, message)
+                return True
+        finally:
+            seat.leave()
         logger.info("draft of %s: mean acceptance length %.2f at k=%s", output,
                     result.get("mean_acceptance_length", 0.0), result.get("k"))
         return True
 
-    def _new_actor(self, output: str, spec: TrainSpec) -> Any:
+    def _new_actor(self, run: _Run, seat: _Seat) -> Any:
         import ray
 
         from hsx_workers.trainer_actor import TrainerActor
 
         # With several workers the actor only drives Ray Train; the workers take the GPUs.
-        gpu = (spec.workers == 1 and spec.device != "cpu"
-               and ray.cluster_resources().get("GPU", 0) >= 1)
-        options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 1,
-                                   "num_gpus": 1 if gpu else 0}
+        options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 1, "num_gpus": 0}
+        if seat.pg is not None:
+            options.update(num_gpus=1, scheduling_strategy=in_group(seat.pg))
         actor_cls: Any = ray.remote(TrainerActor)
         # The Output carries the endpoint and credentials resolved here to the actor.
-        return actor_cls.options(**options).remote(Output(output),
-                                                   spec.model_dump(mode="json"))
+        return actor_cls.options(**options).remote(Output(run.output),
+                                                   run.spec.model_dump(mode="json"))
 
     def _follow(self, job_id: str, actor: Any) -> tuple[str, str | None]:
         """Poll the actor until `run` ends: (done | stopped | failed | died, error)."""
@@ -288,3 +387,32 @@ class Trainings:
         for thread in list(self._threads.values()):
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in self._threads.values())
+
+
+@dataclass
+class _Run:
+    """One training as asked: whose, of what, and when it may start."""
+
+    job_id: str
+    output: str
+    spec: TrainSpec
+    job: JobSpec | None
+    order: float
+    after: threading.Event | None
+
+
+@dataclass
+class _Seat:
+    """GPUs held for the trainer or the evaluation: the arbiter's, and Ray's group."""
+
+    arbiter: GpuArbiter
+    holder: Holder
+    pg: Any
+
+    def leave(self) -> None:
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):  # Ray may be gone
+                remove_placement_group(self.pg)
+        self.arbiter.release(self.holder)

@@ -157,6 +157,7 @@ class FakeTraining:
     final_state: str = "done"
     error: str | None = None
     warning: str | None = None
+    waiting_for: str | None = None  # what it says it waits for while starting
     created_at: float = field(default_factory=time.time)
 
     EVAL = {"k": 3, "prompts": 32, "prompt_source": "held-out samples", "draft_step": 200,
@@ -233,6 +234,7 @@ class FakeTraining:
             "resumed_from": None,
             "first_step_at": self.started_at if step else None,
             "error": self.error if state == "failed" else None,
+            "waiting_for": self.waiting_for if state == "starting" else None,
             "spec": spec.model_dump(mode="json"),
             "history": history,
             "plan": plan,
@@ -263,6 +265,8 @@ class FakeJob:
     created_at: float = field(default_factory=time.time)
     cancelled_at: float | None = None
     training: FakeTraining | None = None
+    waiting_for: str | None = None  # what it says it waits for while running
+    plan: dict[str, Any] | None = None  # its ResourcePlan
 
     @property
     def started_at(self) -> float:
@@ -362,6 +366,8 @@ class FakeJob:
             "worker_totals": worker_totals,
             "eta_s": left if running else None,
             "workers": workers,
+            "waiting_for": self.waiting_for if running else None,
+            "plan": self.plan,
             "restarts": 1 if died else 0,
             "last_error": (
                 "engine-1 died: ray.exceptions.ActorDiedError: The actor died unexpectedly "

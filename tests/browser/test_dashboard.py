@@ -400,3 +400,34 @@ def test_failed_training_shows_its_error(browser: WebDriver, fake_api: FakeCoord
     assert loss_chart(browser)[0] == training.steps
     browser.execute_script("document.querySelector('#training').scrollIntoView()")
     save_screenshot(browser, "job-training-failed.png")
+
+
+def test_a_waiting_job_and_training_say_what_they_wait_for(
+    browser: WebDriver, fake_api: FakeCoordinator
+) -> None:
+    """A job whose engine waits for the GPU another job's trainer holds, and a training
+    that waits for its extraction to end: the list, the page and the training card say so."""
+    held = "waiting for 1 GPU of 1: held by the trainer of job sharegpt-a"
+    plan = {"gpus": 1, "replicas": 1, "tensor_parallel_size": 1, "engine_gpus": 1,
+            "train_gpus": 1, "eval_gpus": 1, "training": "after",
+            "summary": "1 GPU: 1 engine on 1; when the extraction ends the engines yield their "
+                       "GPUs and the trainer on 1 GPU trains; then vLLM measures the draft on "
+                       "1 GPU"}
+    after = "waiting for the extraction of job waits-b to end: its engines hold the GPUs"
+    fake_api.add_job(FakeJob(
+        id="waits-b", name="ultrachat-b", duration_s=600, waiting_for=held, plan=plan,
+        training=FakeTraining(duration_s=600, starting_s=600, waiting_for=after)))
+    open_dashboard(browser, fake_api.base_url)
+    wait(browser, lambda d: "waiting" in text(d, "tr[data-job-id='waits-b']"),
+         what="the list marks the waiting job")
+
+    open_dashboard(browser, fake_api.base_url, job_id="waits-b")
+    wait(browser, lambda d: shown(d, "#waiting"), what="the waiting banner")
+    assert text(browser, "#waiting") == "Waiting for 1 GPU of 1: held by the trainer of job " \
+        "sharegpt-a"
+    assert text(browser, "#job-plan") == f"Plan: {plan['summary']}"
+    wait(browser, lambda d: shown(d, "#train-waiting"), what="the training's wait")
+    assert text(browser, "#train-waiting").startswith(
+        "Waiting for the extraction of job waits-b to end")
+    path = save_screenshot(browser, "job-waiting.png", full_page=True)
+    assert path.stat().st_size > 0

@@ -95,14 +95,17 @@ def serve_env(roots: list[Path]) -> dict[str, str]:
 
 
 def start_coordinator(
-    ledger: Path, roots: list[Path], log: Path, *, standby: bool = False
+    ledger: Path, roots: list[Path], log: Path, *, standby: bool = False,
+    env: dict[str, str] | None = None,
 ) -> Coordinator:
-    """`hsx serve` on `ledger`, once ready; a standby once it serves and says it waits."""
+    """`hsx serve` on `ledger`, once ready; a standby once it serves and says it waits.
+    `env`: more environment variables of the server (HSX_RAY_ADDRESS, ...)."""
     port = _free_port()
     out = open(log, "ab")  # noqa: SIM115 - the server writes to it until it is killed
     proc = subprocess.Popen(
         serve_command(ledger, port, *(["--standby"] if standby else [])),
-        stdout=out, stderr=subprocess.STDOUT, env=serve_env(roots), start_new_session=True,
+        stdout=out, stderr=subprocess.STDOUT, env={**serve_env(roots), **(env or {})},
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -196,6 +199,13 @@ def test_api_contract(
     with pytest.raises(JobRefusedError) as bad:
         client.submit({**spec, "replica": 2})
     assert bad.value.field and "replica" in bad.value.field
+    # What this machine can never run is refused before any engine starts: vLLM's CPU
+    # build binds each TP rank to cores of its own (3 x TP 2 on CI's 2 cores).
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(JobRefusedError) as bad:
+        client.submit({**spec, "replicas": max(3, cores), "tensor_parallel_size": 2})
+    assert bad.value.field == "spec.replicas"
+    assert f"they need {2 * max(3, cores)} cores, this machine has {cores}" in str(bad.value)
     with pytest.raises(JobRefusedError) as bad:
         client.submit(_spec(tiny_llama, chat_dataset, tmp_path / "x", layers=[1, 9]))
     assert "layers" in str(bad.value)

@@ -22,13 +22,14 @@ from fastapi.testclient import TestClient
 
 from hsx.progress import JobProgress
 from hsx.spec import JobSpec, TrainSpec
-from hsx.wire import JobList, JobState, JobStatus, Throughput, TrainState
+from hsx.wire import JobList, JobState, JobStatus, ResourcePlan, Throughput, TrainState
 from hsx_service import runner as runner_module
 from hsx_service import scheduler as scheduler_module
 from hsx_service.board import StatusBoard
 from hsx_service.config import Settings
 from hsx_service.main import create_app
 from hsx_service.metrics import METRICS, exposed_names
+from hsx_service.placement import ENGINE, TRAINER, Holder
 from hsx_service.runner import DispatchResult
 from hsx_service.scheduler import Scheduler, thin_curve
 from hsx_workers.tiny_models import ChatDataset
@@ -144,13 +145,14 @@ def test_a_job_page_remembers_and_metrics_follow_the_run(
     tmp_path: Path, prepared: JobSpec, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(scheduler_module, "CURVE_INTERVAL_S", 0.05)
-    monkeypatch.setattr(scheduler_module, "check_capacity", lambda spec: None)
+    monkeypatch.setattr(scheduler_module, "plan_for_cluster", lambda spec: ResourcePlan())
     ledger_path = tmp_path / "ledger.sqlite"
     scheduler = Scheduler(Settings(ledger_path=ledger_path))
     scheduler._ready = True  # Ray is never started here: start() is not called
     seen: dict[str, Any] = {}
 
-    def dispatch(job: Any, pool: Any, hooks: Any, max_attempts: int) -> DispatchResult:
+    def dispatch(job: Any, pool: Any, hooks: Any, max_attempts: int,
+                 **_: Any) -> DispatchResult:
         """What runner.execute reports for a run where two engines commit every unit."""
         progress = job.output.totals().progress()
         progress.rate_since = time.time()
@@ -213,8 +215,22 @@ def test_a_job_page_remembers_and_metrics_follow_the_run(
     draft = Path(prepared.output) / "draft"
     draft.mkdir()
     (draft / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
-    after = _sample_names(_scrape(scheduler))
+    # And the GPU books, while a trainer holds the cluster's one GPU and an engine waits.
+    scheduler.arbiter.total = lambda: 1
+    assert scheduler.arbiter.acquire(Holder(job.id, "trainer", 1, (0.0, TRAINER)))
+    stop = threading.Event()
+    waiter = threading.Thread(target=scheduler.arbiter.acquire, daemon=True, args=(
+        Holder("next", "engine-0", 1, (1.0, ENGINE)),), kwargs={"cancelled": stop.is_set})
+    waiter.start()
+    while not scheduler.arbiter.waiters():
+        time.sleep(0.01)
+    text = _scrape(scheduler)
+    stop.set()
+    waiter.join(5)
+    after = _sample_names(text)
     assert {"hsx_train_loss", "hsx_train_step", "hsx_train_state"} <= after
+    assert f'hsx_gpus_held{{job="{job.id}",role="trainer"}} 1.0' in text
+    assert 'hsx_gpus_waited{job="next",role="engine-0"} 1.0' in text
     missing = board_metric_names() - names - after
     assert not missing, f"the Grafana board queries what /metrics lacks: {missing}"
 
@@ -262,7 +278,9 @@ def test_metrics_name_every_family_and_only_recent_jobs(tmp_path: Path) -> None:
     missing = exposed_names() - names - {"hsx_unit_seconds_bucket", "hsx_unit_seconds_sum",
                                          "hsx_unit_seconds_count",
                                          "hsx_job_seconds_since_last_commit",
-                                         "hsx_job_engines"}
+                                         "hsx_job_engines",
+                                         # the GPU books: while something holds or waits
+                                         "hsx_gpus_held", "hsx_gpus_waited"}
     assert not missing, missing
     assert names <= exposed_names(), names - exposed_names()  # nothing undeclared
     assert {kind for kind, _ in METRICS.values()} == {"gauge", "counter", "histogram"}

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hsx.spec import JobSpec
-from hsx.wire import JobState
+from hsx.wire import JobState, ResourcePlan
 from hsx_service import runner as runner_module
 from hsx_service import scheduler as scheduler_module
 from hsx_service.config import Settings
@@ -53,7 +53,7 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     monkeypatch.setattr(scheduler_module, "SUPERVISE_TICK_S", 0.05)
     monkeypatch.setattr(scheduler_module, "START_RETRY_S", 0.05)
     monkeypatch.setattr(scheduler_module, "ensure_ray", lambda *a, **k: None)
-    monkeypatch.setattr(scheduler_module, "check_capacity", lambda spec: None)
+    monkeypatch.setattr(scheduler_module, "plan_for_cluster", lambda spec: ResourcePlan())
     seen: list[Any] = []
     return seen
 
@@ -75,7 +75,8 @@ def _scheduler(made: list[Scheduler], ledger: Path, **settings: Any) -> Schedule
 def _executes(monkeypatch: pytest.MonkeyPatch, runs: list[Any],
               outcomes: list[Callable[[Any], DispatchResult]]) -> None:
     """`execute` runs the next outcome (the last one again when they run out)."""
-    def execute(job: Any, pool: Any, hooks: Any, max_attempts: int) -> DispatchResult:
+    def execute(job: Any, pool: Any, hooks: Any, max_attempts: int,
+                 **_: Any) -> DispatchResult:
         runs.append(job)
         return outcomes[min(len(runs), len(outcomes)) - 1](hooks)
 

@@ -19,7 +19,7 @@ def test_minimal_job_gets_defaults() -> None:
     spec = parse_job(dict(BASE))
     assert spec.engine == "vllm"
     assert spec.storage_dtype == "bf16"
-    assert spec.replicas == 1
+    assert spec.replicas is None  # as many as fit (placement.plan_job)
     assert spec.layers is None
 
 

@@ -100,8 +100,11 @@ def _counter(metrics: dict[str, Any], name: str) -> Any:
 
 def measure_acceptance(
     target: str, draft: str, prompts: list[EvalPrompt], *, k: int = 3,
-    enforce_eager: bool = True,
+    enforce_eager: bool = True, engine: dict[str, Any] | None = None,
 ) -> Acceptance:
+    """vLLM with the draft (eagle3, k tokens) answers the prompts greedily; its counters
+    give the acceptance. `engine`: more arguments of `LLM(...)`, the target as the job
+    runs it (tensor_parallel_size, dtype, gpu_memory_utilization, its `vllm:` ones)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -110,10 +113,13 @@ def measure_acceptance(
         raise ValueError("no prompts to generate from")
     # As long as the longest prompt and answer need (and the draft's k tokens past it).
     longest = max(len(p.token_ids) + p.max_tokens for p in prompts) + k + 1
+    args: dict[str, Any] = {"enforce_eager": enforce_eager, **(engine or {})}
+    # As long as the prompts need, at most what the job's own arguments allow.
+    args["max_model_len"] = min(longest, int(args.get("max_model_len") or longest))
     llm = LLM(
-        model=target, max_model_len=longest, disable_log_stats=False,
-        enforce_eager=enforce_eager,
+        model=target, disable_log_stats=False,
         speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k},
+        **args,
     )
     t0 = time.perf_counter()
     outputs = llm.generate(
@@ -143,12 +149,14 @@ def evaluate_draft(
     output: Output | str | Path, *, draft_root: str | Path | None = None,
     prompts: int = 32, max_tokens: int = 256, k: int | None = None, prefix: int = 8,
     draft: str | None = None, target: str | None = None, record: bool = True,
+    engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Measure the output's draft (or `draft`) in vLLM on the prompts its training held
     out (by its spec in draft/train.json, else the default one); with `record` (and the
     output's own draft) the result is written to draft/eval.json too. The draft lives in
     `<draft_root>/draft/` (`hsx.draft.draft_folder`: the output's own folder on disk);
-    an object-store output's is downloaded there first, and its eval.json uploaded."""
+    an object-store output's is downloaded there first, and its eval.json uploaded.
+    `engine`: the target's vLLM arguments as the job runs it (see measure_acceptance)."""
     out = Output.of(output)
     root: Path | None
     if draft is None:
@@ -163,7 +171,7 @@ def evaluate_draft(
     chosen, source = held_out_prompts(out, spec, prompts, prefix=prefix,
                                       max_tokens=max_tokens)
     model = target or out.manifest().model
-    result = measure_acceptance(model, draft, chosen, k=k or spec.ttt_steps)
+    result = measure_acceptance(model, draft, chosen, k=k or spec.ttt_steps, engine=engine)
     best = state.get("best") or {}
     body = {**result.as_dict(), "prompt_source": source,
             "draft_step": best.get("step", state.get("step")) if own else None,

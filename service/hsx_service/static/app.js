@@ -257,7 +257,10 @@
       el("td", {},
         el("a", { class: "job-name", href: jobHref(job.id), text: job.name || job.id }),
         el("div", { class: "muted mono small", text: job.id })),
-      el("td", {}, stateBadge(job.state)),
+      el("td", {}, stateBadge(job.state),
+        // A running job that waits says so in the list too (its page says for what).
+        job.state === "running" && job.waiting_for
+          ? el("div", { class: "waits small", text: "waiting", title: job.waiting_for }) : null),
       el("td", { class: "col-progress" },
         el("div", { class: "progress-cell" },
           progressBar(job, true),
@@ -398,6 +401,8 @@
     $("#errors-empty").hidden = true;
     $("#errors-more").hidden = true;
     $("#last-error-card").hidden = true;
+    renderWaiting($("#waiting"), null);
+    $("#job-plan").hidden = true;
     const cancel = $("#cancel-btn");
     cancel.hidden = true;
     cancel.disabled = false;
@@ -516,6 +521,10 @@
     $("#stat-restarts").classList.toggle("warn", status.restarts > 0);
     renderElapsed(status);
 
+    renderWaiting($("#waiting"), status.waiting_for);
+    $("#job-plan").hidden = !status.plan;
+    $("#job-plan").textContent = status.plan ? `Plan: ${status.plan.summary}` : "";
+
     renderWorkers(status);
     $("#last-error-card").hidden = !status.last_error;
     $("#last-error").textContent = status.last_error || "";
@@ -524,6 +533,12 @@
     renderDetails(status);
     drawRateChart(current);
     maybeRefreshErrors(current, status);
+  }
+
+  // "waiting for 1 GPU of 1: held by the trainer of job a" -> "Waiting for 1 GPU of 1: …"
+  function renderWaiting(box, text) {
+    box.hidden = !text;
+    box.textContent = text ? text.charAt(0).toUpperCase() + text.slice(1) : "";
   }
 
   function etaText(status) {
@@ -979,6 +994,7 @@
     $("#train-plan").textContent = "";
     $("#train-warning").hidden = true;
     $("#train-warning").textContent = "";
+    renderWaiting($("#train-waiting"), null);
     $("#train-error-box").hidden = true;
     $("#train-error").textContent = "";
     drawLossChart(null);
@@ -1020,6 +1036,7 @@
     $("#train-meta").textContent = meta.join(" · ");
 
     renderTrainingQuality(train, plan);
+    renderWaiting($("#train-waiting"), train.waiting_for);
 
     $("#train-error-box").hidden = !train.error;
     $("#train-error").textContent = train.error || "";

@@ -1,0 +1,257 @@
+"""The plan of a job's GPUs and the arbiter that hands them out (service/hsx_service/placement.py).
+
+The plan: where engines, the trainer and the evaluation run on clusters of 1, 2 and 8
+GPUs and on a CPU machine, with the defaults and with explicit sizes; what a cluster can
+never provide is refused naming the field and both numbers. The arbiter: requests are
+served in the order job, then engines < trainer < evaluation; a waiter hears what it
+waits for and who holds it; idle engines are named as such; a cancel ends a wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from hsx.spec import JobSpec, TrainSpec
+from hsx_service.placement import (
+    ENGINE,
+    EVALUATION,
+    TRAINER,
+    ClusterShape,
+    GpuArbiter,
+    Holder,
+    plan_job,
+)
+from hsx_service.prepare import JobRefused
+
+
+def _spec(train: dict[str, Any] | None = None, **fields: Any) -> JobSpec:
+    return JobSpec(model="/m", dataset="/d.jsonl", output="/o",
+                   train=TrainSpec(**train) if train is not None else None, **fields)
+
+
+def gpus(n: int) -> ClusterShape:
+    return ClusterShape(gpus=n, cpus=16 * max(n, 1), cores=16)
+
+
+def test_one_gpu_extracts_then_trains_then_measures_on_it() -> None:
+    plan = plan_job(_spec(train={}), gpus(1))
+    assert (plan.replicas, plan.engine_gpus, plan.train_gpus, plan.eval_gpus) == (1, 1, 1, 1)
+    assert plan.training == "after"
+    assert plan.summary == ("1 GPU: 1 engine on 1; when the extraction ends the engines yield "
+                            "their GPUs and the trainer on 1 GPU trains; then vLLM measures "
+                            "the draft on 1 GPU")
+
+
+def test_two_gpus_train_beside_the_engine() -> None:
+    plan = plan_job(_spec(train={}), gpus(2))
+    assert (plan.replicas, plan.engine_gpus, plan.train_gpus, plan.training) == (1, 1, 1, "beside")
+
+
+def test_eight_gpus_give_the_engines_all_but_the_trainers() -> None:
+    assert plan_job(_spec(train={}), gpus(8)).replicas == 7
+    assert plan_job(_spec(train={"workers": 2}), gpus(8)).replicas == 6
+    assert plan_job(_spec(), gpus(8)).replicas == 8  # nothing to train: every GPU extracts
+    tp2 = plan_job(_spec(train={}, tensor_parallel_size=2), gpus(8))
+    assert (tp2.replicas, tp2.engine_gpus, tp2.training, tp2.eval_gpus) == (3, 6, "beside", 2)
+
+
+def test_a_target_as_wide_as_the_node_trains_after_and_is_measured_as_wide() -> None:
+    plan = plan_job(_spec(train={}, tensor_parallel_size=8), gpus(8))
+    assert (plan.replicas, plan.engine_gpus, plan.training, plan.eval_gpus) == (1, 8, "after", 8)
+    assert "then vLLM measures the draft on 8 GPUs (TP 8)" in plan.summary
+
+
+def test_explicit_replicas_that_leave_no_gpu_train_after() -> None:
+    plan = plan_job(_spec(train={}, replicas=8), gpus(8))
+    assert (plan.replicas, plan.training) == (8, "after")
+    assert plan_job(_spec(train={"device": "cpu"}, replicas=8), gpus(8)).training == "beside"
+
+
+def test_no_evaluation_no_eval_gpus() -> None:
+    assert plan_job(_spec(train={"eval_prompts": 0}), gpus(1)).eval_gpus == 0
+
+
+@pytest.mark.parametrize(("fields", "cluster", "words"), [
+    ({"train": {"workers": 4}}, gpus(2),
+     "train.workers: 4 training workers need a GPU each, but the Ray cluster has 2"),
+    ({"tensor_parallel_size": 4}, gpus(2),
+     "tensor_parallel_size: one engine needs 4 GPUs, but the Ray cluster has 2"),
+    ({"replicas": 3}, gpus(2), "replicas: 3 engines x tensor_parallel_size 1 need 3 GPUs"),
+    ({"replicas": 3, "tensor_parallel_size": 2}, ClusterShape(gpus=0, cpus=8, cores=2),
+     "they need 6 cores, this machine has 2; set replicas to 1"),
+    ({"tensor_parallel_size": 4}, ClusterShape(gpus=0, cpus=8, cores=2),
+     "lower tensor_parallel_size to 2"),
+    ({"replicas": 9}, ClusterShape(gpus=0, cpus=8, cores=None),
+     "replicas: 9 engines x tensor_parallel_size 1 need 9 CPUs, but the Ray cluster has 8"),
+    ({"train": {"device": "cuda"}}, ClusterShape(gpus=0, cpus=8, cores=2),
+     "train.device: cuda, but the Ray cluster has no GPU"),
+])
+def test_what_the_cluster_can_never_provide_is_refused(
+    fields: dict[str, Any], cluster: ClusterShape, words: str
+) -> None:
+    train = fields.pop("train", None)
+    with pytest.raises(JobRefused, match=words.replace("(", r"\(").replace(")", r"\)")):
+        plan_job(_spec(train=train, **fields), cluster)
+
+
+def test_cpu_clusters_share_the_cores() -> None:
+    tp2 = plan_job(_spec(tensor_parallel_size=2), ClusterShape(gpus=0, cpus=8, cores=2))
+    assert (tp2.replicas, tp2.gpus, tp2.engine_gpus) == (1, 0, 0)
+    plan = plan_job(_spec(train={}, replicas=2), ClusterShape(gpus=0, cpus=8, cores=2))
+    assert (plan.replicas, plan.training, plan.train_gpus) == (2, "beside", 0)
+    assert plan.summary == ("CPU cluster: 2 engines on CPUs; the trainer beside them on a CPU; "
+                            "then the evaluation on a CPU")
+
+
+# ------------------------------------------------------------------ the arbiter
+
+
+def _in_thread(arbiter: GpuArbiter, holder: Holder, seen: list[str | None],
+               cancel: threading.Event | None = None) -> tuple[threading.Thread, list[bool]]:
+    got: list[bool] = []
+
+    def run() -> None:
+        got.append(arbiter.acquire(holder, on_wait=seen.append, poll_s=0.01,
+                                   cancelled=cancel.is_set if cancel else None))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, got
+
+
+def _until(check: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.005)
+
+
+def test_a_waiter_hears_who_holds_the_gpu_and_gets_it_when_released() -> None:
+    arbiter = GpuArbiter(total=lambda: 1)
+    engine = Holder("job-a", "engine-0", 1, (1.0, ENGINE))
+    assert arbiter.acquire(engine)
+    seen: list[str | None] = []
+    trainer = Holder("job-a", "trainer", 1, (1.0, TRAINER))
+    thread, got = _in_thread(arbiter, trainer, seen)
+    _until(lambda: seen)
+    assert seen[0] == "waiting for 1 GPU of 1: held by engine-0 of job job-a"
+    assert not arbiter.blocked_by_idle()  # the engine works: nothing to release
+    engine.idle = True
+    assert arbiter.blocked_by_idle()
+    _until(lambda: "(idle, kept warm)" in (seen[-1] or ""))
+    arbiter.release(engine)
+    thread.join(5)
+    assert got == [True] and seen[-1] is None
+    assert arbiter.holders() == [trainer] and arbiter.waiters() == []
+
+
+def test_requests_are_served_by_job_then_engines_trainer_evaluation() -> None:
+    arbiter = GpuArbiter(total=lambda: 1)
+    blocker = Holder("job-a", "trainer", 1, (1.0, TRAINER))
+    assert arbiter.acquire(blocker)
+    order: list[str] = []
+    later_engine = Holder("job-b", "engine-0", 1, (2.0, ENGINE))
+    evaluation = Holder("job-a", "evaluation", 1, (1.0, EVALUATION))
+    threads = []
+    for holder in (later_engine, evaluation):  # the evaluation asks second
+        seen: list[str | None] = []
+        thread, _ = _in_thread(arbiter, holder, seen)
+        threads.append(thread)
+        _until(lambda seen=seen: seen)  # type: ignore[misc]
+    arbiter.release(blocker)
+    for _ in range(2):
+        _until(lambda: bool(arbiter.holders()))
+        held = arbiter.holders()[0]
+        order.append(held.describe())
+        arbiter.release(held)
+    for thread in threads:
+        thread.join(5)
+    assert order == ["the evaluation of job job-a", "engine-0 of job job-b"]
+
+
+def test_a_free_gpu_goes_to_whoever_is_first_in_line() -> None:
+    arbiter = GpuArbiter(total=lambda: 2)
+    big = Holder("job-a", "engine-0", 2, (1.0, ENGINE))
+    small = Holder("job-b", "engine-0", 1, (2.0, ENGINE))
+    one = Holder("job-z", "trainer", 1, (0.5, TRAINER))
+    assert arbiter.acquire(one)
+    seen_big: list[str | None] = []
+    seen_small: list[str | None] = []
+    t_big, _ = _in_thread(arbiter, big, seen_big)
+    _until(lambda: seen_big)
+    t_small, _ = _in_thread(arbiter, small, seen_small)
+    _until(lambda: seen_small)
+    # One GPU is free, but job-a's engine waits ahead of job-b's: no overtaking.
+    assert "engine-0 of job job-a waits ahead of it" in (seen_small[-1] or "")
+    arbiter.release(one)
+    t_big.join(5)
+    assert big in arbiter.holders() and small not in arbiter.holders()
+    arbiter.release(big)
+    t_small.join(5)
+    assert arbiter.holders() == [small]
+
+
+def test_a_cancelled_wait_holds_nothing() -> None:
+    arbiter = GpuArbiter(total=lambda: 1)
+    assert arbiter.acquire(Holder("job-a", "engine-0", 1, (1.0, ENGINE)))
+    cancel = threading.Event()
+    seen: list[str | None] = []
+    thread, got = _in_thread(arbiter, Holder("job-b", "engine-0", 1, (2.0, ENGINE)), seen,
+                             cancel)
+    _until(lambda: seen)
+    cancel.set()
+    thread.join(5)
+    assert got == [False] and len(arbiter.holders()) == 1 and arbiter.waiters() == []
+
+
+def test_no_gpus_asked_no_wait() -> None:
+    arbiter = GpuArbiter(total=lambda: 0)
+    assert arbiter.acquire(Holder("job-a", "trainer", 0, (1.0, TRAINER)))
+    assert arbiter.holders() == []
+
+
+def test_a_trainer_planned_after_the_extraction_keeps_its_place_in_line() -> None:
+    """Not served before its job ends; once it has, ahead of the next job's engines, which
+    see it waiting and do not reuse the idle warm engine in its way."""
+    arbiter = GpuArbiter(total=lambda: 1)
+    extracted = threading.Event()
+    engine = Holder("job-a", "engine-0", 1, (1.0, ENGINE))
+    assert arbiter.acquire(engine)
+    trainer = Holder("job-a", "trainer", 1, (1.0, TRAINER), ready=extracted,
+                     until="waiting for the extraction of job job-a to end")
+    seen: list[str | None] = []
+    thread, got = _in_thread(arbiter, trainer, seen)
+    _until(lambda: seen)
+    assert seen[0] == "waiting for the extraction of job job-a to end"
+    assert not arbiter.blocked_by_idle() and not arbiter.waits_ahead_of((2.0, ENGINE))
+    engine.idle = True  # job-a ended: its engine is kept warm
+    assert not arbiter.blocked_by_idle()  # the trainer is not ready yet: nothing yields
+    extracted.set()
+    assert arbiter.waits_ahead_of((2.0, ENGINE)) and not arbiter.waits_ahead_of((1.0, ENGINE))
+    assert arbiter.blocked_by_idle()
+    arbiter.release(engine)  # the pool lets the idle engine go
+    thread.join(5)
+    assert got == [True] and arbiter.holders() == [trainer]
+
+
+def test_the_evaluation_takes_its_place_before_the_trainer_leaves() -> None:
+    arbiter = GpuArbiter(total=lambda: 1)
+    trainer = Holder("job-a", "trainer", 1, (1.0, TRAINER))
+    assert arbiter.acquire(trainer)
+    seen: list[str | None] = []
+    later, later_got = _in_thread(arbiter, Holder("job-b", "engine-0", 1, (2.0, ENGINE)), seen)
+    _until(lambda: seen)
+    evaluation = Holder("job-a", "evaluation", 1, (1.0, EVALUATION))
+    arbiter.enqueue(evaluation)
+    arbiter.release(trainer)
+    time.sleep(0.1)
+    assert arbiter.holders() == []  # job-b's engine did not slip in
+    assert arbiter.acquire(evaluation)
+    arbiter.release(evaluation)
+    later.join(5)
+    assert later_got == [True]
