@@ -19,11 +19,11 @@
   unfinished multipart uploads); only while no writer of this output runs.
 
 This module is the interface alone; it imports none of its variants.
-`Storage.for_uri(uri, **options)` asks `StorageFactory` (storage_factory.py), which maps
-a URI's scheme to the module of its variant and imports that module when a URI of the
-scheme is first opened: a path or `file://` URI is a `LocalStorage` (local_storage.py);
-`s3://`, `gs://` and `az://` are an `ObjectStoreStorage` (object_storage.py: obstore,
-i.e. Rust object_store), so `import hsx` stays light.
+`Storage.for_uri(uri, **options)` asks storage_factory.py, which maps a URI's scheme to
+the module of its variant and imports that module when a URI of the scheme is first
+opened: a path or `file://` URI is a `LocalStorage` (local_storage.py); `s3://`, `gs://`
+and `az://` are an `ObjectStoreStorage` (object_storage.py: obstore, i.e. Rust
+object_store), so `import hsx` stays light.
 
 Keys are relative, `/`-separated names (`commits/unit-000042.json`). `list(prefix)` takes
 a folder: `list("commits")` lists everything under `commits/`, never `commitsX/...`.
@@ -203,17 +203,17 @@ class Storage(abc.ABC):
         `options` go to the object store: for `s3://`, `endpoint`, `region`,
         `access_key_id`, `secret_access_key`, `session_token`, `allow_http`, and any other
         obstore `S3Config` key; unset ones come from the usual `AWS_*` variables.
-        The variant is `StorageFactory`'s (storage_factory.py) to pick and import.
+        The variant is storage_factory.py's to pick and import.
         """
-        from hsx.output.storage_factory import StorageFactory
+        from hsx.output.storage_factory import open_storage
 
-        return StorageFactory.create(uri, **options)
+        return open_storage(uri, **options)
 
     @classmethod
     def from_uri(cls, uri: str, **options: Any) -> Storage:
         """This variant for `uri` (one of its schemes, or a plain path for local disk);
         ValueError when the URI or the options do not fit it. A variant registered with
-        `StorageFactory` defines it; one made only in code (a test's) need not."""
+        storage_factory.py defines it; one made only in code (a test's) need not."""
         raise NotImplementedError(f"{cls.__name__} is not opened by URI")
 
     def url(self, key: str) -> str:
