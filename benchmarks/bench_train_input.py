@@ -101,11 +101,12 @@ def data_only(root: Path, spec: Any, device: str) -> dict[str, float]:
     del speculators
 
     trainer = DraftTrainer(root, spec)
-    trainer.prepare()
+    plan = trainer.prepare()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pad = trainer.device is not None and trainer.device.type == "cuda"  # as run() packs
     t0 = time.perf_counter()
     tokens = 0
-    for step in trainer._batches(0, dtype):  # the producer itself
+    for step in trainer.data.batches(0, dtype, plan, pad=pad):  # the producer itself
         tokens += step.tokens
     seconds = time.perf_counter() - t0
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}

@@ -470,7 +470,7 @@ fixed: pinned_encode + fast_stream."""
 
 
 class FastStream:
-    """Prototype replacement for hsx.output.shards._DataStream (its interface then).
+    """Prototype replacement for hsx.output.shards.writer._DataStream (its interface then).
 
     The current stream writes and hashes each buffer on ONE thread, so its rate is
     1 / (1/write + 1/sha256). Here the write and the sha256 run on two threads over the
@@ -560,7 +560,8 @@ class HashThreadStream(FastStream):
 
 
 def _writer_class(kind: str) -> Any:
-    from hsx.output.shards import ShardWriter, _torch_bf16_to_numpy
+    from hsx.output.shards import ShardWriter
+    from hsx.output.shards.writer import _torch_bf16_to_numpy
 
     if kind not in ("pinned_encode", "fixed"):
         return ShardWriter
@@ -585,11 +586,11 @@ def _writer_class(kind: str) -> Any:
 
 
 def _stream_patch(kind: str) -> Any:
-    import hsx.output.shards
+    import hsx.output.shards.writer
 
     stream = {"hash_thread": HashThreadStream, "fast_stream": FastStream, "fixed": FastStream}
     if kind in stream:
-        return mock.patch.object(hsx.output.shards, "_DataStream", stream[kind])
+        return mock.patch.object(hsx.output.shards.writer, "_DataStream", stream[kind])
     return contextlib.nullcontext()
 
 

@@ -72,11 +72,12 @@ def write_inputs_table(output: Output | Path | str, rows: list[int],
 def flip_sample_byte(shard: Path, sample: int, tensor: str = "hidden_states") -> int:
     """Flip one byte in the middle of sample `sample`'s rows of `tensor` in a shard file
     (in place, as a failing disk would); returns that sample's sample_index."""
-    from hsx.output.shards import _NUMPY_DTYPES, ShardReader
+    from hsx.output.shards import ShardReader
+    from hsx.output.shards.encoding import NUMPY_DTYPES
 
     reader = ShardReader(shard)
     info = reader._tensors[tensor]
-    row_bytes = _NUMPY_DTYPES[info["dtype"]].itemsize
+    row_bytes = NUMPY_DTYPES[info["dtype"]].itemsize
     for dim in info["shape"][1:]:
         row_bytes *= dim
     first, last = int(reader.offsets[sample]), int(reader.offsets[sample + 1])

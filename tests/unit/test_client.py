@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 import hsx
-from hsx.cli import job_progress
+from hsx.cli.jobs import job_progress
 from hsx.client import (
     ApiError,
     Client,

@@ -15,12 +15,13 @@ import pytest
 from hsx.modelinfo import read_model_info
 from hsx.spec import JobSpec
 from hsx_service.prepare import JobRefused, preflight, prepare
-from hsx_workers import preflight as preflight_module
 from hsx_workers.preflight import (
     ModelReport,
     environment_report,
     format_report,
+    image_processors,
     inspect_model,
+    missing_torchvision,
     needs_torchvision_stub,
     torchvision_missing,
 )
@@ -36,7 +37,7 @@ REQUIRED_KEYS = {
 
 # vLLM builds Kimi-K2.5's image processor at engine start even for the text path: its
 # own numpy + numba one where numba imports, else transformers' torchvision-only one.
-NUMBA = preflight_module._importable("numba")
+NUMBA = image_processors._importable("numba")
 KIMI_CAPTURE = ("extract_hidden_states" if NUMBA or not torchvision_missing()
                 else "unsupported")
 
@@ -153,8 +154,8 @@ def test_kimi_k25_refused_without_numba_and_torchvision(
 ) -> None:
     """Where vLLM would fall back to transformers' torchvision-only processor and
     torchvision is missing, the job is refused, naming the step that would fail."""
-    monkeypatch.setattr(preflight_module, "_importable", lambda name: name != "numba")
-    monkeypatch.setattr(preflight_module, "torchvision_missing", lambda: True)
+    monkeypatch.setattr(image_processors, "_importable", lambda name: name != "numba")
+    monkeypatch.setattr(missing_torchvision, "torchvision_missing", lambda: True)
     kimi = inspect_model(str(configs["kimi_k25"]))
     assert kimi.capture == "unsupported"
     assert any("Kimi_K25ImageProcessor" in r and "_supports_multimodal_inputs" in r
@@ -179,8 +180,8 @@ def test_kimi_k25_without_numba_judged_by_the_processor_vllm_loads(
         def media_tokens_calculator(self, media: Any) -> int:
             return 1
 
-    monkeypatch.setattr(preflight_module, "_importable", lambda name: name != "numba")
-    monkeypatch.setattr(preflight_module, "torchvision_missing", lambda: False)
+    monkeypatch.setattr(image_processors, "_importable", lambda name: name != "numba")
+    monkeypatch.setattr(missing_torchvision, "torchvision_missing", lambda: False)
     cases = ((BuiltIn, "unsupported", "lacks it"),
              (RemoteCode, "extract_hidden_states", "built here"))
     for given, capture, said in cases:
@@ -345,8 +346,8 @@ def test_refused_uncapturable_model_with_engine_forced(
     message = _run_refused(_spec(unknown, chat_dataset, tmp_path / "g"))
     assert "engine vllm" in message and "NoSuchModelForCausalLM" in message
     with monkeypatch.context() as patch:  # a machine with neither numba nor torchvision
-        patch.setattr(preflight_module, "_importable", lambda name: name != "numba")
-        patch.setattr(preflight_module, "torchvision_missing", lambda: True)
+        patch.setattr(image_processors, "_importable", lambda name: name != "numba")
+        patch.setattr(missing_torchvision, "torchvision_missing", lambda: True)
         # A folder of its own: the job preflight caches answers per model folder.
         kimi = _copy_config(configs["kimi_k25"], tmp_path / "kimi")
         message = _run_refused(_spec(kimi, chat_dataset, tmp_path / "k"))

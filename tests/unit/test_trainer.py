@@ -402,7 +402,7 @@ def test_steps_are_packs_of_whole_samples(tmp_path: Path, tiny_llama: Path) -> N
     trainer.plan = trainer._make_plan(Output(root).manifest())
     held = trainer.val_indices
     assert len(held) == 4 and trainer.plan.val_samples == 4
-    steps = list(trainer._batches(0, torch.float32))
+    steps = list(trainer.data.batches(0, torch.float32, trainer.plan, pad=False))
     assert sorted(u for s in steps for u in s.units) == [0, 1, 2]
     trained = 0
     for s in steps:
@@ -424,18 +424,19 @@ def test_prefetch_reads_on_across_epoch_ends(tmp_path: Path, tiny_llama: Path) -
     trainer = DraftTrainer(root, spec(batch_tokens=40, pack_tokens=16))
     trainer.device = torch.device("cpu")
     trainer.plan = trainer._make_plan(Output(root).manifest())
-    trainer.state.epoch, trainer.state.units_done = 3, [1]  # resumed in epoch 3, unit 1 done
-    batches = {e: list(trainer._batches(e, torch.float32, done))
+    plan = trainer.plan
+    batches = {e: list(trainer.data.batches(e, torch.float32, plan, pad=False, done=done))
                for e, done in ((3, [1]), (4, []), (5, []))}
     started: list[int] = []  # the epochs the reader began
-    read = trainer._batches
+    read = trainer.data.batches
 
-    def spy(epoch: int, *args: Any) -> Any:
+    def spy(epoch: int, *args: Any, **kwargs: Any) -> Any:
         started.append(epoch)
-        yield from read(epoch, *args)
+        yield from read(epoch, *args, **kwargs)
 
-    trainer._batches = spy  # type: ignore[method-assign]
-    items = trainer._prefetch(3, torch.float32)
+    trainer.data.batches = spy  # type: ignore[method-assign]
+    # Resumed in epoch 3 with unit 1 done.
+    items = trainer.data.prefetch(3, torch.float32, plan, pad=False, done=[1])
     got: list[Any] = []
     for item in items:
         got.append(item)

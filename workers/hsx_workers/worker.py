@@ -57,8 +57,8 @@ from hsx_workers.engines.base import (
     GenerateRequest,
     GenerateResult,
     _Wait,
-    create_engine,
 )
+from hsx_workers.engines.factory import create_engine
 
 logger = logging.getLogger(__name__)
 

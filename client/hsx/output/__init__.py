@@ -4,7 +4,8 @@
   `Manifest` (published once), the inputs and errors tables, `CommitRecord`s, shard
   writers and readers, totals, the error list, the complete marker, orphan clean-up and
   verification. Everything else in hsx goes through it.
-- The shard format (shards.py): `ShardWriter`, `ShardReader`, fp8 quantization.
+- The shard format (shards/): `ShardWriter` (writer.py), `ShardReader` (reader.py),
+  `verify_shard` (verify.py), what the bytes mean and fp8 quantization (encoding.py).
 - `Storage` (storage.py): where the objects live — local disk (a path or `file://`) or
   an object store (`s3://`, `gs://`, `az://`) — behind a few operations.
 - The names of the objects (layout.py) and the format's JSON records (records.py).

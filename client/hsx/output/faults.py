@@ -15,9 +15,10 @@ worker process at its first publish. The points, in the order a unit's commit ta
   store, the upload completed), its commit record not yet created;
 - `after_commit_record`: the commit record exists, the worker has not yet reported the unit.
 
-The trainer's checkpoints have their own points (workers/hsx_workers/trainer.py), in the
-order a checkpoint takes them; they count every checkpoint, so `after_checkpoint_write:2`
-dies while the second checkpoint is written, with the first one whole behind it:
+The trainer's checkpoints have their own points (workers/hsx_workers/trainer/
+draft_trainer.py), in the order a checkpoint takes them; they count every checkpoint, so
+`after_checkpoint_write:2` dies while the second checkpoint is written, with the first
+one whole behind it:
 
 - `after_checkpoint_write`: the checkpoint's files are written and fsynced in
   `draft/.tmp/step-N/`, not yet renamed into `draft/checkpoints/`;

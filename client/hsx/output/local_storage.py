@@ -17,6 +17,8 @@ import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
@@ -82,6 +84,21 @@ class LocalStorage(Storage):
         self.direct_io = os.environ.get(DIRECT_IO_ENV, "0").strip() == "1"
         """Streamed bodies bypass the page cache where they can (HSX_DIRECT_IO=1; see
         DIRECT_ALIGN); turned off by the first refusal."""
+
+    @classmethod
+    def from_uri(cls, uri: str, **options: Any) -> LocalStorage:
+        """A path or a `file://` URI; local disk takes no options."""
+        if options:
+            kind = "a file:// URI" if "://" in uri else "a local path"
+            raise ValueError(f"{kind} takes no storage options, got {sorted(options)}")
+        if "://" not in uri:
+            return cls(uri)
+        parts = urlsplit(uri)
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"file URI {uri!r} names host {parts.netloc!r}; only local files work")
+        if not parts.path:
+            raise ValueError(f"file URI {uri!r} has no path")
+        return cls(unquote(parts.path))
 
     @property
     def is_local(self) -> bool:

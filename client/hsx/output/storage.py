@@ -18,9 +18,12 @@
 - `abort_incomplete_writes()`: remove what crashed writers left behind (staging files,
   unfinished multipart uploads); only while no writer of this output runs.
 
-`Storage.for_uri(uri, **options)` picks the implementation: a path or `file://` URI is a
-`LocalStorage`; `s3://`, `gs://` and `az://` are an `ObjectStoreStorage` (obstore, i.e.
-Rust object_store), which is imported only then, so `import hsx` stays light.
+This module is the interface alone; it imports none of its variants.
+`Storage.for_uri(uri, **options)` asks storage_factory.py, which maps a URI's scheme to
+the module of its variant and imports that module when a URI of the scheme is first
+opened: a path or `file://` URI is a `LocalStorage` (local_storage.py); `s3://`, `gs://`
+and `az://` are an `ObjectStoreStorage` (object_storage.py: obstore, i.e. Rust
+object_store), so `import hsx` stays light.
 
 Keys are relative, `/`-separated names (`commits/unit-000042.json`). `list(prefix)` takes
 a folder: `list("commits")` lists everything under `commits/`, never `commitsX/...`.
@@ -200,25 +203,18 @@ class Storage(abc.ABC):
         `options` go to the object store: for `s3://`, `endpoint`, `region`,
         `access_key_id`, `secret_access_key`, `session_token`, `allow_http`, and any other
         obstore `S3Config` key; unset ones come from the usual `AWS_*` variables.
+        The variant is storage_factory.py's to pick and import.
         """
-        text = os.fspath(uri)
-        scheme, sep, _ = text.partition("://")
-        if not sep:
-            if options:
-                raise ValueError(f"a local path takes no storage options, got {sorted(options)}")
-            return _local(Path(text))
-        scheme = scheme.lower()
-        if scheme == "file":
-            if options:
-                raise ValueError(f"a file:// URI takes no storage options, got {sorted(options)}")
-            return _local(_file_uri_path(text))
-        if scheme in ("s3", "gs", "az"):
-            from hsx.output.object_storage import ObjectStoreStorage
+        from hsx.output.storage_factory import open_storage
 
-            return ObjectStoreStorage.from_uri(text, **options)
-        raise ValueError(
-            f"unsupported storage URI {text!r}: use a path, file://, s3://, gs:// or az://"
-        )
+        return open_storage(uri, **options)
+
+    @classmethod
+    def from_uri(cls, uri: str, **options: Any) -> Storage:
+        """This variant for `uri` (one of its schemes, or a plain path for local disk);
+        ValueError when the URI or the options do not fit it. A variant registered with
+        storage_factory.py defines it; one made only in code (a test's) need not."""
+        raise NotImplementedError(f"{cls.__name__} is not opened by URI")
 
     def url(self, key: str) -> str:
         """The URI of `key`, for messages."""
@@ -289,19 +285,3 @@ class Storage(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
 
-
-def _file_uri_path(uri: str) -> Path:
-    from urllib.parse import unquote, urlsplit
-
-    parts = urlsplit(uri)
-    if parts.netloc not in ("", "localhost"):
-        raise ValueError(f"file URI {uri!r} names host {parts.netloc!r}; only local files work")
-    if not parts.path:
-        raise ValueError(f"file URI {uri!r} has no path")
-    return Path(unquote(parts.path))
-
-
-def _local(path: Path) -> Storage:
-    from hsx.output.local_storage import LocalStorage
-
-    return LocalStorage(path)

@@ -6,6 +6,10 @@ Variants:
 - `HfEngine` (engines/hf_engine.py): a transformers forward. The reference the vLLM
   engine is tested against, and the fallback for architectures vLLM cannot capture.
 
+This module is the interface alone and imports no engine; the engines import it.
+`create_engine` (engines/factory.py) maps an engine's name to its module, imported when
+that engine is first built.
+
 Who calls what: `ExtractionWorker` (worker.py) builds one engine per actor with
 `create_engine`, then calls `capture` once per work unit. Per-sample problems come back
 as `CaptureResult.error`; anything that means the engine itself is gone raises
@@ -142,26 +146,3 @@ class CaptureEngine(Protocol):
 
     def close(self) -> None: ...
 
-
-def create_engine(name: str, config: EngineConfig) -> CaptureEngine:
-    """The engine factory: engines are imported lazily, by name.
-
-    Any failure to start becomes `EngineStartFailed` with a one-line reason.
-    """
-    engine: Any
-    try:
-        if name == "vllm":
-            from hsx_workers.engines.vllm_engine import VllmEngine
-
-            engine = VllmEngine(config)
-        elif name == "hf":
-            from hsx_workers.engines.hf_engine import HfEngine
-
-            engine = HfEngine(config)
-        else:
-            raise ValueError(f"unknown engine {name!r} (expected 'vllm' or 'hf')")
-    except Exception as err:
-        raise EngineStartFailed(
-            f"{name} engine could not start on {config.model}: {describe_error(err)}"
-        ) from None
-    return engine  # type: ignore[no-any-return]

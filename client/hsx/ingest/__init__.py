@@ -1,0 +1,73 @@
+"""Dataset ingestion: rows -> token ids, loss masks and lengths, plus a table of bad rows.
+
+`ingest` reads a dataset (JSONL, Parquet, or a Hugging Face `save_to_disk` folder),
+tokenizes each row and writes two Arrow IPC files into the output (through
+`hsx.output.Output`, which owns their schemas and readers):
+
+- `inputs.arrow`: one row per good sample — sample_index, input_ids, loss_mask, length —
+  in ascending sample_index. It travels with the hidden states, so a trainer needs
+  nothing but the output location.
+- `errors.arrow`: one row per bad row — sample_index, reason — always written, possibly
+  empty. Together the two account for every row of the dataset exactly once.
+
+A row carries one of these fields, tried in this order:
+
+- `input_ids` (pre-tokenized; optional `loss_mask` of the same length, else all ones),
+- `messages` (OpenAI style `{role, content}`) or `conversations` (ShareGPT style
+  `{from, value}`, human -> user, gpt -> assistant): rendered with the tokenizer's chat
+  template; the loss mask is 1 exactly on what each assistant turn produces,
+- `prompt` or `text`: plain text, tokenized without a template; loss mask all ones.
+
+`sample_index` is a row's 0-based position in the source (across files, in sorted
+order), so an error names the line a person can look up. Rows that cannot be used are
+recorded with a plain-sentence reason and skipped; the ingestion goes on.
+
+Memory stays constant in the number of rows: rows are read, tokenized and written
+`batch_rows` at a time. This package imports no torch, vllm or ray; transformers is
+imported inside the functions that load a tokenizer.
+
+- sources.py: the dataset's files and their rows, in source order (JSONL, Parquet,
+  `save_to_disk`), and the dataset's fingerprint;
+- rows.py: what a row asks for (pre-tokenized ids, a conversation, plain text), or
+  why it is bad;
+- tokenizer.py: the tokenizer, its fingerprint, and chats rendered with its template
+  into token ids and assistant masks;
+- pipeline.py: `ingest`, batch by batch into the output's tables, and the same
+  tokenization for other callers (`tokenize_conversations`, `estimate_tokens`).
+"""
+
+from __future__ import annotations
+
+from hsx.ingest.pipeline import (
+    NOT_A_CHAT,
+    IngestResult,
+    LengthSummary,
+    estimate_tokens,
+    ingest,
+    tokenize_conversations,
+)
+from hsx.ingest.sources import (
+    DatasetFormatError,
+    DatasetNotFoundError,
+    count_rows,
+    dataset_fingerprint,
+    iter_rows,
+)
+from hsx.ingest.tokenizer import generation_prompt, load_tokenizer, tokenizer_fingerprint
+
+__all__ = [
+    "NOT_A_CHAT",
+    "DatasetFormatError",
+    "DatasetNotFoundError",
+    "IngestResult",
+    "LengthSummary",
+    "count_rows",
+    "dataset_fingerprint",
+    "estimate_tokens",
+    "generation_prompt",
+    "ingest",
+    "iter_rows",
+    "load_tokenizer",
+    "tokenize_conversations",
+    "tokenizer_fingerprint",
+]

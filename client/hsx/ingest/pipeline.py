@@ -1,0 +1,285 @@
+"""`ingest`: a dataset's rows, batch by batch, into the output's inputs.arrow (samples)
+and errors.arrow (bad rows and why); and the same tokenization for other callers."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from hsx.ingest.rows import Chat, Sample, Text, classify
+from hsx.ingest.sources import Row, count_rows, dataset_fingerprint, iter_rows, resolve_source
+from hsx.ingest.tokenizer import chat_samples, encode, load_tokenizer, tokenizer_fingerprint
+from hsx.output import Output
+from hsx.output.layout import ERRORS, INPUTS
+from hsx.output.tables import ERRORS_SCHEMA, INPUTS_SCHEMA, with_messages
+from hsx.regenerate import dumps_messages
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LengthSummary:
+    """Sample lengths in tokens (after truncation); zeros when there are no samples."""
+
+    min: int
+    max: int
+    mean: float
+    p50: int
+    p90: int
+    p99: int
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """What `ingest` wrote: counts, length summary and the fingerprints of its inputs."""
+
+    num_rows: int
+    num_samples: int
+    num_errors: int
+    num_tokens: int
+    num_loss_tokens: int
+    num_truncated: int
+    lengths: LengthSummary
+    tokenizer_fingerprint: str
+    dataset_fingerprint: str
+    inputs_path: str
+    errors_path: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+MAX_REASON_CHARS = 1000
+
+
+def _reason_text(reason: str) -> str:
+    """A reason as the errors table can hold it: quoted row content may carry lone
+    surrogates (not UTF-8: shown escaped) and be megabytes long (cut)."""
+    text = reason.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 1] + "…"
+
+
+NOT_A_CHAT = ("regenerate needs a conversation (`messages` or `conversations`) to "
+              "answer; this row has none")
+
+
+def ingest(
+    dataset: str | Path,
+    tokenizer_path: str,
+    max_seq_len: int,
+    output: Output | str | Path,
+    *,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+    batch_rows: int = 1024,
+    progress: Callable[[int], None] | None = None,
+    keep_messages: bool = False,
+) -> IngestResult:
+    """Tokenize every row of `dataset` into the output's inputs.arrow and errors.arrow.
+
+    Each table appears only once complete (staged, then published whole), so a reader
+    never sees half of one. `progress`, if given, is called after each batch
+    with the number of rows read so far. `keep_messages` (a job that regenerates)
+    keeps each row's parsed conversation in the inputs table's `messages` column, and
+    refuses rows that carry none.
+    """
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    if batch_rows < 1:
+        raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
+    source = resolve_source(dataset)  # fail on a bad path before loading a tokenizer
+    data_fp = dataset_fingerprint(dataset)
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
+    tok_fp = tokenizer_fingerprint(tokenizer_path, tokenizer=tokenizer)
+    vocab_size = len(tokenizer)
+    kwargs = dict(chat_template_kwargs or {})
+    if not getattr(tokenizer, "chat_template", None):
+        logger.warning("tokenizer %s has no chat template: rows with messages will be "
+                       "recorded as errors", tokenizer_path)
+
+    out = Output.of(output)
+    inputs = out.table_writer(INPUTS, messages=keep_messages)
+    errors = out.table_writer(ERRORS)
+    counts = np.zeros(max_seq_len + 1, dtype=np.int64)
+    num_rows = num_errors = num_tokens = num_loss = num_truncated = 0
+    try:
+        for batch in _batched(iter_rows(dataset, batch_rows=batch_rows), batch_rows):
+            results = _process_batch(batch, tokenizer, vocab_size, max_seq_len, kwargs)
+            if keep_messages:
+                results = [NOT_A_CHAT if isinstance(r, Sample) and r.messages is None
+                           else r for r in results]
+            good_idx: list[int] = []
+            good: list[Sample] = []
+            bad_idx: list[int] = []
+            bad: list[str] = []
+            for offset, outcome in enumerate(results):
+                if isinstance(outcome, str):
+                    bad_idx.append(num_rows + offset)
+                    bad.append(_reason_text(outcome))
+                else:
+                    good_idx.append(num_rows + offset)
+                    good.append(outcome)
+                    counts[len(outcome.input_ids)] += 1
+                    num_tokens += len(outcome.input_ids)
+                    num_loss += int(outcome.loss_mask.sum())
+                    num_truncated += outcome.truncated
+            inputs.write(_inputs_batch(good_idx, good, messages=keep_messages))
+            errors.write(pa.RecordBatch.from_arrays(
+                [pa.array(bad_idx, pa.int64()), pa.array(bad, pa.string())],
+                schema=ERRORS_SCHEMA))
+            num_rows += len(batch)
+            num_errors += len(bad)
+            if progress is not None:
+                progress(num_rows)
+        inputs.commit()
+        errors.commit()
+    except BaseException:
+        inputs.abort()
+        errors.abort()
+        raise
+    result = IngestResult(
+        num_rows=num_rows,
+        num_samples=num_rows - num_errors,
+        num_errors=num_errors,
+        num_tokens=num_tokens,
+        num_loss_tokens=num_loss,
+        num_truncated=num_truncated,
+        lengths=_summarize(counts),
+        tokenizer_fingerprint=tok_fp,
+        dataset_fingerprint=data_fp,
+        inputs_path=inputs.url,
+        errors_path=errors.url,
+    )
+    logger.info("ingested %s (%s): %d samples, %d errors, %d tokens", dataset, source.kind,
+                result.num_samples, num_errors, num_tokens)
+    return result
+
+
+def _process_batch(rows: list[Row], tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                   max_seq_len: int, kwargs: dict[str, Any]) -> list[Sample | str]:
+    """One result per row, in row order: a sample, or the reason the row is skipped."""
+    work = [classify(row, vocab_size) for row in rows]
+    results: list[Sample | str | None] = [w if isinstance(w, str | Sample) else None
+                                           for w in work]
+
+    texts = {i: w.text for i, w in enumerate(work) if isinstance(w, Text)}
+    for i, ids in zip(texts, encode(tokenizer, list(texts.values()), special=True),
+                      strict=True):
+        results[i] = (Sample(np.asarray(ids, dtype=np.int32), np.ones(len(ids), np.uint8),
+                              truncated=False) if ids else "the text produced no tokens")
+
+    chats = {i: w for i, w in enumerate(work) if isinstance(w, Chat)}
+    chat_at = list(chats)
+    for i, sample in zip(chat_at, chat_samples(tokenizer, list(chats.values()), kwargs),
+                         strict=True):
+        if isinstance(sample, Sample) and not sample.loss_mask.any():
+            sample = "the chat template renders no tokens for the assistant messages"
+        if isinstance(sample, Sample):
+            sample.messages = chats[i].messages
+        results[i] = sample
+
+    final: list[Sample | str] = []
+    for i, r in enumerate(results):
+        if r is None:
+            raise RuntimeError(f"row {i} of the batch was not processed")
+        if isinstance(r, Sample) and len(r.input_ids) > max_seq_len:
+            r = Sample(r.input_ids[:max_seq_len], r.loss_mask[:max_seq_len], truncated=True,
+                        messages=r.messages)
+            if i in chats and not r.loss_mask.any():
+                r = (f"no assistant tokens within the first {max_seq_len} tokens "
+                     "(max_seq_len); the row would train on nothing")
+        final.append(r)
+    return final
+
+
+def _batched(rows: Iterable[Row], size: int) -> Iterator[list[Row]]:
+    batch: list[Row] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _inputs_batch(indices: list[int], samples: list[Sample], *, messages: bool = False
+                  ) -> pa.RecordBatch:
+    lengths = np.fromiter((len(s.input_ids) for s in samples), dtype=np.int32,
+                          count=len(samples))
+    offsets = np.zeros(len(samples) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    if samples:
+        ids = np.concatenate([s.input_ids for s in samples]).astype(np.int32, copy=False)
+        mask = np.concatenate([s.loss_mask for s in samples]).astype(np.uint8, copy=False)
+    else:
+        ids, mask = np.zeros(0, np.int32), np.zeros(0, np.uint8)
+    offsets_arr = pa.array(offsets, type=pa.int32())
+    columns = [
+        pa.array(indices, type=pa.int64()),
+        pa.ListArray.from_arrays(offsets_arr, pa.array(ids, type=pa.int32())),
+        pa.ListArray.from_arrays(offsets_arr, pa.array(mask, type=pa.uint8())),
+        pa.array(lengths, type=pa.int32()),
+    ]
+    if not messages:
+        return pa.RecordBatch.from_arrays(columns, schema=INPUTS_SCHEMA)
+    texts = [dumps_messages(s.messages or []) for s in samples]
+    return pa.RecordBatch.from_arrays([*columns, pa.array(texts, type=pa.string())],
+                                      schema=with_messages(INPUTS_SCHEMA))
+
+
+def _summarize(counts: np.ndarray) -> LengthSummary:
+    total = int(counts.sum())
+    if total == 0:
+        return LengthSummary(0, 0, 0.0, 0, 0, 0)
+    present = np.nonzero(counts)[0]
+    cumulative = np.cumsum(counts)
+
+    def quantile(q: float) -> int:
+        return int(np.searchsorted(cumulative, q * total, side="left"))
+
+    mean = float((np.arange(len(counts)) * counts).sum() / total)
+    return LengthSummary(int(present[0]), int(present[-1]), round(mean, 2), quantile(0.5),
+                         quantile(0.9), quantile(0.99))
+
+
+def tokenize_conversations(tokenizer: PreTrainedTokenizerBase,
+                           conversations: list[list[dict[str, Any]]], max_seq_len: int,
+                           chat_template_kwargs: dict[str, Any] | None = None,
+                           ) -> list[tuple[np.ndarray, np.ndarray] | str]:
+    """(input_ids, loss_mask) of each conversation exactly as ingestion makes them
+    (template, assistant mask, truncation), or the reason it cannot be used."""
+    rows: list[Row] = [{"messages": c} for c in conversations]
+    out: list[tuple[np.ndarray, np.ndarray] | str] = []
+    for r in _process_batch(rows, tokenizer, len(tokenizer), max_seq_len,
+                            dict(chat_template_kwargs or {})):
+        out.append(r if isinstance(r, str) else (r.input_ids, r.loss_mask))
+    return out
+
+
+def estimate_tokens(
+    dataset: str | Path, tokenizer_path: str, max_seq_len: int, *, sample_rows: int = 256,
+    chat_template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False,
+) -> tuple[float, int, int]:
+    """(estimated tokens, rows, rows sampled): the first `sample_rows` rows tokenized as
+    ingestion would, their mean tokens per row times the dataset's row count. Quick
+    (seconds), for checks before ingestion; a prefix is not a random sample."""
+    rows = count_rows(dataset)
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
+    head = list(itertools.islice(iter_rows(dataset), sample_rows))
+    results = _process_batch(head, tokenizer, len(tokenizer), max_seq_len,
+                             dict(chat_template_kwargs or {}))
+    lengths = [len(r.input_ids) for r in results if isinstance(r, Sample)]
+    if not lengths:
+        return 0.0, rows, len(head)
+    return float(np.mean(lengths)) * rows, rows, len(head)

@@ -1,0 +1,226 @@
+"""The tokenizer ingestion uses, its fingerprint, and chats rendered with its chat
+template into token ids and a loss mask on what each assistant turn produces."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hsx.ingest.rows import Chat, Sample, not_unicode
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+NO_TEMPLATE = "the tokenizer has no chat template, so the conversation cannot be rendered"
+
+
+def load_tokenizer(tokenizer_path: str, *, trust_remote_code: bool = False
+                   ) -> PreTrainedTokenizerBase:
+    """The tokenizer ingestion uses (transformers' AutoTokenizer, imported here)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+
+
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+    "chat_template.json",
+)
+_TOKENIZER_GLOBS = ("*.tiktoken", "additional_chat_templates/*.jinja")
+
+
+def tokenizer_fingerprint(tokenizer_path: str | Path, *,
+                          tokenizer: PreTrainedTokenizerBase | None = None) -> str:
+    """Short sha256 of what decides tokenization: vocab/merges files and chat template.
+
+    For a local directory the files are hashed (no tokenizer is loaded). For a hub id
+    the loaded tokenizer's serialized form and chat template are hashed instead.
+    """
+    digest = hashlib.sha256()
+    path = Path(tokenizer_path).expanduser()
+    if path.is_dir():
+        files = [path / name for name in _TOKENIZER_FILES if (path / name).is_file()]
+        for pattern in _TOKENIZER_GLOBS:
+            files.extend(sorted(path.glob(pattern)))
+        if not files:
+            names = ", ".join(_TOKENIZER_FILES[:3])
+            raise FileNotFoundError(f"{path} holds no tokenizer files ({names}, ...)")
+        for f in files:
+            digest.update(f.relative_to(path).as_posix().encode() + b"\0")
+            digest.update(f.read_bytes())
+        return digest.hexdigest()[:16]
+    tok = tokenizer or load_tokenizer(str(tokenizer_path))
+    backend = getattr(tok, "backend_tokenizer", None)
+    digest.update(backend.to_str().encode() if backend is not None else
+                  json.dumps(sorted(tok.get_vocab().items())).encode())
+    digest.update(b"\0" + str(getattr(tok, "chat_template", None) or "").encode())
+    return digest.hexdigest()[:16]
+
+
+class TemplateFailure(Exception):
+    pass
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+            generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+    )
+    if not isinstance(text, str):
+        raise TemplateFailure(f"the chat template returned {type(text).__name__}, not text")
+    return text
+
+
+@dataclass
+class _Rendered:
+    """A chat rendered as text, with the character span of each assistant turn."""
+
+    text: str
+    # Per assistant turn: (prefix ending where the turn starts, prefix ending where it
+    # ends) when rendering prefixes gives prefixes of the full text; else None.
+    prefixes: list[tuple[str, str]] | None
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _render_chat(tokenizer: PreTrainedTokenizerBase, chat: Chat,
+                 kwargs: dict[str, Any]) -> _Rendered:
+    """Render a chat and locate what each assistant turn produces, in characters.
+
+    Preferred: the turn starts where `render(messages[:i], add_generation_prompt=True)`
+    ends and stops where `render(messages[:i+1])` ends, so the mask covers what the model
+    generates in that turn (content and end-of-turn token), whatever the template. Some
+    templates render earlier turns differently once later ones exist (e.g. dropping
+    reasoning); then the prefixes are not prefixes of the full text, and the span is the
+    assistant content found in the rendered text.
+    """
+    try:
+        full = _render(tokenizer, chat.messages, False, kwargs)
+    except Exception as err:  # a template raises anything (jinja errors, raise_exception)
+        raise TemplateFailure(f"the chat template failed: {type(err).__name__}: {err}"
+                               ) from err
+    problem = not_unicode(full)
+    if problem:
+        raise TemplateFailure(f"the rendered chat {problem}")
+    prefixes = _turn_prefixes(tokenizer, chat, full, kwargs)
+    if prefixes is None:
+        return _Rendered(full, None, _find_contents(full, chat))
+    return _Rendered(full, prefixes, [(len(start), len(end)) for start, end in prefixes])
+
+
+def _turn_prefixes(tokenizer: PreTrainedTokenizerBase, chat: Chat, full: str,
+                   kwargs: dict[str, Any]) -> list[tuple[str, str]] | None:
+    """Per assistant turn, the renderings that end where it starts and where it ends;
+    None when they are not prefixes of the full rendering."""
+    prefixes = []
+    for i in chat.assistant:
+        try:
+            start = _render(tokenizer, chat.messages[:i], True, kwargs)
+            end = _render(tokenizer, chat.messages[: i + 1], False, kwargs)
+        except Exception:  # e.g. a template that refuses a conversation without a user turn
+            return None
+        if not (len(start) <= len(end) and full.startswith(start) and full.startswith(end)):
+            return None  # (prefixes of `full`, checked as Unicode with it)
+        prefixes.append((start, end))
+    return prefixes
+
+
+def _find_contents(full: str, chat: Chat) -> list[tuple[int, int]]:
+    spans = []
+    cursor = 0
+    for i in chat.assistant:
+        content = chat.messages[i]["content"]
+        for needle in (content, content.strip()):
+            pos = full.find(needle, cursor) if needle else -1
+            if pos >= 0:
+                spans.append((pos, pos + len(needle)))
+                cursor = pos + len(needle)
+                break
+        else:
+            raise TemplateFailure(
+                f"assistant message {i} does not appear in the rendered chat text, so its "
+                "tokens cannot be located"
+            )
+    return spans
+
+
+def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]],
+                       n: int) -> np.ndarray:
+    mask = np.zeros(n, dtype=np.uint8)
+    starts = np.fromiter((s for s, _ in offsets), dtype=np.int64, count=n)
+    ends = np.fromiter((e for _, e in offsets), dtype=np.int64, count=n)
+    for lo, hi in spans:
+        mask[(starts < hi) & (ends > lo) & (ends > starts)] = 1
+    return mask
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, special: bool
+            ) -> list[list[int]]:
+    if not texts:
+        return []
+    return list(tokenizer(texts, add_special_tokens=special, return_attention_mask=False,
+                          verbose=False)["input_ids"])
+
+
+def chat_samples(tokenizer: PreTrainedTokenizerBase, chats: list[Chat],
+                  kwargs: dict[str, Any]) -> list[Sample | str]:
+    """Tokenize a batch of chats; one batched tokenizer call for texts, one for prefixes."""
+    if not getattr(tokenizer, "chat_template", None):
+        return [NO_TEMPLATE] * len(chats)
+    rendered: list[_Rendered | str] = []
+    for chat in chats:
+        try:
+            rendered.append(_render_chat(tokenizer, chat, kwargs))
+        except TemplateFailure as err:
+            rendered.append(str(err))
+    ok = [r for r in rendered if isinstance(r, _Rendered)]
+    full_ids = iter(encode(tokenizer, [r.text for r in ok], special=False))
+    prefix_texts = [t for r in ok if r.prefixes for pair in r.prefixes for t in pair]
+    prefix_ids = iter(encode(tokenizer, prefix_texts, special=False))
+
+    out: list[Sample | str] = []
+    for r in rendered:
+        if isinstance(r, str):
+            out.append(r)
+            continue
+        ids = next(full_ids)
+        mask: np.ndarray | None = np.zeros(len(ids), dtype=np.uint8)
+        for _ in r.prefixes or ():
+            start_ids, end_ids = next(prefix_ids), next(prefix_ids)
+            if (mask is not None and ids[: len(start_ids)] == start_ids
+                    and ids[: len(end_ids)] == end_ids):
+                mask[len(start_ids) : len(end_ids)] = 1
+            else:
+                mask = None  # a token spans a turn boundary: fall back to offsets
+        if mask is None or r.prefixes is None:
+            try:
+                enc = tokenizer(r.text, add_special_tokens=False, return_offsets_mapping=True)
+            except NotImplementedError:
+                out.append("the chat's assistant tokens cannot be located: the template's "
+                           "prefixes do not tokenize as prefixes and the tokenizer gives no "
+                           "character offsets")
+                continue
+            if list(enc["input_ids"]) != list(ids):
+                out.append("the tokenizer gives other token ids when asked for character "
+                           "offsets, so the assistant tokens cannot be located")
+                continue
+            mask = _mask_from_offsets(enc["offset_mapping"], r.spans, len(ids))
+        out.append(Sample(np.asarray(ids, dtype=np.int32), mask, truncated=False))
+    return out
+
+
+def generation_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                      chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The token ids a model answers `messages` from: the chat template with the
+    generation prompt, tokenized as ingestion tokenizes chats."""
+    try:
+        text = _render(tokenizer, messages, True, dict(chat_template_kwargs or {}))
+    except Exception as err:  # a template raises anything (jinja errors, raise_exception)
+        raise ValueError(f"the chat template failed: {type(err).__name__}: {err}") from err
+    return encode(tokenizer, [text], special=False)[0]

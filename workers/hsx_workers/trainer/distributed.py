@@ -1,0 +1,128 @@
+"""`train_distributed`: one `DraftTrainer` per Ray Train worker (DDP; gloo on CPU, NCCL
+on GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsx.draft import draft_folder
+from hsx.output import Output
+from hsx.output.layout import DRAFT_DIR, DRAFT_STATE, DRAFT_STOP
+from hsx.spec import TrainSpec
+from hsx_workers.trainer.draft_trainer import DraftTrainer
+from hsx_workers.trainer.plan import TrainRefused
+
+
+class WorkerDied(RuntimeError):
+    """A Ray Train worker's process died: a new run resumes from the newest checkpoint."""
+
+
+def _train_worker(config: dict[str, Any]) -> None:
+    """One Ray Train worker: its rank's DraftTrainer (torch.distributed is set up)."""
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    spec = TrainSpec.model_validate(config["spec"])
+    device = ray.train.torch.get_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, int(config.get("threads", 1))))
+    trainer = DraftTrainer(config["output"], spec, draft_root=config["draft_root"],
+                           rank=ctx.get_world_rank(),
+                           world=ctx.get_world_size(), device=device,
+                           poll_interval=float(config.get("poll_interval", 0.5)))
+    trainer.run()
+
+
+def train_distributed(
+    output: str | Path | Output, spec: TrainSpec, *, draft_root: str | Path | None = None,
+    use_gpu: bool | None = None, stop: threading.Event | None = None,
+    poll_interval: float = 0.5,
+) -> dict[str, Any]:
+    """Train on `spec.workers` Ray Train workers (DDP; gloo on CPU, NCCL on GPU).
+
+    Needs a connected Ray. Each worker trains on its own units; the main one writes
+    metrics, validations and checkpoints into `<output>/draft/` (or `<draft_root>/draft/`)
+    as `DraftTrainer` does alone; every worker must reach that folder (one host, or a
+    shared file system). `stop` asks the workers to checkpoint and stop (through
+    draft/.stop). Returns train.json's final content.
+    """
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    output = Output.of(output)
+    root = draft_folder(output, draft_root)
+    if use_gpu is None:
+        use_gpu = spec.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+    if spec.device == "cuda" and not use_gpu:
+        raise TrainRefused("device cuda was asked for but the Ray cluster has no GPU")
+    (root / DRAFT_STOP).unlink(missing_ok=True)
+    (root / DRAFT_DIR).mkdir(parents=True, exist_ok=True)
+    trainer = TorchTrainer(
+        _train_worker,
+        # The Output itself: it carries the storage settings resolved here.
+        train_loop_config={"output": output, "draft_root": str(root),
+                           "spec": spec.model_dump(mode="json"),
+                           "poll_interval": poll_interval, "threads": 1},
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=spec.workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=f"hsx-train-{os.getpid()}-{int(time.time())}",
+                             storage_path=str(root / DRAFT_DIR / ".ray"),
+                             failure_config=FailureConfig(max_failures=0)),
+    )
+    done = threading.Event()
+
+    def relay_stop() -> None:
+        while not done.is_set():
+            if stop is not None and stop.wait(0.5):
+                (root / DRAFT_STOP).touch()
+                return
+            if stop is None:
+                return
+
+    watcher = threading.Thread(target=relay_stop, name="hsx-train-stop", daemon=True)
+    watcher.start()
+    try:
+        trainer.fit()
+    except Exception as err:
+        from ray.exceptions import RayActorError
+
+        cause = _root_cause(err)
+        if isinstance(cause, TrainRefused):
+            raise cause from None
+        message = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+        if isinstance(cause, RayActorError):
+            raise WorkerDied(f"a training worker died: {message}") from err
+        raise RuntimeError(f"distributed training failed: {message}") from err
+    finally:
+        done.set()
+        (root / DRAFT_STOP).unlink(missing_ok=True)
+    state = json.loads((root / DRAFT_STATE).read_text())
+    return dict(state)
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The worker's own exception inside Ray Train's wrappers (a worker group's first
+    failure, a controller's failure, a task's cause), where one is there."""
+    seen = set()
+    while id(err) not in seen:
+        seen.add(id(err))
+        failures = getattr(err, "worker_failures", None)
+        nxt = (next(iter(failures.values())) if isinstance(failures, dict) and failures
+               else getattr(err, "controller_failure", None) or getattr(err, "cause", None)
+               or err.__cause__)
+        if not isinstance(nxt, BaseException):
+            break
+        err = nxt
+    return err

@@ -1,0 +1,147 @@
+"""The draft model: speculators' Eagle3DraftModel for an output's target, its decoder
+layer's config, and its vocabulary mapped from the training samples' token counts.
+
+The draft's decoder layer is the target's (text) config with `num_layers` layers (a
+Llama layer for targets vLLM cannot serve a draft of); embeddings and lm_head come from
+the target (speculators' `load_verifier_weights`); d2t/t2d from the frequencies of
+loss-masked tokens of the training samples (speculators'
+`build_vocab_mappings_from_distribution`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hsx.modelinfo import draft_aux_layers
+from hsx.output import Manifest, Output
+from hsx.spec import TrainSpec
+from hsx_workers.trainer.plan import TrainRefused
+
+
+def draft_layout(manifest: Manifest) -> tuple[list[int], int]:
+    """(aux layer ids, num_layers N) for a draft trained on this output, or TrainRefused."""
+    n = manifest.num_layers
+    try:
+        return draft_aux_layers(manifest.layers, n), n
+    except ValueError as err:
+        raise TrainRefused(str(err)) from None
+
+
+DRAFT_LAYER_TYPES = ("llama", "qwen3")  # vLLM's Eagle3 heads: Eagle3{Llama,Qwen3}ForCausalLM
+
+
+def draft_layer_config(text: Any, num_layers: int, num_aux: int) -> Any:
+    """The draft's decoder-layer config: the target's own for Llama/Qwen3 targets, a
+    Llama layer of the target's sizes for every other one (DeepSeek-V3, Kimi-K2.5,
+    Gemma...), since vLLM serves EAGLE-3 drafts only with Llama or Qwen3 layers."""
+    import copy
+
+    from transformers import LlamaConfig
+
+    if getattr(text, "model_type", None) in DRAFT_LAYER_TYPES:
+        layer = copy.deepcopy(text)
+    else:
+        heads = int(text.num_attention_heads)
+        rope = getattr(text, "rope_parameters", None) or {}
+        layer = LlamaConfig(
+            vocab_size=int(text.vocab_size), hidden_size=int(text.hidden_size),
+            intermediate_size=int(getattr(text, "intermediate_size", 4 * text.hidden_size)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(text.hidden_size) // heads,
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096)),
+            rope_parameters={"rope_type": "default",
+                             "rope_theta": float(rope.get("rope_theta", 10000.0))},
+            bos_token_id=getattr(text, "bos_token_id", None),
+            eos_token_id=getattr(text, "eos_token_id", None),
+            pad_token_id=getattr(text, "pad_token_id", None),
+        )
+        layer.architectures = ["LlamaForCausalLM"]
+    layer.num_hidden_layers = num_layers
+    # vLLM reads the fc's input width from this (its default is 3 auxiliary layers).
+    layer.num_aux_hidden_states = num_aux
+    return layer
+
+
+def token_frequencies(output: Output, exclude: Sequence[int] = ()) -> Counter[int]:
+    """Counts of loss-masked tokens of every ingested sample but `exclude` (what the
+    draft must say)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = output.inputs()
+    if exclude:
+        keep = pc.invert(pc.is_in(table.column("sample_index"),
+                                  value_set=pa.array(list(exclude), pa.int64())))
+        table = table.filter(keep)
+    ids = table.column("input_ids").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    mask = table.column("loss_mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    chosen = ids[mask.astype(bool)]
+    values, counts = np.unique(chosen, return_counts=True)
+    return Counter(dict(zip(values.tolist(), counts.tolist(), strict=True)))
+
+
+def vocab_mappings(
+    freqs: Counter[int], draft_vocab_size: int, target_vocab_size: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """(d2t, t2d, draft vocab size); no mappings when the draft keeps the whole vocab."""
+    if draft_vocab_size >= target_vocab_size:
+        return None, None, target_vocab_size
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        dict(freqs), draft_vocab_size, target_vocab_size
+    )
+    return d2t, t2d, draft_vocab_size
+
+
+def build_draft_model(output: Output, manifest: Manifest, spec: TrainSpec,
+                      device: torch.device, exclude: Sequence[int]) -> Any:
+    """A new draft for this output's target, its vocabulary mapped from the loss-masked
+    tokens of every sample but `exclude` (the held-out ones); on the CPU until moved."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from transformers import AutoConfig
+
+    aux, _ = draft_layout(manifest)
+    model_path = manifest.model
+    trust = manifest.trust_remote_code
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
+    text = draft_layer_config(getattr(config, "text_config", None) or config,
+                              spec.num_layers, len(aux))
+    freqs = token_frequencies(output, exclude=exclude)
+    if not freqs:
+        raise TrainRefused(f"{output}: no loss-masked token in inputs.arrow")
+    d2t, t2d, draft_vocab = vocab_mappings(
+        freqs, spec.draft_vocab_size, int(text.vocab_size)
+    )
+    torch.manual_seed(spec.seed)
+    # speculators' own choice on GPU (flex attention, compiled); eager on CPU, where
+    # flex attention has no fast kernel.
+    attn = "simple_flex_attention" if device.type == "cuda" else "eager"
+    if device.type == "cuda":
+        # speculators compiles the draft's forward; with torch 2.11 dynamo fails to
+        # trace its fused loss's Triton kernel ("ListVariable ... already tracked for
+        # mutation", seen on an H200). A frame dynamo cannot compile then runs eagerly
+        # instead of ending the training.
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.suppress_errors = True
+    model = Eagle3DraftModel.from_training_args(
+        text, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab,
+        norm_before_residual=spec.norm_before_residual,
+        ttt_steps=spec.ttt_steps, verifier_name_or_path=model_path,
+        target_layer_ids=aux, draft_attn_impl=attn, trust_remote_code=trust,
+    )
+    # speculators starts the draft's lm_head as the target's but its final norm at
+    # ones: a head that is neither. Starting the norm as the target's too makes the
+    # draft's head the target's own (what it predicts), which matters where the
+    # target's final norm has outlier weights, as real models' do.
+    with torch.no_grad():
+        model.norm.weight.copy_(model.verifier_norm.weight)
+    return model

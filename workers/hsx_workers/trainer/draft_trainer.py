@@ -1,0 +1,551 @@
+"""`DraftTrainer`: one training run over one output, in one process or as one worker of
+`train_distributed` (see the package docstring for what it does)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsx.dataset import HiddenStatesDataset
+from hsx.draft import (
+    bucket_draft,
+    checkpoint_metrics,
+    checkpoints,
+    draft_folder,
+    expected_acceptance,
+    read_metrics,
+    read_validation,
+    write_json,
+)
+from hsx.output import Manifest, Output, StorageError, faults
+from hsx.output.layout import (
+    CHECKPOINT_METRICS,
+    DRAFT_CHECKPOINTS,
+    DRAFT_DIR,
+    DRAFT_METRICS,
+    DRAFT_STATE,
+    DRAFT_STOP,
+    DRAFT_VALIDATION,
+    checkpoint_name,
+)
+from hsx.output.local_storage import fsync_dir
+from hsx.spec import TrainSpec
+from hsx_workers.trainer.data import EpochEnd, StepBatch, TrainingData, to_speculators_sample
+from hsx_workers.trainer.draft_model import build_draft_model, draft_layout
+from hsx_workers.trainer.group import WorkerGroup
+from hsx_workers.trainer.plan import Plan, TrainRefused, plan_schedule, read_inputs_summary
+from hsx_workers.trainer.scores import Scores
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.pt"
+PUBLISHED_FILES = ("config.json", "config.py", "model.safetensors")
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint restores for one worker besides the weights and the optimizer."""
+
+    step: int = 0
+    epoch: int = 0
+    units_done: list[int] = field(default_factory=list)  # of the current epoch
+    tokens: int = 0  # trained on by all workers
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    epoch: int
+    loss: float
+    acc: list[float]  # full accuracy per TTT step (steps 0..k all right)
+    tokens: int  # trained on so far, all workers
+    step_tokens: int  # in this step, all workers
+    tokens_per_s: float
+    wait_fraction: float  # of the whole run so far
+    wait_s: float  # this step: waiting for its batch
+    step_s: float  # this step: waiting + compute
+    lr: float
+    time: float
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise TrainRefused("device cuda was asked for but torch sees no GPU")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class DraftTrainer:
+    """One training run over one output, as worker `rank` of `world`; see the module
+    docstring. With world > 1 it runs inside a Ray Train worker (`train_distributed`)."""
+
+    def __init__(
+        self,
+        output: str | Path | Output,
+        spec: TrainSpec,
+        *,
+        draft_root: str | Path | None = None,
+        on_metrics: Callable[[StepMetrics], None] | None = None,
+        on_plan: Callable[[Plan], None] | None = None,
+        stop: threading.Event | None = None,
+        poll_interval: float = 0.5,
+        rank: int = 0,
+        world: int = 1,
+        device: torch.device | None = None,
+        validate: Callable[[Any], Scores] | None = None,
+    ) -> None:
+        self.output = Output.of(output)
+        self.root = draft_folder(self.output, draft_root)
+        self.spec = spec
+        self.on_metrics = on_metrics
+        self.on_plan = on_plan
+        self.stop = stop or threading.Event()
+        self.poll_interval = poll_interval
+        self.group = WorkerGroup(rank, world)
+        self.device = device
+        self._validate_fn = validate  # tests replace the validation; None: held-out samples
+        self.draft = self.root / DRAFT_DIR
+        self.bucket = bucket_draft(self.output, self.root)  # None on local disk
+        self.state = TrainState()
+        self.plan: Plan | None = None
+        self.manifest: Manifest | None = None
+        self.data = TrainingData(self.output, spec, self.group, stop=self.stop,
+                                 poll_interval=poll_interval)
+        self.val_indices: list[int] = []
+        self.resumed_from: int | None = None
+        self.first_step_at: float | None = None
+        self.last: StepMetrics | None = None
+        self.best: dict[str, Any] | None = None  # {"step", "expected_acceptance_length"}
+        self.last_validation: dict[str, Any] | None = None
+        self._wait_s = 0.0  # waits billed to steps so far
+        self._step_s = 0.0  # steps so far, their waits included
+
+    # -- setup
+
+    def _manifest(self) -> Manifest:
+        deadline = time.monotonic() + 3600
+        # The trainer may start before ingestion ends.
+        while (manifest := self.output.read_manifest()) is None:
+            if self.stop.is_set() or time.monotonic() > deadline:
+                raise TrainRefused(f"no hsx output at {self.output}: its manifest never "
+                                   "appeared")
+            time.sleep(self.poll_interval)
+        return manifest
+
+    def _make_plan(self, manifest: Manifest) -> Plan:
+        inputs = read_inputs_summary(self.output)
+        self.val_indices = self.data.hold_out(inputs.sample_indices)
+        held = frozenset(self.val_indices)
+        train = [(i, n) for i, n in zip(inputs.sample_indices, inputs.lengths, strict=True)
+                 if i not in held]
+        units = manifest.units
+        if self.group.world > 1 and len(units) < self.group.world:
+            raise TrainRefused(
+                f"{len(units)} work unit(s) for {self.group.world} workers: each worker "
+                "reads its own units; use fewer workers or a smaller unit_tokens")
+        device = self.device.type if self.device is not None else "cpu"
+        return plan_schedule(
+            self.spec, device=device, train_samples=len(train),
+            train_tokens=sum(max(0, n - 1) for _, n in train),
+            val_samples=len(self.val_indices), workers=self.group.world,
+        )
+
+    def _optimizer(self, model: Any, plan: Plan) -> tuple[torch.optim.Optimizer, Any]:
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=plan.lr, weight_decay=self.spec.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: plan.lr_factor(s))
+        return opt, sched
+
+    def _resume(self, model: Any, opt: torch.optim.Optimizer, sched: Any,
+                plan: Plan) -> None:
+        if self.bucket is not None and self.group.main:
+            self.bucket.pull_checkpoints()  # a restart elsewhere: the bucket's newest
+        self.group.barrier()
+        saved_checkpoints = checkpoints(self.root)
+        self._restore_best(saved_checkpoints)
+        if not saved_checkpoints:
+            return
+        ckpt = saved_checkpoints[-1]
+        from safetensors.torch import load_file
+
+        weights = load_file(str(ckpt / "model.safetensors"), device=str(self.device))
+        _missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected:
+            raise TrainRefused(f"{ckpt}: weights the draft does not have: {unexpected[:5]}")
+        saved = torch.load(ckpt / TRAINER_STATE, map_location=self.device, weights_only=False)
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        # The spec in effect now decides the learning rate and its schedule.
+        sched.base_lrs = [plan.lr] * len(opt.param_groups)
+        for group in opt.param_groups:
+            group["lr"] = plan.lr * plan.lr_factor(sched.last_epoch)
+        ranks = saved.get("ranks")
+        if ranks is not None and saved.get("world") == self.group.world:
+            self.state = TrainState(**ranks[self.group.rank])
+        else:
+            state = TrainState(**saved["state"])
+            if self.group.world > 1 or (ranks is not None and len(ranks) != 1):
+                # Another number of workers: each starts its own units' epoch afresh.
+                state = TrainState(step=state.step, tokens=state.tokens)
+            self.state = state
+        self.resumed_from = self.state.step
+        if self.group.main:
+            # Records logged after the checkpoint are replayed by this run.
+            step = self.state.step
+            self._rewrite(DRAFT_METRICS, [m for m in read_metrics(self.root)
+                                          if int(m.get("step", 0)) <= step])
+            self._rewrite(DRAFT_VALIDATION, [v for v in read_validation(self.root)
+                                             if int(v.get("step", 0)) <= step])
+        logger.info("resumed from %s (step %d, epoch %d)", ckpt.name, self.state.step,
+                    self.state.epoch)
+
+    def _restore_best(self, saved: list[Path]) -> None:
+        """The best checkpoint so far, by the metrics each checkpoint keeps."""
+        self.best = None
+        for ckpt in saved:
+            metrics = checkpoint_metrics(ckpt) or {}
+            value = expected_acceptance(metrics.get("validation"))
+            step = int(metrics.get("step", -1))
+            if value is not None and (self.best is None
+                                      or value > self.best["expected_acceptance_length"]):
+                self.best = {"step": step, "expected_acceptance_length": value}
+
+    # -- the loop
+
+    @property
+    def _pad(self) -> bool:
+        """Packs are padded to pack_tokens on GPU (one shape for the compiled model)."""
+        return self.device is not None and self.device.type == "cuda"
+
+    def _plan(self) -> Plan:
+        if self.plan is None:
+            raise RuntimeError("the plan is made at the start of run()")
+        return self.plan
+
+    def prepare(self) -> Plan:
+        """Wait for the manifest, check the layers, pick the device, make the plan."""
+        self.manifest = manifest = self._manifest()
+        draft_layout(manifest)  # refuse before any weight is loaded
+        if self.device is None:
+            self.device = resolve_device(self.spec.device)
+        self.plan = plan = self._make_plan(manifest)
+        if plan.warning and self.group.main:
+            logger.warning("%s", plan.warning)
+        if self.on_plan is not None and self.group.main:
+            self.on_plan(plan)
+        return plan
+
+    def run(self) -> TrainState:
+        plan = self.prepare()
+        manifest = self.manifest
+        if self.device is None or manifest is None:
+            raise RuntimeError("prepare() reads the manifest and picks the device")
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        model = build_draft_model(self.output, manifest, self.spec, self.device,
+                                  exclude=self.val_indices).to(self.device)
+        opt, sched = self._optimizer(model, plan)
+        self._resume(model, opt, sched, plan)
+        if self.group.main:
+            (self.root / DRAFT_STOP).unlink(missing_ok=True)
+            # What a run killed mid-checkpoint left staged: never a checkpoint.
+            shutil.rmtree(self.draft / ".tmp", ignore_errors=True)
+            self._write_state("running")
+        trained = model
+        if self.group.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            trained = DistributedDataParallel(model, device_ids=ids)
+        from speculators.losses import resolve_loss_config
+
+        kernels = self.spec.loss_implementation
+        if kernels == "auto":
+            kernels = "fused" if self.device.type == "cuda" else "eager"
+        loss_config = resolve_loss_config(self.spec.loss, kernels)
+        model.train()
+        end = min(plan.steps, self.spec.max_steps or plan.steps)
+        stopped = False
+        try:
+            if self.state.step < end:  # else a resumed run that had already ended
+                stepped, fresh = False, not self.state.units_done
+                # The reader goes on from epoch to epoch; it ends only once the training is
+                # asked to stop (or with the error it met, raised here).
+                for batch in self.data.prefetch(self.state.epoch, dtype, plan, pad=self._pad,
+                                                done=list(self.state.units_done)):
+                    if isinstance(batch, EpochEnd):
+                        if fresh and not stepped:
+                            raise TrainRefused(f"worker {self.group.rank} of {self.group.world} "
+                                               "found no training sample in its units")
+                        self.state.epoch += 1
+                        self.state.units_done = []
+                        stepped, fresh = False, True
+                        continue
+                    if batch.packs:
+                        if self._stop_requested():
+                            stopped = True
+                            break
+                        self._step(trained, opt, sched, batch, loss_config)
+                        stepped = True
+                    self.state.units_done.extend(batch.units)
+                    if batch.packs and self.state.step % plan.checkpoint_every == 0:
+                        self._checkpoint(model, opt, sched)
+                    if self.state.step >= end:
+                        break
+                else:
+                    if self.stop.is_set():  # the data ended early because of the stop
+                        stopped = self._stop_requested()
+        except BaseException as err:
+            if self.group.main:
+                self._write_state("failed", error=f"{type(err).__name__}: {err}")
+            raise
+        self._checkpoint(model, opt, sched)
+        if self.group.main:
+            self._write_state("stopped" if stopped else "done")
+        self.group.barrier()
+        return self.state
+
+    def _stop_requested(self) -> bool:
+        """Whether any worker was asked to stop (collective: all stop at the same step)."""
+        flag = self.stop.is_set() or (self.group.main and (self.root / DRAFT_STOP).exists())
+        stop = self.group.any(flag)
+        if stop:
+            self.stop.set()
+        return stop
+
+    def _step(self, model: Any, opt: torch.optim.Optimizer, sched: Any,
+              batch: StepBatch, loss_config: Any) -> None:
+        if self.device is None:
+            raise RuntimeError("prepare() picks the device")
+        t0 = time.perf_counter()
+        waited = self.data.take_wait()
+        self._wait_s += waited
+        scores = Scores(self.spec.ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        last = len(batch.packs) - 1
+        for i, pack in enumerate(batch.packs):
+            inputs = {k: pack[k].to(self.device, non_blocking=True) for k in (
+                "hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
+                "verifier_last_hidden_states")}
+            tokens = int((pack["document_ids"] >= 0).sum())  # padding has document id -1
+            # Gradients of all packs are summed here and averaged over workers once.
+            sync = contextlib.nullcontext() if i == last or not hasattr(
+                model, "no_sync") else model.no_sync()
+            with sync:
+                with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                    enabled=self.device.type == "cuda"):
+                    _, loss, metrics = model(**inputs, ttt_steps=self.spec.ttt_steps,
+                                             ttt_step_loss_decay=self.spec.ttt_step_loss_decay,
+                                             loss_config=loss_config)
+                (loss * (tokens / max(1, batch.tokens))).backward()
+            scores.add(float(loss.detach()), tokens, metrics)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        scores = Scores.from_tensor(self.group.sum(scores.as_tensor()), self.spec.ttt_steps)
+        loss_value = scores.loss
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss is {loss_value} at step {self.state.step + 1}")
+        now = time.time()
+        self.first_step_at = self.first_step_at or now
+        self.state.step += 1
+        self.state.tokens += scores.tokens
+        # The time spent waiting for this batch counts in this step's total.
+        step_s = time.perf_counter() - t0 + waited
+        self._step_s += step_s
+        self.last = StepMetrics(
+            step=self.state.step, epoch=self.state.epoch, loss=loss_value, acc=scores.acc,
+            tokens=self.state.tokens, step_tokens=scores.tokens,
+            tokens_per_s=scores.tokens / step_s if step_s else 0.0,
+            wait_fraction=self.wait_fraction, wait_s=waited, step_s=step_s,
+            lr=float(sched.get_last_lr()[0]), time=now,
+        )
+        if self.state.step % self.spec.log_every == 0 and self.group.main:
+            self._append(DRAFT_METRICS, asdict(self.last))
+            if self.on_metrics is not None:
+                self.on_metrics(self.last)
+
+    @property
+    def wait_fraction(self) -> float:
+        """Time spent waiting for data ÷ time of the steps so far (waits included)."""
+        total = self._step_s
+        return self._wait_s / total if total else 0.0
+
+    # -- validation
+
+    def _validate(self, model: Any) -> dict[str, Any] | None:
+        """Loss, accuracy per TTT step and expected acceptance length on the held-out
+        samples committed so far (collective); None when nothing is held out."""
+        if self._validate_fn is not None:
+            scores = self._validate_fn(model)
+        elif not self.val_indices:
+            return None
+        else:
+            scores = self._held_out_scores(model)
+        if not scores.tokens:
+            return None
+        return {
+            "step": self.state.step, "loss": scores.loss, "acc": scores.acc,
+            "cond_acc": scores.cond_acc,
+            "expected_acceptance_length": scores.expected_acceptance_length,
+            "tokens": scores.tokens, "time": time.time(),
+        }
+
+    @torch.no_grad()
+    def _held_out_scores(self, model: Any) -> Scores:
+        from speculators.losses import resolve_loss_config
+
+        plan = self._plan()
+        dtype = torch.bfloat16 if self.device is not None and self.device.type == "cuda" \
+            else torch.float32
+        ds = HiddenStatesDataset(self.output, backend="torch")
+        collate = self.data.collate(dtype, ds.manifest.hidden_size,
+                                    len(ds.manifest.layers) - 1, plan, pad=self._pad)
+        loss_config = resolve_loss_config(self.spec.loss, "eager")
+        scores = Scores(self.spec.ttt_steps)
+        was_training = model.training
+        model.eval()
+
+        def run(pack: list[dict[str, Any]], tokens: int) -> None:
+            batch = collate(pack, tokens)
+            inputs = {k: batch[k].to(self.device) for k in (
+                "hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
+                "verifier_last_hidden_states")}
+            with torch.autocast(self.device.type if self.device else "cpu",
+                                dtype=torch.bfloat16,
+                                enabled=self.device is not None and self.device.type == "cuda"):
+                _, loss, metrics = model(**inputs, ttt_steps=self.spec.ttt_steps,
+                                         ttt_step_loss_decay=self.spec.ttt_step_loss_decay,
+                                         loss_config=loss_config)
+            scores.add(float(loss), int((batch["document_ids"] >= 0).sum()), metrics)
+
+        pack: list[dict[str, Any]] = []
+        pack_tokens = 0
+        try:
+            for raw in self.data.held_out_samples(ds):
+                sample = to_speculators_sample(raw, dtype)
+                length = min(int(sample["lengths"][0]) - 1, plan.pack_tokens)
+                if length <= 0:
+                    continue
+                if pack and pack_tokens + length > plan.pack_tokens:
+                    run(pack, pack_tokens)
+                    pack, pack_tokens = [], 0
+                pack.append(sample)
+                pack_tokens += length
+            if pack:
+                run(pack, pack_tokens)
+        finally:
+            model.train(was_training)
+        return Scores.from_tensor(self.group.sum(scores.as_tensor()), self.spec.ttt_steps)
+
+    # -- files
+
+    def _append(self, name: str, row: dict[str, Any]) -> None:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _rewrite(self, name: str, rows: list[dict[str, Any]]) -> None:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, path)
+
+    def _write_state(self, state: str, error: str | None = None) -> None:
+        body = {"state": state, "step": self.state.step, "epoch": self.state.epoch,
+                "resumed_from": self.resumed_from, "error": error, "time": time.time(),
+                "first_step_at": self.first_step_at,
+                "plan": asdict(self.plan) if self.plan else None,
+                "warning": self.plan.warning if self.plan else None,
+                "best": self.best, "validation": self.last_validation,
+                "spec": self.spec.model_dump(mode="json")}
+        write_json(self.root / DRAFT_STATE, body)
+        if self.bucket is not None:  # after each checkpoint too: it ends with this call
+            try:
+                self.bucket.push()
+            except (StorageError, OSError) as err:
+                if state != "failed":
+                    raise
+                logger.warning("%s: the failed state was not uploaded: %s", self.bucket, err)
+
+    def _checkpoint(self, model: Any, opt: torch.optim.Optimizer, sched: Any) -> Path | None:
+        """Validate, then (main worker) write the checkpoint and publish the best one."""
+        name = checkpoint_name(self.state.step)
+        final = self.root / DRAFT_CHECKPOINTS / name
+        if self.group.any(self.group.main and final.exists()):
+            return final  # written already (the last step was a checkpoint step)
+        validation = self._validate(model)
+        states = self.group.gather(asdict(self.state))
+        if not self.group.main:
+            return None
+        self.last_validation = validation
+        if validation is not None:
+            self._append(DRAFT_VALIDATION, validation)
+        tmp = self.draft / ".tmp" / name
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        model.save_pretrained(str(tmp))
+        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "state": dict(states[0]), "ranks": states, "world": self.group.world},
+                   tmp / TRAINER_STATE)
+        (tmp / CHECKPOINT_METRICS).write_text(json.dumps({
+            "step": self.state.step, "validation": validation,
+            "train": asdict(self.last) if self.last else None}, indent=2))
+        # transformers writes the weights through a private temp file (mode 0600); a
+        # draft in a shared bucket must be readable like the files beside it, so each
+        # file gets the mode train.json got from the umask.
+        mode = (self.root / DRAFT_STATE).stat().st_mode & 0o777
+        for f in tmp.iterdir():
+            f.chmod(mode)
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+        faults.reached("after_checkpoint_write", str(tmp))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, final)  # a checkpoint is there whole or not at all
+        fsync_dir(final.parent)
+        faults.reached("after_checkpoint_rename", str(final))
+        value = expected_acceptance(validation)
+        if not (self.val_indices or self._validate_fn is not None):
+            self._publish(final)  # no validation: the newest is the draft
+        elif value is not None and (self.best is None
+                                    or value > self.best["expected_acceptance_length"]):
+            self.best = {"step": self.state.step, "expected_acceptance_length": value}
+            self._publish(final)
+        elif self.best is None:
+            self._publish(final)  # no held-out sample committed yet: the newest meanwhile
+        faults.reached("after_checkpoint_publish", str(final))
+        keep = checkpoint_name(self.best["step"]) if self.best else None
+        for old in checkpoints(self.root)[: -self.spec.keep_checkpoints]:
+            if old.name != keep:
+                shutil.rmtree(old, ignore_errors=True)
+        self._write_state("running")
+        return final
+
+    def _publish(self, ckpt: Path) -> None:
+        """Hard-link the checkpoint's files into draft/, each replaced atomically."""
+        for name in PUBLISHED_FILES:
+            src = ckpt / name
+            if not src.exists():
+                continue
+            tmp = self.draft / f".{name}.tmp"
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(src, tmp)
+            except OSError:
+                shutil.copyfile(src, tmp)
+            os.replace(tmp, self.draft / name)
+
