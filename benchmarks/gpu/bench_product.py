@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vllm import SHAPE_8B, Bench, log, machine  # noqa: E402
+from bench_vllm import SHAPE_8B, Bench, log, machine
 
 TOKEN = "bench-product"
 

@@ -7,9 +7,10 @@
 #   bash benchmarks/gpu/campaign.sh --collect SECONDS   # wait up to SECONDS, tar into $OUT
 #
 # Steps, in the order given: smoke, bench (capture path on one GPU), tests (tests/gpu, or
-# the files and test ids in GPU_TESTS),
-# multi (2 engines vs 1, TP=2 vs 1), train (trainer scaling, 2 GPUs vs 1). Each step
-# writes into /tmp/hsx-gpu/results; one failing step does not stop the next.
+# the files and test ids in GPU_TESTS, each under GPU_TEST_TIMEOUT seconds, default 600),
+# product (the whole product at real size: bench_product.py), multi (2 engines vs 1,
+# TP=2 vs 1), train (trainer scaling, 2 GPUs vs 1). Each step writes into
+# /tmp/hsx-gpu/results; one failing step does not stop the next.
 set -uo pipefail
 RES=/tmp/hsx-gpu/results
 mkdir -p "$RES"
@@ -65,10 +66,20 @@ for s in "$@"; do
       # GPU_TESTS picks files or test ids (default: every file of tests/gpu).
       for f in ${GPU_TESTS:-tests/gpu/test_*.py}; do
         name=$(echo "$f" | sed 's|.*/||; s|\.py||; s|::|-|g')
-        timeout 900 python3 -m pytest "$f" -p no:cacheprovider -v -rA --timeout 600 \
+        timeout $(( ${GPU_TEST_TIMEOUT:-600} + 300 )) python3 -m pytest "$f" -p no:cacheprovider \
+          -v -rA --timeout "${GPU_TEST_TIMEOUT:-600}" \
           --junitxml "$RES/$name.xml" > "$RES/$name.log" 2>&1
         echo "$name: rc=$? $(tail -1 "$RES/$name.log")"
       done ;;
+    product)
+      step product
+      # vLLM's drop ceiling, then `hsx serve` and one job with train: and the evaluation.
+      timeout 1500 python3 benchmarks/gpu/bench_product.py --out "$RES/product.json" \
+        > "$RES/product.log" 2>&1
+      echo "product: rc=$? $(tail -1 "$RES/product.log")"
+      cp /tmp/hsx-bench-product/serve-tail.log "$RES/product-serve.log" 2>/dev/null
+      cp /tmp/hsx-bench-product/drop.log "$RES/product-drop.log" 2>/dev/null
+      rm -rf /tmp/hsx-bench-product/product-out ;;
     multi)
       step multi
       timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases hsx replicas2 tp2 --reps 1 \

@@ -31,6 +31,8 @@ class JobProgress:
     # A regenerating job's first stage: samples answered by the target, tokens generated
     samples_generated: int = 0
     tokens_generated: int = 0
+    # What the job waits for (GPUs, its turn) and who holds it; None: nothing.
+    waiting_for: str | None = None
 
     def tokens_per_s(self) -> float:
         if self.rate_since is None:
@@ -82,6 +84,7 @@ class ProgressBar:
         self._progress: Any = None
         self._task: Any = None
         self._last_line = 0.0
+        self._waiting: str | None = None
 
     def __enter__(self) -> ProgressBar:
         if self.enabled:
@@ -107,7 +110,20 @@ class ProgressBar:
             self._task = self._progress.add_task(self.title, total=None, rate="-", extra="")
         return self
 
+    def waiting(self, reason: str | None) -> None:
+        """A line when what the job waits for changes (never a silent wait)."""
+        if reason == self._waiting:
+            return
+        self._waiting = reason
+        if reason:
+            line = f"{self.title}: {reason}"
+            if self._progress is not None:
+                self._progress.console.print(line, markup=False, highlight=False)
+            else:
+                console().print(line, markup=False, highlight=False)
+
     def update(self, p: JobProgress) -> None:
+        self.waiting(p.waiting_for)
         rate = f"{p.tokens_per_s():,.0f}"
         starting = sum(state == "starting" for state in p.workers.values())
         extra = f"{p.shards} shards"

@@ -271,7 +271,8 @@ class GpuArbiter:
                     self._cond.wait(poll_s)
         finally:
             with self._cond:
-                self._waiting.remove(holder)
+                if holder in self._waiting:
+                    self._waiting.remove(holder)
                 self._cond.notify_all()
         if shown is not None and on_wait is not None:
             on_wait(None)
@@ -289,6 +290,13 @@ class GpuArbiter:
         if on_wait is not None:
             on_wait(None)
         return True
+
+    def withdraw(self, holder: Holder) -> None:
+        """Leave the line without waiting (an enqueued request that will not acquire)."""
+        with self._cond:
+            if holder in self._waiting:
+                self._waiting.remove(holder)
+                self._cond.notify_all()
 
     def release(self, holder: Holder) -> None:
         with self._cond:

@@ -18,6 +18,7 @@ model in one process (tests, a service) reuse warm engines instead of starting n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -193,6 +194,7 @@ READY_CHECKS = 100
 READY_PAUSE_S = 0.2
 READY_PAUSE_MAX_S = 2.0
 LOCAL_RAY_MIN_CPUS = 8
+STOP_GRACE_S = 30.0  # an engine asked to shut down gets this long before it is killed
 
 
 def engine_bundles(tp: int, gpus: bool) -> list[dict[str, float]]:
@@ -258,8 +260,7 @@ class EnginePool:
         if gpus and have and self.arbiter.waits_ahead_of((order, ENGINE)):
             # Warm engines yield to what waits ahead of this job (an earlier job's trainer
             # or evaluation); this job's engines then wait for their turn.
-            for slot in have:
-                self._stop(slot)
+            self._stop(have)
             have.clear()
         for slot in have[:replicas]:
             if slot.holder is not None:
@@ -331,11 +332,9 @@ class EnginePool:
         """Stop every engine but the first `replicas` of `key` (engines hold GPUs and
         memory)."""
         for other in [k for k in self.actors if k != key]:
-            for slot in self.actors.pop(other):
-                self._stop(slot)
+            self._stop(self.actors.pop(other))
         if key in self.actors and replicas is not None:
-            for slot in self.actors[key][replicas:]:
-                self._stop(slot)
+            self._stop(self.actors[key][replicas:])
             del self.actors[key][replicas:]
 
     def park(self) -> None:
@@ -350,37 +349,43 @@ class EnginePool:
         """Stop the engines no job uses, when something waits for GPUs. True if it did."""
         if not self.arbiter.blocked_by_idle():
             return False
+        waiters = ", ".join(h.describe() for h in self.arbiter.waiters())
         for key in list(self.actors):
             idle = [s for s in self.actors[key] if s.holder is not None and s.holder.idle]
             for slot in idle:
-                logger.info("%s yields its GPU to %s", slot.holder.describe() if slot.holder
-                            else slot.name, ", ".join(h.describe()
-                                                      for h in self.arbiter.waiters()))
-                self._stop(slot)
+                logger.info("%s yields its GPU to %s", slot.name, waiters)
+            self._stop(idle)
             self.actors[key] = [s for s in self.actors[key] if s not in idle]
             if not self.actors[key]:
                 del self.actors[key]
         return True
 
     def shutdown(self) -> None:
-        for slots in self.actors.values():
-            for slot in slots:
-                self._stop(slot)
+        self._stop([slot for slots in self.actors.values() for slot in slots])
         self.actors.clear()
 
-    def _stop(self, slot: _Slot) -> None:
+    def _stop(self, slots: list[_Slot]) -> None:
+        """Shut the engines down (vLLM gives its GPU memory back), kill their actors,
+        free their placement groups, and only then their GPUs in the arbiter's books: what
+        gets them next finds them empty."""
         import ray
         from ray.exceptions import ActorHandleNotFoundError
         from ray.util.placement_group import remove_placement_group
 
-        if slot.holder is not None:
-            self.arbiter.release(slot.holder)
-        try:
-            ray.kill(slot.actor, no_restart=True)
-        except ActorHandleNotFoundError:
-            return  # its Ray session ended (Ray lost, or shut down and started again): gone
-        if slot.placement_group is not None:
-            remove_placement_group(slot.placement_group)
+        serving = [s for s in slots if s.state in ("idle", "busy")]
+        with contextlib.suppress(Exception):  # a dead actor, or Ray gone: killed below
+            closing = [s.actor.shutdown.remote() for s in serving]
+            ray.wait(closing, num_returns=len(closing), timeout=STOP_GRACE_S)
+        for slot in slots:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+                if slot.placement_group is not None:
+                    remove_placement_group(slot.placement_group)
+            except ActorHandleNotFoundError:
+                pass  # its Ray session ended (Ray lost, or shut down and started again)
+            finally:
+                if slot.holder is not None:
+                    self.arbiter.release(slot.holder)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Draft training of jobs' outputs: one TrainerActor (Ray) per training, watched by a
 thread here.
 
-The actor runs `DraftTrainer` (workers/hsx_workers/trainer.py); it takes a GPU when the
+The actor runs `DraftTrainer` (workers/hsx_workers/trainer/); it takes a GPU when the
 cluster has one, a CPU otherwise; with `workers` > 1 it drives a Ray Train run whose
 workers take them. This side polls its progress, keeps the ledger's `trainings` row
 current, and restarts a dead actor (up to MAX_TRAIN_RESTARTS times); the new actor
@@ -181,6 +181,16 @@ class Trainings:
             self.on_change(job_id)
 
     def _watch(self, run: _Run) -> None:
+        """The training's life: its GPUs, the trainer actors, the evaluation. An error of
+        hsx's own fails the training (never a training stuck in a state)."""
+        try:
+            self._run_training(run)
+        except Exception as err:  # a bug here must not leave the training hanging
+            logger.exception("training of %s: unexpected error", run.job_id)
+            self._set(run.job_id, TrainState.failed,
+                      f"internal error: {type(err).__name__}: {err} (see the logs)")
+
+    def _run_training(self, run: _Run) -> None:
         job_id = run.job_id
         trainer = Holder(
             job=job_id, role="trainer", gpus=self._trainer_gpus(run.spec),
@@ -203,10 +213,13 @@ class Trainings:
         if outcome != "done":
             return
         if evaluation is not None:
-            self._set(job_id, TrainState.evaluating)
-            if not self._evaluate(run, evaluation):
-                self._set(job_id, TrainState.stopped)
-                return
+            try:
+                self._set(job_id, TrainState.evaluating)
+                if not self._evaluate(run, evaluation):
+                    self._set(job_id, TrainState.stopped)
+                    return
+            finally:
+                self.arbiter.withdraw(evaluation)  # its place in line, if still held
         self._set(job_id, TrainState.done)
 
     def _train(self, run: _Run, seat: _Seat) -> str:
@@ -297,13 +310,14 @@ class Trainings:
             engine["tensor_parallel_size"] = tp
             if backend is not None:
                 engine["distributed_executor_backend"] = backend
-            options: dict[str, Any] = {"max_retries": 0, "runtime_env": {"env_vars": {
-                "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}}
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+            options: dict[str, Any] = {"max_retries": 0, "runtime_env": {"env_vars": env}}
             if seat.pg is not None:
                 options.update(resources, scheduling_strategy=in_group(seat.pg))
             else:
                 options.update(num_cpus=1, num_gpus=0)
-            task: Any = ray.remote(evaluate_draft)
+            # max_calls 1: the task's process exits after it, and vLLM's memory with it.
+            task: Any = ray.remote(max_calls=1)(evaluate_draft)
             ref = task.options(**options).remote(
                 Output(output), prompts=spec.eval_prompts, max_tokens=spec.eval_max_tokens,
                 k=spec.ttt_steps, engine=engine)

@@ -15,6 +15,7 @@ overlap, vLLM's acceptance.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,11 @@ class Learnable:
 
 @pytest.fixture(scope="module")
 def learnable(tmp_path_factory: pytest.TempPathFactory) -> Learnable:
-    base = tmp_path_factory.mktemp("gpu-learnable")
+    """The learnable target and its tasks; `$HSX_GPU_LEARNABLE` names a folder where
+    they were made before (carried to the GPU machine: training the target there costs
+    device time)."""
+    made = os.environ.get("HSX_GPU_LEARNABLE")
+    base = Path(made) if made else tmp_path_factory.mktemp("gpu-learnable")
     language = TaskLanguage(seed=0)
     return Learnable(make_learnable_model(base / "target", language=language),
                      write_language_dataset(base / "tasks.jsonl", SAMPLES, language=language))

@@ -46,7 +46,10 @@ def one_gpu_cluster() -> Iterator[str]:
     Ray client of this machine finds it), stopped with its whole process tree."""
     temp = tempfile.mkdtemp(prefix="hsxray", dir="/tmp")  # short: Ray's socket paths
     port = _free_port()
-    env = {**os.environ, "RAY_TMPDIR": temp}
+    # Without a token: Ray 2.60 turns token authentication on for a `ray start` when
+    # ~/.ray/auth_token exists (an earlier local ray.init() writes one), and a client
+    # must then be told (RAY_AUTH_MODE=token) to send it.
+    env = {**os.environ, "RAY_TMPDIR": temp, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     ray = str(Path(sys.executable).parent / "ray")
     head = subprocess.Popen(

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from hsx.client import (
     sse_events,
 )
 from hsx.spec import JobSpec, SpecError
-from hsx.wire import JobState, JobStatus, WorkerStatus
+from hsx.wire import JobState, JobStatus, ResourcePlan, WorkerStatus
 from hsx_service.config import Settings
 from hsx_service.main import create_app
 from tests.unit.test_api import TOKEN, FakeScheduler, job_fields, serving
@@ -298,3 +299,17 @@ def test_cli_refused_unauthorized_unreachable(
     unreachable = hsx_cli("--url", gone, "ls")
     assert unreachable.returncode == 1
     assert gone in unreachable.stderr
+
+
+def test_cli_status_says_where_a_job_runs_and_what_it_waits_for(
+    fake: FakeScheduler, url: str
+) -> None:
+    plan = ResourcePlan(gpus=1, replicas=1, engine_gpus=1, train_gpus=1, eval_gpus=1,
+                        training="after", summary="1 GPU: 1 engine on 1; then the trainer")
+    fake.board.post(JobStatus(
+        id="waits", state=JobState.running, output="/o", created_at=time.time(), plan=plan,
+        waiting_for="waiting for 1 GPU of 1: held by the trainer of job a"))
+    human = hsx_cli("--url", url, "status", "waits", env={"COLUMNS": "200"})
+    assert human.returncode == 0, human.stderr
+    assert "1 GPU: 1 engine on 1; then the trainer" in human.stdout
+    assert "waiting for 1 GPU of 1: held by the trainer of job a" in human.stdout

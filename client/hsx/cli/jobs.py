@@ -40,6 +40,7 @@ class _ServerProgress(JobProgress):
             started_at=status.started_at or status.created_at,
             samples_generated=status.samples_generated,
             tokens_generated=status.tokens_generated,
+            waiting_for=status.waiting_for,
         )
         self._rate = status.tokens_per_s
         self._eta = status.eta_s
@@ -146,6 +147,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("finished", _when(job.finished_at)),
         ("output", job.output),
     ]
+    if job.plan is not None:
+        rows.append(("plan", job.plan.summary))
+    if job.waiting_for:
+        rows.append(("waiting", job.waiting_for))
     if job.last_error:
         rows.append(("last error", job.last_error))
     for key, value in rows:

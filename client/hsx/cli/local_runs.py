@@ -43,7 +43,8 @@ def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
 
     try:
         with ProgressBar(spec.name or "extract", enabled=None if progress else False) as bar:
-            summary = run_job(spec, hooks=DispatchHooks(on_progress=bar.update))
+            summary = run_job(spec, hooks=DispatchHooks(on_progress=bar.update,
+                                                        on_waiting=bar.waiting))
     except JobRefused as err:
         return error(str(err), EXIT_REFUSED)
     except JobFailed as err:

@@ -217,11 +217,19 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
     from hsx_workers.acceptance import evaluate_draft
 
     try:
+        engine: dict[str, Any] = {}
+        if args.job:  # the target as the job's engines load it: TP, dtype, its vllm: ones
+            from hsx.spec import load_job
+            from hsx_service.runner import target_engine_args
+
+            engine = target_engine_args(load_job(args.job))
+        if args.tensor_parallel_size:
+            engine["tensor_parallel_size"] = args.tensor_parallel_size
         output = Output(args.output)
         root = draft_folder(output, args.draft_dir) if args.draft is None else None
         result = evaluate_draft(output, draft_root=args.draft_dir, prompts=args.prompts,
                                 max_tokens=args.max_tokens, k=args.k, prefix=args.prefix,
-                                draft=args.draft, target=args.target)
+                                draft=args.draft, target=args.target, engine=engine or None)
     except (StorageError, ValueError, FileNotFoundError) as err:
         return error(str(err), EXIT_REFUSED)
     if args.json:
@@ -265,6 +273,12 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--draft", help="draft folder (default: <draft-dir>/draft; another one is "
                                    "measured but not recorded)")
     p.add_argument("--target", help="target model (default: the output's model)")
+    p.add_argument("--job", help="the job file that made the output: vLLM loads the target "
+                                 "as its engines did (tensor_parallel_size, dtype, its "
+                                 "`vllm:` engine arguments), as the coordinator's evaluation "
+                                 "does")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="GPUs the target spans (default: the job's, else 1)")
     p.add_argument("--k", type=int, default=None,
                    help="num_speculative_tokens (default: the training's ttt_steps, 3)")
     p.add_argument("--prompts", type=int, default=32,
