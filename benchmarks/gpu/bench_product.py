@@ -204,7 +204,7 @@ def main() -> int:
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--timeout", type=float, default=1500)
+    p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--no-drop", action="store_true", help="skip the ceiling phase")
     p.add_argument("--cpu", action="store_true", help="check the script on CPU (tiny model)")
     args = p.parse_args()
