@@ -56,8 +56,9 @@ def _product_run(gpus: str, learnable: Learnable, tmp_path_factory: pytest.TempP
                  record: Any, name: str) -> dict[str, Any]:
     """`hsx serve` seeing `gpus`; one job with `train: {}`; its statuses until the end."""
     base = tmp_path_factory.mktemp(name)
-    server = start_coordinator(base / "ledger.sqlite", [tmp_path_factory.getbasetemp()],
-                               base / "serve.log", env={"CUDA_VISIBLE_DEVICES": gpus})
+    roots = [tmp_path_factory.getbasetemp(), learnable.target.parent, learnable.dataset.parent]
+    server = start_coordinator(base / "ledger.sqlite", roots, base / "serve.log",
+                               env={"CUDA_VISIBLE_DEVICES": gpus})
     try:
         client = server.client()
         started = time.monotonic()
