@@ -578,7 +578,10 @@ class Scheduler:
                     row = rows.get(training.job_id)
                     if row is not None and not training.state.finished:
                         logger.info("resuming the training of %s", row.id)
-                        self._start_training(row, training.spec)
+                        try:
+                            self._start_training(row, training.spec)
+                        except JobRefused as err:  # the cluster can no longer run it
+                            self.ledger.set_training(row.id, TrainState.failed, str(err))
         except LeaseLost:
             self._lost.set()
             self._thread_ended = True
