@@ -68,9 +68,12 @@ def one_gpu_cluster() -> Iterator[str]:
 def coordinator(one_gpu_cluster: str,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
     ledger = tmp_path_factory.mktemp("gpu-share-ledger") / "ledger.sqlite"
+    # The same authentication mode as the cluster's: a ray.init() earlier in this
+    # session set RAY_AUTH_MODE=token in this process, which the server would inherit.
     server = start_coordinator(ledger, [tmp_path_factory.getbasetemp()],
                                ledger.parent / "serve.log",
-                               env={"HSX_RAY_ADDRESS": one_gpu_cluster})
+                               env={"HSX_RAY_ADDRESS": one_gpu_cluster,
+                                    "RAY_AUTH_MODE": "disabled"})
     yield server
     server.kill()
 
