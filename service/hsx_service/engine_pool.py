@@ -11,7 +11,7 @@ engines (idle, kept warm) and stops the idle ones when something waits for their
 `ensure_ray` connects Ray, or starts a local one sized so a job's engines fit.
 
 Who calls what: the job driver (runner.py) asks the pool for a job's slots and parks them
-after; the dispatcher (`runner.execute`) feeds the slots units, up to DISPATCH_DEPTH each; the
+after; the dispatcher (dispatch.py) feeds the slots units, up to DISPATCH_DEPTH each; the
 coordinator (scheduler.py) keeps only the engines the next job needs and lets idle ones go.
 """
 
