@@ -88,6 +88,14 @@ def _dispatch(units: int, heard: _Heard | None = None, *, workers: int = 1,
     return Dispatch(job, pool, (heard or _Heard()).hooks(), slots, max_attempts)
 
 
+def _busy(units: int, heard: _Heard | None = None, **options: Any
+          ) -> tuple[Dispatch, EngineSlot]:
+    """A dispatch whose first worker got its units."""
+    run = _dispatch(units, heard, **options)
+    run.dispatch(run.slots[0])
+    return run, run.slots[0]
+
+
 def _held(slot: EngineSlot) -> list[int]:
     return [u.unit for u in slot.inflight.values()]
 
@@ -130,9 +138,7 @@ def test_a_unit_retried_alone_gets_a_worker_to_itself() -> None:
 
 def test_a_failed_worker_requeues_its_units_counts_attempts_and_restarts() -> None:
     heard = _Heard()
-    run = _dispatch(5, heard)
-    slot = run.slots[0]
-    run.dispatch(slot)
+    run, slot = _busy(5, heard)
     run.live[0] = (1, 10, 0, 0)
     run.fail_slot(slot, RuntimeError("EngineDead: the engine died"), kill=False)
     assert [u.unit for u in run.queue] == [0, 1, 2, 3, 4]  # back at the head, in order
@@ -167,9 +173,7 @@ def test_a_unit_committed_before_its_worker_died_is_done_not_failed() -> None:
     record = CommitRecord(unit=0, shard="shards/unit-000000.bin", attempt="a", samples=4,
                           tokens=40, bytes=320)
     heard = _Heard()
-    run = _dispatch(2, heard, output=_Output(committed={0: record}))
-    slot = run.slots[0]
-    run.dispatch(slot)
+    run, slot = _busy(2, heard, output=_Output(committed={0: record}))
     run.fail_slot(slot, RuntimeError("node lost"), kill=False)
     assert [u.unit for u in run.queue] == [1] and run.attempts == {1: 1}
     assert run.progress.units_done == 1 and run.progress.tokens_done == 40
@@ -184,9 +188,7 @@ def test_a_worker_that_held_nothing_fails_the_job() -> None:
 
 def test_a_committed_unit_counts_into_the_progress() -> None:
     heard = _Heard()
-    run = _dispatch(3, heard)
-    slot = run.slots[0]
-    run.dispatch(slot)
+    run, slot = _busy(3, heard)
     first = next(iter(slot.inflight))
     run.alone.add(0)
     run.live[0] = (2, 20, 1, 4)
@@ -204,8 +206,7 @@ def test_a_committed_unit_counts_into_the_progress() -> None:
 
 def test_what_is_shown_includes_the_units_still_running() -> None:
     heard = _Heard()
-    run = _dispatch(3, heard)
-    run.dispatch(run.slots[0])
+    run, _ = _busy(3, heard)
     run.live = {0: (2, 20, 1, 5), 1: (1, 7, 0, 0)}
     run.emit(False)
     run.emit(True)
@@ -219,9 +220,7 @@ def test_what_is_shown_includes_the_units_still_running() -> None:
 
 def test_a_full_disk_stops_dispatch_and_names_enospc() -> None:
     heard = _Heard()
-    run = _dispatch(4, heard)
-    slot = run.slots[0]
-    run.dispatch(slot)
+    run, slot = _busy(4, heard)
     ref = next(iter(slot.inflight))
     run.stop_for_full_disk(slot, ref, OSError(28, "No space left on device"))
     assert not run.queue and _held(slot) == [1] and slot.state == "busy"
