@@ -1,4 +1,9 @@
-"""The coordinator's error classes, mapped to HTTP in one place (main.py).
+"""The service's error classes: how a job that ran ends, and the coordinator's errors
+(mapped to HTTP in one place, main.py).
+
+A job that ran ends with a summary, `JobFailed` or `JobCancelled` (runner.py re-exports
+both; the engine pool and the dispatcher raise them too); the scheduler makes the
+outcome the job's state: succeeded, failed, cancelled.
 
 | class | HTTP |
 |---|---|
@@ -11,6 +16,14 @@
 from __future__ import annotations
 
 from hsx_service.prepare import JobRefused
+
+
+class JobFailed(RuntimeError):
+    """The job stopped; committed units stay valid and a rerun resumes the rest."""
+
+
+class JobCancelled(RuntimeError):
+    """The job was cancelled: dispatch stopped, the units handed out committed."""
 
 
 class JobNotFound(KeyError):

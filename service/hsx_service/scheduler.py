@@ -1,19 +1,18 @@
 """The coordinator's scheduler: jobs from the ledger, run one after another on Ray.
 
 Routes call `submit`, `cancel`, `errors`, `throughput` — all quick: they validate, read
-the ledger and enqueue — and read statuses from `board` (board.py), where the scheduler
-posts every job's status when it changes: a GET or an event stream costs no SQLite and
-no status building, whatever the number of clients. One background thread takes the
-oldest queued job and runs it to the end with the job driver the CLI uses
-(`runner.run_job`): prepare (ingest, plan), then units fed to `replicas` engine actors,
-restarts and retries included, then complete.json. Its hooks send progress to the board
-(a status at most every PUBLISH_INTERVAL_S, state changes at once), to the metrics
-(metrics.py) and to the ledger, whose bookkeeping of a running job is written behind
-(ledger.py), so the thread that drives the engines never waits on SQLite or on clients.
+the ledger and enqueue — and read statuses from `board` (board.py): a GET or an event
+stream costs no SQLite and no status building, whatever the number of clients. One
+background thread takes the oldest queued job and runs it to the end with the job driver
+the CLI uses (`runner.run_job`): prepare (ingest, plan), then units fed to `replicas`
+engine actors, restarts and retries included, then complete.json. Its hooks write the
+ledger's bookkeeping of the run (units, attempts, restarts: written behind, ledger.py),
+count it in the metrics (metrics.py) and tell the job's statuses (`statuses`,
+statuses.py), which post them on the board and keep what a job's page shows after the
+end; so the thread that drives the engines never waits on SQLite or on clients.
 
-What a job's page shows after the end is kept in the ledger as the job runs: its
-numbers, its throughput curve (a point every CURVE_INTERVAL_S) and average, and what
-each worker committed.
+This module decides what runs and when: the lease, the job thread, the queue, cancels,
+trainings. What a job's status says, and when it is posted, is statuses.py's.
 
 On `start` the ledger is reconciled with the outputs — the outputs' commit records are
 the truth — and every job that was running when the coordinator stopped is queued
@@ -41,7 +40,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import dataclasses
 import logging
 import sqlite3
 import sys
@@ -54,7 +52,6 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from hsx.draft import draft_view
-from hsx.output import OutputCorrupt, StorageError
 from hsx.output.layout import DRAFT_DIR
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
@@ -64,13 +61,10 @@ from hsx.wire import (
     ErrorRecord,
     JobState,
     JobStatus,
-    ResourcePlan,
     Throughput,
     ThroughputPoint,
     TrainState,
     TrainStatus,
-    WorkerStatus,
-    WorkerTotals,
 )
 from hsx_service.board import StatusBoard
 from hsx_service.errors import JobConflict, JobNotFound, NotReady
@@ -95,12 +89,11 @@ from hsx_service.runner import (
     ensure_ray,
     run_job,
 )
+from hsx_service.statuses import JobStatuses
 from hsx_service.training import Trainings
 
 logger = logging.getLogger(__name__)
 
-PUBLISH_INTERVAL_S = 0.25  # at most this often per job, for progress (not state) changes
-CURVE_INTERVAL_S = 2.0  # a throughput point this often while a job extracts
 CURVE_POINTS = 600  # most points `throughput` returns
 SUPERVISE_TICK_S = 1.0  # the supervisor looks at the lease and the job thread this often
 MAX_RUNNER_RESTARTS = 3  # a job whose runner lost Ray more often than this fails
@@ -136,35 +129,11 @@ class Scheduler:
         self._cancel: set[str] = set()
         self.trainings = Trainings(self.ledger, self.arbiter)
         self.board = StatusBoard()
-        self._plans: dict[str, ResourcePlan] = {}  # where each job's work runs, as planned
-        self._waiting: dict[str, str] = {}  # job id -> what its run waits for now
+        self.statuses = JobStatuses(self.ledger, self.board)
         # job id -> set once the job has ended: a training planned `after` waits for it
         self._extracted: dict[str, threading.Event] = {}
         self.job_metrics = JobMetrics()
-        self._publish_lock = threading.Lock()  # one status built and posted at a time
-        self._last_publish: dict[str, float] = {}
-        # The ledger's job rows as last read or written here (replaced, never mutated).
-        self._rows: dict[str, JobRow] = {}
-        self._live: dict[str, JobProgress] = {}  # progress of the job running now
-        # Numbers of jobs not running now (ledger job_totals), and of previous runs.
-        self._totals: dict[str, dict[str, Any]] = {}
-        self._workers: dict[str, dict[str, WorkerTotals]] = {}
-        self._run_base: dict[str, tuple[int, float]] = {}  # earlier runs' (tokens, seconds)
-        self._curve_mark: dict[str, tuple[float, int]] = {}  # last curve point (time, tokens)
-        self._load()
-
-    def _load(self) -> None:
-        """What the board shows, from the ledger (at start, and at a take-over: the
-        previous holder wrote what this process has not seen)."""
-        self._totals = self.ledger.totals()
-        with self._lock:
-            self._workers = {
-                job_id: {w["name"]: WorkerTotals(**w) for w in workers}
-                for job_id, workers in self.ledger.worker_totals().items()
-            }
-        for row in self.ledger.jobs():
-            self._rows[row.id] = row
-            self._publish(row.id, force=True)
+        self.statuses.load()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -201,7 +170,7 @@ class Scheduler:
         was_standby = self._standby is not None
         self.ledger.acquire(self._ttl, getattr(self.settings, "address", None))
         if was_standby:
-            self._load()
+            self.statuses.load()
         self._standby = None
         self._stepped_down = None
         self._lost.clear()
@@ -223,7 +192,7 @@ class Scheduler:
                     why = f"{self._stepped_down}; " if self._stepped_down else ""
                     self._standby = (f"standby: {why}{err.holder.describe()} holds the "
                                      "ledger; this coordinator takes over when it stops")
-                    self._mirror()
+                    self.statuses.mirror()
                     self._stop.wait(SUPERVISE_TICK_S)
                     continue
                 except sqlite3.Error:
@@ -278,7 +247,7 @@ class Scheduler:
         self.trainings.stop()
         self.trainings = Trainings(self.ledger, self.arbiter)
         self._reset_engines()
-        self._live.clear()
+        self.statuses.forget_runs()
         self._current = None
         self._lost.clear()  # the job thread, which it told to stop, is gone
 
@@ -304,20 +273,6 @@ class Scheduler:
                 self._end(job_id, JobState.queued, f"runner restarted: {reason}")
         except LeaseLost:
             self._lost.set()
-
-    def _mirror(self) -> None:
-        """A standby shows the holder's jobs as the ledger has them."""
-        try:
-            rows = self.ledger.jobs()
-            totals = self.ledger.totals()
-        except sqlite3.Error:
-            return
-        for row in rows:
-            if self._rows.get(row.id) != row or totals.get(row.id) != self._totals.get(row.id):
-                self._rows[row.id] = row
-                if row.id in totals:
-                    self._totals[row.id] = totals[row.id]
-                self._publish(row.id, force=True)
 
     def _reconcile(self) -> None:
         """After a restart: running jobs go back to the queue, units agree with outputs."""
@@ -351,8 +306,7 @@ class Scheduler:
             if raced is None:
                 raise RuntimeError(f"ledger lost job {job_id}")
             return self._same_or_conflict(raced, spec), False
-        self._rows[job_id] = row
-        self._publish(job_id, force=True)
+        self.statuses.changed(job_id, row)
         with self._wake:
             self._wake.notify_all()
         return self.get(job_id), True
@@ -406,7 +360,7 @@ class Scheduler:
         extraction has ended (its plan says `after`)."""
         after = None
         if not row.state.finished:
-            plan = self._plans.get(row.id) or plan_for_cluster(row.spec)
+            plan = self.statuses.plans.get(row.id) or plan_for_cluster(row.spec)
             wanted = trains_on_gpus(row.spec.model_copy(update={"train": spec}), plan.gpus)
             if plan.engine_gpus + wanted > plan.gpus:
                 after = self._extracted.setdefault(row.id, threading.Event())
@@ -451,10 +405,10 @@ class Scheduler:
         return self.job_metrics.families(statuses, trainings, self._ready, now,
                                          gpus=(self.arbiter.holders(), self.arbiter.waiters()))
 
-    # ------------------------------------------------------------ status
+    # ------------------------------------------------------------ rows
 
     def _row(self, job_id: str) -> JobRow:
-        row = self._rows.get(job_id) or self.ledger.job(job_id)
+        row = self.statuses.rows.get(job_id) or self.ledger.job(job_id)
         if row is None:
             raise JobNotFound(job_id)
         return row
@@ -462,73 +416,7 @@ class Scheduler:
     def _set_state(self, job_id: str, state: JobState, error: str | None = None) -> None:
         """Write a state change, refresh the row from the ledger, post the status."""
         self.ledger.set_state(job_id, state, error)
-        row = self.ledger.job(job_id)
-        if row is not None:
-            self._rows[job_id] = row
-        self._publish(job_id, force=True)
-
-    def _status(self, row: JobRow) -> JobStatus:
-        live = self._live.get(row.id) if row.state == JobState.running else None
-        numbers = self._totals.get(row.id)
-        if live is None and numbers is None:
-            numbers = self._totals_from_output(row)
-        status = JobStatus(
-            id=row.id, name=row.spec.name, state=row.state, output=row.output,
-            created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
-            restarts=row.restarts, last_error=row.last_error, spec=row.spec,
-            updated_at=time.time(), plan=self._plans.get(row.id),
-            waiting_for=self._waiting_for(row),
-        )
-        if live is not None:
-            numbers = self._live_totals(row.id, live)
-            status.tokens_per_s = round(live.tokens_per_s(), 1)
-            status.eta_s = live.eta_s()
-            status.workers = [
-                WorkerStatus(name=name, state=state, unit=live.worker_units.get(name))
-                for name, state in sorted(live.workers.items())
-            ]
-        if numbers is not None:
-            for name in _STATUS_NUMBERS:
-                setattr(status, name, int(numbers.get(name, 0)))
-            seconds = float(numbers.get("run_seconds", 0.0))
-            if seconds > 0:
-                status.tokens_per_s_avg = round(float(numbers.get("run_tokens", 0)) / seconds, 1)
-        with self._lock:
-            status.worker_totals = sorted(self._workers.get(row.id, {}).values(),
-                                          key=lambda w: w.name)
-        return status
-
-    def _waiting_for(self, row: JobRow) -> str | None:
-        if row.state == JobState.running:
-            return self._waiting.get(row.id)
-        if row.state == JobState.queued:
-            return "its turn: jobs run one at a time, in the order they were submitted"
-        return None
-
-    def _live_totals(self, job_id: str, live: JobProgress) -> dict[str, Any]:
-        """The numbers of a running job: its progress, plus its earlier runs' time."""
-        numbers = {name: getattr(live, name) for name in _STATUS_NUMBERS}
-        base_tokens, base_seconds = self._run_base.get(job_id, (0, 0.0))
-        ran = time.time() - live.rate_since if live.rate_since is not None else 0.0
-        numbers.update(run_tokens=base_tokens + live.rate_tokens, run_seconds=base_seconds + ran)
-        return numbers
-
-    def _totals_from_output(self, row: JobRow) -> dict[str, Any] | None:
-        """Numbers of a job the ledger has none for (it ran under an older hsx), read once
-        from its output and kept in the ledger."""
-        try:
-            output = open_output(row.output)
-            if not output.has_manifest():
-                return None
-            progress = output.totals().progress()
-        except (OSError, ValueError, JobRefused, StorageError, OutputCorrupt):
-            return None
-        progress.units_failed = len(self.ledger.failed_units(row.id))
-        numbers = {name: getattr(progress, name) for name in _STATUS_NUMBERS}
-        if row.state.finished:
-            self._totals[row.id] = numbers
-            self.ledger.put_totals(row.id, numbers)
-        return numbers
+        self.statuses.changed(job_id, self.ledger.job(job_id))
 
     def _error_records(self, row: JobRow) -> builtins.list[ErrorRecord]:
         output = open_output(row.output)
@@ -538,26 +426,6 @@ class Scheduler:
                     for unit, start, end, error in self.ledger.failed_units(row.id)]
         return [ErrorRecord(sample_index=e.sample_index, reason=e.reason)
                 for e in output.errors(given_up=given_up)]
-
-    def _publish(self, job_id: str, *, force: bool = False) -> None:
-        """Post the job's status on the board (progress at most every PUBLISH_INTERVAL_S)."""
-        now = time.monotonic()
-        if not force and now - self._last_publish.get(job_id, 0.0) < PUBLISH_INTERVAL_S:
-            return
-        self._last_publish[job_id] = now
-        row = self._rows.get(job_id)
-        if row is None:
-            return
-        with self._publish_lock:
-            status = self._status(self._rows.get(job_id, row))
-            previous = self.board.get(job_id)
-            if (status.state == JobState.running and previous is not None
-                    and previous.status.state == JobState.running):
-                # Shown numbers never go back during a run: between two polls of the
-                # workers the progress counts committed units only.
-                status.samples_done = max(status.samples_done, previous.status.samples_done)
-                status.tokens_done = max(status.tokens_done, previous.status.tokens_done)
-            self.board.post(status)
 
     # ------------------------------------------------------------ the job thread
 
@@ -635,7 +503,7 @@ class Scheduler:
         job_id = row.id
         self._set_state(job_id, JobState.running)
         try:
-            plan = self._plans[job_id] = plan_for_cluster(row.spec)
+            plan = self.statuses.plans[job_id] = plan_for_cluster(row.spec)
         except JobRefused as err:  # the cluster shrank since the submit
             self._end(job_id, JobState.failed, str(err))
             return
@@ -655,14 +523,14 @@ class Scheduler:
 
         hooks = DispatchHooks(
             on_prepared=prepared,
-            on_progress=lambda p: self._on_progress(job_id, p),
+            on_progress=lambda p: self.statuses.progressed(job_id, p),
             on_unit_done=lambda report: self._on_unit_done(job_id, report),
             on_unit_error=lambda unit, attempt, msg, gave_up: self._on_unit_error(
                 job_id, unit, attempt, msg, gave_up),
             on_restart=lambda _name: self._on_restart(job_id),
             # A coordinator that lost its lease stops dispatching, as for a cancel.
             cancelled=lambda: job_id in self._cancel or self._lost.is_set(),
-            on_waiting=lambda reason: self._on_waiting(job_id, reason),
+            on_waiting=lambda reason: self.statuses.waiting(job_id, reason),
         )
         try:
             run_job(row.spec, pool=self.pool, hooks=hooks, max_attempts=self.max_attempts,
@@ -678,66 +546,18 @@ class Scheduler:
     # queued ledger writes only.
 
     def _start_run(self, job_id: str, progress: JobProgress) -> None:
-        previous = self._totals.pop(job_id, {})
-        self._run_base[job_id] = (int(previous.get("run_tokens", 0)),
-                                  float(previous.get("run_seconds", 0.0)))
-        self._curve_mark.pop(job_id, None)
-        self._live[job_id] = progress
+        self.statuses.run_started(job_id, progress)
         self.job_metrics.run_started(job_id, progress.tokens_done, progress.samples_done,
                                      progress.bytes, progress.shards)
-        self._publish(job_id, force=True)
-
-    def _on_progress(self, job_id: str, progress: JobProgress) -> None:
-        previous = self._live.get(job_id)
-        self._live[job_id] = progress
-        # A worker changing state is news; plain counters are throttled.
-        changed = previous is None or previous.workers != progress.workers
-        self._publish(job_id, force=changed)
-        self._curve(job_id, progress)
-
-    def _curve(self, job_id: str, progress: JobProgress, last: bool = False) -> None:
-        """A throughput point every CURVE_INTERVAL_S of dispatching (and at the end)."""
-        if progress.rate_since is None:
-            return  # engines still starting: nothing extracted in this run yet
-        now = time.time()
-        mark = self._curve_mark.get(job_id)
-        if mark is None:
-            mark = self._curve_mark[job_id] = (progress.rate_since,
-                                               progress.tokens_done - progress.rate_tokens)
-        post = self.board.get(job_id)
-        tokens = max(progress.tokens_done, post.status.tokens_done if post else 0)
-        elapsed = now - mark[0]
-        if elapsed < (0.5 if last else CURVE_INTERVAL_S):
-            return
-        self._curve_mark[job_id] = (now, tokens)
-        self.ledger.add_throughput(job_id, now, max(tokens - mark[1], 0) / elapsed, tokens)
-        self.ledger.put_totals(job_id, self._live_totals(job_id, progress))
 
     def _on_unit_done(self, job_id: str, report: Any) -> None:
         self.ledger.unit_committed(job_id, report)
         self.job_metrics.unit_done(job_id, report)
-        if report.won:
-            with self._lock:
-                workers = self._workers.setdefault(job_id, {})
-                w = workers.get(report.worker) or WorkerTotals(name=report.worker or "?")
-                workers[w.name] = w.model_copy(update={
-                    "units": w.units + 1, "samples": w.samples + report.samples,
-                    "tokens": w.tokens + report.tokens, "bytes": w.bytes + report.bytes,
-                    "seconds": round(w.seconds + report.seconds, 3)})
-
-    def _on_waiting(self, job_id: str, reason: str | None) -> None:
-        if reason is None:
-            self._waiting.pop(job_id, None)
-        else:
-            self._waiting[job_id] = reason
-        self._publish(job_id, force=True)
+        self.statuses.unit_committed(job_id, report)
 
     def _on_restart(self, job_id: str) -> None:
         self.ledger.add_restart(job_id)
-        row = self._rows.get(job_id)
-        if row is not None:
-            self._rows[job_id] = dataclasses.replace(row, restarts=row.restarts + 1)
-        self._publish(job_id, force=True)
+        self.statuses.restarted(job_id)
 
     def _on_unit_error(
         self, job_id: str, unit: WorkUnit, attempt: int, message: str, gave_up: bool
@@ -746,21 +566,12 @@ class Scheduler:
         self.ledger.unit_failed(job_id, unit.unit, attempt, message, gave_up)
         self.ledger.set_error(job_id, error)
         self.job_metrics.unit_failed(job_id)
-        row = self._rows.get(job_id)
-        if row is not None:
-            self._rows[job_id] = dataclasses.replace(row, last_error=error)
-        self._publish(job_id, force=True)  # an error is news, like a worker's state
+        self.statuses.attempt_failed(job_id, error)
 
     def _end(self, job_id: str, state: JobState, error: str | None) -> None:
-        live = self._live.pop(job_id, None)
-        if live is not None:
-            self._curve(job_id, live, last=True)
-            numbers = self._live_totals(job_id, live)
-            self._totals[job_id] = numbers
-            self.ledger.put_totals(job_id, numbers)
+        self.statuses.run_ended(job_id)
         with self._lock:
             self._cancel.discard(job_id)
-        self._waiting.pop(job_id, None)
         self._set_state(job_id, state, error)  # applies the queued writes first
         if state.finished:
             self._extracted.setdefault(job_id, threading.Event()).set()
@@ -775,11 +586,6 @@ def _ray_lost(err: BaseException) -> bool:
     from ray.exceptions import RaySystemError, RpcError
 
     return isinstance(err, RaySystemError | RpcError)
-
-
-_STATUS_NUMBERS = ("samples_total", "samples_done", "samples_failed", "tokens_total",
-                   "tokens_done", "bytes", "shards", "units_total", "units_done", "units_failed",
-                   "samples_generated", "tokens_generated")
 
 
 def thin_curve(points: builtins.list[tuple[float, float, int]],

@@ -40,10 +40,10 @@ from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_METRICS
 from hsx.spec import JobSpec, TrainSpec
 from hsx.wire import DraftEval, TrainPlan, TrainPoint, TrainState, TrainStatus, ValidationPoint
+from hsx_service.engine_pool import engine_bundles, engine_resources, in_group, target_engine_args
 from hsx_service.errors import JobConflict
 from hsx_service.ledger import Ledger, TrainRow
 from hsx_service.placement import EVALUATION, TRAINER, GpuArbiter, Holder, place
-from hsx_service.runner import engine_bundles, engine_resources, in_group, target_engine_args
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from hsx.spec import JobSpec, TrainSpec
 from hsx.wire import JobList, JobState, JobStatus, ResourcePlan, Throughput, TrainState
 from hsx_service import runner as runner_module
 from hsx_service import scheduler as scheduler_module
+from hsx_service import statuses as statuses_module
 from hsx_service.board import StatusBoard
 from hsx_service.config import Settings
 from hsx_service.main import create_app
@@ -144,7 +145,7 @@ def prepared(tmp_path: Path, tiny_llama: Path, chat_dataset: ChatDataset) -> Job
 def test_a_job_page_remembers_and_metrics_follow_the_run(
     tmp_path: Path, prepared: JobSpec, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(scheduler_module, "CURVE_INTERVAL_S", 0.05)
+    monkeypatch.setattr(statuses_module, "CURVE_INTERVAL_S", 0.05)
     monkeypatch.setattr(scheduler_module, "plan_for_cluster", lambda spec: ResourcePlan())
     ledger_path = tmp_path / "ledger.sqlite"
     scheduler = Scheduler(Settings(ledger_path=ledger_path))
@@ -259,8 +260,7 @@ def test_metrics_name_every_family_and_only_recent_jobs(tmp_path: Path) -> None:
     for job_id in ("old", "training"):
         scheduler.ledger.insert_job(job_id, spec, str(output))
         scheduler.ledger.set_state(job_id, JobState.succeeded)
-        scheduler._rows[job_id] = scheduler.ledger.job(job_id)  # type: ignore[assignment]
-        scheduler._publish(job_id, force=True)
+        scheduler.statuses.changed(job_id, scheduler.ledger.job(job_id))
     scheduler.ledger.put_training("training", TrainSpec())
     scheduler.ledger.set_training("training", TrainState.running)
     stale = scheduler.get("old").model_copy(update={"finished_at": time.time() - 7200})

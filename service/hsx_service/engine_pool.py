@@ -1,0 +1,348 @@
+"""The engines jobs run on: Ray actors that each own one engine, kept by configuration.
+
+`engine_config_for` says which engine a job asks for; jobs with equal `engine_key`s share
+engines, so several jobs on the same model in one process (tests, a service) reuse warm
+engines instead of starting new ones. `EnginePool.slots` gives a job its `replicas`
+workers (`EngineSlot`s): the warm ones, and new ones once the pool's GPU arbiter and Ray
+have their GPUs (placement.py), each in a placement group of its own (`engine_bundles`;
+`engine_resources` and `in_group` say what the process that builds the engine takes in
+it, for the draft's evaluation too: training.py). When a job ends the pool parks its
+engines (idle, kept warm) and stops the idle ones when something waits for their GPUs.
+`ensure_ray` connects Ray, or starts a local one sized so a job's engines fit.
+
+Who calls what: the job driver (runner.py) asks the pool for a job's slots and parks them
+after; the dispatcher (dispatch.py) feeds the slots units, up to DISPATCH_DEPTH each; the
+coordinator (scheduler.py) keeps only the engines the next job needs and lets idle ones go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hsx.modelinfo import ModelInfo
+from hsx.output import faults
+from hsx.plan import WorkUnit
+from hsx.spec import JobSpec
+from hsx_service.errors import JobCancelled
+from hsx_service.placement import ENGINE, ClusterShape, GpuArbiter, Holder, place, plan_job
+from hsx_service.prepare import preflight
+
+logger = logging.getLogger(__name__)
+
+DISPATCH_DEPTH = 2
+"""Units queued on one worker at a time: while one commits or finishes its last
+requests, the next one's requests already keep the engine busy (worker.py)."""
+LOCAL_RAY_MIN_CPUS = 8  # a local Ray started here has at least these logical CPUs
+STOP_GRACE_S = 30.0  # an engine asked to shut down gets this long before it is killed
+
+
+def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int]) -> Any:
+    from hsx_workers.engines.base import EngineConfig
+
+    options: dict[str, Any] = {"cpu_kvcache_gib": spec.vllm.cpu_kvcache_gib}
+    if spec.vllm.max_num_batched_tokens is not None:
+        options["max_num_batched_tokens"] = spec.vllm.max_num_batched_tokens
+    if spec.vllm.enforce_eager:
+        options["enforce_eager"] = True
+    options["gpu_memory_utilization"] = spec.vllm.gpu_memory_utilization
+    options["max_inflight_tokens"] = spec.vllm.max_inflight_tokens
+    if spec.vllm.engine_args():
+        options["engine_args"] = spec.vllm.engine_args()
+    if spec.regenerate is not None:
+        options["generates"] = True  # sampling with per-request seeds (vllm_engine.py)
+    return EngineConfig(
+        model=spec.model,
+        layers=layers,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        max_seq_len=spec.max_seq_len,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        trust_remote_code=spec.trust_remote_code,
+        dtype=spec.vllm.dtype,
+        options=options,
+        storage_dtype=spec.storage_dtype,
+    )
+
+
+def target_engine_args(spec: JobSpec) -> dict[str, Any]:
+    """vLLM's arguments for the job's target outside capture (the draft's evaluation):
+    as the job's engines load it — tensor parallelism, dtype, memory share, remote code
+    and the job's own `vllm:` engine arguments."""
+    return {
+        "tensor_parallel_size": spec.tensor_parallel_size,
+        "dtype": spec.vllm.dtype,
+        "trust_remote_code": spec.trust_remote_code,
+        "gpu_memory_utilization": spec.vllm.gpu_memory_utilization,
+        **spec.vllm.engine_args(),
+    }
+
+
+def engine_key(spec: JobSpec, model: ModelInfo, layers: list[int]) -> tuple[Any, ...]:
+    """Jobs with equal keys can share engines (EnginePool keeps actors by this key)."""
+    return (spec.engine, repr(engine_config_for(spec, model, layers)))
+
+
+def ensure_ray(address: str | None, cpus_needed: int) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {
+        "ignore_reinit_error": True,
+        "include_dashboard": False,
+        "logging_level": logging.WARNING,
+        "log_to_driver": os.environ.get("HSX_RAY_LOG_TO_DRIVER", "0") == "1",
+    }
+    if address:
+        kwargs["address"] = address
+    elif not os.environ.get("RAY_ADDRESS"):
+        # A local Ray sized so jobs fit even on a small machine: CPU engines share the
+        # cores, and each engine's placement group reserves `tp` of these logical CPUs.
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, cpus_needed, LOCAL_RAY_MIN_CPUS)
+    ray.init(**kwargs)
+
+
+def _cpu_binding(replica: int, replicas: int, tp: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND giving each engine rank its own cores, when there are enough.
+
+    vLLM's CPU build refuses TP>1 on a small machine unless threads are bound by hand.
+    """
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per_rank = len(cores) // (replicas * tp)
+    if per_rank < 1:
+        return None
+    ranks = []
+    for rank in range(tp):
+        first = (replica * tp + rank) * per_rank
+        chosen = cores[first : first + per_rank]
+        ranks.append(f"{chosen[0]}-{chosen[-1]}" if len(chosen) > 1 else str(chosen[0]))
+    return "|".join(ranks)
+
+
+@dataclass
+class EngineSlot:
+    """One worker of a job: an actor that owns one engine, and the units it holds."""
+
+    name: str
+    actor: Any
+    state: str = "starting"  # starting | idle | busy
+    ready_ref: Any = None
+    # The units this worker holds, in dispatch order: object ref of run_unit -> unit.
+    inflight: dict[Any, WorkUnit] = field(default_factory=dict)
+    units_run: int = 0
+    placement_group: Any = None
+    holder: Holder | None = None  # its GPUs in the arbiter's books (GPU clusters)
+    ready_failures: int = 0  # readiness checks of the current restart that failed
+    ever_ready: bool = False  # it served once: a failed readiness check is a restart's
+    check_at: float = 0.0  # when to ask a restarting worker again (ready_ref is None)
+
+    @property
+    def unit(self) -> WorkUnit | None:
+        """The oldest unit this worker holds (the one it works on first)."""
+        return next(iter(self.inflight.values()), None)
+
+
+def engine_bundles(tp: int, gpus: bool) -> list[dict[str, float]]:
+    """The placement-group bundles of one engine.
+
+    GPU nodes: one bundle per TP rank, a GPU and a CPU each, packed; with TP > 1 vLLM's
+    Ray executor places its rank workers on them and the engine's own actor takes no
+    resources of its own. CPU machines: one bundle of `tp` CPUs (vLLM's Ray executor
+    refuses the CPU platform, so ranks are processes of the multiprocessing executor).
+    """
+    if not gpus:
+        return [{"CPU": float(tp)}]
+    return [{"GPU": 1.0, "CPU": 1.0} for _ in range(tp)]
+
+
+def engine_resources(tp: int, gpus: bool) -> tuple[dict[str, Any], str | None]:
+    """What the process that builds a vLLM engine (the engine's actor, the evaluation's
+    task) takes inside the engine's placement group, and the executor vLLM must use.
+
+    GPU, TP 1: the GPU itself. GPU, TP > 1: nothing; vLLM's Ray executor puts its ranks
+    on the group's bundles (this is what spans nodes). CPU: the `tp` CPUs, ranks as
+    processes of the multiprocessing executor (inside a placement group vLLM would pick
+    its Ray executor, which refuses the CPU platform).
+    """
+    if not gpus:
+        return {"num_cpus": tp, "num_gpus": 0}, ("mp" if tp > 1 else None)
+    if tp == 1:
+        return {"num_cpus": 1, "num_gpus": 1}, None
+    return {"num_cpus": 0, "num_gpus": 0}, "ray"
+
+
+def in_group(pg: Any) -> Any:
+    """The scheduling strategy of the process that owns an engine in `pg`."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=0,
+        placement_group_capture_child_tasks=True)
+
+
+@dataclass
+class Waits:
+    """How a wait for resources is told and ended: `on_wait(reason)` hears what it waits
+    for (None once it stops waiting); `cancelled()` ends it."""
+
+    cancelled: Callable[[], bool] | None = None
+    on_wait: Callable[[str | None], None] | None = None
+
+
+@dataclass
+class EnginePool:
+    """Ray actors that each own one engine, kept by engine configuration."""
+
+    actors: dict[tuple[Any, ...], list[EngineSlot]] = field(default_factory=dict)
+    restarts: int = 0
+    arbiter: GpuArbiter = field(default_factory=GpuArbiter)
+
+    def slots(self, engine: str, config: Any, replicas: int, spec: JobSpec, *,
+              job: str = "local", order: float = 0.0, waits: Waits | None = None,
+              ) -> list[EngineSlot]:
+        """`replicas` workers of this engine configuration for `job`: the warm ones, and
+        new ones once the arbiter and Ray have their GPUs (meanwhile `waits` hears what
+        they wait for). Raises JobCancelled if `waits` says cancelled while waiting."""
+        import ray
+
+        from hsx_workers.worker import ExtractionWorker
+
+        waits = waits or Waits()
+        key = (engine, repr(config))
+        have = self.actors.setdefault(key, [])
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if gpus and have and self.arbiter.waits_ahead_of((order, ENGINE)):
+            # Warm engines yield to what waits ahead of this job (an earlier job's trainer
+            # or evaluation); this job's engines then wait for their turn.
+            self._stop(have)
+            have.clear()
+        for slot in have[:replicas]:
+            if slot.holder is not None:
+                slot.holder.job, slot.holder.idle = job, False
+        tp = config.tensor_parallel_size
+        while len(have) < replicas:
+            index = len(have)
+            name = f"engine-{index}"
+            env = {
+                "VLLM_CPU_KVCACHE_SPACE": str(config.options.get("cpu_kvcache_gib", 1)),
+                "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            }
+            if os.environ.get(faults.ENV):  # crash tests: the workers are the ones to die
+                env[faults.ENV] = os.environ[faults.ENV]
+            if not gpus:
+                binding = _cpu_binding(index, replicas, tp)
+                if binding:
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+            holder = None
+            if gpus:
+                holder = Holder(job=job, role=name, gpus=tp, order=(order, ENGINE))
+                if not self.arbiter.acquire(holder, cancelled=waits.cancelled,
+                                            on_wait=waits.on_wait):
+                    raise JobCancelled("cancelled while waiting for GPUs")
+            pg = place(engine_bundles(tp, bool(gpus)), f"{name} of job {job}",
+                       cancelled=waits.cancelled, on_wait=waits.on_wait)
+            if pg is None:
+                if holder is not None:
+                    self.arbiter.release(holder)
+                raise JobCancelled("cancelled while waiting for Ray to place an engine")
+            resources, backend = engine_resources(tp, bool(gpus))
+            options: dict[str, Any] = {
+                "max_restarts": -1,
+                "max_task_retries": 0,
+                # run_unit calls wait side by side (DISPATCH_DEPTH); progress() answers.
+                "max_concurrency": DISPATCH_DEPTH + 2,
+                "runtime_env": {"env_vars": env},
+                "scheduling_strategy": in_group(pg),
+                **resources,
+            }
+            actor_config = config
+            if backend is not None:
+                actor_config = dataclasses.replace(
+                    config, options={**config.options, "distributed_executor_backend": backend})
+            actor_cls: Any = ray.remote(ExtractionWorker)
+            actor = actor_cls.options(**options).remote(engine, actor_config, name)
+            have.append(EngineSlot(name=name, actor=actor, ready_ref=actor.ready.remote(),
+                              placement_group=pg, holder=holder))
+        return have[:replicas]
+
+    def start(self, spec: JobSpec, timeout: float = 600.0) -> None:
+        """Start the engines a job will use and wait until they serve (warm-up)."""
+        import ray
+
+        info, layers, _ = preflight(spec)
+        ensure_ray(spec.ray_address, (spec.replicas or 1) * spec.tensor_parallel_size)
+        config = engine_config_for(spec, info, layers)
+        replicas = plan_job(spec, ClusterShape.of_ray()).replicas
+        slots = self.slots(spec.engine, config, replicas, spec, job="warm-up")
+        starting = [s for s in slots if s.state == "starting"]
+        ray.get([s.ready_ref for s in starting], timeout=timeout)
+        for slot in starting:
+            slot.state = "idle"
+            slot.ever_ready = True
+        self.park()
+
+    def keep_only(self, key: tuple[Any, ...] | None, replicas: int | None = None) -> None:
+        """Stop every engine but the first `replicas` of `key` (engines hold GPUs and
+        memory)."""
+        for other in [k for k in self.actors if k != key]:
+            self._stop(self.actors.pop(other))
+        if key in self.actors and replicas is not None:
+            self._stop(self.actors[key][replicas:])
+            del self.actors[key][replicas:]
+
+    def park(self) -> None:
+        """No job uses the engines now: their GPUs show as idle, and go to whatever waits
+        for them (`release_idle`)."""
+        for slots in self.actors.values():
+            for slot in slots:
+                if slot.holder is not None:
+                    slot.holder.idle = True
+
+    def release_idle(self) -> bool:
+        """Stop the engines no job uses, when something waits for GPUs. True if it did."""
+        if not self.arbiter.blocked_by_idle():
+            return False
+        waiters = ", ".join(h.describe() for h in self.arbiter.waiters())
+        for key in list(self.actors):
+            idle = [s for s in self.actors[key] if s.holder is not None and s.holder.idle]
+            for slot in idle:
+                logger.info("%s yields its GPU to %s", slot.name, waiters)
+            self._stop(idle)
+            self.actors[key] = [s for s in self.actors[key] if s not in idle]
+            if not self.actors[key]:
+                del self.actors[key]
+        return True
+
+    def shutdown(self) -> None:
+        self._stop([slot for slots in self.actors.values() for slot in slots])
+        self.actors.clear()
+
+    def _stop(self, slots: list[EngineSlot]) -> None:
+        """Shut the engines down (vLLM gives its GPU memory back), kill their actors,
+        free their placement groups, and only then their GPUs in the arbiter's books: what
+        gets them next finds them empty."""
+        import ray
+        from ray.exceptions import ActorHandleNotFoundError
+        from ray.util.placement_group import remove_placement_group
+
+        serving = [s for s in slots if s.state in ("idle", "busy")]
+        with contextlib.suppress(Exception):  # a dead actor, or Ray gone: killed below
+            closing = [s.actor.shutdown.remote() for s in serving]
+            ray.wait(closing, num_returns=len(closing), timeout=STOP_GRACE_S)
+        for slot in slots:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+                if slot.placement_group is not None:
+                    remove_placement_group(slot.placement_group)
+            except ActorHandleNotFoundError:
+                pass  # its Ray session ended (Ray lost, or shut down and started again)
+            finally:
+                if slot.holder is not None:
+                    self.arbiter.release(slot.holder)

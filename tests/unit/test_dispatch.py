@@ -1,0 +1,326 @@
+"""The dispatcher's steps on plain objects (service/hsx_service/dispatch.py; no Ray).
+
+Fake workers whose `run_unit.remote` and `ready.remote` return a fresh object standing
+for Ray's object ref, a fake output that says which units were committed: units go out
+up to DISPATCH_DEPTH a worker, a unit retried alone gets a worker to itself, a failed
+worker's units count an attempt and go back to the head of the queue (or are given up
+after `max_attempts`), a committed unit counts into the progress, a full disk stops
+dispatch, and a worker that never started fails the job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hsx.output import CommitRecord
+from hsx.plan import WorkUnit
+from hsx.progress import JobProgress
+from hsx_service.dispatch import Dispatch, DispatchHooks
+from hsx_service.engine_pool import DISPATCH_DEPTH, EngineSlot
+from hsx_service.errors import JobFailed
+from hsx_workers.worker import UnitReport
+
+
+class _Method:
+    """An actor method: `remote(...)` records the call and returns a new ref."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def remote(self, *args: Any) -> object:
+        self.calls.append(args)
+        return object()
+
+
+class _Actor:
+    def __init__(self) -> None:
+        self.run_unit = _Method()
+        self.ready = _Method()
+        self.progress = _Method()
+
+
+@dataclass
+class _Output:
+    committed: dict[int, CommitRecord] = field(default_factory=dict)
+
+    def totals(self) -> Any:
+        return SimpleNamespace(progress=lambda: JobProgress(samples_total=40, tokens_total=400))
+
+    def read_commit(self, unit: int) -> CommitRecord:
+        if unit not in self.committed:
+            raise FileNotFoundError(unit)
+        return self.committed[unit]
+
+
+@dataclass
+class _Heard:
+    """What the hooks heard."""
+
+    errors: list[tuple[int, int, str, bool]] = field(default_factory=list)
+    done: list[Any] = field(default_factory=list)
+    restarts: list[str] = field(default_factory=list)
+    progress: list[JobProgress] = field(default_factory=list)
+
+    def hooks(self) -> DispatchHooks:
+        return DispatchHooks(
+            on_unit_error=lambda unit, attempt, msg, gave_up: self.errors.append(
+                (unit.unit, attempt, msg, gave_up)),
+            on_unit_done=self.done.append,
+            on_restart=self.restarts.append,
+            on_progress=self.progress.append)
+
+
+def _units(n: int) -> list[WorkUnit]:
+    return [WorkUnit(unit=i, row_start=4 * i, row_end=4 * i + 4, tokens=40) for i in range(n)]
+
+
+def _dispatch(units: int, heard: _Heard | None = None, *, workers: int = 1,
+              max_attempts: int = 3, output: _Output | None = None) -> Dispatch:
+    job: Any = SimpleNamespace(spec=SimpleNamespace(storage_dtype="bfloat16", checksum="xxh3"),
+                               output=output or _Output(), pending=_units(units))
+    slots = [EngineSlot(name=f"engine-{i}", actor=_Actor(), state="idle")
+             for i in range(workers)]
+    pool: Any = SimpleNamespace(restarts=0)
+    return Dispatch(job, pool, (heard or _Heard()).hooks(), slots, max_attempts)
+
+
+def _busy(units: int, heard: _Heard | None = None, **options: Any
+          ) -> tuple[Dispatch, EngineSlot]:
+    """A dispatch whose first worker got its units."""
+    run = _dispatch(units, heard, **options)
+    run.dispatch(run.slots[0])
+    return run, run.slots[0]
+
+
+def _held(slot: EngineSlot) -> list[int]:
+    return [u.unit for u in slot.inflight.values()]
+
+
+def _report(unit: int, worker: str = "engine-0") -> UnitReport:
+    return UnitReport(unit=unit, won=True, samples=4, tokens=40, bytes=320, worker=worker,
+                      errors=[{"sample_index": 1, "reason": "too long"}], generated=2,
+                      generated_tokens=9)
+
+
+def test_a_worker_gets_units_up_to_the_dispatch_depth() -> None:
+    run = _dispatch(5)
+    slot = run.slots[0]
+    assert run.dispatch(slot)
+    assert _held(slot) == list(range(DISPATCH_DEPTH)) and slot.state == "busy"
+    assert [u.unit for u in run.queue] == list(range(DISPATCH_DEPTH, 5))
+    output, dtype, unit, checksum = slot.actor.run_unit.calls[0]
+    assert (output, dtype, unit.unit, checksum) == (run.job.output, "bfloat16", 0, "xxh3")
+    assert not run.dispatch(slot)  # full: nothing more goes out
+    assert len(slot.actor.run_unit.calls) == DISPATCH_DEPTH
+
+
+def test_a_unit_retried_alone_gets_a_worker_to_itself() -> None:
+    run = _dispatch(4, workers=2)
+    first, second = run.slots
+    run.alone.add(0)
+    run.dispatch(first)
+    assert _held(first) == [0]  # nothing goes beside it
+    run.dispatch(second)
+    assert _held(second) == [1, 2]
+    # Nor does it go beside a unit a worker already holds: it waits for an empty one.
+    run.unit_done(first, next(iter(first.inflight)), _report(0))
+    run.unit_done(second, next(iter(second.inflight)), _report(1))
+    run.queue.appendleft(_units(6)[5])
+    run.alone.add(5)
+    assert not run.dispatch(second) and _held(second) == [2]
+    run.dispatch(first)
+    assert _held(first) == [5]
+
+
+def test_a_failed_worker_requeues_its_units_counts_attempts_and_restarts() -> None:
+    heard = _Heard()
+    run, slot = _busy(5, heard)
+    run.live[0] = (1, 10, 0, 0)
+    run.fail_slot(slot, RuntimeError("EngineDead: the engine died"), kill=False)
+    assert [u.unit for u in run.queue] == [0, 1, 2, 3, 4]  # back at the head, in order
+    assert run.attempts == {0: 1, 1: 1} and run.alone == {0, 1}
+    assert heard.errors == [(0, 1, "EngineDead: the engine died", False),
+                            (1, 1, "EngineDead: the engine died", False)]
+    assert run.live == {} and not slot.inflight
+    # Restarted: asked whether it is ready again, counted everywhere.
+    assert slot.state == "starting" and slot.ever_ready and slot.ready_failures == 0
+    assert len(slot.actor.ready.calls) == 1 and slot.ready_ref is not None
+    assert run.pool.restarts == run.result.restarts == run.progress.restarts == 1
+    assert heard.restarts == ["engine-0"]
+
+
+def test_a_unit_is_given_up_after_max_attempts() -> None:
+    heard = _Heard()
+    run = _dispatch(2, heard, max_attempts=2)
+    slot = run.slots[0]
+    for attempt in (1, 2):
+        slot.state = "idle"
+        run.alone.clear()  # both go out together again, so both fail together
+        run.dispatch(slot)
+        run.fail_slot(slot, RuntimeError("boom"), kill=False)
+        assert run.attempts == {0: attempt, 1: attempt}
+    assert not run.queue and run.alone == set()
+    assert run.result.failed_units == {0: "boom", 1: "boom"}
+    assert run.progress.units_failed == 2
+    assert [e[3] for e in heard.errors] == [False, False, True, True]
+
+
+def test_a_unit_committed_before_its_worker_died_is_done_not_failed() -> None:
+    record = CommitRecord(unit=0, shard="shards/unit-000000.bin", attempt="a", samples=4,
+                          tokens=40, bytes=320)
+    heard = _Heard()
+    run, slot = _busy(2, heard, output=_Output(committed={0: record}))
+    run.fail_slot(slot, RuntimeError("node lost"), kill=False)
+    assert [u.unit for u in run.queue] == [1] and run.attempts == {1: 1}
+    assert run.progress.units_done == 1 and run.progress.tokens_done == 40
+    assert [(r.unit, r.worker) for r in heard.done] == [(0, "engine-0")]
+
+
+def test_a_worker_that_held_nothing_fails_the_job() -> None:
+    run = _dispatch(1)
+    with pytest.raises(JobFailed, match="engine-0: gone"):
+        run.fail_slot(run.slots[0], RuntimeError("gone"), kill=False)
+
+
+def test_a_committed_unit_counts_into_the_progress() -> None:
+    heard = _Heard()
+    run, slot = _busy(3, heard)
+    first = next(iter(slot.inflight))
+    run.alone.add(0)
+    run.live[0] = (2, 20, 1, 4)
+    run.unit_done(slot, first, _report(0))
+    progress = run.progress
+    assert (progress.units_done, progress.shards, progress.samples_done,
+            progress.samples_failed, progress.tokens_done, progress.bytes,
+            progress.rate_tokens, progress.samples_generated,
+            progress.tokens_generated) == (1, 1, 5, 1, 40, 320, 40, 2, 9)
+    assert run.alone == set() and run.live == {} and slot.units_run == 1
+    assert slot.state == "busy"  # it still holds unit 1
+    run.unit_done(slot, next(iter(slot.inflight)), _report(1))
+    assert slot.state == "idle" and [r.unit for r in heard.done] == [0, 1]
+
+
+def test_what_is_shown_includes_the_units_still_running() -> None:
+    heard = _Heard()
+    run, _ = _busy(3, heard)
+    run.live = {0: (2, 20, 1, 5), 1: (1, 7, 0, 0)}
+    run.emit(False)
+    run.emit(True)
+    plain, live = heard.progress
+    assert plain.tokens_done == 0 and plain.workers == {"engine-0": "busy"}
+    assert plain.worker_units == {"engine-0": 0}
+    assert (live.samples_done, live.tokens_done, live.rate_tokens, live.samples_generated,
+            live.tokens_generated) == (3, 27, 27, 1, 5)
+    assert run.progress.tokens_done == 0  # the live counts are shown, not kept
+
+
+def test_a_full_disk_stops_dispatch_and_names_enospc() -> None:
+    heard = _Heard()
+    run, slot = _busy(4, heard)
+    ref = next(iter(slot.inflight))
+    run.stop_for_full_disk(slot, ref, OSError(28, "No space left on device"))
+    assert not run.queue and _held(slot) == [1] and slot.state == "busy"
+    assert run.result.fatal is not None and "ENOSPC" in run.result.fatal
+    assert heard.errors == [(0, 1, "[Errno 28] No space left on device", True)]
+    assert run.working()  # the unit out is still waited for, and no other goes out
+    run.unit_done(slot, next(iter(slot.inflight)), _report(1))
+    assert not run.working()
+
+
+def test_engines_that_start_together_begin_together() -> None:
+    run = _dispatch(2, workers=2)
+    run.slots[1].state = "starting"
+    assert not run.all_started()
+    run.slots[1].ever_ready = True  # a restart of an engine that served holds nobody back
+    assert run.all_started()
+
+
+def test_an_engine_that_never_started_fails_the_job_one_that_served_is_asked_again() -> None:
+    run = _dispatch(2, workers=2)
+    new, restarting = run.slots
+    new.state = "starting"
+    with pytest.raises(JobFailed, match="engine-0 could not start: no memory"):
+        run.not_ready(new, RuntimeError("no memory"))
+    restarting.state, restarting.ever_ready = "starting", True
+    restarting.ready_ref = object()
+    new.state = "idle"
+    run.not_ready(restarting, RuntimeError("node lost"))
+    assert restarting.ready_ref is None and restarting.ready_failures == 1
+    assert restarting.check_at > 0  # asked again after a pause, the others go on
+
+
+def test_a_cancel_stops_dispatch_once() -> None:
+    cancelled = [False]
+    run = _dispatch(3)
+    run.hooks.cancelled = lambda: cancelled[0]
+    assert not run.cancel_asked()
+    cancelled[0] = True
+    assert run.cancel_asked() and run.result.cancelled and not run.queue
+    assert not run.cancel_asked()  # already stopped
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass(eq=False)  # hashed by identity, as refs are
+class _Ref:
+    """A Ray object ref that is already computed: its value, or the error `ray.get` raises."""
+
+    value: Any = None
+    error: BaseException | None = None
+
+
+class _Worker:
+    """An actor that commits every unit at once, except that its process dies on the
+    units named in `dies_on`, the first time it gets them."""
+
+    def __init__(self, dies_on: set[int]) -> None:
+        self.dies_on = dies_on
+        self.ran: list[int] = []
+        self.run_unit = SimpleNamespace(remote=self._run_unit)
+        self.ready = SimpleNamespace(remote=lambda: _Ref(True))
+        self.progress = SimpleNamespace(remote=lambda: _Ref({}))
+
+    def _run_unit(self, output: Any, dtype: str, unit: WorkUnit, checksum: str) -> _Ref:
+        self.ran.append(unit.unit)
+        if unit.unit in self.dies_on:
+            from ray.exceptions import RayActorError
+
+            self.dies_on.discard(unit.unit)
+            return _Ref(error=RayActorError())
+        return _Ref(_report(unit.unit))
+
+
+def test_the_loop_runs_every_unit_retrying_a_dead_workers_units_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`run` over workers whose refs are computed already: `ray.wait` answers the first,
+    `ray.get` its value. Nothing here starts Ray."""
+    import ray
+
+    def get(ref: Any, timeout: float | None = None) -> Any:
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (refs[:1], refs[1:]))
+    monkeypatch.setattr(ray, "get", get)
+    heard = _Heard()
+    run = _dispatch(6, heard, workers=2)
+    workers = [_Worker(dies_on={0}), _Worker(dies_on=set())]
+    for slot, worker in zip(run.slots, workers, strict=True):
+        slot.actor, slot.state, slot.ready_ref = worker, "starting", worker.ready.remote()
+
+    result = run.run()
+    assert result.restarts == 1 and not result.failed_units and not result.cancelled
+    assert sorted(r.unit for r in heard.done) == list(range(6))
+    assert run.progress.units_done == 6 and run.attempts == {0: 1, 1: 1}
+    assert heard.restarts == ["engine-0"] and [e[:2] for e in heard.errors] == [(0, 1), (1, 1)]
+    assert sorted(workers[0].ran + workers[1].ran) == [0, 0, 1, 1, 2, 3, 4, 5]
+    assert heard.progress[-1].workers == {"engine-0": "idle", "engine-1": "idle"}
