@@ -31,7 +31,7 @@ from hsx.output.layout import COMMITS_DIR
 from hsx.progress import JobProgress
 from hsx.regenerate import sample_seed
 from hsx_service.runner import DispatchHooks, run_job
-from hsx_workers.tiny_models import ChatDataset
+from hsx_workers.tiny_models import ChatDataset, make_chat_dataset
 
 from .helpers import kill_tree
 
@@ -186,13 +186,16 @@ def _digests(output: Path) -> dict[int, tuple[str, str]]:
 
 
 def test_kill_mid_job_then_rerun_keeps_committed_regenerations(
-    tmp_path: Path, tiny_llama: Path, chat_dataset: ChatDataset
+    tmp_path: Path, tiny_llama: Path
 ) -> None:
+    # 60 rows (2 bad) in units of 512 tokens: enough units that the kill lands mid-job,
+    # few enough that the two runs' answers take little of CI's time.
+    chat_dataset = make_chat_dataset(tmp_path / "chat.jsonl", n=60, seed=5, bad_rows=2)
     output = tmp_path / "killed"
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({
         "model": str(tiny_llama), "dataset": str(chat_dataset.path), "output": str(output),
-        "layers": [1, 2, 3, 4], "max_seq_len": 256, "unit_tokens": 1024,
+        "layers": [1, 2, 3, 4], "max_seq_len": 256, "unit_tokens": 512,
         "regenerate": REGEN,
     }))
     proc = _start(job)
