@@ -105,7 +105,17 @@ def ensure_ray(address: str | None, cpus_needed: int) -> None:
         # A local Ray sized so jobs fit even on a small machine: CPU engines share the
         # cores, and each engine's placement group reserves `tp` of these logical CPUs.
         kwargs["num_cpus"] = max(os.cpu_count() or 1, cpus_needed, LOCAL_RAY_MIN_CPUS)
-    ray.init(**kwargs)
+    try:
+        ray.init(**kwargs)
+    except ValueError as err:
+        # Without an address ray.init() joins the cluster a `ray start --head` left on
+        # this machine (as on many GPU nodes), which takes no sizing.
+        if "existing cluster" not in str(err) or "num_cpus" not in kwargs:
+            raise
+        del kwargs["num_cpus"]
+        ray.init(**kwargs)
+        logger.info("joined the Ray cluster already running on this machine: %s",
+                    ray.cluster_resources())
 
 
 def _cpu_binding(replica: int, replicas: int, tp: int) -> str | None:

@@ -255,3 +255,26 @@ def test_the_evaluation_takes_its_place_before_the_trainer_leaves() -> None:
     arbiter.release(evaluation)
     later.join(5)
     assert later_got == [True]
+
+
+def test_ensure_ray_joins_a_cluster_already_running_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an address ray.init() joins a `ray start --head` cluster of this machine,
+    which refuses sizing: hsx then joins it as it is (seen on GPU nodes)."""
+    import ray
+
+    from hsx_service.engine_pool import ensure_ray
+
+    calls: list[dict[str, Any]] = []
+
+    def init(**kwargs: Any) -> None:
+        calls.append(kwargs)
+        if "num_cpus" in kwargs:
+            raise ValueError("When connecting to an existing cluster, num_cpus and num_gpus "
+                             "must not be provided.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ensure_ray(None, cpus_needed=2)
+    assert "num_cpus" in calls[0] and "num_cpus" not in calls[1] and len(calls) == 2
