@@ -264,7 +264,7 @@ def test_api_token(browser: WebDriver, fake_api: FakeCoordinator) -> None:
 
 
 NO_VALUE = "\u2013"  # the page's en dash for "nothing to show"
-# Polls the page makes of GET .../train (app.js: TRAIN_POLL_MS, TRAIN_ABSENT_POLL_MS).
+# Polls the page makes of GET .../train (training.js: TRAIN_POLL_MS, TRAIN_ABSENT_POLL_MS).
 TRAIN_POLL_S = 2.0
 TRAIN_ABSENT_POLL_S = 10.0
 
