@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -515,6 +516,26 @@ def test_index_and_static(client: TestClient) -> None:
     assert "hsx" in page.text
     assert client.get("/static/no-such-file.js").status_code == 404
     assert client.get("/openapi.json").json()["paths"]["/v1/jobs"]["post"]
+
+
+def test_dashboard_modules_are_served_as_javascript(client: TestClient) -> None:
+    """Every ES module the page loads, from its entry point through each import, is
+    there; a browser runs a module only if it comes with a JavaScript content type."""
+    entry = re.findall(r'<script type="module" src="static/([\w-]+\.js)"', client.get("/").text)
+    assert entry == ["main.js"]
+    seen: set[str] = set()
+    todo = list(entry)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        module = client.get(f"/static/{name}")
+        assert module.status_code == 200, name
+        assert module.headers["content-type"].split(";")[0] in (
+            "text/javascript", "application/javascript"), name
+        todo += re.findall(r'from "\./([\w-]+\.js)"', module.text)
+    assert {"main.js", "api.js", "job.js", "training.js"} <= seen
 
 
 # --- through a real uvicorn ---------------------------------------------------------
