@@ -10,8 +10,12 @@ env:
 demo: env
 	$(PY)/hsx demo
 
+# Two workers, a test module on one (tests/conftest.py orders the longest first): the
+# suite's engines, trainings and waits on one worker leave CPU time the other uses.
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
+
 test: env lint
-	$(PY)/pytest
+	$(PY)/pytest $(XDIST)
 
 # The long end-to-end runs (every architecture, the long fuzz, TP=2 on CPU, the live
 # dashboard): over CI's time budget together with the rest.

@@ -30,6 +30,28 @@ from tests.s3server import SeaweedS3
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+# `make test` runs the modules on two pytest-xdist workers, a module on one worker (its
+# module fixtures, engines and coordinators shared as in one process). A worker takes a
+# module when it is almost out of work, so the longest go first (measured on CI's 2-core
+# machine) and the short ones fill in behind them.
+LONGEST_FIRST = (
+    "integration/test_train.py", "integration/test_regenerate.py",
+    "integration/test_service.py", "chaos/test_faults.py", "integration/test_crash.py",
+    "integration/test_gpu_sharing.py", "chaos/test_node_loss.py",
+    "integration/test_extract_s3.py", "chaos/test_trainer_faults.py",
+    "integration/test_demo.py", "integration/test_s3_faults.py", "integration/test_archs.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::")[0]
+        hits = [i for i, name in enumerate(LONGEST_FIRST) if path.endswith(name)]
+        return hits[0] if hits else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
+
 LAYERS = [1, 2, 3, 4]  # every id of the 4-layer tiny model but the embeddings, N included
 
 
