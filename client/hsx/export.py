@@ -60,6 +60,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 import time
 import uuid
@@ -77,6 +78,7 @@ EXPORT_RECORD = "hsx_export.json"
 
 HIDDEN_STATES_DIR = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"
+DRAFT_VOCAB = 32000  # hsx's own default (TrainSpec.draft_vocab_size)
 SAMPLE_INDEX_COLUMN = "hsx_sample_index"
 SPECULATORS_FORMAT = "speculators"
 
@@ -100,9 +102,44 @@ class ExportSummary:
     source_complete: bool
     not_exported: int
     seconds: float
+    model: str = ""  # the target the states came from (the manifest's)
+    trust_remote_code: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "train_command": self.train_command()}
+
+    def train_command(self) -> str:
+        """speculators' own trainer on this export, every argument spelled out: the
+        target, the data, the auxiliary layers, the vocabulary mapping from the
+        exported token counts (hsx's default draft vocabulary, capped at the target's),
+        and the samples' states read only from the files (a sample without them is an
+        error, never generated from a vLLM endpoint)."""
+        dest = shlex.quote(self.dest)
+        draft_vocab_size = min(DRAFT_VOCAB, _vocab_size(self.model) or DRAFT_VOCAB)
+        parts = [
+            "speculators train --speculator-type eagle3",
+            f"--verifier-name-or-path {shlex.quote(self.model)}",
+            *(["--trust-remote-code"] if self.trust_remote_code else []),
+            f"--data-path {dest}",
+            "--target-layer-ids " + " ".join(str(i) for i in self.target_layer_ids),
+            f"--token-freq-path {shlex.quote(str(Path(self.dest) / TOKEN_FREQ))}",
+            f"--draft-vocab-size {draft_vocab_size}",
+            "--on-missing raise",
+            f"--save-path {shlex.quote(self.dest.rstrip('/') + '-draft')}",
+        ]
+        return " ".join(parts)
+
+
+def _vocab_size(model: str) -> int | None:
+    """The vocabulary size in a local model folder's config.json (its text config's for
+    a wrapper); None for a hub id or a folder without one."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") or config
+    size = text.get("vocab_size", config.get("vocab_size"))
+    return int(size) if size else None
 
 
 def hs_file_name(index: int) -> str:
@@ -192,7 +229,8 @@ def export_speculators(
         layers=layers, target_layer_ids=layers[:-1],
         source_storage_dtype=ds.manifest.storage_dtype,
         source_complete=ds.complete, not_exported=len(ds.errors()),
-        seconds=time.monotonic() - started,
+        seconds=time.monotonic() - started, model=ds.manifest.model,
+        trust_remote_code=ds.manifest.trust_remote_code,
     )
 
 

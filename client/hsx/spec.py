@@ -334,7 +334,12 @@ class JobSpec(BaseModel):
         description="Target tokens per work unit; one unit becomes one shard.",
     )
     ray_address: str | None = Field(
-        None, description="Ray cluster address; None starts (or joins) a local Ray."
+        None,
+        description=(
+            "Ray cluster address. None: `RAY_ADDRESS`, else the cluster a `ray start "
+            "--head` runs on this machine (joined, and said), else a private local Ray; "
+            "`local`: a private local Ray whatever runs here."
+        ),
     )
     trust_remote_code: bool = Field(False, description="Allow the model's own Python code.")
     chat_template_kwargs: dict[str, Any] = Field(

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 DISPATCH_DEPTH = 2
 """Units queued on one worker at a time: while one commits or finishes its last
 requests, the next one's requests already keep the engine busy (worker.py)."""
+LOCAL_RAY = "local"  # ray_address that asks for a private local Ray
 LOCAL_RAY_MIN_CPUS = 8  # a local Ray started here has at least these logical CPUs
 STOP_GRACE_S = 30.0  # an engine asked to shut down gets this long before it is killed
 
@@ -99,12 +100,14 @@ def ensure_ray(address: str | None, cpus_needed: int) -> None:
         "logging_level": logging.WARNING,
         "log_to_driver": os.environ.get("HSX_RAY_LOG_TO_DRIVER", "0") == "1",
     }
-    if address:
+    if address and address != LOCAL_RAY:
         kwargs["address"] = address
-    elif not os.environ.get("RAY_ADDRESS"):
+    elif not os.environ.get("RAY_ADDRESS") or address == LOCAL_RAY:
         # A local Ray sized so jobs fit even on a small machine: CPU engines share the
         # cores, and each engine's placement group reserves `tp` of these logical CPUs.
         kwargs["num_cpus"] = max(os.cpu_count() or 1, cpus_needed, LOCAL_RAY_MIN_CPUS)
+        if address == LOCAL_RAY:
+            kwargs["address"] = LOCAL_RAY  # a private one, whatever runs here
     try:
         ray.init(**kwargs)
     except ValueError as err:
@@ -114,8 +117,12 @@ def ensure_ray(address: str | None, cpus_needed: int) -> None:
             raise
         del kwargs["num_cpus"]
         ray.init(**kwargs)
-        logger.info("joined the Ray cluster already running on this machine: %s",
-                    ray.cluster_resources())
+        resources = ray.cluster_resources()
+        logger.warning(
+            "joined the Ray cluster already running on this machine (CPUs: %d, GPUs: %d); "
+            "`ray_address: local` in the job (HSX_RAY_ADDRESS=local for hsx serve) starts "
+            "a private one instead", int(resources.get("CPU", 0)),
+            int(resources.get("GPU", 0)))
 
 
 def _cpu_binding(replica: int, replicas: int, tp: int) -> str | None:

@@ -173,3 +173,36 @@ def test_tensor_parallel_engine_yields_the_same_data(
         worst = torch.maximum(worst, relative_error(sample["hidden_states"],
                                                     ref["hidden_states"]))
     assert worst.max().item() < 1e-2, worst.tolist()
+
+
+def test_hsx_extract_trains_the_draft_of_a_job_with_train(
+    vllm_run: Run, make_job: Any, tmp_path: Path
+) -> None:
+    """`hsx extract job.yaml` with a `train:` section: the extraction (here already
+    complete: nothing to extract, no engine started), then the draft trained on it in
+    the same command, resumable, its plan and result printed."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from hsx.output.layout import DRAFT_DIR
+
+    output = tmp_path / "out"
+    subprocess.run(["cp", "-al", str(vllm_run.output), str(output)], check=True)
+    spec = make_job(output, engine="vllm", train={
+        "steps": 4, "batch_tokens": 256, "checkpoint_every": 2, "draft_vocab_size": 64,
+        "eval_prompts": 0})
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True)))
+    done = subprocess.run([sys.executable, "-m", "hsx.cli", "extract", str(job),
+                           "--no-progress"], capture_output=True, text=True, timeout=600,
+                          check=False)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-3000:]
+    assert "nothing to do" in text and "plan: 4 steps of 256 tokens" in text, text[-3000:]
+    assert "trained 4 steps" in text, text[-3000:]
+    state = json.loads((output / DRAFT_DIR / "train.json").read_text())
+    assert state["state"] == "done" and state["step"] == 4
+    assert (output / DRAFT_DIR / "model.safetensors").exists()

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,14 @@ pytestmark = pytest.mark.integration
 TRAIN = {"steps": 12, "checkpoint_every": 6, "eval_prompts": 4, "eval_max_tokens": 16}
 
 
+@dataclass
+class HeadCluster:
+    address: str
+    env: dict[str, str]  # what a process of this machine needs to find it by itself
+
+
 @pytest.fixture(scope="module")
-def one_gpu_cluster() -> Iterator[str]:
+def one_gpu_cluster() -> Iterator[HeadCluster]:
     """`ray start --head` declaring 1 GPU, in a temporary folder of its own (so no other
     Ray client of this machine finds it), stopped with its whole process tree."""
     temp = tempfile.mkdtemp(prefix="hsxray", dir="/tmp")  # short: Ray's socket paths
@@ -58,21 +65,21 @@ def one_gpu_cluster() -> Iterator[str]:
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"127.0.0.1:{port}"
     try:
-        yield address
+        yield HeadCluster(address, env)
     finally:
         kill_tree(head.pid)
         head.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
-def coordinator(one_gpu_cluster: str,
+def coordinator(one_gpu_cluster: HeadCluster,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
     ledger = tmp_path_factory.mktemp("gpu-share-ledger") / "ledger.sqlite"
     # The same authentication mode as the cluster's: a ray.init() earlier in this
     # session set RAY_AUTH_MODE=token in this process, which the server would inherit.
     server = start_coordinator(ledger, [tmp_path_factory.getbasetemp()],
                                ledger.parent / "serve.log",
-                               env={"HSX_RAY_ADDRESS": one_gpu_cluster,
+                               env={"HSX_RAY_ADDRESS": one_gpu_cluster.address,
                                     "RAY_AUTH_MODE": "disabled"})
     yield server
     server.kill()
@@ -81,6 +88,27 @@ def coordinator(one_gpu_cluster: str,
 def _spec(model: Path, dataset: ChatDataset, output: Path, **extra: Any) -> dict[str, Any]:
     return {"model": str(model), "dataset": str(dataset.path), "output": str(output),
             "layers": [1, 2, 3, 4], "max_seq_len": 256, "unit_tokens": 4096, **extra}
+
+
+def test_hsx_extract_joins_the_cluster_a_ray_start_left_here(
+    one_gpu_cluster: HeadCluster, tiny_llama: Path, chat_dataset: ChatDataset, tmp_path: Path
+) -> None:
+    """With a `ray start --head` cluster on the machine and no address anywhere, `hsx
+    extract` joins it (and says so) instead of dying on the sizing ray.init() refuses
+    there; its engine takes the cluster's one GPU. First in the module: the coordinator
+    below keeps its engine, and that GPU, warm."""
+    import yaml
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(_spec(tiny_llama, chat_dataset, tmp_path / "out")))
+    env = {k: v for k, v in one_gpu_cluster.env.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "hsx.cli", "extract", str(job),
+                           "--no-progress"], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-3000:]
+    assert "joined the Ray cluster already running on this machine (CPUs: 8, GPUs: 1)" in text
+    assert "done" in text and (tmp_path / "out" / "complete.json").exists()
 
 
 def test_what_one_gpu_can_never_run_is_refused_at_submit(

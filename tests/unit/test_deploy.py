@@ -22,9 +22,12 @@ import jsonschema
 import pytest
 import yaml
 
+from hsx.spec import JobSpec
 from hsx_service.config import Settings
+from hsx_service.errors import JobRefused
 from hsx_service.main import create_app
 from hsx_service.metrics import METRICS, exposed_names
+from hsx_service.paths import check_job_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -220,6 +223,29 @@ def test_coordinator_wiring() -> None:
     assert env["HSX_RAY_ADDRESS"] == f"ray://{cluster['metadata']['name']}-head-svc:{client_port}"
     ledger_mount = next(m for m in coordinator["volumeMounts"] if m["name"] == "ledger")
     assert Path(env["HSX_LEDGER_PATH"]).parent == Path(ledger_mount["mountPath"])
+
+
+def test_the_shipped_roots_take_the_volume_and_the_bucket() -> None:
+    """The coordinator as shipped accepts a job writing to its bucket (the Secret the
+    manifests mount is for one) and to the shared volume, and nothing else."""
+    (deployment,) = by_kind("Deployment")
+    (coordinator,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in coordinator["env"]}
+    roots = Settings(allowed_roots=env["HSX_ALLOWED_ROOTS"]).effective_roots()
+    assert roots is not None
+    mounts = {m["mountPath"] for m in coordinator["volumeMounts"]}
+    assert any(str(r) in mounts for r in roots)
+    buckets = [str(r) for r in roots if str(r).startswith("s3://")]
+    assert buckets, roots
+
+    def job(output: str) -> JobSpec:
+        return JobSpec(model="m", dataset="/output/chats.jsonl", output=output)
+
+    check_job_paths(job(f"{buckets[0]}/jobs/chat-8b"), roots)
+    check_job_paths(job("/output/chat-8b"), roots)
+    for outside in ("s3://another-bucket/x", "/etc/x"):
+        with pytest.raises(JobRefused, match="output"):
+            check_job_paths(job(outside), roots)
 
 
 # ----------------------------------------------------------------------- the Grafana board

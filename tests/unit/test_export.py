@@ -11,6 +11,9 @@ instead of asking a vLLM server for it.
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,7 +50,7 @@ def sample(idx: int) -> dict[str, Any]:
 
 
 def make_output(root: P, storage: str = "bf16", complete: bool = True,
-                num_layers: int = NUM_LAYERS) -> P:
+                num_layers: int = NUM_LAYERS, model: str = "tiny") -> P:
     """An hsx output (a folder, or a bucket URI): manifest.json, inputs.arrow, committed
     shards (and complete.json)."""
     rows = [i for ids in UNITS.values() for i in ids] + [4]
@@ -59,7 +62,7 @@ def make_output(root: P, storage: str = "bf16", complete: bool = True,
         start += n
     output = write_manifest(root, make_manifest(
         layers=LAYERS, hidden_size=HIDDEN, num_layers=num_layers, storage_dtype=storage,
-        units=units, num_samples=len(rows)))
+        units=units, num_samples=len(rows), model=model))
     samples = [sample(i) for i in rows]
     write_inputs_table(output, rows, samples)
     for u in (2, 0, 1):  # commit order must not matter
@@ -215,3 +218,28 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "--force" in capsys.readouterr().err  # messages go to stderr
     assert main(["export", str(src), str(tmp_path / "spec"), "--force"]) == 0
     assert "--target-layer-ids 2 4 5" in capsys.readouterr().err
+
+
+def test_the_printed_command_is_one_speculators_runs(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The `speculators train` command the export prints, as written, builds speculators'
+    draft of the output's target (its `--dry-run`: the draft made and saved, no training
+    step, which needs an accelerator): the auxiliary layers, the draft's vocabulary."""
+    from hsx_workers.tiny_models import make_tiny_model
+
+    target = make_tiny_model(tmp_path / "target", "llama", num_layers=NUM_LAYERS)
+    src = make_output(tmp_path / "hsx", model=str(target))
+    assert main(["export", str(src), str(tmp_path / "spec"), "--json"]) == 0
+    command = shlex.split(json.loads(capsys.readouterr().out)["train_command"])
+    assert command[:2] == ["speculators", "train"]
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    assert command[command.index("--draft-vocab-size") + 1] == str(min(32000, vocab))
+    command[0] = str(Path(sys.executable).parent / "speculators")
+    done = subprocess.run([*command, "--dry-run"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    draft = tmp_path / "spec-draft"
+    config = json.loads((draft / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["draft_vocab_size"] == min(32000, vocab)

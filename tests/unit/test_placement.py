@@ -278,3 +278,8 @@ def test_ensure_ray_joins_a_cluster_already_running_here(monkeypatch: pytest.Mon
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     ensure_ray(None, cpus_needed=2)
     assert "num_cpus" in calls[0] and "num_cpus" not in calls[1] and len(calls) == 2
+    # `ray_address: local` asks for a private Ray, sized, whatever runs here.
+    calls.clear()
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    ensure_ray("local", cpus_needed=2)
+    assert calls[0]["address"] == "local" and calls[0]["num_cpus"] >= 2

@@ -375,6 +375,44 @@ def test_cli(tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str
     assert "train: step 2" in out and "trained 2 steps" in out and "eagle3" in out
 
 
+def test_hsx_extract_measures_its_draft_as_the_coordinator_does(
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """After the training of a job's `train:`, `hsx extract` has vLLM measure the draft
+    with the target loaded as the job's engines load it (its TP and `vllm:` arguments),
+    on the spec's held-out prompts and k; the training itself runs on the finished
+    output (not following it)."""
+    import hsx.cli.training as cli_training
+    import hsx_workers.acceptance as acceptance
+    from hsx_service.runner import target_engine_args
+
+    root = make_output(tmp_path / "out", tiny_llama)
+    job = JobSpec(model=str(tiny_llama), dataset="d.jsonl", output=str(root),
+                  tensor_parallel_size=2, vllm={"max_model_len": 512},
+                  train={"eval_prompts": 5, "eval_max_tokens": 9, "ttt_steps": 2})
+    trained: list[Any] = []
+    measured: dict[str, Any] = {}
+    monkeypatch.setattr(cli_training, "_train_local",
+                        lambda target, spec, draft_dir: trained.append(spec) or 0)
+
+    def evaluate(output: Any, **kwargs: Any) -> dict[str, Any]:
+        measured.update(kwargs, output=str(output))
+        return {"mean_acceptance_length": 2.5, "k": 2, "prompts": 5, "accepted_tokens": 3,
+                "draft_tokens": 4, "drafts": 2, "prompt_source": "held-out samples",
+                "acceptance_per_position": [0.9, 0.6]}
+
+    monkeypatch.setattr(acceptance, "evaluate_draft", evaluate)
+    assert cli_training.train_after_extraction(job, str(root)) == 0
+    assert [s.follow for s in trained] == [False]
+    assert measured["engine"] == target_engine_args(job)
+    assert measured["engine"]["tensor_parallel_size"] == 2
+    assert measured["engine"]["max_model_len"] == 512
+    assert (measured["prompts"], measured["max_tokens"], measured["k"]) == (5, 9, 2)
+    err = capsys.readouterr().err
+    assert "mean acceptance length 2.50 at k=2" in err and "eval.json" in err
+
+
 def test_coordinator_status_reads_the_draft_folder(tmp_path: Path, tiny_llama: Path) -> None:
     from hsx_service.ledger import Ledger
     from hsx_service.training import Trainings

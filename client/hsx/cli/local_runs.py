@@ -33,7 +33,12 @@ def _cmd_extract(args: argparse.Namespace) -> int:
                                else str(Path(args.output).resolve()))
     if overrides:
         spec = spec.model_copy(update=overrides)
-    return _run_extract(spec, progress=not args.no_progress, as_json=args.json)
+    code = _run_extract(spec, progress=not args.no_progress, as_json=args.json)
+    if code != 0 or spec.train is None:
+        return code
+    from hsx.cli.training import train_after_extraction
+
+    return train_after_extraction(spec, spec.output)
 
 
 def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
@@ -187,7 +192,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("extract", help="run a job file to completion (local Ray by default)")
+    p = sub.add_parser("extract", help="run a job file to completion (local Ray by default); "
+                                          "with `train:`, then train and measure its draft here")
     p.add_argument("job", help="job file (YAML or JSON): model, dataset, output, layers, ...")
     p.add_argument("--replicas", type=int, help="override the job's replicas")
     p.add_argument("--output", help="override the job's output")

@@ -27,7 +27,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(summary.as_dict()) + "\n")
         return 0
-    ids = " ".join(str(k) for k in summary.target_layer_ids)
     console().print(
         f"[green]exported[/] {summary.samples} samples, {summary.tokens:,} tokens, "
         f"{summary.bytes / 2**20:,.1f} MiB of hidden states in {summary.seconds:.1f}s "
@@ -38,8 +37,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
                         "(see `hsx errors` / HiddenStatesDataset.errors()); not exported")
     if not summary.source_complete:
         console().print("[yellow]the source job was not complete: later shards are missing[/]")
-    console().print(f"train with: speculators train --data-path {summary.dest} "
-                    f"--target-layer-ids {ids} --on-missing raise ...")
+    console().print(f"train with: {summary.train_command()}", markup=False, highlight=False)
     return 0
 
 

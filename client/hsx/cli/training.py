@@ -208,12 +208,67 @@ def _train_remote(args: argparse.Namespace, spec: Any) -> int:
     return 0
 
 
+def train_after_extraction(job: Any, output: str) -> int:
+    """A job file's `train:` run by `hsx extract`: the draft trained here on the finished
+    output (the extraction's engines are gone by then, so a one-GPU machine trains on
+    the GPU they used), then measured by vLLM as the coordinator measures it: the target
+    loaded as the job loads it, on `eval_prompts` held-out prompts (draft/eval.json)."""
+    spec = job.train.model_copy(update={"follow": False})
+    code = _train_local(output, spec, None)
+    if code != 0 or spec.eval_prompts == 0:
+        return code
+    from hsx.draft import draft_folder
+    from hsx.output import Output, StorageError
+    from hsx_service.runner import target_engine_args
+    from hsx_workers.acceptance import evaluate_draft
+
+    _release_training_memory()
+    trained = Output(output)
+    try:
+        result = evaluate_draft(trained, prompts=spec.eval_prompts,
+                                max_tokens=spec.eval_max_tokens, k=spec.ttt_steps,
+                                engine=target_engine_args(job))
+    except (StorageError, ValueError, FileNotFoundError) as err:
+        return error(f"the draft was trained but could not be measured: {err}; "
+                     f"run `hsx eval-draft {output}` to measure it", EXIT_FAILED)
+    _print_eval(result, _eval_path(trained, draft_folder(trained, None)))
+    return 0
+
+
+def _release_training_memory() -> None:
+    """What the trainer left cached on the GPU goes back before vLLM sizes its cache."""
+    import gc
+
+    gc.collect()
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _eval_path(output: Any, root: Path) -> str:
+    """Where draft/eval.json was recorded: the bucket's, or the draft folder's."""
+    from hsx.output.layout import DRAFT_EVAL
+
+    return output.url(DRAFT_EVAL) if output.local_root is None else str(root / DRAFT_EVAL)
+
+
+def _print_eval(result: dict[str, Any], recorded_in: str | None) -> None:
+    rates = " ".join(f"{r:.2f}" for r in result["acceptance_per_position"])
+    console().print(
+        f"mean acceptance length {result['mean_acceptance_length']:.2f} at k={result['k']} "
+        f"on {result['prompts']} {result['prompt_source']} ({result['accepted_tokens']} of "
+        f"{result['draft_tokens']} draft tokens accepted in {result['drafts']} drafts; "
+        f"acceptance per position [{rates}])", markup=False, highlight=False)
+    if recorded_in is not None:
+        console().print(f"recorded in {recorded_in}", markup=False, highlight=False)
+
+
 def _cmd_eval_draft(args: argparse.Namespace) -> int:
     """Generate with vLLM and the draft on held-out prompts; report vLLM's acceptance
     counters and record them in draft/eval.json."""
     from hsx.draft import draft_folder
     from hsx.output import Output, StorageError
-    from hsx.output.layout import DRAFT_EVAL
     from hsx_workers.acceptance import evaluate_draft
 
     try:
@@ -235,15 +290,8 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
         return 0
-    rates = " ".join(f"{r:.2f}" for r in result["acceptance_per_position"])
-    console().print(
-        f"mean acceptance length {result['mean_acceptance_length']:.2f} at k={result['k']} "
-        f"on {result['prompts']} {result['prompt_source']} ({result['accepted_tokens']} of "
-        f"{result['draft_tokens']} draft tokens accepted in {result['drafts']} drafts; "
-        f"acceptance per position [{rates}])", markup=False, highlight=False)
-    if root is not None:
-        where = output.url(DRAFT_EVAL) if output.local_root is None else root / DRAFT_EVAL
-        console().print(f"recorded in {where}", markup=False, highlight=False)
+    # Another draft than the output's (--draft) is measured, not recorded.
+    _print_eval(result, None if root is None else _eval_path(output, root))
     return 0
 
 
