@@ -133,7 +133,7 @@ class TrainSpec(BaseModel):
         description=(
             "Optimizer steps of the schedule (the learning rate decays over them). None: "
             "from `epochs` if set, else sized from the data: 3 passes over the training "
-            "tokens, at least 800 steps on CPU and 2000 on GPU."
+            "tokens, at least 500 steps on CPU and 2000 on GPU."
         ),
     )
     epochs: float | None = Field(

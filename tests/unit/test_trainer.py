@@ -121,18 +121,18 @@ def test_plan_is_sized_from_the_data_and_the_device() -> None:
                              train_tokens=tokens, val_samples=10, workers=workers)
 
     small = plan(72_000)  # the 4,000 chats: not one epoch of 9 steps
-    assert (small.steps, small.batch_tokens, small.pack_tokens, small.lr) == (800, 1024, 512,
+    assert (small.steps, small.batch_tokens, small.pack_tokens, small.lr) == (500, 1024, 512,
                                                                              1e-3)
-    assert small.passes == pytest.approx(800 * 1024 / 72_000)
-    assert small.warning is not None and "11 times over its 72,000" in small.warning
-    assert (small.warmup_steps, small.checkpoint_every) == (40, 80)
+    assert small.passes == pytest.approx(500 * 1024 / 72_000)
+    assert small.warning is None  # 7 passes
+    assert (small.warmup_steps, small.checkpoint_every) == (25, 50)
     big = plan(10**9, "cuda")  # sized by passes, not by the minimum
     assert big.batch_tokens == big.pack_tokens == 8192 and big.lr == 1e-4
     assert big.steps == -(-3 * 10**9 // 8192) and big.passes == pytest.approx(3, rel=1e-4)
     assert (big.warmup_steps, big.checkpoint_every) == (500, 2000)
     assert plan(10**9, "cuda", workers=4).steps == -(-3 * 10**9 // (4 * 8192))
-    tiny = plan(5_000)  # 800 steps of 1024 tokens: 164 passes
-    assert tiny.warning is not None and "164 times over its 5,000 training tokens" in tiny.warning
+    tiny = plan(5_000)  # 500 steps of 1024 tokens: 102 passes
+    assert tiny.warning is not None and "102 times over its 5,000 training tokens" in tiny.warning
     assert plan(72_000, epochs=2).steps == -(-2 * 72_000 // 1024)
     assert plan(72_000, steps=50, lr=3e-4, batch_tokens=2048).steps == 50
     assert plan(72_000, pack_tokens=4096).pack_tokens == 1024  # never above batch_tokens

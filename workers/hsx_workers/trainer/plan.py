@@ -29,7 +29,7 @@ class DeviceDefaults:
 # GPU: speculators' packed length (8192, block-sparse flex attention) and the learning
 # rate of common EAGLE-3 recipes.
 DEVICE_DEFAULTS = {
-    "cpu": DeviceDefaults(batch_tokens=1024, pack_tokens=512, lr=1e-3, min_steps=800),
+    "cpu": DeviceDefaults(batch_tokens=1024, pack_tokens=512, lr=1e-3, min_steps=500),
     "cuda": DeviceDefaults(batch_tokens=8192, pack_tokens=8192, lr=1e-4, min_steps=2000),
 }
 DEFAULT_PASSES = 3  # passes over the training tokens when nothing says otherwise
