@@ -34,7 +34,7 @@ from hsx_service.prepare import JobRefused
 from hsx_service.prepare import check_dataset as preflight_dataset
 from hsx_workers.tiny_models import write_rows
 
-# UltraChat 200k's files, as `huggingface-cli download --repo-type dataset` leaves them.
+# UltraChat 200k's files, as `hf download --repo-type dataset` leaves them.
 ULTRACHAT = {
     "train_sft": ["train_sft-00000-of-00002-a1b2.parquet",
                   "train_sft-00001-of-00002-c3d4.parquet"],
@@ -243,7 +243,7 @@ def test_a_hub_that_cannot_be_reached_is_refused_saying_what_to_do(
     message = str(refused.value)
     assert "HuggingFaceH4/ultrachat_200k is not a local path" in message
     assert "the hub cannot be reached" in message
-    assert "huggingface-cli download --repo-type dataset HuggingFaceH4/ultrachat_200k" in message
+    assert "hf download HuggingFaceH4/ultrachat_200k --repo-type dataset" in message
     # Reading it (no preflight before) is refused the same way, without datasets' retries.
     with pytest.raises(DatasetAccessError, match="the hub cannot be reached"):
         next(iter_rows("HuggingFaceH4/ultrachat_200k"))

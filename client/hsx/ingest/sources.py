@@ -406,7 +406,7 @@ def _unreachable(hub_id: str, detail: str) -> DatasetAccessError:
     return DatasetAccessError(
         f"{hub_id} is not a local path, so it was read as a Hugging Face hub id, "
         f"and the hub cannot be reached from this machine ({detail}). Download it where "
-        f"the hub is reachable (`huggingface-cli download --repo-type dataset {hub_id} "
+        f"the hub is reachable (`hf download {hub_id} --repo-type dataset "
         "--local-dir DIR`, or `datasets.load_dataset(...).to_parquet(FILE)`), copy it "
         "here or into a bucket, and set `dataset:` to that path or s3:// URI (with "
         "`split:` when it has several splits)"
