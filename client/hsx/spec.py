@@ -20,7 +20,9 @@ import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     field_validator,
     model_validator,
@@ -298,6 +300,19 @@ class DatasetSpec(BaseModel):
         return self.path if self.split is None else f"{self.path} (split {self.split})"
 
 
+def _dataset_form_of(value: Any) -> str:
+    return "str" if isinstance(value, str) else "DatasetSpec"
+
+
+# A path, or path and split. The discriminator picks the form by the value's type, so a
+# mistake in the mapping is reported on its own, not beside "should be a string".
+DatasetField = Annotated[
+    Annotated[Annotated[str, Field(min_length=1)], Tag("str")]
+    | Annotated[DatasetSpec, Tag("DatasetSpec")],
+    Discriminator(_dataset_form_of),
+]
+
+
 class JobSpec(BaseModel):
     """One extraction job: model x dataset -> per-layer hidden states in `output`."""
 
@@ -311,7 +326,7 @@ class JobSpec(BaseModel):
     tokenizer: str | None = Field(
         None, description="Tokenizer directory or hub id when it differs from `model`."
     )
-    dataset: Annotated[str, Field(min_length=1)] | DatasetSpec = Field(
+    dataset: DatasetField = Field(
         ...,
         description=(
             "The rows to extract: a .jsonl/.json/.parquet file, a folder of them (one "

@@ -88,6 +88,10 @@ def test_a_dataset_is_a_path_or_a_path_and_a_split() -> None:
     assert str(split.dataset_spec) == "/d (split train_sft)"
     with pytest.raises(SpecError, match=r"dataset\.DatasetSpec\.splt: unknown field"):
         parse_job({**BASE, "dataset": {"path": "/d", "splt": "x"}})
+    # Only the form written is reported on, not "should be a string" beside it.
+    with pytest.raises(SpecError) as typo:
+        parse_job({**BASE, "dataset": {"path": "/d", "splt": "x"}})
+    assert "string" not in str(typo.value)
     with pytest.raises(SpecError, match="dataset"):
         parse_job({**BASE, "dataset": ""})
     with pytest.raises(SpecError, match="dataset"):
