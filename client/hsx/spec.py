@@ -14,13 +14,15 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     field_validator,
     model_validator,
@@ -265,6 +267,52 @@ class RegenerateSpec(BaseModel):
     )
 
 
+class DatasetSpec(BaseModel):
+    """A dataset and the split of it to read: `dataset: {path: ..., split: ...}`.
+
+    `dataset: PATH` is the same as `{path: PATH}`. A dataset with several splits (a
+    Hugging Face folder such as UltraChat's `data/train_sft-00000-of-00003.parquet`,
+    `data/test_sft-...`; a `save_to_disk` DatasetDict; a hub dataset) is read one split
+    at a time, and refused without one, naming its splits (README, "Preparing a dataset").
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(
+        ...,
+        min_length=1,
+        description=(
+            "A local file or folder, a bucket object or prefix (s3://bucket/key; gs://, "
+            "az://), or a Hugging Face hub id (read with `datasets.load_dataset`)."
+        ),
+    )
+    split: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "The split to read: `train_sft` for files named `train_sft-00000-of-00003.*`, "
+            "a subfolder's path for a folder of split folders, a DatasetDict's split, or "
+            "a hub dataset's split. Unset: the dataset must have one split (or none)."
+        ),
+    )
+
+    def __str__(self) -> str:
+        return self.path if self.split is None else f"{self.path} (split {self.split})"
+
+
+def _dataset_form_of(value: Any) -> str:
+    return "str" if isinstance(value, str) else "DatasetSpec"
+
+
+# A path, or path and split. The discriminator picks the form by the value's type, so a
+# mistake in the mapping is reported on its own, not beside "should be a string".
+DatasetField = Annotated[
+    Annotated[Annotated[str, Field(min_length=1)], Tag("str")]
+    | Annotated[DatasetSpec, Tag("DatasetSpec")],
+    Discriminator(_dataset_form_of),
+]
+
+
 class JobSpec(BaseModel):
     """One extraction job: model x dataset -> per-layer hidden states in `output`."""
 
@@ -278,13 +326,16 @@ class JobSpec(BaseModel):
     tokenizer: str | None = Field(
         None, description="Tokenizer directory or hub id when it differs from `model`."
     )
-    dataset: str = Field(
+    dataset: DatasetField = Field(
         ...,
-        min_length=1,
         description=(
-            "Dataset path: a .jsonl file, a .parquet file (or a directory of them), or a "
-            "Hugging Face `save_to_disk` folder. Rows carry `messages`, `prompt`/`text`, "
-            "or `input_ids` (optionally `loss_mask`)."
+            "The rows to extract: a .jsonl/.json/.parquet file, a folder of them (one "
+            "split at a time of a Hugging Face folder such as UltraChat's `data/`), a "
+            "`datasets` save_to_disk folder, a bucket object or prefix (s3://bucket/key, "
+            "credentials as for an s3:// output), or a hub id (`datasets.load_dataset`). "
+            "A dataset with several splits is named with its split: `{path: ..., split: "
+            "train_sft}`. Rows carry `messages`, `prompt`/`text`, or `input_ids` "
+            "(optionally `loss_mask`)."
         ),
     )
     output: str = Field(
@@ -362,6 +413,22 @@ class JobSpec(BaseModel):
         ),
     )
 
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_form(cls, dataset: str | DatasetSpec) -> str | DatasetSpec:
+        # One form per dataset: `{path: P}` without a split is the plain `P`, so both
+        # spellings make the same job (fingerprint, idempotent resubmission).
+        if isinstance(dataset, DatasetSpec) and dataset.split is None:
+            return dataset.path
+        return dataset
+
+    @property
+    def dataset_spec(self) -> DatasetSpec:
+        """`dataset` as path and split, whichever form the job was written in."""
+        if isinstance(self.dataset, DatasetSpec):
+            return self.dataset
+        return DatasetSpec(path=self.dataset)
+
     @field_validator("layers")
     @classmethod
     def _layers_unique(cls, layers: list[int] | None) -> list[int] | None:
@@ -402,6 +469,8 @@ class JobSpec(BaseModel):
             "storage_dtype", "unit_tokens", "chat_template_kwargs",
         )
         payload = {k: getattr(self, k) for k in keys}
+        if isinstance(self.dataset, DatasetSpec):
+            payload["dataset"] = self.dataset.model_dump(mode="json")
         if self.regenerate is not None:
             # Only when set: outputs of jobs without it keep their fingerprint.
             payload["regenerate"] = self.regenerate.model_dump(mode="json")
@@ -473,9 +542,12 @@ def _resolve_relative(spec: JobSpec, base: Path) -> JobSpec:
             return str(local.resolve())
         return value
 
-    updates = {
+    dataset = spec.dataset_spec
+    located = resolve(dataset.path)
+    updates: dict[str, Any] = {
         "model": resolve(spec.model),
-        "dataset": resolve(spec.dataset),
+        "dataset": located if dataset.split is None else dataset.model_copy(
+            update={"path": located}),
         "output": str((base / spec.output).resolve())
         if "://" not in spec.output and not Path(spec.output).expanduser().is_absolute()
         else spec.output,

@@ -11,7 +11,10 @@ A `file://` URI is checked as the local path it names. A bucket URI (`s3://`, `g
 `az://`) is checked against the bucket roots (`s3://bucket/prefix`): same scheme and
 bucket, and the prefix's segments first in the URI's key, so `s3://b/data-evil` is not
 inside `s3://b/data`; `.`, `..` and empty segments are refused (storage keys have none).
-Any other scheme is refused while roots are set.
+Any other scheme is refused while roots are set. A dataset is judged the same way, by
+its path (a bucket dataset as a bucket output); a hub id (a dataset path that names no
+local file, read with `datasets.load_dataset`: `hsx.ingest.is_hub_id`) reads nothing
+below the roots and is not checked, as a model's hub id is not.
 
 What this cannot do: a path that is swapped for a symlink after the check (a race with
 someone who can already write inside an allowed root) is not caught here.
@@ -24,7 +27,7 @@ import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
-from hsx.spec import JobSpec
+from hsx.spec import DatasetSpec, JobSpec
 from hsx_service.errors import JobRefused
 
 FILE_SCHEME = "file://"
@@ -129,9 +132,19 @@ def check_path(field: str, value: str, roots: Sequence[str | Path]) -> None:
         )
 
 
+def check_dataset_path(field: str, dataset: str | DatasetSpec,
+                       roots: Sequence[str | Path]) -> None:
+    """`check_path` for a dataset (a path, or path and split), unless it is a hub id."""
+    from hsx.ingest import is_hub_id
+
+    path = dataset.path if isinstance(dataset, DatasetSpec) else dataset
+    if not is_hub_id(path):
+        check_path(field, path, roots)
+
+
 def check_job_paths(spec: JobSpec, roots: Sequence[str | Path] | None) -> None:
     """Refuse a job whose dataset or output lies outside `roots` (None: no restriction)."""
     if roots is None:
         return
-    check_path("dataset", spec.dataset, roots)
+    check_dataset_path("dataset", spec.dataset, roots)
     check_path("output", spec.output, roots)

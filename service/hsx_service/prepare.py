@@ -3,7 +3,9 @@
 A job is refused here (`JobRefused`, with a message that names the problem) when its
 model has no usable config, cannot be captured with the chosen engine (the model
 preflight, hsx_workers.preflight, says why), a layer id is out of range or not
-capturable for that model, the dataset is missing, the output cannot be written, the
+capturable for that model, the dataset cannot be read (a missing file, object or prefix,
+no permission, a hub that cannot be reached, several splits and none named), the output
+cannot be written, the
 estimated output exceeds the free space or quota of the output location, or the output
 already holds a different job. Only then does anything heavy start. The output location
 is the truth: a manifest found there is reused, committed units are skipped, so running
@@ -17,7 +19,6 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from hsx import __version__
 from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
@@ -100,8 +101,7 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Output]:
         raise JobRefused(str(err)) from None
     check_capturable(spec, info, layers)
     check_engine_args(spec, info)
-    if not Path(spec.dataset).exists():
-        raise JobRefused(f"dataset: {spec.dataset} does not exist")
+    check_dataset(spec)
     if spec.engine == "hf" and spec.tensor_parallel_size > 1:
         raise JobRefused(
             "tensor_parallel_size: the hf engine runs on one device; use engine: vllm for "
@@ -110,6 +110,20 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Output]:
     output = open_output(spec.output)
     check_writable(output)
     return info, layers, output
+
+
+def check_dataset(spec: JobSpec) -> None:
+    """JobRefused, naming the dataset (file, object, prefix or hub id) and what to do,
+    unless its rows can be read from here: resolved as ingestion will read them (the
+    split too), and its first file's first byte read (on a bucket: a ranged GET, so a
+    missing permission shows now); a hub dataset: the hub answers and has the split."""
+    from hsx.ingest import DatasetError
+    from hsx.ingest import check_dataset as check
+
+    try:
+        check(spec.dataset_spec)
+    except DatasetError as err:
+        raise JobRefused(f"dataset: {err}") from None
 
 
 # The estimate refuses only a job it finds clearly too big: a dataset's first rows are
@@ -133,11 +147,16 @@ def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], ou
     if limit_what is None:
         return
     limit, what = limit_what
-    from hsx.ingest import estimate_tokens
+    from hsx.ingest import estimate_tokens, resolve_source
 
     try:
+        source = resolve_source(spec.dataset_spec)
+        if not source.counts_quickly:  # a hub dataset, a bucket's JSON lines
+            logger.info("no output estimate for %s: counting its rows means reading it "
+                        "whole; the exact check follows ingestion", source)
+            return
         tokens, rows, sampled = estimate_tokens(
-            spec.dataset, spec.tokenizer or spec.model, spec.max_seq_len,
+            source, spec.tokenizer or spec.model, spec.max_seq_len,
             chat_template_kwargs=spec.chat_template_kwargs,
             trust_remote_code=spec.trust_remote_code)
     except Exception as err:
@@ -282,21 +301,25 @@ def _human(n: float) -> str:
 def prepare(spec: JobSpec) -> PreparedJob:
     """Preflight, then make (or find) the output's manifest, inputs and plan."""
     info, layers, output = preflight(spec)
-    from hsx.ingest import dataset_fingerprint, ingest
+    from hsx.ingest import DatasetError, dataset_fingerprint, ingest
 
     manifest = output.read_manifest()
-    data_fp = dataset_fingerprint(spec.dataset) if manifest is not None else ""
+    try:
+        data_fp = dataset_fingerprint(spec.dataset_spec) if manifest is not None else ""
+        if manifest is None:
+            result = ingest(
+                spec.dataset_spec,
+                spec.tokenizer or spec.model,
+                spec.max_seq_len,
+                output,
+                chat_template_kwargs=spec.chat_template_kwargs,
+                trust_remote_code=spec.trust_remote_code,
+                keep_messages=spec.regenerate is not None,
+            )
+            data_fp = result.dataset_fingerprint
+    except DatasetError as err:  # found while reading it: still before any engine starts
+        raise JobRefused(f"dataset: {err}") from err
     if manifest is None:
-        result = ingest(
-            spec.dataset,
-            spec.tokenizer or spec.model,
-            spec.max_seq_len,
-            output,
-            chat_template_kwargs=spec.chat_template_kwargs,
-            trust_remote_code=spec.trust_remote_code,
-            keep_messages=spec.regenerate is not None,
-        )
-        data_fp = result.dataset_fingerprint
         lengths = output.inputs().column("length").to_numpy()
         units = plan_units(lengths.tolist(), spec.unit_tokens)
         # Another driver may have prepared the same output at the same moment: the
@@ -324,7 +347,7 @@ def prepare(spec: JobSpec) -> PreparedJob:
         ))
     try:
         manifest.check_same_job(spec.data_fingerprint(), data_fp, output=str(output),
-                                dataset=spec.dataset)
+                                dataset=str(spec.dataset_spec))
     except JobMismatch as err:
         raise JobRefused(str(err)) from None
     job = PreparedJob.of(spec, info, output)

@@ -480,10 +480,10 @@ class Scheduler:
 
     def _run_failed(self, job_id: str, err: Exception) -> None:
         """A run raised what `_run` does not handle: Ray lost, a dataset, or a bug."""
-        from hsx.ingest import DatasetFormatError, DatasetNotFoundError
+        from hsx.ingest import DatasetError
 
         try:
-            if isinstance(err, DatasetFormatError | DatasetNotFoundError):
+            if isinstance(err, DatasetError):
                 self._end(job_id, JobState.failed, f"dataset: {err}")
             elif _ray_lost(err):
                 self._reset_engines()

@@ -9,6 +9,10 @@
   a rerun has nothing to do.
 - `HiddenStatesDataset("s3://...")`, `hsx export --format speculators` from the bucket,
   and `hsx train s3://...` (checkpoints uploaded into it) read the same output.
+- A dataset in the bucket (one split of a prefix laid out as UltraChat's) extracts end
+  to end, with the token ids of the same rows read from a local file; a rerun has
+  nothing to do, and one whose objects changed is refused; a dataset object that does
+  not exist is refused before any engine starts, naming it.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from hsx.dataset import HiddenStatesDataset
 from hsx.output import Output
 from hsx.output.layout import DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_UPLOADED, SHARDS_DIR
 from hsx.output.object_storage import ObjectStoreStorage
+from hsx_service.prepare import JobRefused
 from hsx_service.runner import JobSummary, run_job
-from hsx_workers.tiny_models import ChatDataset, make_chat_dataset
+from hsx_workers.tiny_models import ChatDataset, make_chat_dataset, write_rows
 from tests.s3server import SeaweedS3
 
 from .helpers import by_sample, relative_error
@@ -196,3 +201,55 @@ def test_hsx_extract_into_the_bucket_again_has_nothing_to_do(
     assert main(["extract", str(job), "--output", uri, "--json", "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["nothing_to_do"] and summary["output"] == uri
+
+
+def test_a_split_of_a_bucket_dataset_extracts(
+    aws: SeaweedS3, make_job: Any, engine_pool: Any, tmp_path: Path,
+) -> None:
+    from hsx.ingest import dataset_fingerprint, ingest
+
+    rows = make_chat_dataset(tmp_path / "chats.jsonl", n=36, seed=3).rows
+    split = {"data/train_sft-00000-of-00002.parquet": rows[:16],
+             "data/train_sft-00001-of-00002.parquet": rows[16:24],
+             "data/test_sft-00000-of-00001.parquet": rows[24:]}
+    prefix = _uri(aws, "ultrachat")
+    storage = Output(prefix).storage
+    for key, part in split.items():
+        storage.put(key, write_rows(part, tmp_path / key, "parquet").read_bytes())
+    uri = _uri(aws, "from-bucket")
+    spec = make_job(uri, dataset={"path": prefix, "split": "train_sft"})
+    summary = run_job(spec, pool=engine_pool)
+    assert (summary.samples, summary.errors) == (24, 0)
+    ds = HiddenStatesDataset(uri)
+    assert ds.complete and ds.verify() == len(ds.records)
+    assert sorted(by_sample(uri)) == list(range(24))  # type: ignore[arg-type]
+    manifest = Output(uri).manifest()
+    assert manifest.spec["dataset"] == {"path": prefix, "split": "train_sft"}
+    assert manifest.dataset_fingerprint == dataset_fingerprint(spec.dataset_spec)
+    # The same rows from a local file make the same inputs.
+    local = write_rows(rows[:24], tmp_path / "train.jsonl", "jsonl")
+    ingest(local, spec.model, spec.max_seq_len, tmp_path / "reference")
+    assert Output(uri).inputs().equals(Output(tmp_path / "reference").inputs())
+    # A rerun finds the same objects and has nothing to do; rewritten ones are refused.
+    assert run_job(spec, pool=engine_pool).nothing_to_do
+    storage.put("data/train_sft-00001-of-00002.parquet",
+                write_rows(rows[16:23], tmp_path / "shorter.parquet", "parquet").read_bytes())
+    with pytest.raises(JobRefused, match=rf"dataset: {prefix} \(split train_sft\) changed"):
+        run_job(spec, pool=engine_pool)
+
+
+class ExplodingPool:
+    """An engine pool that fails the test if anything asks it for an engine."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"an engine was asked for ({name}) on a refused job")
+
+
+def test_a_missing_dataset_object_is_refused_before_any_engine_starts(
+    aws: SeaweedS3, make_job: Any,
+) -> None:
+    missing = f"{_uri(aws, 'nothing')}/chats.jsonl"
+    uri = _uri(aws, "refused")
+    with pytest.raises(JobRefused, match=rf"^dataset: {missing}: no such object"):
+        run_job(make_job(uri, dataset=missing), pool=ExplodingPool())  # type: ignore[arg-type]
+    assert not Output(uri).has_manifest()

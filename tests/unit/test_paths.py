@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx.spec import JobSpec
+from hsx.spec import DatasetSpec, JobSpec
 from hsx_service.errors import JobRefused, refused_field
 from hsx_service.paths import check_job_paths, check_path, local_candidates, resolve, within
 
@@ -109,6 +109,25 @@ def test_bucket_prefixes_as_roots(tree: dict[str, Path]) -> None:
     assert "only local paths, file:// and bucket URIs" in refused("http://host/x", roots)
     check_job_paths(JobSpec(model="m", dataset="s3://team/hs/data.jsonl",
                             output="s3://team/hs/out"), roots)
+    # A bucket dataset is judged as a bucket output, with or without a split.
+    split = DatasetSpec(path="s3://team/hs/ultrachat", split="train_sft")
+    check_job_paths(JobSpec(model="m", dataset=split, output="s3://team/hs/out"), roots)
+    with pytest.raises(JobRefused, match=r"^dataset: s3://team/x/ultrachat is outside"):
+        check_job_paths(JobSpec(model="m", dataset=split.model_copy(
+            update={"path": "s3://team/x/ultrachat"}), output="s3://team/hs/out"), roots)
+
+
+def test_a_hub_dataset_reads_no_path(tree: dict[str, Path],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tree["root"])
+    data = tree["data"]
+    hub = JobSpec(model="m", dataset=DatasetSpec(path="org/chats", split="train"),
+                  output=str(data / "out"))
+    check_job_paths(hub, [data])
+    # A relative path that exists here is a path, and judged as one.
+    (tree["root"] / "org" / "chats").mkdir(parents=True)
+    with pytest.raises(JobRefused, match=r"^dataset: org/chats .*outside"):
+        check_job_paths(hub, [data])
 
 
 def test_home_is_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -5,8 +5,8 @@
   preflight says of a config of that model's published shape (its config.json, no
   weights: sizes from the model cards of Llama-3.1-8B/70B and Kimi-K2.5).
 - "Preparing a dataset": a ShareGPT JSON array is ingested as it is (its bad row recorded
-  and skipped); an UltraChat download's split, linked into a folder of its own as the
-  README shows, is read without the other splits' rows.
+  and skipped); one split of an UltraChat download is read without the other splits'
+  rows, and the download without a split is refused naming its splits.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def spec_tp(target: dict[str, Any]) -> int:
     return int(target["job"].get("tensor_parallel_size", 1))
 
 
-def _ingest(dataset: Path, tiny_llama: Path, out: Path) -> tuple[Any, Output]:
+def _ingest(dataset: Any, tiny_llama: Path, out: Path) -> tuple[Any, Output]:
     from hsx.ingest import ingest
 
     output = Output(out)
@@ -122,7 +122,13 @@ def test_a_sharegpt_json_array_is_read_as_it_is(tmp_path: Path, tiny_llama: Path
 
 
 def test_one_split_of_an_ultrachat_download(tmp_path: Path, tiny_llama: Path) -> None:
-    data = tmp_path / "ultrachat_200k" / "data"
+    """`{path: ultrachat_200k, split: train_sft}` on the folder `hf download` leaves:
+    that split's rows only; without a split, refused with the splits and what to write."""
+    from hsx.ingest import DatasetFormatError
+    from hsx.spec import DatasetSpec
+
+    root = tmp_path / "ultrachat_200k"
+    data = root / "data"
     data.mkdir(parents=True)
 
     def chats(split: str, n: int) -> pa.Table:
@@ -133,10 +139,8 @@ def test_one_split_of_an_ultrachat_download(tmp_path: Path, tiny_llama: Path) ->
     for split, files in (("train_sft", 3), ("test_sft", 1), ("train_gen", 1)):
         for k in range(files):
             pq.write_table(chats(split, 4), data / f"{split}-0000{k}-of-0000{files}.parquet")
-    # README: `mkdir train && ln -s $PWD/data/train_sft-*.parquet train/`
-    train = tmp_path / "train"
-    train.mkdir()
-    for f in sorted(data.glob("train_sft-*.parquet")):
-        (train / f.name).symlink_to(f)
-    result, _ = _ingest(train, tiny_llama, tmp_path / "out")
+    chosen = DatasetSpec(path=str(root), split="train_sft")
+    result, _ = _ingest(chosen, tiny_llama, tmp_path / "out")
     assert (result.num_samples, result.num_errors) == (12, 0)  # train_sft's rows only
+    with pytest.raises(DatasetFormatError, match=r"has splits .*train_sft.*split:"):
+        _ingest(str(root), tiny_llama, tmp_path / "out2")

@@ -10,7 +10,7 @@ import pytest
 
 from hsx.modelinfo import ModelConfigError, default_layers, read_model_info
 from hsx.plan import plan_units
-from hsx.spec import JobSpec, SpecError, load_job, parse_job
+from hsx.spec import DatasetSpec, JobSpec, SpecError, load_job, parse_job
 
 BASE = {"model": "/m", "dataset": "/d.jsonl", "output": "/o"}
 
@@ -68,8 +68,34 @@ def test_layers_are_sorted() -> None:
 
 
 def test_every_field_has_a_description() -> None:
-    for name, field in JobSpec.model_fields.items():
-        assert field.description, name
+    for model in (JobSpec, DatasetSpec):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name}"
+
+
+def test_a_dataset_is_a_path_or_a_path_and_a_split() -> None:
+    plain = parse_job({**BASE, "dataset": "/d"})
+    same = parse_job({**BASE, "dataset": {"path": "/d"}})
+    split = parse_job({**BASE, "dataset": {"path": "/d", "split": "train_sft"}})
+    # `{path: P}` is the plain `P`: one job, one fingerprint, one form on the wire.
+    assert same.dataset == plain.dataset == "/d"
+    assert same.data_fingerprint() == plain.data_fingerprint()
+    assert plain.dataset_spec == DatasetSpec(path="/d")
+    assert split.dataset == split.dataset_spec == DatasetSpec(path="/d", split="train_sft")
+    assert split.data_fingerprint() != plain.data_fingerprint()
+    assert split.model_dump(mode="json")["dataset"] == {"path": "/d", "split": "train_sft"}
+    assert JobSpec.model_validate_json(split.model_dump_json()) == split
+    assert str(split.dataset_spec) == "/d (split train_sft)"
+    with pytest.raises(SpecError, match=r"dataset\.DatasetSpec\.splt: unknown field"):
+        parse_job({**BASE, "dataset": {"path": "/d", "splt": "x"}})
+    # Only the form written is reported on, not "should be a string" beside it.
+    with pytest.raises(SpecError) as typo:
+        parse_job({**BASE, "dataset": {"path": "/d", "splt": "x"}})
+    assert "string" not in str(typo.value)
+    with pytest.raises(SpecError, match="dataset"):
+        parse_job({**BASE, "dataset": ""})
+    with pytest.raises(SpecError, match="dataset"):
+        parse_job({**BASE, "dataset": {"path": "/d", "split": ""}})
 
 
 def test_fingerprint_ignores_replicas_but_not_layers() -> None:
@@ -89,6 +115,16 @@ def test_load_job_resolves_paths_relative_to_the_file(tmp_path: Path) -> None:
     assert spec.dataset == str(tmp_path / "data.jsonl")
     assert spec.output == str(tmp_path / "out")
     assert spec.layers == [1, 3]
+
+
+def test_load_job_resolves_the_path_of_a_split_dataset(tmp_path: Path) -> None:
+    (tmp_path / "ultrachat").mkdir()
+    job = tmp_path / "job.yaml"
+    job.write_text("model: m\ndataset: {path: ultrachat, split: train_sft}\noutput: o\n")
+    assert load_job(job).dataset == DatasetSpec(path=str(tmp_path / "ultrachat"),
+                                                split="train_sft")
+    job.write_text("model: m\ndataset: {path: org/hub-name, split: train}\noutput: o\n")
+    assert load_job(job).dataset == DatasetSpec(path="org/hub-name", split="train")
 
 
 def test_load_job_reports_yaml_errors(tmp_path: Path) -> None:

@@ -15,14 +15,19 @@ from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, error, result_console
 def _cmd_inspect_model(args: argparse.Namespace) -> int:
     """Model preflight from the config alone; exit 2 when the model cannot be captured."""
     from hsx.modelinfo import ModelConfigError
+    from hsx.spec import DatasetSpec
     from hsx_workers.preflight import format_report, inspect_model
 
     layers = [int(k) for k in args.layers.split(",")] if args.layers else None
     memory = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
+    if args.split and not args.dataset:
+        return error("--split names a split of --dataset, which is not given", EXIT_REFUSED)
+    dataset = (DatasetSpec(path=args.dataset, split=args.split) if args.split
+               else args.dataset)
     try:
         report = inspect_model(
             args.model, engine=args.engine, layers=layers, tensor_parallel_size=args.tp,
-            dataset=args.dataset, max_seq_len=args.max_seq_len,
+            dataset=dataset, max_seq_len=args.max_seq_len,
             trust_remote_code=args.trust_remote_code, gpu_memory_bytes=memory,
         )
     except ModelConfigError as err:
@@ -55,6 +60,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("model", help="model directory or hub id")
     p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     p.add_argument("--dataset", help="count its tokens and the output bytes they make")
+    p.add_argument("--split", help="the split of --dataset to count (one with several)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size for the fit check")
     p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
     p.add_argument("--layers", help="comma-separated layer ids to check")

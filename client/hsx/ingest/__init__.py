@@ -1,8 +1,9 @@
 """Dataset ingestion: rows -> token ids, loss masks and lengths, plus a table of bad rows.
 
-`ingest` reads a dataset (JSONL, Parquet, or a Hugging Face `save_to_disk` folder),
-tokenizes each row and writes two Arrow IPC files into the output (through
-`hsx.output.Output`, which owns their schemas and readers):
+`ingest` reads a dataset (JSONL, Parquet, a Hugging Face `save_to_disk` folder or hub
+dataset; on local disk or in a bucket; one split at a time: sources.py), tokenizes each
+row and writes two Arrow IPC files into the output (through `hsx.output.Output`, which
+owns their schemas and readers):
 
 - `inputs.arrow`: one row per good sample — sample_index, input_ids, loss_mask, length —
   in ascending sample_index. It travels with the hidden states, so a trainer needs
@@ -26,8 +27,10 @@ Memory stays constant in the number of rows: rows are read, tokenized and writte
 `batch_rows` at a time. This package imports no torch, vllm or ray; transformers is
 imported inside the functions that load a tokenizer.
 
-- sources.py: the dataset's files and their rows, in source order (JSONL, Parquet,
-  `save_to_disk`), and the dataset's fingerprint;
+- sources.py: where a dataset's rows come from (`resolve_source`: local files and
+  folders, bucket objects and prefixes, `save_to_disk` folders, hub ids; which split),
+  its rows in source order, its fingerprint, and the check before any engine starts
+  (`check_dataset`);
 - rows.py: what a row asks for (pre-tokenized ids, a conversation, plain text), or
   why it is bad;
 - tokenizer.py: the tokenizer, its fingerprint, and chats rendered with its template
@@ -47,27 +50,41 @@ from hsx.ingest.pipeline import (
     tokenize_conversations,
 )
 from hsx.ingest.sources import (
+    DatasetAccessError,
+    DatasetError,
     DatasetFormatError,
+    DatasetLike,
     DatasetNotFoundError,
+    DatasetSource,
+    check_dataset,
     count_rows,
     dataset_fingerprint,
+    is_hub_id,
     iter_rows,
+    resolve_source,
 )
 from hsx.ingest.tokenizer import generation_prompt, load_tokenizer, tokenizer_fingerprint
 
 __all__ = [
     "NOT_A_CHAT",
+    "DatasetAccessError",
+    "DatasetError",
     "DatasetFormatError",
+    "DatasetLike",
     "DatasetNotFoundError",
+    "DatasetSource",
     "IngestResult",
     "LengthSummary",
+    "check_dataset",
     "count_rows",
     "dataset_fingerprint",
     "estimate_tokens",
     "generation_prompt",
     "ingest",
+    "is_hub_id",
     "iter_rows",
     "load_tokenizer",
+    "resolve_source",
     "tokenize_conversations",
     "tokenizer_fingerprint",
 ]

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from hsx.ingest.rows import Chat, Sample, Text, classify
-from hsx.ingest.sources import Row, count_rows, dataset_fingerprint, iter_rows, resolve_source
+from hsx.ingest.sources import DatasetLike, Row, resolve_source
 from hsx.ingest.tokenizer import chat_samples, encode, load_tokenizer, tokenizer_fingerprint
 from hsx.output import Output
 from hsx.output.layout import ERRORS, INPUTS
@@ -74,7 +74,7 @@ NOT_A_CHAT = ("regenerate needs a conversation (`messages` or `conversations`) t
 
 
 def ingest(
-    dataset: str | Path,
+    dataset: DatasetLike,
     tokenizer_path: str,
     max_seq_len: int,
     output: Output | str | Path,
@@ -98,7 +98,7 @@ def ingest(
     if batch_rows < 1:
         raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
     source = resolve_source(dataset)  # fail on a bad path before loading a tokenizer
-    data_fp = dataset_fingerprint(dataset)
+    data_fp = source.fingerprint()
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
     tok_fp = tokenizer_fingerprint(tokenizer_path, tokenizer=tokenizer)
     vocab_size = len(tokenizer)
@@ -113,7 +113,7 @@ def ingest(
     counts = np.zeros(max_seq_len + 1, dtype=np.int64)
     num_rows = num_errors = num_tokens = num_loss = num_truncated = 0
     try:
-        for batch in _batched(iter_rows(dataset, batch_rows=batch_rows), batch_rows):
+        for batch in _batched(source.rows(batch_rows), batch_rows):
             results = _process_batch(batch, tokenizer, vocab_size, max_seq_len, kwargs)
             if keep_messages:
                 results = [NOT_A_CHAT if isinstance(r, Sample) and r.messages is None
@@ -160,7 +160,7 @@ def ingest(
         inputs_path=inputs.url,
         errors_path=errors.url,
     )
-    logger.info("ingested %s (%s): %d samples, %d errors, %d tokens", dataset, source.kind,
+    logger.info("ingested %s: %d samples, %d errors, %d tokens", source,
                 result.num_samples, num_errors, num_tokens)
     return result
 
@@ -268,15 +268,16 @@ def tokenize_conversations(tokenizer: PreTrainedTokenizerBase,
 
 
 def estimate_tokens(
-    dataset: str | Path, tokenizer_path: str, max_seq_len: int, *, sample_rows: int = 256,
+    dataset: DatasetLike, tokenizer_path: str, max_seq_len: int, *, sample_rows: int = 256,
     chat_template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False,
 ) -> tuple[float, int, int]:
     """(estimated tokens, rows, rows sampled): the first `sample_rows` rows tokenized as
     ingestion would, their mean tokens per row times the dataset's row count. Quick
     (seconds), for checks before ingestion; a prefix is not a random sample."""
-    rows = count_rows(dataset)
+    source = resolve_source(dataset)
+    rows = source.count_rows()
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
-    head = list(itertools.islice(iter_rows(dataset), sample_rows))
+    head = list(itertools.islice(source.rows(), sample_rows))
     results = _process_batch(head, tokenizer, len(tokenizer), max_seq_len,
                              dict(chat_template_kwargs or {}))
     lengths = [len(r.input_ids) for r in results if isinstance(r, Sample)]

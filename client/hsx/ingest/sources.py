@@ -1,5 +1,34 @@
-"""A dataset's rows, in source order: JSONL files, Parquet files, or a `datasets`
-`save_to_disk` folder (Arrow streams); and its fingerprint.
+"""A dataset's rows, in source order, and its fingerprint.
+
+`resolve_source(dataset)` says where the rows come from (a `DatasetSource`); `dataset` is
+a path or URI, or a `DatasetSpec` (path and split) as a job names it:
+
+- a local file: JSON lines (`.jsonl`, `.ndjson`; `.json` holding JSON lines or one
+  array), or Parquet;
+- a local folder of such files; a `datasets` `save_to_disk` folder (Arrow streams); a
+  `save_to_disk` DatasetDict, one split at a time;
+- a bucket object or prefix (`s3://`, `gs://`, `az://`), read through hsx.output's
+  storage layer with the same credentials as an output (options resolved where the
+  source is made travel with it when it is pickled), by the same rules as a folder;
+- a Hugging Face hub id (no local path of that name): `datasets.load_dataset(id,
+  split=...)`, when the hub can be reached.
+
+**Splits.** The dataset files of a folder or prefix (hidden folders skipped) split as
+Hugging Face lays them out: files named `{split}-00000-of-00003...` (how `push_to_hub`
+names shards: UltraChat's `data/train_sft-00000-of-00003.parquet`) belong to that split;
+otherwise the files directly in the folder are one dataset (no splits); otherwise each
+subfolder holding files is a split named by its path (`train`, `data/test`). A dataset
+with one split is read without naming it; with several, the split must be named
+(`DatasetSpec.split`) and a dataset without it is refused, with the splits found and
+what to write. Files of one split are read in name order; where a split holds Parquet
+and JSON lines files, the Parquet ones (as a folder always was).
+
+**Streaming.** JSON lines stream line by line (from a bucket through a buffer of
+`READ_BUFFER` bytes, one ranged GET per refill). Parquet from a bucket is read through
+a file object whose every read is one ranged GET (pyarrow asks for the footer, then each
+row group's column chunks, coalesced): nothing is downloaded whole, nothing needs
+scratch disk, and memory is one row group, as on local disk. A JSON array file is read
+whole (it cannot be streamed).
 
 A row that cannot even be parsed (malformed JSON, undecodable bytes) is a `BadRow`
 with its reason, in its place: `sample_index` is a row's position in the source.
@@ -7,22 +36,42 @@ with its reason, in its place: `sample_index` is a row's position in the source.
 
 from __future__ import annotations
 
+import abc
 import hashlib
+import io
 import json
+import logging
+import os
+import re
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import IO, Any
 
 import pyarrow as pa
 
+from hsx.output.storage import RangedFile, Storage, StorageError, check_key
+from hsx.spec import DatasetSpec
 
-class DatasetNotFoundError(FileNotFoundError):
-    """The dataset path does not exist."""
+logger = logging.getLogger(__name__)
 
 
-class DatasetFormatError(ValueError):
-    """The dataset path exists but is not a format ingestion reads."""
+class DatasetError(Exception):
+    """A dataset that cannot be read; the message names it and says why."""
+
+
+class DatasetNotFoundError(DatasetError, FileNotFoundError):
+    """The dataset path, object or prefix does not exist."""
+
+
+class DatasetFormatError(DatasetError, ValueError):
+    """The dataset exists but is not a format ingestion reads, or its split is not named."""
+
+
+class DatasetAccessError(DatasetError, OSError):
+    """The dataset cannot be read from here: no permission, a store or the hub that
+    cannot be reached, or a package that reading it needs."""
 
 
 @dataclass(frozen=True)
@@ -34,62 +83,588 @@ class BadRow:
 
 Row = dict[str, Any] | BadRow
 
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+DATASET_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
+OBJECT_SCHEMES = ("s3", "gs", "az")
+READ_BUFFER = 8 * 2**20  # bytes per ranged GET when a bucket's JSON lines stream
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors write at the start
+# `{split}-00000-of-00003...`: how `datasets`' push_to_hub (and the hub's parquet
+# conversion) name a split's shards.
+_SHARD_NAME = re.compile(r"^(?P<split>.+?)-\d{5}-of-\d{5}(?:[-_.][^/]*)?\.[^/.]+$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?$")
+_HUB_PROBE_TIMEOUT_S = 10.0
+
+
+# ------------------------------------------------------------------------ files
+
 
 @dataclass(frozen=True)
-class _Source:
-    kind: str  # "jsonl" | "parquet" | "hf"
-    files: tuple[Path, ...]
-    root: Path
+class DataFile:
+    """One file of a dataset: a local file (`path`), or an object (`storage`, `key`).
+
+    `name` is its path below the dataset's root, `/`-separated; `version` what changes
+    when it is rewritten (on disk its modification time in ns, in a bucket its ETag or
+    else its modification time). Name, size and version make the dataset's fingerprint.
+    """
+
+    name: str
+    size: int
+    version: str
+    path: Path | None = None
+    storage: Storage | None = None
+    key: str = ""
+
+    @property
+    def url(self) -> str:
+        """Where it is, for messages."""
+        if self.path is not None:
+            return str(self.path)
+        if self.storage is None:
+            raise RuntimeError(f"dataset file {self.name} has neither a path nor a storage")
+        return self.storage.url(self.key)
+
+    @property
+    def suffix(self) -> str:
+        return PurePosixPath(self.name).suffix
+
+    @property
+    def hidden(self) -> bool:
+        """In (or is) a hidden file or folder: `.cache/`, `.git/`, `.DS_Store`."""
+        return any(part.startswith(".") for part in self.name.split("/"))
+
+    def open(self) -> io.BufferedReader:
+        """The file as a buffered binary stream (a bucket's: ranged GETs)."""
+        if self.path is not None:
+            return self.path.open("rb")
+        return io.BufferedReader(self._ranged(), READ_BUFFER)
+
+    def arrow_source(self) -> Any:
+        """What pyarrow reads it from: the path, or a file object of ranged reads."""
+        if self.path is not None:
+            return self.path
+        return pa.PythonFile(self._ranged(), mode="r")
+
+    def _ranged(self) -> RangedFile:
+        if self.storage is None:
+            raise RuntimeError(f"dataset file {self.name} has neither a path nor a storage")
+        return RangedFile(self.storage, self.key, self.size)
+
+    @classmethod
+    def local(cls, path: Path, name: str) -> DataFile:
+        st = path.stat()
+        return cls(name, st.st_size, str(st.st_mtime_ns), path=path)
 
 
-_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors write at the start
+def _sorted(files: Sequence[DataFile]) -> list[DataFile]:
+    # By path components (as sorted Paths were): `a/x` before `a-b/x`.
+    return sorted(files, key=lambda f: tuple(f.name.split("/")))
 
 
-def resolve_source(dataset: str | Path) -> _Source:
-    path = Path(dataset).expanduser()
-    if not path.exists():
-        raise DatasetNotFoundError(
-            f"dataset {str(dataset)!r} does not exist (expected a .jsonl or .parquet file, "
-            "a directory of them, or a `datasets` save_to_disk folder; hub ids are not "
-            "read directly)"
-        )
-    if path.is_file():
-        if path.suffix in _JSONL_SUFFIXES:
-            return _Source("jsonl", (path,), path)
-        if path.suffix == ".parquet":
-            return _Source("parquet", (path,), path)
-        raise DatasetFormatError(
-            f"dataset {str(path)!r}: unsupported file type {path.suffix or '(none)'!r}; "
-            "use .jsonl, .json (JSON lines) or .parquet"
-        )
-    if (path / "dataset_dict.json").exists():
-        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").exists())
-        raise DatasetFormatError(
-            f"dataset {str(path)!r} is a DatasetDict with splits {splits}; point `dataset` "
-            f"at one split folder, e.g. {str(path / (splits[0] if splits else 'train'))!r}"
-        )
-    if (path / "state.json").exists() and (path / "dataset_info.json").exists():
-        state = json.loads((path / "state.json").read_text())
-        if state.get("_indices_data_files"):
-            # Old `datasets` versions saved a select/shuffle as an indices mapping; the
-            # row order would then differ from the arrow files' order.
-            raise DatasetFormatError(
-                f"dataset {str(path)!r} was saved with an indices mapping; re-save it "
-                "after `dataset.flatten_indices()`"
-            )
-        files = tuple(path / f["filename"] for f in state.get("_data_files", []))
-        return _Source("hf", files, path)
-    parquet = tuple(sorted(path.glob("*.parquet")))
-    if parquet:
-        return _Source("parquet", parquet, path)
-    jsonl = tuple(sorted(p for p in path.iterdir() if p.suffix in _JSONL_SUFFIXES))
-    if jsonl:
-        return _Source("jsonl", jsonl, path)
-    raise DatasetFormatError(
-        f"dataset directory {str(path)!r} holds no *.parquet or *.jsonl files and is not a "
-        "`datasets` save_to_disk folder (no state.json / dataset_info.json)"
+class _Folder(abc.ABC):
+    """A dataset's folder: a local directory or a bucket prefix."""
+
+    location: str
+
+    @abc.abstractmethod
+    def files(self) -> list[DataFile]:
+        """Every file below it (hidden ones too), sorted by path."""
+
+    @abc.abstractmethod
+    def read_text(self, name: str) -> str | None:
+        """A small file's text, or None if it does not exist."""
+
+
+class _LocalFolder(_Folder):
+    def __init__(self, root: Path, location: str) -> None:
+        self.root = root
+        self.location = location
+        self._files: list[DataFile] | None = None
+
+    def files(self) -> list[DataFile]:
+        if self._files is None:
+            found = [DataFile.local(p, p.relative_to(self.root).as_posix())
+                     for p in self.root.rglob("*") if p.is_file()]
+            self._files = _sorted(found)
+        return self._files
+
+    def read_text(self, name: str) -> str | None:
+        path = self.root / name
+        return path.read_text() if path.is_file() else None
+
+
+class _BucketFolder(_Folder):
+    def __init__(self, storage: Storage, location: str) -> None:
+        self.storage = storage
+        self.location = location
+        self._files: list[DataFile] | None = None
+
+    def files(self) -> list[DataFile]:
+        if self._files is None:
+            self._files = _sorted([_object_file(self.storage, info.key, info)
+                                   for info in self.storage.list("")])
+        return self._files
+
+    def read_text(self, name: str) -> str | None:
+        if not any(f.name == name for f in self.files()):
+            return None
+        return self.storage.read(name).decode("utf-8")
+
+
+def _object_file(storage: Storage, key: str, info: Any) -> DataFile:
+    version = info.etag or (repr(info.modified) if info.modified is not None else "")
+    return DataFile(key, info.size, version, storage=storage, key=key)
+
+
+# ----------------------------------------------------------------------- sources
+
+
+class DatasetSource(abc.ABC):
+    """A dataset resolved: where its rows come from, in order (see the module docstring)."""
+
+    kind: str
+    location: str  # the dataset as named, for messages
+    counts_quickly: bool = True  # count_rows reads metadata, not every row
+
+    @abc.abstractmethod
+    def rows(self, batch_rows: int = 1024) -> Iterator[Row]:
+        """Every row in source order; a row that cannot be parsed is a BadRow."""
+
+    @abc.abstractmethod
+    def count_rows(self) -> int:
+        """Rows of the dataset without parsing them."""
+
+    @abc.abstractmethod
+    def fingerprint(self) -> str:
+        """Short hash that changes when the dataset does (see `dataset_fingerprint`)."""
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """What preflight asks beyond resolving: that the rows can be read from here."""
+
+    def __str__(self) -> str:
+        return f"{self.location} ({self.kind})"
+
+
+class FilesSource(DatasetSource):
+    """Rows from files: JSON lines, Parquet, or `save_to_disk` Arrow streams, on local
+    disk or in a bucket. `fingerprinted` are the files the fingerprint covers (for a
+    save_to_disk folder, every file of it)."""
+
+    def __init__(self, kind: str, files: Sequence[DataFile], location: str, *,
+                 fingerprinted: Sequence[DataFile] | None = None,
+                 split: str | None = None) -> None:
+        self.kind = kind  # "jsonl" | "parquet" | "save_to_disk"
+        self.files = tuple(files)
+        self.location = location
+        self.split = split
+        self.fingerprinted = tuple(self.files if fingerprinted is None else fingerprinted)
+        self.remote = any(f.path is None for f in self.files)
+        self.counts_quickly = not (self.remote and kind == "jsonl")
+
+    def __str__(self) -> str:
+        split = f", split {self.split}" if self.split is not None else ""
+        return f"{self.location} ({self.kind}, {len(self.files)} files{split})"
+
+    def rows(self, batch_rows: int = 1024) -> Iterator[Row]:
+        try:
+            if self.kind == "jsonl":
+                yield from _iter_jsonl(self.files)
+                return
+            for batch in _iter_record_batches(self.kind, self.files, batch_rows):
+                if isinstance(batch, BadRow):
+                    yield batch
+                else:
+                    yield from _batch_rows(batch)
+        except StorageError as err:  # a bucket that failed mid-read (after its retries)
+            raise DatasetAccessError(str(err)) from err
+
+    def count_rows(self) -> int:
+        try:
+            if self.kind == "parquet":
+                return sum(_parquet_file(f).metadata.num_rows for f in self.files)
+            if self.kind == "save_to_disk":
+                return sum(batch.num_rows for batch in _iter_record_batches(
+                    self.kind, self.files, 1 << 30) if isinstance(batch, pa.RecordBatch))
+            rows = 0
+            for f in self.files:
+                with f.open() as stream:
+                    for line in stream:
+                        rows += bool(line.strip())
+            return rows
+        except StorageError as err:
+            raise DatasetAccessError(str(err)) from err
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for f in self.fingerprinted:
+            digest.update(f"{f.name}\0{f.size}\0{f.version}\n".encode())
+        return digest.hexdigest()[:16]
+
+    def check(self) -> None:
+        first = self.files[0]
+        try:
+            if first.path is not None:
+                with first.open() as stream:
+                    stream.read(1)
+            elif first.size and first.storage is not None:
+                first.storage.read_range(first.key, 0, 1)
+        except StorageError as err:
+            raise DatasetAccessError(str(err)) from err
+        except OSError as err:
+            raise DatasetAccessError(
+                f"cannot read {first.url}: {err.strerror or err}"
+            ) from err
+
+
+class HubSource(DatasetSource):
+    """A Hugging Face hub dataset, read with `datasets.load_dataset(id, split=...)`.
+
+    The hub is asked first, quickly (the dataset's page, a 10 s timeout), unless hub
+    access is switched off (`HF_HUB_OFFLINE`, `HF_DATASETS_OFFLINE`: then only the local
+    cache of `datasets` is read), so an unreachable hub refuses the job in seconds
+    rather than after `datasets`' own retries.
+    """
+
+    kind = "hub"
+    counts_quickly = False  # counting means downloading it
+
+    def __init__(self, hub_id: str, split: str | None) -> None:
+        self.location = hub_id
+        self.split = split
+        self._split: str | None = None
+        self._dataset: Any = None
+
+    def __str__(self) -> str:
+        split = self._split or self.split
+        return f"{self.location} (hub{f', split {split}' if split else ''})"
+
+    def check(self) -> None:
+        self._resolved_split()
+
+    def _resolved_split(self) -> str:
+        if self._split is None:
+            datasets = _datasets_module(self.location)
+            if not _hub_offline():
+                _probe_hub(self.location)
+            try:
+                names = list(datasets.get_dataset_split_names(self.location))
+            except Exception as err:
+                raise _hub_error(self.location, err) from err
+            self._split = _choose_split(self.location, names, self.split)
+        return self._split
+
+    def dataset(self) -> Any:
+        """The split as a `datasets.Dataset` (downloaded into the `datasets` cache)."""
+        if self._dataset is None:
+            split = self._resolved_split()
+            datasets = _datasets_module(self.location)
+            try:
+                self._dataset = datasets.load_dataset(self.location, split=split)
+            except Exception as err:
+                raise _hub_error(self.location, err) from err
+        return self._dataset
+
+    def rows(self, batch_rows: int = 1024) -> Iterator[Row]:
+        for table in self.dataset().with_format("arrow").iter(batch_size=batch_rows):
+            for batch in table.to_batches():
+                yield from _batch_rows(batch)
+
+    def count_rows(self) -> int:
+        return int(self.dataset().num_rows)
+
+    def fingerprint(self) -> str:
+        ds = self.dataset()
+        # `datasets`' own fingerprint of the prepared split: it follows the builder's
+        # configuration and data files (a new revision of the dataset changes it).
+        own = getattr(ds, "_fingerprint", "")
+        digest = hashlib.sha256(
+            f"hub\0{self.location}\0{self._resolved_split()}\0{ds.num_rows}\0{own}\n".encode())
+        return digest.hexdigest()[:16]
+
+
+DatasetLike = str | os.PathLike[str] | DatasetSpec | DatasetSource
+"""What names a dataset: a path or URI, a job's `DatasetSpec`, or a source resolved."""
+
+
+def _datasets_module(hub_id: str) -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetAccessError(
+            f"{hub_id} is not a local path, so it would be read from the Hugging "
+            "Face hub, which needs the `datasets` package here (pip install datasets)"
+        ) from None
+    return datasets
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _unreachable(hub_id: str, detail: str) -> DatasetAccessError:
+    return DatasetAccessError(
+        f"{hub_id} is not a local path, so it was read as a Hugging Face hub id, "
+        f"and the hub cannot be reached from this machine ({detail}). Download it where "
+        f"the hub is reachable (`hf download {hub_id} --repo-type dataset "
+        "--local-dir DIR`, or `datasets.load_dataset(...).to_parquet(FILE)`), copy it "
+        "here or into a bucket, and set `dataset:` to that path or s3:// URI (with "
+        "`split:` when it has several splits)"
     )
+
+
+def _probe_hub(hub_id: str) -> None:
+    """Ask the hub for the dataset's page: DatasetAccessError at once when the hub
+    cannot be reached; DatasetNotFoundError when it has no such (public) dataset."""
+    try:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    except ImportError:  # datasets brings it; without it, datasets' own error says why
+        return
+    try:
+        HfApi().dataset_info(hub_id, timeout=_HUB_PROBE_TIMEOUT_S)
+    except GatedRepoError:
+        raise DatasetAccessError(
+            f"{hub_id} on the Hugging Face hub is gated: accept its terms on its "
+            "page and set HF_TOKEN where the job runs") from None
+    except RepositoryNotFoundError:
+        raise DatasetNotFoundError(
+            f"{hub_id} is neither a local path nor a dataset on the Hugging Face "
+            "hub (a private one needs HF_TOKEN where the job runs)") from None
+    except Exception as err:
+        raise _unreachable(hub_id, f"{type(err).__name__}: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _hub_error(hub_id: str, err: Exception) -> DatasetError:
+    """An error of `datasets` about a hub dataset as a DatasetError that says what to do."""
+    if isinstance(err, DatasetError):
+        return err
+    detail = _first_line(err)
+    if type(err).__name__ == "DatasetNotFoundError":  # datasets.exceptions'
+        return DatasetNotFoundError(f"{hub_id}: {detail}")
+    if isinstance(err, ConnectionError) or "Couldn't reach" in detail:
+        return _unreachable(hub_id, detail)
+    if isinstance(err, ValueError):  # an unknown split, a config to choose, ...
+        return DatasetFormatError(f"{hub_id}: {detail}")
+    return DatasetAccessError(f"{hub_id}: {type(err).__name__}: {detail}")
+
+
+# --------------------------------------------------------------------- resolution
+
+
+def is_hub_id(path: str) -> bool:
+    """Whether a job's dataset path names a hub dataset: no local file or folder has that
+    name, it is no URI and no file name, and it is spelt like `org/name` or `name`."""
+    if "://" in path or path.startswith(("/", ".", "~")) or path.endswith(DATASET_SUFFIXES):
+        return False
+    return bool(_HUB_ID.match(path)) and not Path(path).exists()
+
+
+def is_bucket_uri(path: str) -> bool:
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and scheme.lower() in OBJECT_SCHEMES
+
+
+def _as_spec(dataset: str | os.PathLike[str] | DatasetSpec) -> DatasetSpec:
+    if isinstance(dataset, DatasetSpec):
+        return dataset
+    return DatasetSpec(path=os.fspath(dataset))
+
+
+def resolve_source(dataset: DatasetLike
+                   ) -> DatasetSource:
+    """Where the dataset's rows come from; DatasetNotFoundError, DatasetFormatError or
+    DatasetAccessError naming it and what to do when it cannot be read. Lists files or
+    objects and reads small metadata files; reads no rows (a hub dataset: nothing)."""
+    if isinstance(dataset, DatasetSource):
+        return dataset
+    spec = _as_spec(dataset)
+    text = spec.path
+    if is_bucket_uri(text):
+        return _bucket_source(text, spec.split)
+    if "://" in text and not text.startswith("file://"):
+        raise DatasetFormatError(
+            f"{text}: unsupported URI; use a local path, file://, "
+            + ", ".join(f"{s}://" for s in OBJECT_SCHEMES) + " or a hub id")
+    path = Path(urllib.parse.unquote(urllib.parse.urlparse(text).path)
+                if text.startswith("file://") else text).expanduser()
+    if path.exists():
+        return _local_source(path, text, spec.split)
+    if is_hub_id(text):
+        return HubSource(text, spec.split)
+    raise DatasetNotFoundError(
+        f"{text} does not exist (expected a .jsonl, .json or .parquet file, a "
+        "folder of them, a `datasets` save_to_disk folder, an s3:// object or prefix, or "
+        "a hub id such as org/name)"
+    )
+
+
+def check_dataset(dataset: DatasetLike
+                  ) -> DatasetSource:
+    """Resolve the dataset and make sure its rows can be read from here (a bucket: one
+    byte of its first object; a hub id: the hub answers and has the split), without
+    reading them: the check before any engine starts."""
+    source = resolve_source(dataset)
+    source.check()
+    return source
+
+
+def _local_source(path: Path, location: str, split: str | None) -> DatasetSource:
+    if path.is_file():
+        return _file_source(DataFile.local(path, path.name), location, split)
+    return _folder_source(_LocalFolder(path, location), split)
+
+
+def _file_source(file: DataFile, location: str, split: str | None) -> FilesSource:
+    if split is not None:
+        raise DatasetFormatError(
+            f"{location} is one file, which has no splits; remove `split`")
+    if file.suffix in JSONL_SUFFIXES:
+        return FilesSource("jsonl", (file,), location)
+    if file.suffix == ".parquet":
+        return FilesSource("parquet", (file,), location)
+    raise DatasetFormatError(
+        f"{location}: unsupported file type {file.suffix or '(none)'!r}; "
+        "use .jsonl, .json (JSON lines) or .parquet"
+    )
+
+
+def _bucket_source(uri: str, split: str | None) -> DatasetSource:
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    has_parent = bool(parent.partition("://")[2])
+    try:
+        if has_parent and name.endswith(DATASET_SUFFIXES):
+            storage = Storage.for_uri(parent)
+            info = storage.head(name)
+            if info is not None:
+                return _file_source(_object_file(storage, name, info), uri, split)
+        folder = _BucketFolder(Storage.for_uri(uri), uri)
+        if not folder.files():
+            raise DatasetNotFoundError(
+                f"{uri}: no such object, and no objects under that prefix")
+        source = _folder_source(folder, split)
+        for file in source.files:
+            check_key(file.key)  # a name the storage layer cannot read is refused now
+        return source
+    except StorageError as err:
+        raise DatasetAccessError(str(err)) from err
+    except ValueError as err:
+        if isinstance(err, DatasetError):
+            raise
+        raise DatasetFormatError(f"{uri}: {err}") from err
+
+
+def _folder_source(folder: _Folder, split: str | None) -> FilesSource:
+    location = folder.location
+    if folder.read_text("dataset_dict.json") is not None:
+        splits = sorted({f.name.split("/")[0] for f in folder.files()
+                         if f.name.count("/") == 1 and f.name.endswith("/state.json")})
+        chosen = _choose_split(location, splits, split)
+        return _save_to_disk(folder, f"{chosen}/", chosen)
+    if folder.read_text("state.json") is not None and folder.read_text(
+            "dataset_info.json") is not None:
+        if split is not None:
+            raise DatasetFormatError(
+                f"{location} is one saved split, which has no splits to choose "
+                "from; remove `split`")
+        return _save_to_disk(folder, "", None)
+    files = [f for f in folder.files() if f.suffix in DATASET_SUFFIXES and not f.hidden]
+    if not files:
+        raise DatasetFormatError(
+            f"{location} is a folder that holds no *.parquet or *.jsonl files and is not "
+            "a `datasets` save_to_disk folder (no state.json / dataset_info.json)"
+        )
+    groups = split_groups(files)
+    if None in groups:
+        if split is not None:
+            raise DatasetFormatError(
+                f"{location} has no splits (its files are read together, "
+                "as one dataset); remove `split`, or point `dataset` at one file")
+        return _of_one_kind(groups[None], location, None)
+    names = sorted(name for name in groups if name is not None)
+    chosen = _choose_split(location, names, split)
+    return _of_one_kind(groups[chosen], location, chosen)
+
+
+def split_groups(files: Sequence[DataFile]) -> dict[str | None, list[DataFile]]:
+    """A folder's dataset files by split (the key None: a folder without splits); see
+    the module docstring for the rules."""
+    top = [f for f in files if "/" not in f.name]
+    candidates = top or list(files)
+    sharded: dict[str | None, list[DataFile]] = {}
+    others = []
+    for f in candidates:
+        match = _SHARD_NAME.match(PurePosixPath(f.name).name)
+        if match:
+            sharded.setdefault(match.group("split"), []).append(f)
+        else:
+            others.append(f)
+    if sharded:
+        if others:
+            logger.warning("dataset files not named as a split's shards are not read: %s",
+                           ", ".join(f.name for f in others[:5]))
+        return sharded
+    if top:
+        return {None: top}
+    by_folder: dict[str | None, list[DataFile]] = {}
+    for f in candidates:
+        by_folder.setdefault(f.name.rpartition("/")[0], []).append(f)
+    return by_folder
+
+
+def _of_one_kind(files: Sequence[DataFile], location: str, split: str | None
+                 ) -> FilesSource:
+    parquet = [f for f in files if f.suffix == ".parquet"]
+    if parquet:
+        return FilesSource("parquet", parquet, location, split=split)
+    return FilesSource("jsonl", files, location, split=split)
+
+
+def _choose_split(location: str, names: Sequence[str], split: str | None) -> str:
+    if not names:
+        raise DatasetFormatError(f"{location} has no splits")
+    if split is None:
+        if len(names) == 1:
+            return names[0]
+        raise DatasetFormatError(
+            f"{location} has splits {list(names)}; name the one to read, e.g. "
+            f"`dataset: {{path: {location}, split: {names[0]}}}`")
+    if split not in names:
+        raise DatasetFormatError(
+            f"{location} has no split {split!r}; its splits are {list(names)}")
+    return split
+
+
+def _save_to_disk(folder: _Folder, prefix: str, split: str | None) -> FilesSource:
+    location = folder.location
+    where = f"{location}/{prefix}".rstrip("/")
+    state = json.loads(folder.read_text(f"{prefix}state.json") or "{}")
+    if state.get("_indices_data_files"):
+        # Old `datasets` versions saved a select/shuffle as an indices mapping; the
+        # row order would then differ from the arrow files' order.
+        raise DatasetFormatError(
+            f"{where} was saved with an indices mapping; re-save it "
+            "after `dataset.flatten_indices()`"
+        )
+    below = [f for f in folder.files() if f.name.startswith(prefix)]
+    by_name = {f.name: f for f in below}
+    files = []
+    for entry in state.get("_data_files", []):
+        name = f"{prefix}{entry['filename']}"
+        if name not in by_name:
+            raise DatasetFormatError(f"{where}: state.json names {name}, which "
+                                     "is missing")
+        files.append(by_name[name])
+    if not files:
+        raise DatasetFormatError(f"{where}: state.json names no data files")
+    return FilesSource("save_to_disk", files, location, fingerprinted=below, split=split)
+
+
+# --------------------------------------------------------------------------- rows
 
 
 def _parse_json_row(raw: bytes) -> Row:
@@ -113,48 +688,54 @@ def _parse_json_row(raw: bytes) -> Row:
     return row
 
 
-def _iter_jsonl(files: Sequence[Path]) -> Iterator[Row]:
-    for path in files:
-        with path.open("rb") as f:
-            head = f.read(4096).removeprefix(_BOM).lstrip()
-        if path.suffix == ".json" and head.startswith(b"["):
-            # A JSON array file: not streamable, read whole (JSON lines are the norm).
-            try:
-                rows = json.loads(path.read_bytes().removeprefix(_BOM).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-                raise DatasetFormatError(
-                    f"dataset file {str(path)!r} starts like a JSON array but cannot be read "
-                    f"as one ({type(err).__name__}: {err}); a JSON lines file (.jsonl) lets "
-                    "each bad row be skipped on its own") from None
-            for row in rows:
-                yield row if isinstance(row, dict) else BadRow(
-                    f"the row is a JSON {type(row).__name__}, not an object")
-            continue
-        # Bytes, split at \n only (as count_rows counts), each line decoded on its own.
-        with path.open("rb") as f:
-            for number, line in enumerate(f):
+def _iter_jsonl(files: Sequence[DataFile]) -> Iterator[Row]:
+    for file in files:
+        with file.open() as stream:
+            head = stream.peek(4096)[:4096].removeprefix(_BOM).lstrip()
+            if file.suffix == ".json" and head.startswith(b"["):
+                yield from _json_array(file, stream)
+                continue
+            # Bytes, split at \n only (as count_rows counts), each line decoded on its own.
+            for number, line in enumerate(stream):
                 yield _parse_json_row(line.removeprefix(_BOM) if number == 0 else line)
 
 
-def _unreadable(path: Path, kind: str, err: Exception) -> DatasetFormatError:
+def _json_array(file: DataFile, stream: IO[bytes]) -> Iterator[Row]:
+    # A JSON array file: not streamable, read whole (JSON lines are the norm).
+    try:
+        rows = json.loads(stream.read().removeprefix(_BOM).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise DatasetFormatError(
+            f"dataset file {file.url!r} starts like a JSON array but cannot be read "
+            f"as one ({type(err).__name__}: {err}); a JSON lines file (.jsonl) lets "
+            "each bad row be skipped on its own") from None
+    for row in rows:
+        yield row if isinstance(row, dict) else BadRow(
+            f"the row is a JSON {type(row).__name__}, not an object")
+
+
+def _unreadable(file: DataFile, kind: str, err: Exception) -> DatasetFormatError:
     return DatasetFormatError(
-        f"dataset file {str(path)!r} is not a readable {kind} file (truncated or damaged?): "
+        f"dataset file {file.url!r} is not a readable {kind} file (truncated or damaged?): "
         f"{str(err).strip() or type(err).__name__}")
 
 
-def _parquet_file(path: Path) -> Any:
+def _parquet_file(file: DataFile) -> Any:
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(path)
+        # From a bucket, pre_buffer coalesces a row group's column chunks into few GETs.
+        return pq.ParquetFile(file.arrow_source(), pre_buffer=file.path is None)
+    except StorageError:
+        raise
     except (pa.ArrowException, OSError) as err:  # no footer: no row can be located
-        raise _unreadable(path, "Parquet", err) from None
+        raise _unreadable(file, "Parquet", err) from None
 
 
-def _iter_parquet(path: Path, batch_rows: int) -> Iterator[pa.RecordBatch | BadRow]:
+def _iter_parquet(file: DataFile, batch_rows: int) -> Iterator[pa.RecordBatch | BadRow]:
     """A Parquet file's rows by batch; the rows of a row group that cannot be decoded
     are each a BadRow (the footer says how many there are)."""
-    parquet = _parquet_file(path)
+    parquet = _parquet_file(file)
     for group in range(parquet.metadata.num_row_groups):
         expected = parquet.metadata.row_group(group).num_rows
         seen = 0
@@ -162,84 +743,73 @@ def _iter_parquet(path: Path, batch_rows: int) -> Iterator[pa.RecordBatch | BadR
             for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=[group]):
                 seen += batch.num_rows
                 yield batch
+        except StorageError:
+            raise  # the store failed, not the file: no row is bad
         except (pa.ArrowException, OSError) as err:
-            reason = (f"row group {group} of {path.name} cannot be decoded: "
-                      f"{str(err).strip() or type(err).__name__}")
+            reason = (f"row group {group} of {PurePosixPath(file.name).name} cannot be "
+                      f"decoded: {str(err).strip() or type(err).__name__}")
             for _ in range(max(expected - seen, 0)):
                 yield BadRow(reason)
 
 
-def _iter_record_batches(source: _Source, batch_rows: int
+def _iter_record_batches(kind: str, files: Sequence[DataFile], batch_rows: int
                          ) -> Iterator[pa.RecordBatch | BadRow]:
-    if source.kind == "parquet":
-        for path in source.files:
-            yield from _iter_parquet(path, batch_rows)
+    if kind == "parquet":
+        for file in files:
+            yield from _iter_parquet(file, batch_rows)
         return
-    for path in source.files:
-        # save_to_disk writes Arrow IPC *stream* files; memory-mapped, no copy.
+    for file in files:
+        # save_to_disk writes Arrow IPC *stream* files; memory-mapped on disk, no copy.
         try:
-            with pa.memory_map(str(path)) as mm:
-                reader = pa.ipc.open_stream(mm)
+            with (pa.memory_map(str(file.path)) if file.path is not None
+                  else pa.PythonFile(file.open(), mode="r")) as source:
+                reader = pa.ipc.open_stream(source)
                 for batch in reader:
                     for start in range(0, batch.num_rows, batch_rows):
                         yield batch.slice(start, batch_rows)
+        except StorageError:
+            raise
         except (pa.ArrowException, OSError) as err:  # a stream says nothing of what is left
-            raise _unreadable(path, "Arrow stream", err) from None
+            raise _unreadable(file, "Arrow stream", err) from None
 
 
-def iter_rows(dataset: str | Path, *, batch_rows: int = 1024) -> Iterator[Row]:
+def _batch_rows(batch: pa.RecordBatch) -> Iterator[Row]:
+    try:
+        yield from batch.to_pylist()
+    except UnicodeDecodeError:
+        # Writers do not all validate: a string column may hold bytes that are not
+        # UTF-8. Only the rows holding them are bad.
+        for i in range(batch.num_rows):
+            try:
+                yield batch.slice(i, 1).to_pylist()[0]
+            except UnicodeDecodeError as err:
+                yield BadRow(f"a string column holds bytes that are not valid UTF-8 "
+                              f"({err.reason})")
+
+
+# --------------------------------------------------------- the functions of before
+
+
+def iter_rows(dataset: DatasetLike, *,
+              batch_rows: int = 1024) -> Iterator[Row]:
     """Every row of the dataset in source order; a row that cannot be parsed is a BadRow."""
-    source = resolve_source(dataset)
-    if source.kind == "jsonl":
-        yield from _iter_jsonl(source.files)
-        return
-    for batch in _iter_record_batches(source, batch_rows):
-        if isinstance(batch, BadRow):
-            yield batch
-            continue
-        try:
-            yield from batch.to_pylist()
-        except UnicodeDecodeError:
-            # Writers do not all validate: a string column may hold bytes that are not
-            # UTF-8. Only the rows holding them are bad.
-            for i in range(batch.num_rows):
-                try:
-                    yield batch.slice(i, 1).to_pylist()[0]
-                except UnicodeDecodeError as err:
-                    yield BadRow(f"a string column holds bytes that are not valid UTF-8 "
-                                  f"({err.reason})")
+    yield from resolve_source(dataset).rows(batch_rows)
 
 
-def count_rows(dataset: str | Path) -> int:
+def count_rows(dataset: DatasetLike) -> int:
     """Rows of the dataset without parsing them: lines of JSONL files (blank ones not
-    counted), Parquet footers, Arrow stream files' batches."""
-    source = resolve_source(dataset)
-    if source.kind == "parquet":
-        return sum(_parquet_file(p).metadata.num_rows for p in source.files)
-    if source.kind == "hf":
-        return sum(batch.num_rows for batch in _iter_record_batches(source, 1 << 30)
-                   if isinstance(batch, pa.RecordBatch))
-    rows = 0
-    for path in source.files:
-        with open(path, "rb") as f:
-            for line in f:
-                rows += bool(line.strip())
-    return rows
+    counted), Parquet footers, Arrow stream files' batches, a hub split's row count."""
+    return resolve_source(dataset).count_rows()
 
 
-def dataset_fingerprint(path: str | Path) -> str:
-    """Short sha256 of the dataset files' names, sizes and mtimes: cheap, no reading.
+def dataset_fingerprint(dataset: DatasetLike
+                        ) -> str:
+    """Short sha256 of what identifies the dataset's content, cheaply, reading no rows:
+    the files' names (below the dataset's root), sizes and modification times on disk;
+    the objects' keys, sizes and ETags in a bucket; a hub split's id, name, row count
+    and `datasets`' fingerprint.
 
     A changed or touched file changes it; that is enough to tell a resumed job that its
     dataset is no longer the one it ingested.
     """
-    source = resolve_source(path)
-    root = source.root if source.root.is_dir() else source.root.parent
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if source.kind == "hf" else list(
-        source.files)
-    digest = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        digest.update(f"{f.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n"
-                      .encode())
-    return digest.hexdigest()[:16]
+    return resolve_source(dataset).fingerprint()

@@ -329,7 +329,7 @@ class ObjectStoreStorage(Storage):
             meta = _call(self.url(key), lambda: obstore.head(self.store, key))
         except ObjectNotFoundError:
             return None
-        return ObjectInfo(key, int(meta["size"]))
+        return _info(key, meta)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         folder = check_key(prefix, folder=True)
@@ -342,7 +342,7 @@ class ObjectStoreStorage(Storage):
         def listing() -> list[ObjectInfo]:
             out: list[ObjectInfo] = []
             for batch in obstore.list(self.store, folder or None, chunk_size=1000):
-                out.extend(ObjectInfo(m["path"], int(m["size"])) for m in batch)
+                out.extend(_info(m["path"], m) for m in batch)
             return out
 
         return sorted(_call(f"listing {self.url(folder)}", listing), key=lambda i: i.key)
@@ -451,6 +451,13 @@ class ObjectStoreStorage(Storage):
         if uploads:
             logger.info("%s: aborted %d unfinished uploads", self.uri, len(uploads))
         return len(uploads)
+
+
+def _info(key: str, meta: Mapping[str, Any]) -> ObjectInfo:
+    """An ObjectInfo from obstore's ObjectMeta (path, size, e_tag, last_modified)."""
+    modified = meta.get("last_modified")
+    return ObjectInfo(key, int(meta["size"]), etag=meta.get("e_tag"),
+                      modified=modified.timestamp() if modified is not None else None)
 
 
 def _rebuild(uri: str, options: dict[str, Any]) -> Storage:

@@ -60,7 +60,11 @@ class Manifest(BaseModel):
         ..., description="Hash of the job fields that decide the content; equal on a rerun."
     )
     dataset_fingerprint: str = Field(
-        ..., description="Hash of the dataset files' names, sizes and times at ingestion."
+        ...,
+        description=(
+            "Hash of the dataset at ingestion: its files' names, sizes and times (a "
+            "bucket's keys, sizes and ETags; a hub split's datasets fingerprint)."
+        ),
     )
     model: str = Field(..., description="Target model (directory or hub id).")
     architecture: str = Field(..., description="The model's architecture class.")
@@ -116,8 +120,9 @@ class Manifest(BaseModel):
             )
         if self.dataset_fingerprint != dataset_fingerprint:
             raise JobMismatch(
-                f"dataset: {dataset} changed since {output} was started (size or time "
-                "differ); choose another output to extract the new version"
+                f"dataset: {dataset} changed since {output} was started (its files' "
+                "names, sizes, times or ETags differ); choose another output to extract "
+                "the new version"
             )
 
     def to_json(self) -> bytes:

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import abc
 import errno
+import io
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -74,10 +75,17 @@ def is_disk_full(err: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """One stored object: its key (relative to the storage root) and its size in bytes."""
+    """One stored object: its key (relative to the storage root) and its size in bytes.
+
+    Object stores also say what changes when the object is replaced (its ETag, and when
+    it was last written, in Unix seconds); None where the store or path did not say.
+    They do not take part in comparisons.
+    """
 
     key: str
     size: int
+    etag: str | None = field(default=None, compare=False)
+    modified: float | None = field(default=None, compare=False)
 
 
 def check_key(key: str, *, folder: bool = False) -> str:
@@ -188,6 +196,46 @@ class ObjectWriter(abc.ABC):
 
     @abc.abstractmethod
     def _abort(self) -> None: ...
+
+
+class RangedFile(io.RawIOBase):
+    """A stored object as a read-only, seekable file: each read is one ranged read.
+
+    Readers that want fewer, larger requests wrap it in `io.BufferedReader`; pyarrow
+    takes it as it is (`pa.PythonFile(RangedFile(...))`) and asks for whole column chunks
+    or record batches.
+    """
+
+    def __init__(self, storage: Storage, key: str, size: int) -> None:
+        super().__init__()
+        self._storage = storage
+        self._key = key
+        self._size = size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def size(self) -> int:
+        return self._size
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._size - self._pos))
+        if n:
+            buffer[:n] = self._storage.read_range(self._key, self._pos, n)
+            self._pos += n
+        return n
 
 
 class Storage(abc.ABC):

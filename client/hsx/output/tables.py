@@ -14,12 +14,11 @@ fetches only the batches of its unit (ranged reads of the Arrow file), not the t
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import pyarrow as pa
 
-from hsx.output.storage import ObjectWriter, Storage
+from hsx.output.storage import ObjectWriter, RangedFile, Storage
 
 INPUTS_SCHEMA = pa.schema(
     [
@@ -133,41 +132,6 @@ class TableWriter:
             self._object.abort()
 
 
-class _RangedFile(io.RawIOBase):
-    """A stored object as a read-only, seekable file: each read is one ranged read."""
-
-    def __init__(self, storage: Storage, key: str, size: int) -> None:
-        super().__init__()
-        self._storage = storage
-        self._key = key
-        self._size = size
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def size(self) -> int:
-        return self._size
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), self._size - self._pos))
-        if n:
-            buffer[:n] = self._storage.read_range(self._key, self._pos, n)
-            self._pos += n
-        return n
-
-
 def read_table(storage: Storage, key: str) -> pa.Table:
     """A whole table: memory-mapped on local disk (no copy), one GET elsewhere."""
     path = storage.local_path(key)
@@ -196,7 +160,7 @@ class TableRows:
             self._table = read_table(storage, key)
             return
         size = storage.size(key)
-        self._reader = pa.ipc.open_file(pa.PythonFile(_RangedFile(storage, key, size), mode="r"))
+        self._reader = pa.ipc.open_file(pa.PythonFile(RangedFile(storage, key, size), mode="r"))
         per = (self._reader.schema.metadata or {}).get(_ROWS_KEY)
         self._per = int(per) if per else 0
         if not self._per:

@@ -15,10 +15,11 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from hsx.modelinfo import ModelConfigError
+from hsx.spec import DatasetSpec
 from hsx.wire import API_PREFIX, ErrorBody
 from hsx_service.deps import SettingsDep, require_token
 from hsx_service.errors import JobRefused
-from hsx_service.paths import check_path
+from hsx_service.paths import check_dataset_path, check_path
 from hsx_service.routes.jobs import BODY_ERRORS
 
 router = APIRouter(
@@ -39,7 +40,8 @@ class InspectRequest(BaseModel):
         "auto", description="Engine to judge the model for; auto picks the best path.")
     layers: list[int] | None = Field(None, description="Layer ids to check (default: EAGLE-3's).")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine, for the fit check.")
-    dataset: str | None = Field(None, description="Dataset to count tokens and output bytes of.")
+    dataset: str | DatasetSpec | None = Field(
+        None, description="Dataset to count tokens and output bytes of (as a job's `dataset`).")
     max_seq_len: int = Field(4096, ge=1, description="Truncation length used when counting.")
     trust_remote_code: bool = Field(False, description="Allow the model's own config code.")
     gpu_memory_bytes: int | None = Field(
@@ -59,7 +61,7 @@ def inspect_model_route(body: InspectRequest, settings: SettingsDep) -> dict[str
         if body.model.startswith(("/", ".", "~", "file://")) or Path(body.model).exists():
             check_path("model", body.model, roots)  # a hub id names no local path
         if body.dataset is not None:
-            check_path("dataset", body.dataset, roots)
+            check_dataset_path("dataset", body.dataset, roots)
     from hsx_workers.preflight import inspect_model
 
     try:

@@ -322,12 +322,20 @@ $("#cancel-btn").addEventListener("click", async () => {
   }
 });
 
+// A job's dataset: a path, or {path, split} for one split of a dataset with several.
+function datasetText(dataset) {
+  if (dataset && typeof dataset === "object") {
+    return dataset.split ? `${dataset.path} (split ${dataset.split})` : dataset.path;
+  }
+  return dataset;
+}
+
 function renderDetails(status) {
   const spec = status.spec || {};
   const rows = [
     ["Output", status.output],
     ["Model", spec.model],
-    ["Dataset", spec.dataset],
+    ["Dataset", datasetText(spec.dataset)],
     ["Engine", spec.engine],
     ["Layers", Array.isArray(spec.layers) ? spec.layers.join(", ") : (spec.model ? "default" : null)],
     ["Engines", spec.replicas != null

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
+from hsx.spec import DatasetSpec
 from hsx_workers.preflight import missing_torchvision
 from hsx_workers.preflight.image_processors import wrapper_image_processor
 from hsx_workers.preflight.report import Capture, EngineChoice, ModelReport, gib
@@ -26,7 +27,7 @@ def inspect_model(
     engine: EngineChoice = "auto",
     layers: list[int] | None = None,
     tensor_parallel_size: int = 1,
-    dataset: str | None = None,
+    dataset: str | DatasetSpec | None = None,
     tokenizer: str | None = None,
     max_seq_len: int = 4096,
     trust_remote_code: bool = False,
@@ -308,8 +309,8 @@ def _fit(report: ModelReport, info: ModelInfo, gpu_memory_bytes: int | None) -> 
     )
 
 
-def _dataset_size(report: ModelReport, dataset: str, tokenizer: str, max_seq_len: int,
-                  trust_remote_code: bool) -> None:
+def _dataset_size(report: ModelReport, dataset: str | DatasetSpec, tokenizer: str,
+                  max_seq_len: int, trust_remote_code: bool) -> None:
     """Tokens after ingestion (chat template, truncation), and the output they make."""
     from hsx.ingest import ingest
 
