@@ -11,17 +11,13 @@ Same model (8B-shaped Llama, random weights through `load_format: dummy`), layer
 - `uniform`  token-id rows of 2,048 tokens (the earlier campaigns' case);
 - `short128` token-id rows of 128 tokens.
 
-Phases (each over every workload; the results file is rewritten after each workload):
+Phases, in this order (each over every workload; the results file is rewritten after each
+workload):
 
 - `disk`   raw write + fsync into the work folder and /dev/shm (bench_vllm.py's).
 - `drop`   vLLM's capture-and-drop ceiling: `LLM.generate(max_tokens=1)` with
            extract_hidden_states, states copied to host and dropped (bench_vllm.py's
            child, one engine for the three workloads).
-- `bare`   the same engine without capture: what capture costs vLLM. Both children report
-           the engine's KV cache in tokens: the capture layer's share of it.
-- `hsx`    `run_job` to shards on the work folder's disk (fsynced, checksummed), bf16 then
-           fp8; whole job (ingestion and plan included) and from the end of prepare; the
-           hsx engine's KV cache in tokens.
 - `peer`   speculators 0.9 as its scripts/launch_vllm.py and CLI set it up: `vllm serve`
            with `--speculative_config` extract_hidden_states (same layers) and
            `--kv_transfer_config` ExampleHiddenStatesConnector (`shared_storage_path` in
@@ -32,6 +28,13 @@ Phases (each over every workload; the results file is rewritten after each workl
            at each of --peer-concurrency, each into a fresh folder, timed from the
            command to `sync` returning (its files are not fsynced otherwise). Its whole
            job is prepare + generate + sync; its extraction, generate + sync.
+- `hsx`    `run_job` to shards on the work folder's disk (fsynced, checksummed), bf16 then
+           fp8; whole job (ingestion and plan included) and from the end of prepare; the
+           hsx engine's KV cache in tokens.
+- `bare`   drop's engine without capture: what capture costs vLLM. The drop and bare
+           children report the engine's KV cache in tokens: the capture layer's share of it.
+
+Every engine gets a few untimed requests first (a fresh engine's first batches are slow).
 
 Ratios per workload: each tool's tokens/s ÷ drop (hsx from the end of prepare, the peer's
 extraction), hsx's whole job ÷ the peer's best whole job, hsx ÷ bare, drop ÷ bare; and
@@ -67,7 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_product import free_port
 from bench_vllm import BENCH, SHAPE_8B, Bench, _end_session, log
 
-PHASES = ("disk", "drop", "bare", "hsx", "peer")
+# The peer before hsx and bare: a run cut short keeps the comparison it was made for.
+PHASES = ("disk", "drop", "peer", "hsx", "bare")
 WORKLOADS = ("mixed", "uniform", "short128")
 
 # speculators' scripts/launch_vllm.py: the render front end's size and the native thread
@@ -346,6 +350,10 @@ class PeerBench(Bench):
                   "drop": p.get("drop", {}).get("memory", {}).get("cache_tokens"),
                   **{f"hsx_{k}": v for k, v in p.get("hsx", {}).get("cache_tokens", {}).items()},
                   "peer": p.get("peer", {}).get("server", {}).get("cache_tokens")}
+        disk = p.get("disk", {}).get("disk")
+        if disk:
+            out["disk_ceiling_tokens_per_s"] = {k: disk[f"tokens_per_s_{k}"]
+                                                for k in ("bf16", "fp8")}
         out["kv_cache_tokens"] = caches
         out["kv_cache_share_of_capture"] = {
             k: round(1 - v / bare_cache, 3) for k, v in caches.items()
