@@ -83,6 +83,7 @@ class Bench:
         self.model = self.work / "model"
         self.layers = [2, 16, 29, 32] if not self.cpu else [1, 2, 3, 4]
         self.length = args.length
+        self.max_seq_len = args.length + 64  # the jobs' max_seq_len
         self.prompts = args.prompts
         self._pool: Any = None
 
@@ -141,8 +142,12 @@ class Bench:
                           "tokens_per_s_fp8": round(gbps * GB / self.bytes_per_token["fp8"])}
         return out
 
-    def _vllm_alone(self, variant: str) -> dict[str, Any]:
-        """drop or bare in a child process (its GPU memory is back when it exits)."""
+    def _vllm_alone(self, variant: str, rows: list[str] | None = None,
+                    max_model_len: int | None = None) -> dict[str, Any]:
+        """drop or bare in a child process (its GPU memory is back when it exits).
+
+        `rows`: names of row files in the work folder, each timed on the one engine
+        (`max_model_len` fits them all); by default rows.jsonl alone."""
         if self._pool is not None:  # an earlier hsx phase's engine holds the GPU's memory
             self._pool.shutdown()
             self._pool = None
@@ -151,6 +156,10 @@ class Bench:
         cmd = [sys.executable, __file__, "--child", variant, "--workdir", str(self.work),
                "--reps", str(self.args.reps), "--length", str(self.length),
                "--prompts", str(self.prompts)] + (["--cpu"] if self.cpu else [])
+        if rows:
+            cmd += ["--rows", *rows]
+        if max_model_len:
+            cmd += ["--max-model-len", str(max_model_len)]
         log_path = self.work / f"{variant}.log"
         result_path = self.work / f"{variant}.json"
         result_path.unlink(missing_ok=True)
@@ -192,11 +201,12 @@ class Bench:
         if not self.cpu:
             vllm["load_format"] = "dummy"
         return JobSpec(model=str(self.model), dataset=str(self.work / f"{rows}.jsonl"),
-                       output=str(output), layers=self.layers, max_seq_len=self.length + 64,
+                       output=str(output), layers=self.layers, max_seq_len=self.max_seq_len,
                        storage_dtype=dtype, vllm=vllm, **over)
 
     def _job(self, spec: Any, profile: bool = False) -> dict[str, Any]:
-        """run_job on the shared pool; tokens/s from the end of prepare to the last commit."""
+        """run_job on the shared pool; tokens/s from the end of prepare (ingestion, plan)
+        to the last commit, and for the whole job (`job_seconds`: from the call)."""
         from hsx_service.prepare import preflight
         from hsx_service.runner import DispatchHooks, EnginePool, engine_key, run_job
 
@@ -220,9 +230,11 @@ class Bench:
 
             commits: list[tuple[float, int]] = []
             reports: list[Any] = []
+            called = time.perf_counter()
             summary = run_job(spec, pool=self._pool,
                               hooks=DispatchHooks(on_prepared=prepared, on_unit_done=unit_done))
-            seconds = time.perf_counter() - marks["start"]
+            ended = time.perf_counter()
+            seconds = ended - marks["start"]
         profiled = {}
         if spy is not None:
             from cpu_profile import breakdown
@@ -239,6 +251,8 @@ class Bench:
         shutil.rmtree(spec.output, ignore_errors=True)
         return {"tokens": summary.tokens, "seconds": round(seconds, 3),
                 "tokens_per_s": round(summary.tokens / seconds),
+                "job_seconds": round(ended - called, 3),
+                "job_tokens_per_s": round(summary.tokens / (ended - called)),
                 **_commit_times(marks["start"], commits),
                 **_stages(marks["start_monotonic"], reports),
                 "bytes": summary.bytes, "shards": summary.shards,
@@ -465,15 +479,15 @@ def _stacks_of_tree(pid: int) -> str:
 
 
 def child(args: argparse.Namespace) -> int:
-    """drop / bare: vLLM's LLM.generate over the rows, `reps` times, timed."""
+    """drop / bare: vLLM's LLM.generate over the rows, `reps` times, timed; with --rows,
+    over each named row file of the work folder in turn, on the same engine."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     work = Path(args.workdir)
-    rows = [json.loads(line)["input_ids"]
-            for line in (work / "rows.jsonl").read_text().splitlines()]
     layers = [1, 2, 3, 4] if args.cpu else [2, 16, 29, 32]
-    engine: dict[str, Any] = {"model": str(work / "model"), "max_model_len": args.length + 66,
+    max_model_len = args.max_model_len or args.length + 66
+    engine: dict[str, Any] = {"model": str(work / "model"), "max_model_len": max_model_len,
                               "enable_prefix_caching": False, "disable_log_stats": True,
                               "gpu_memory_utilization": args.gpu_memory_utilization}
     if not args.cpu:
@@ -499,18 +513,25 @@ def child(args: argparse.Namespace) -> int:
         free, total = torch.cuda.mem_get_info()
         memory["device_used_bytes"] = total - free  # the engine core's, in its own process
     params = SamplingParams(max_tokens=1, detokenize=False)
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in rows]
-    llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
-    runs = []
-    for _ in range(args.reps):
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t
-        tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
-        runs.append({"tokens": tokens, "seconds": round(seconds, 3),
-                     "tokens_per_s": round(tokens / seconds)})
-    Path(args.result).write_text(json.dumps({"engine_start_s": round(start_s, 1), "runs": runs,
-                                             "memory": memory}))
+    by_rows: dict[str, list[dict[str, Any]]] = {}
+    for name in args.rows or ["rows"]:
+        prompts = [TokensPrompt(prompt_token_ids=json.loads(line)["input_ids"])
+                   for line in (work / f"{name}.jsonl").read_text().splitlines()]
+        llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
+        runs = by_rows.setdefault(name, [])
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - t
+            tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
+            runs.append({"tokens": tokens, "seconds": round(seconds, 3),
+                         "tokens_per_s": round(tokens / seconds)})
+    result: dict[str, Any] = {"engine_start_s": round(start_s, 1), "memory": memory}
+    if args.rows:
+        result["rows"] = by_rows
+    else:
+        result["runs"] = by_rows["rows"]
+    Path(args.result).write_text(json.dumps(result))
     os._exit(0)  # skip vLLM's slow teardown; the parent only needs the numbers
 
 
@@ -559,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
                         "engine spend their CPU time")
     p.add_argument("--child", choices=["drop", "bare"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--rows", nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

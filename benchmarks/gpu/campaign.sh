@@ -9,7 +9,9 @@
 # Steps, in the order given: smoke, bench (capture path on one GPU), tests (tests/gpu, or
 # the files and test ids in GPU_TESTS, each under GPU_TEST_TIMEOUT seconds, default 600),
 # product (the whole product at real size: bench_product.py), multi (2 engines vs 1,
-# TP=2 vs 1), train (trainer scaling, 2 GPUs vs 1). Each step writes into
+# TP=2 vs 1), train (trainer scaling, 2 GPUs vs 1), peer (hsx against speculators'
+# prepare-data + generate-offline-data on `vllm serve`: bench_peer.py; carry .gpu-peer,
+# see below; ~10 minutes). Each step writes into
 # /tmp/hsx-gpu/results; one failing step does not stop the next.
 set -uo pipefail
 RES=/tmp/hsx-gpu/results
@@ -84,6 +86,23 @@ for s in "$@"; do
       step multi
       timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases hsx replicas2 tp2 --reps 1 \
         --out "$RES/vllm-multi.json" 2> "$RES/vllm-multi.log" ;;
+    peer)
+      step peer
+      # What speculators' CLI and `vllm serve` import that the bundle and the image lack
+      # (typer, uvloop, watchfiles, model-hosting-container-standards, prometheus-fastapi-
+      # instrumentator, aiohttp, pandas...), carried as wheels in .gpu-peer (~21 MB;
+      # benchmarks/gpu/README.md lists the download), installed last on the path.
+      if [ -d .gpu-peer ] && [ ! -d /tmp/site-peer ]; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site-peer .gpu-peer/*.whl
+      fi
+      # ~200k tokens per tool and workload; engines start 5 times (drop, bare, hsx bf16,
+      # hsx fp8, vllm serve): ~9-11 minutes on one H200.
+      PYTHONPATH=$PYTHONPATH:/tmp/site-peer timeout 840 python3 benchmarks/gpu/bench_peer.py \
+        --child-timeout 300 --serve-timeout 240 --out "$RES/peer.json" > "$RES/peer.log" 2>&1
+      echo "peer: rc=$? $(tail -1 "$RES/peer.log")"
+      mkdir -p "$RES/peer-logs"
+      cp /tmp/hsx-bench-peer/*.log /tmp/hsx-bench-peer/peer-logs/*.log "$RES/peer-logs/" 2>/dev/null
+      rm -rf /tmp/hsx-bench-peer/out-* /tmp/hsx-bench-peer/peer-*-hs /tmp/hsx-bench-peer/peer-staging ;;
     train)
       step train
       if [ -f benchmarks/gpu/bench_train_scaling.py ]; then

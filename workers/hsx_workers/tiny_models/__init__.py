@@ -11,6 +11,9 @@ benchmark that needs a model or a dataset builds one here:
 - `make_chat_dataset`: a JSONL file of synthetic conversations, optionally with bad rows
   of every kind ingestion must record; `write_rows` writes rows as Parquet or as a
   `datasets.save_to_disk` folder too.
+- `make_long_tailed_chats`: chats whose token lengths under a tokenizer's chat template
+  follow a long tail (log-normal: median ~600 tokens, ~1% beyond 8k, capped), the length
+  mix of real chat data, readable by hsx and by speculators' `prepare-data`.
 
 Command line (`python -m hsx_workers.tiny_models --help`):
 
@@ -26,6 +29,7 @@ dataset stays light.
   processor and checkpoint layout need more;
 - models.py: `ARCHS` and `make_tiny_model`;
 - chat_datasets.py: `make_chat_dataset`, `write_rows`;
+- long_tailed.py: `make_long_tailed_chats`, `long_tailed_lengths`;
 - cli.py: the command line.
 """
 
@@ -44,6 +48,11 @@ from hsx_workers.tiny_models.cli import main
 from hsx_workers.tiny_models.configs import TinyShape
 from hsx_workers.tiny_models.corpus import synthetic_corpus
 from hsx_workers.tiny_models.kimi import KIMI_MEDIA_PROC_CFG, KIMI_MEDIA_TOKENS
+from hsx_workers.tiny_models.long_tailed import (
+    LongTailedChats,
+    long_tailed_lengths,
+    make_long_tailed_chats,
+)
 from hsx_workers.tiny_models.models import ARCHS, ROUTER_SCALE, make_tiny_model
 from hsx_workers.tiny_models.tokenizer import (
     BOS,
@@ -79,11 +88,14 @@ __all__ = [
     "START_HEADER",
     "BadKind",
     "ChatDataset",
+    "LongTailedChats",
     "RowFormat",
     "TinyShape",
     "build_tokenizer",
+    "long_tailed_lengths",
     "main",
     "make_chat_dataset",
+    "make_long_tailed_chats",
     "make_tiny_model",
     "save_tokenizer",
     "synthetic_corpus",
