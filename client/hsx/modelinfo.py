@@ -141,13 +141,25 @@ class ModelInfo:
         """Bytes per weight as stored: from `quantization_config`, else the dtype."""
         quant = self.config.get("quantization_config") or self.shape.get("quantization_config")
         if isinstance(quant, dict):
-            bits = quant.get("bits") or quant.get("weight_bits")
+            bits = quant.get("bits") or quant.get("weight_bits") or _compressed_bits(quant)
             if isinstance(bits, int) and bits > 0:
                 return bits / 8
             if "fp8" in str(quant.get("quant_method", "")).lower():
                 return 1.0
         dtype = self.config.get("torch_dtype") or self.config.get("dtype") or self.torch_dtype
         return 4.0 if str(dtype) in ("float32", "torch.float32") else 2.0
+
+
+def _compressed_bits(quant: dict[str, Any]) -> int | None:
+    """The weights' bits of a compressed-tensors config (Kimi-K2.5's int4 experts): its
+    config groups' `weights.num_bits`, the smallest when groups differ. Layers it leaves
+    unquantized (its `ignore` list) are counted at that width too: an estimate."""
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict):
+        return None
+    bits = [g.get("weights", {}).get("num_bits") for g in groups.values() if isinstance(g, dict)]
+    found = [b for b in bits if isinstance(b, int) and b > 0]
+    return min(found) if found else None
 
 
 def draft_aux_layers(layers: list[int], num_layers: int) -> list[int]:

@@ -277,6 +277,28 @@ def test_param_estimate_matches_real_weights(tiny_llama: Path) -> None:
     assert abs(estimate - real) / real < 0.02
 
 
+def test_stored_bytes_per_weight_follow_the_quantization(tmp_path: Path,
+                                                         tiny_llama: Path) -> None:
+    """bf16 by default; `bits` (GPTQ/AWQ), fp8, and compressed-tensors' config groups
+    (Kimi-K2.5 ships int4 experts that way): what the weights take on the GPUs."""
+    cases = [
+        (None, 2.0),
+        ({"quant_method": "gptq", "bits": 4}, 0.5),
+        ({"quant_method": "fp8", "fmt": "e4m3"}, 1.0),
+        ({"quant_method": "compressed-tensors", "config_groups": {
+            "group_0": {"weights": {"num_bits": 4, "type": "int"}, "targets": ["Linear"]}},
+          "ignore": ["lm_head"]}, 0.5),
+    ]
+    for quant, expected in cases:
+        folder = tmp_path / str(expected) / (quant or {}).get("quant_method", "none")
+        folder.mkdir(parents=True)
+        config = json.loads((tiny_llama / "config.json").read_text())
+        if quant is not None:
+            config["quantization_config"] = quant
+        (folder / "config.json").write_text(json.dumps(config))
+        assert read_model_info(str(folder)).weight_bytes_per_param() == expected, quant
+
+
 def test_dataset_tokens_and_output_bytes(configs: dict[str, Path],
                                          chat_dataset: ChatDataset) -> None:
     report = inspect_model(str(configs["llama"]), dataset=str(chat_dataset.path),
