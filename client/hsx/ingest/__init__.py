@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from hsx.ingest.pipeline import (
     NOT_A_CHAT,
+    IngestProgress,
     IngestResult,
     LengthSummary,
     estimate_tokens,
@@ -73,6 +74,7 @@ __all__ = [
     "DatasetLike",
     "DatasetNotFoundError",
     "DatasetSource",
+    "IngestProgress",
     "IngestResult",
     "LengthSummary",
     "check_dataset",
