@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from hsx.ingest import IngestProgress, ingest, resolve_source
+from hsx.ingest import pipeline as pipeline_module
 from hsx.ingest import sources as sources_module
 from hsx.output import layout
 from hsx_workers.tiny_models import ChatDataset, make_chat_dataset, write_rows
@@ -89,8 +90,9 @@ def test_parallel_ingestion_writes_the_same_bytes(tiny_tokenizer: Path,
     rows included (and so are the units planned from them, and their shards)."""
     data = str(mixed_dataset.path)
     one = ingest(data, str(tiny_tokenizer), 128, tmp_path / "one")
-    monkeypatch.setattr(sources_module, "SLICE_BYTES", 4096)
-    assert len(resolve_source(data).slices()) > 8
+    monkeypatch.setattr(pipeline_module, "MIN_SLICE_BYTES", 4096)
+    slices = pipeline_module._slices(resolve_source(data), 2)
+    assert len(slices) >= pipeline_module.SLICES_PER_WORKER * 2 - 1
     seen: list[IngestProgress] = []
     two = ingest(data, str(tiny_tokenizer), 128, tmp_path / "two", workers=2,
                  batch_rows=50, progress=seen.append)

@@ -18,7 +18,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from hsx.ingest.rows import Chat, Sample, Text, classify
-from hsx.ingest.sources import DatasetLike, Row, SourceSlice, resolve_source
+from hsx.ingest.sources import (
+    SLICE_BYTES,
+    DatasetLike,
+    DatasetSource,
+    FilesSource,
+    Row,
+    SourceSlice,
+    resolve_source,
+)
 from hsx.ingest.tokenizer import chat_samples, encode, load_tokenizer, tokenizer_fingerprint
 from hsx.output import Output
 from hsx.output.layout import ERRORS, INPUTS
@@ -161,7 +169,7 @@ def ingest(
                        "recorded as errors", tokenizer_path)
     settings = _Settings(tokenizer_path, tok_fp, trust_remote_code, max_seq_len,
                          dict(chat_template_kwargs or {}), keep_messages, batch_rows)
-    slices = source.slices()
+    slices = _slices(source, workers if executor is None else max(workers, 2))
     total_weight = sum(s.weight for s in slices)
 
     out = Output.of(output)
@@ -210,6 +218,20 @@ def ingest(
     logger.info("ingested %s: %d samples, %d errors, %d tokens", source,
                 result.num_samples, num_errors, num_tokens)
     return result
+
+
+SLICES_PER_WORKER = 8  # enough that the last slices leave no worker idle for long
+MIN_SLICE_BYTES = 2**20
+
+
+def _slices(source: DatasetSource, workers: int) -> list[SourceSlice]:
+    """The source's slices: for several workers, JSON lines cut finer when the dataset is
+    small, so each worker gets several (the tables do not depend on the cuts)."""
+    if workers <= 1 or not isinstance(source, FilesSource):
+        return source.slices()
+    size = sum(f.size for f in source.files)
+    return source.slices(slice_bytes=max(MIN_SLICE_BYTES, min(
+        SLICE_BYTES, size // (SLICES_PER_WORKER * workers))))
 
 
 def _fraction(done: int, total: int) -> float:
