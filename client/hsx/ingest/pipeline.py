@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
@@ -275,6 +276,10 @@ def tokenize_slice(slc: SourceSlice, settings: _Settings) -> list[_Part]:
     key = (settings.tokenizer_path, settings.tokenizer_fingerprint,
            settings.trust_remote_code)
     if key not in _WORKER_TOKENIZER:
+        if multiprocessing.parent_process() is not None:  # a pool's process
+            # Each tokenizes on one core: the processes are the parallelism, and
+            # tokenizers' own threads in every one would fight over the same cores.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         _WORKER_TOKENIZER.clear()
         _WORKER_TOKENIZER[key] = load_tokenizer(
             settings.tokenizer_path, trust_remote_code=settings.trust_remote_code)

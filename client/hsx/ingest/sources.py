@@ -30,6 +30,11 @@ row group's column chunks, coalesced): nothing is downloaded whole, nothing need
 scratch disk, and memory is one row group, as on local disk. A JSON array file is read
 whole (it cannot be streamed).
 
+**Slices.** `slices()` cuts a source into independent parts (`SourceSlice`: lines of a
+JSON lines file starting in a byte range, a run of Parquet row groups, one Arrow file),
+each read on its own, by another process if need be; read one after the other they give
+the source's rows in order. A hub dataset is one slice.
+
 A row that cannot even be parsed (malformed JSON, undecodable bytes) is a `BadRow`
 with its reason, in its place: `sample_index` is a row's position in the source.
 """
