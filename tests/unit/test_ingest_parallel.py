@@ -90,9 +90,8 @@ def test_parallel_ingestion_writes_the_same_bytes(tiny_tokenizer: Path,
     rows included (and so are the units planned from them, and their shards)."""
     data = str(mixed_dataset.path)
     one = ingest(data, str(tiny_tokenizer), 128, tmp_path / "one")
-    monkeypatch.setattr(pipeline_module, "MIN_SLICE_BYTES", 4096)
-    slices = pipeline_module._slices(resolve_source(data), 2)
-    assert len(slices) >= pipeline_module.SLICES_PER_WORKER * 2 - 1
+    monkeypatch.setattr(pipeline_module, "PARALLEL_SLICE_BYTES", 4096)
+    assert len(pipeline_module._slices(resolve_source(data), 2)) > 16
     seen: list[IngestProgress] = []
     two = ingest(data, str(tiny_tokenizer), 128, tmp_path / "two", workers=2,
                  batch_rows=50, progress=seen.append)

@@ -7,6 +7,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
@@ -20,7 +21,6 @@ import pyarrow.compute as pc
 
 from hsx.ingest.rows import Chat, Sample, Text, classify
 from hsx.ingest.sources import (
-    SLICE_BYTES,
     DatasetLike,
     DatasetSource,
     FilesSource,
@@ -221,18 +221,18 @@ def ingest(
     return result
 
 
-SLICES_PER_WORKER = 8  # enough that the last slices leave no worker idle for long
-MIN_SLICE_BYTES = 2**20
+# JSON lines slices for several workers: small enough that the last ones leave no worker
+# idle for long, and that the slices in flight (2 per worker) hold little memory, the
+# same whatever the dataset's size; large enough that a slice's task costs little.
+PARALLEL_SLICE_BYTES = 2**20
 
 
 def _slices(source: DatasetSource, workers: int) -> list[SourceSlice]:
-    """The source's slices: for several workers, JSON lines cut finer when the dataset is
-    small, so each worker gets several (the tables do not depend on the cuts)."""
+    """The source's slices; for several workers, JSON lines cut finer (the tables do not
+    depend on the cuts)."""
     if workers <= 1 or not isinstance(source, FilesSource):
         return source.slices()
-    size = sum(f.size for f in source.files)
-    return source.slices(slice_bytes=max(MIN_SLICE_BYTES, min(
-        SLICE_BYTES, size // (SLICES_PER_WORKER * workers))))
+    return source.slices(slice_bytes=PARALLEL_SLICE_BYTES)
 
 
 def _fraction(done: int, total: int) -> float:
@@ -250,7 +250,8 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
         return
     owned = executor is None
     pool = executor or ProcessPoolExecutor(
-        max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+        initializer=_exit_with_parent)
     window = 2 * max(workers, 1)
     pending: deque[Future[list[_Part]]] = deque()
     try:
@@ -265,6 +266,21 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
             future.cancel()
         if owned:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _exit_with_parent() -> None:
+    """In a pool's process: exit when the process that ingests is gone. A killed driver
+    (SIGKILL, OOM) closes no queue, and its pool's processes would wait on theirs
+    forever, each holding a tokenizer."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hsx-exit-with-parent", daemon=True).start()
 
 
 # A process that tokenizes slices (a pool's, a Ray worker) loads the tokenizer once.

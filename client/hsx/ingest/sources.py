@@ -400,7 +400,7 @@ class SourceSlice:
             raise DatasetAccessError(str(err)) from err
 
 
-SLICE_BYTES = 16 * 2**20  # a JSON lines slice: about this many bytes
+SLICE_BYTES = 4 * 2**20  # a JSON lines slice: about this many bytes
 SLICE_ROWS = 16384  # a Parquet slice: row groups until about this many rows
 
 
