@@ -9,7 +9,7 @@ import multiprocessing
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -179,8 +179,9 @@ def ingest(
     counts = np.zeros(max_seq_len + 1, dtype=np.int64)
     num_rows = num_errors = num_tokens = num_loss = num_truncated = 0
     weight_done = 0
+    tokenized = _tokenized(slices, settings, tokenizer, workers, executor)
     try:
-        for index, parts in _tokenized(slices, settings, tokenizer, workers, executor):
+        for index, parts in tokenized:
             first = num_rows  # the slice's sample_index 0
             for part in parts:
                 inputs.write(_shifted(part.inputs, first))
@@ -203,6 +204,8 @@ def ingest(
         inputs.abort()
         errors.abort()
         raise
+    finally:
+        tokenized.close()  # the pool is shut down before ingest returns or raises
     result = IngestResult(
         num_rows=num_rows,
         num_samples=num_rows - num_errors,
@@ -241,7 +244,7 @@ def _fraction(done: int, total: int) -> float:
 
 def _tokenized(slices: list[SourceSlice], settings: _Settings,
                tokenizer: PreTrainedTokenizerBase, workers: int, executor: Executor | None,
-               ) -> Iterator[tuple[int, Iterable[_Part]]]:
+               ) -> Generator[tuple[int, Iterable[_Part]], None, None]:
     """(slice number, its parts) in slice order: tokenized here, one batch at a time,
     or by `executor` (else a pool of `workers` processes), a window of them at once."""
     if executor is None and (workers <= 1 or len(slices) < 2):
