@@ -33,6 +33,17 @@ class JobProgress:
     tokens_generated: int = 0
     # What the job waits for (GPUs, its turn) and who holds it; None: nothing.
     waiting_for: str | None = None
+    # Ingestion beside extraction: dataset rows tokenized so far, of rows_total (an
+    # estimate from the share of the dataset read while `ingesting`, exact after).
+    rows_tokenized: int = 0
+    rows_total: int = 0
+    ingesting: bool = False
+
+    @classmethod
+    def of_ingestion(cls, rows: int, rows_total: int) -> JobProgress:
+        """A job whose dataset is being tokenized: `rows` so far, of about `rows_total`."""
+        return cls(samples_total=0, tokens_total=0, rows_tokenized=rows,
+                   rows_total=rows_total, ingesting=True)
 
     def tokens_per_s(self) -> float:
         if self.rate_since is None:
@@ -65,7 +76,16 @@ class JobProgress:
             "restarts": self.restarts,
             "samples_generated": self.samples_generated,
             "tokens_generated": self.tokens_generated,
+            "rows_tokenized": self.rows_tokenized,
+            "rows_total": self.rows_total,
+            "ingesting": self.ingesting,
         }
+
+
+def ingestion_text(p: JobProgress) -> str:
+    """`tokenizing 120,000/~1,000,000 rows`: ingestion as the bar shows it."""
+    total = f"/~{p.rows_total:,}" if p.rows_total else ""
+    return f"tokenizing {p.rows_tokenized:,}{total} rows"
 
 
 def console() -> Any:
@@ -100,14 +120,15 @@ class ProgressBar:
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
-                TextColumn("samples"),
+                TextColumn("{task.fields[what]}"),
                 TextColumn("{task.fields[rate]} tok/s"),
                 TextColumn("{task.fields[extra]}"),
                 TimeRemainingColumn(),
                 transient=False,
             )
             self._progress.__enter__()
-            self._task = self._progress.add_task(self.title, total=None, rate="-", extra="")
+            self._task = self._progress.add_task(self.title, total=None, rate="-", extra="",
+                                                 what="samples")
         return self
 
     def waiting(self, reason: str | None) -> None:
@@ -127,6 +148,8 @@ class ProgressBar:
         rate = f"{p.tokens_per_s():,.0f}"
         starting = sum(state == "starting" for state in p.workers.values())
         extra = f"{p.shards} shards"
+        if p.ingesting and p.units_total:
+            extra = f"{p.units_done}/{p.units_total} units, " + extra
         if p.samples_generated or p.tokens_generated:
             extra = (f"{p.samples_generated} regenerated ({p.tokens_generated:,} tokens), "
                      + extra)
@@ -136,11 +159,20 @@ class ProgressBar:
             extra += f", {p.samples_failed} bad"
         if p.restarts:
             extra += f", {p.restarts} restarts"
-        if self._progress is not None:
-            self._progress.update(
-                self._task, total=p.samples_total, completed=p.samples_done, rate=rate, extra=extra
-            )
-        elif time.monotonic() - self._last_line > 5 or p.samples_done >= p.samples_total:
+        if self._progress is not None and p.ingesting:
+            self._progress.update(self._task, total=p.rows_total or None,
+                                  completed=p.rows_tokenized, rate=rate, extra=extra,
+                                  what="rows tokenized")
+        elif self._progress is not None:
+            self._progress.update(self._task, total=p.samples_total,
+                                  completed=p.samples_done, rate=rate, extra=extra,
+                                  what="samples")
+        elif p.ingesting:
+            if time.monotonic() - self._last_line > 5:
+                self._last_line = time.monotonic()
+                console().print(f"{self.title}: {ingestion_text(p)}, {extra}")
+        elif time.monotonic() - self._last_line > 5 or (
+                p.samples_done >= p.samples_total and not p.ingesting):
             self._last_line = time.monotonic()
             console().print(
                 f"{self.title}: {p.samples_done}/{p.samples_total} samples, {rate} tok/s, {extra}"

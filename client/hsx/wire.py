@@ -113,6 +113,17 @@ class JobStatus(BaseModel):
         0, description="A regenerating job's first stage: samples the target has answered."
     )
     tokens_generated: int = Field(0, description="Tokens the target generated for them.")
+    rows_tokenized: int = Field(
+        0, description="Dataset rows ingested (tokenized, or recorded as bad) so far.")
+    rows_total: int = Field(
+        0,
+        description=(
+            "Rows of the dataset: estimated from the share of it read while `ingesting`, "
+            "exact once ingestion ends (0: not known yet)."
+        ),
+    )
+    ingesting: bool = Field(
+        False, description="The dataset is being tokenized now (units_total grows with it).")
     tokens_per_s: float = Field(0.0, description="Extraction rate of the current run.")
     tokens_per_s_avg: float = Field(
         0.0,

@@ -83,6 +83,14 @@ class Settings(BaseSettings):
             "(HSX_QUOTA_BYTES) limits `hsx extract`."
         ),
     )
+    ingest_workers: int = Field(
+        1,
+        ge=0,
+        description=(
+            "Processes that tokenize a job's dataset, side by side (0: one per core). The "
+            "same variable (HSX_INGEST_WORKERS) sets it for `hsx extract`."
+        ),
+    )
 
     standby: bool = Field(
         False,

@@ -55,6 +55,8 @@ class DispatchHooks:
 
     # The job is prepared (its output has a manifest and a plan); no engine started yet.
     on_prepared: Callable[[PreparedJob], None] | None = None
+    # A new job's dataset is being tokenized: how far (hsx.ingest.IngestProgress).
+    on_ingest: Callable[[Any], None] | None = None
     on_progress: Callable[[JobProgress], None] | None = None
     on_unit_done: Callable[[Any], None] | None = None  # UnitReport
     # (unit, attempt, message, gave_up): an attempt failed; gave_up after the last one.

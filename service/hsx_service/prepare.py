@@ -18,7 +18,9 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hsx import __version__
 from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
@@ -27,10 +29,15 @@ from hsx.output.layout import LAYER_CONVENTION
 from hsx.plan import WorkUnit, plan_units
 from hsx.spec import JobSpec
 
+if TYPE_CHECKING:
+    from hsx.ingest import IngestProgress
+
 logger = logging.getLogger(__name__)
 
 # A byte quota for one job's output, when the operator sets one (0 or unset: none).
 QUOTA_ENV = "HSX_QUOTA_BYTES"
+# Processes that tokenize a dataset (unset: 1, in the coordinator's own; 0: one per core).
+INGEST_WORKERS_ENV = "HSX_INGEST_WORKERS"
 
 
 class JobRefused(ValueError):
@@ -298,9 +305,28 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def prepare(spec: JobSpec) -> PreparedJob:
-    """Preflight, then make (or find) the output's manifest, inputs and plan."""
+def ingest_workers(workers: int | None = None) -> int:
+    """Processes that tokenize a dataset: the argument, else $HSX_INGEST_WORKERS (0: one
+    per core), else 1."""
+    if workers is None:
+        raw = os.environ.get(INGEST_WORKERS_ENV, "").strip()
+        try:
+            workers = int(raw) if raw else 1
+        except ValueError:
+            raise JobRefused(f"{INGEST_WORKERS_ENV}={raw!r} is not a number of "
+                             "processes") from None
+    if workers < 0:
+        raise JobRefused(f"{INGEST_WORKERS_ENV}={workers} is negative")
+    return workers or os.cpu_count() or 1
+
+
+def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None = None
+            ) -> PreparedJob:
+    """Preflight, then make (or find) the output's manifest, inputs and plan.
+
+    `on_ingest` hears how far the ingestion of a new job is (rows tokenized)."""
     info, layers, output = preflight(spec)
+    workers = ingest_workers()
     from hsx.ingest import DatasetError, dataset_fingerprint, ingest
 
     manifest = output.read_manifest()
@@ -315,6 +341,8 @@ def prepare(spec: JobSpec) -> PreparedJob:
                 chat_template_kwargs=spec.chat_template_kwargs,
                 trust_remote_code=spec.trust_remote_code,
                 keep_messages=spec.regenerate is not None,
+                progress=on_ingest,
+                workers=workers,
             )
             data_fp = result.dataset_fingerprint
     except DatasetError as err:  # found while reading it: still before any engine starts

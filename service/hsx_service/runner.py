@@ -119,7 +119,7 @@ def run_job(
     hooks = hooks or DispatchHooks()
     started = time.time()
     try:
-        job = prepare(spec)
+        job = prepare(spec, on_ingest=lambda p: _ingesting(hooks, p))
     except (StorageError, OutputCorrupt) as err:  # the output failed while being prepared
         raise JobRefused(f"output: {err}") from err
     except OSError as err:
@@ -156,6 +156,15 @@ def run_job(
         if is_disk_full(err):
             raise JobFailed(disk_full_message(job.output, err)) from err
         raise
+
+
+def _ingesting(hooks: DispatchHooks, progress: Any) -> None:
+    """Ingestion's progress to the driver; a cancel stops the ingestion (its tables are
+    dropped, nothing was published)."""
+    if hooks.cancelled is not None and hooks.cancelled():
+        raise JobCancelled("cancelled while the dataset was being tokenized")
+    if hooks.on_ingest is not None:
+        hooks.on_ingest(progress)
 
 
 def finish(job: PreparedJob, started: float, *, restarts: int = 0) -> JobSummary:

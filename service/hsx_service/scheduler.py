@@ -523,6 +523,7 @@ class Scheduler:
 
         hooks = DispatchHooks(
             on_prepared=prepared,
+            on_ingest=lambda p: self.statuses.ingesting(job_id, p.rows, p.rows_expected),
             on_progress=lambda p: self.statuses.progressed(job_id, p),
             on_unit_done=lambda report: self._on_unit_done(job_id, report),
             on_unit_error=lambda unit, attempt, msg, gave_up: self._on_unit_error(

@@ -36,7 +36,7 @@ CURVE_INTERVAL_S = 2.0  # a throughput point this often while a job extracts
 
 _STATUS_NUMBERS = ("samples_total", "samples_done", "samples_failed", "tokens_total",
                    "tokens_done", "bytes", "shards", "units_total", "units_done", "units_failed",
-                   "samples_generated", "tokens_generated")
+                   "samples_generated", "tokens_generated", "rows_tokenized", "rows_total")
 
 
 class JobStatuses:
@@ -103,6 +103,11 @@ class JobStatuses:
         self._curve_mark.pop(job_id, None)
         self._live[job_id] = progress
         self.publish(job_id, force=True)
+
+    def ingesting(self, job_id: str, rows: int, rows_total: int) -> None:
+        """The job's dataset is being tokenized: `rows` so far, of about `rows_total`."""
+        self._live[job_id] = JobProgress.of_ingestion(rows, rows_total)
+        self.publish(job_id)
 
     def progressed(self, job_id: str, progress: JobProgress) -> None:
         previous = self._live.get(job_id)
@@ -196,6 +201,7 @@ class JobStatuses:
         )
         if live is not None:
             numbers = self._live_totals(row.id, live)
+            status.ingesting = live.ingesting
             status.tokens_per_s = round(live.tokens_per_s(), 1)
             status.eta_s = live.eta_s()
             status.workers = [

@@ -189,3 +189,73 @@ def test_a_full_disk_fails_the_job_naming_enospc_and_a_rerun_completes(
         figures = audit(output, small_dataset)
         shutil.rmtree(output)  # before the tmpfs goes
     report("disk full", {"faults": 1, "message": message, **figures})
+
+
+_KILLED_DURING_INGESTION = """
+import json, multiprocessing, os, signal, sys
+import hsx.ingest.pipeline as pipeline
+from hsx.spec import JobSpec
+from hsx_service.runner import DispatchHooks, run_job
+
+pipeline.PARALLEL_SLICE_BYTES = 512  # the small dataset in several slices
+spec = JobSpec.model_validate_json(sys.argv[1])
+
+def killed(progress):
+    # The first slice is back, the others are in the pool's processes: the driver dies.
+    children = [p.pid for p in multiprocessing.active_children()]
+    with open(sys.argv[2], "w") as f:
+        json.dump({"children": children, "rows": progress.rows}, f)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+run_job(spec, hooks=DispatchHooks(on_ingest=killed))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing" in f.read()  # not a new process on a reused pid
+    except FileNotFoundError:
+        return False
+
+
+def test_a_driver_killed_during_ingestion_leaves_nothing_and_a_rerun_completes(
+    job: Any, engine_pool: Any, small_dataset: ChatDataset, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGKILL of the driver (`hsx extract`, a coordinator) while 2 processes tokenize:
+    its pool's processes exit too, nothing is published (no manifest, no inputs table:
+    the tables are staged and published whole), and a rerun ingests, plans the same
+    units and completes with every row once (in a shard or in errors.arrow)."""
+    import sys
+    import time
+
+    from hsx.ingest import pipeline
+    from hsx_service.runner import run_job
+
+    spec = job()
+    output = Path(spec.output)
+    seen = tmp_path / "killed.json"
+    env = {**os.environ, "HSX_INGEST_WORKERS": "2"}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_DURING_INGESTION,
+                           spec.model_dump_json(), str(seen)], env=env, timeout=300,
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    killed = json.loads(seen.read_text())
+    assert len(killed["children"]) >= 2 and 0 < killed["rows"] < small_dataset.num_rows
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in killed["children"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in killed["children"]), "the pool outlived its driver"
+    out = Output(output)
+    assert not out.has_manifest() and not (output / "inputs.arrow").exists()
+
+    monkeypatch.setenv("HSX_INGEST_WORKERS", "2")
+    monkeypatch.setattr(pipeline, "PARALLEL_SLICE_BYTES", 512)
+    summary = run_job(spec, pool=engine_pool)
+    assert summary.shards == 2
+    figures = audit(output, small_dataset)
+    errors = Output(output).ingest_errors()["sample_index"].to_pylist()
+    assert errors == sorted(small_dataset.bad)
+    report("killed during ingestion", {"faults": 1, "rows_before_kill": killed["rows"],
+                                       **figures})

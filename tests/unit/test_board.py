@@ -248,6 +248,51 @@ def test_a_job_page_remembers_and_metrics_follow_the_run(
     again.ledger.close()
 
 
+def test_ingestion_shows_beside_extraction_and_a_cancel_stops_it(
+    tmp_path: Path, prepared: JobSpec, chat_dataset: ChatDataset,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While a job's dataset is tokenized its status says so (rows tokenized of the
+    rows expected); after, the rows stay, beside the units; a cancel during ingestion
+    ends the job cancelled, with no inputs table left behind."""
+    monkeypatch.setattr(scheduler_module, "plan_for_cluster", lambda spec: ResourcePlan())
+    monkeypatch.setattr(runner_module, "execute", lambda *a, **k: DispatchResult())
+    monkeypatch.setattr(statuses_module, "PUBLISH_INTERVAL_S", 0.0)
+    scheduler = Scheduler(Settings(ledger_path=tmp_path / "ledger.sqlite"))
+    scheduler._ready = True
+    seen: list[JobStatus] = []
+    cancel_at_first = [False]
+    ingesting = scheduler.statuses.ingesting
+
+    def observe(job_id: str, rows: int, rows_total: int) -> None:
+        ingesting(job_id, rows, rows_total)
+        seen.append(scheduler.get(job_id))
+        if cancel_at_first[0]:
+            scheduler.cancel(job_id)
+
+    monkeypatch.setattr(scheduler.statuses, "ingesting", observe)
+    for name, cancel in (("watched", False), ("cancelled", True)):
+        seen.clear()
+        cancel_at_first[0] = cancel
+        spec = prepared.model_copy(update={"output": str(tmp_path / name)})
+        job, _ = scheduler.submit(spec, name)
+        row = scheduler.ledger.next_queued()
+        assert row is not None
+        scheduler._run(row)
+        final = scheduler.get(job.id)
+        if cancel:
+            assert final.state == JobState.cancelled, final.last_error
+            assert len(seen) == 1
+            assert not (tmp_path / name / "inputs.arrow").exists()
+            continue
+        assert final.state == JobState.succeeded, final.last_error
+        assert seen and all(s.ingesting and s.state == JobState.running for s in seen)
+        assert seen[-1].rows_tokenized == seen[-1].rows_total == chat_dataset.num_rows
+        assert not final.ingesting and final.units_total > 0
+        assert final.rows_tokenized == final.rows_total == chat_dataset.num_rows
+    scheduler.ledger.close()
+
+
 def test_metrics_name_every_family_and_only_recent_jobs(tmp_path: Path) -> None:
     """/metrics of a real scheduler: the train families from a training in the ledger,
     a job that ended long ago no longer exported."""

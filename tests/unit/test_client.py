@@ -28,6 +28,7 @@ from hsx.client import (
     UnauthorizedError,
     sse_events,
 )
+from hsx.progress import JobProgress, ProgressBar, ingestion_text
 from hsx.spec import JobSpec, SpecError
 from hsx.wire import JobState, JobStatus, ResourcePlan, WorkerStatus
 from hsx_service.config import Settings
@@ -221,6 +222,20 @@ def test_job_progress_uses_the_servers_numbers() -> None:
     assert (p.tokens_per_s(), p.eta_s()) == (123.5, 4.9)
     assert p.workers == {"w0": "busy"}
     assert (p.shards, p.bytes, p.restarts, p.started_at) == (2, 99, 1, 2.0)
+
+
+def test_the_bar_shows_ingestion(capsys: pytest.CaptureFixture[str]) -> None:
+    status = JobStatus(id="j", state=JobState.running, output="/o", created_at=1.0,
+                       rows_tokenized=120_000, rows_total=1_000_000, ingesting=True,
+                       units_total=40, units_done=3)
+    p = job_progress(status)
+    assert (p.rows_tokenized, p.rows_total, p.ingesting) == (120_000, 1_000_000, True)
+    with ProgressBar("big", enabled=False) as bar:
+        bar.update(p)
+        bar.update(JobProgress.of_ingestion(10, 0))  # throttled: one line per 5 s
+    err = capsys.readouterr().err
+    assert "big: tokenizing 120,000/~1,000,000 rows, 3/40 units, 0 shards" in err
+    assert ingestion_text(JobProgress.of_ingestion(10, 0)) == "tokenizing 10 rows"
 
 
 # --- the CLI ------------------------------------------------------------------------

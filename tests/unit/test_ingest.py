@@ -16,6 +16,7 @@ from hsx.ingest import (
     NOT_A_CHAT,
     DatasetFormatError,
     DatasetNotFoundError,
+    IngestProgress,
     IngestResult,
     dataset_fingerprint,
     generation_prompt,
@@ -433,10 +434,12 @@ def test_all_formats_give_the_same_inputs(tiny_tokenizer: Path, chat_dataset: Ch
 def test_batch_size_does_not_change_the_output(tiny_tokenizer: Path,
                                                chat_dataset: ChatDataset,
                                                tmp_path: Path) -> None:
-    seen: list[int] = []
+    seen: list[IngestProgress] = []
     ingest(str(chat_dataset.path), str(tiny_tokenizer), 256, tmp_path / "a", batch_rows=7,
            progress=seen.append)
-    assert seen == [*range(7, chat_dataset.num_rows, 7), chat_dataset.num_rows]
+    assert sorted({p.rows for p in seen}) == [*range(7, chat_dataset.num_rows, 7),
+                                              chat_dataset.num_rows]
+    assert seen[-1].fraction == 1.0 and seen[-1].rows_expected == chat_dataset.num_rows
     ingest(str(chat_dataset.path), str(tiny_tokenizer), 256, tmp_path / "b")
     small = read_inputs(tmp_path / "a")
     assert small.equals(read_inputs(tmp_path / "b"))

@@ -7,6 +7,7 @@ weights, it would fail on them. vLLM is imported once for the module (~10 s).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -508,3 +509,18 @@ def test_rest_inspect(configs: dict[str, Path], tmp_path: Path) -> None:
     with TestClient(restricted) as client:
         outside = client.post("/v1/models/inspect", json={"model": str(configs["llama"])})
         assert outside.status_code == 422 and "allowed roots" in outside.text
+
+
+def test_ingest_workers_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsx_service.prepare import INGEST_WORKERS_ENV, JobRefused, ingest_workers
+
+    monkeypatch.delenv(INGEST_WORKERS_ENV, raising=False)
+    assert ingest_workers() == 1
+    monkeypatch.setenv(INGEST_WORKERS_ENV, "3")
+    assert ingest_workers() == 3
+    monkeypatch.setenv(INGEST_WORKERS_ENV, "0")
+    assert ingest_workers() == (os.cpu_count() or 1)
+    for bad in ("many", "-2"):
+        monkeypatch.setenv(INGEST_WORKERS_ENV, bad)
+        with pytest.raises(JobRefused, match=INGEST_WORKERS_ENV):
+            ingest_workers()

@@ -41,6 +41,9 @@ class _ServerProgress(JobProgress):
             samples_generated=status.samples_generated,
             tokens_generated=status.tokens_generated,
             waiting_for=status.waiting_for,
+            rows_tokenized=status.rows_tokenized,
+            rows_total=status.rows_total,
+            ingesting=status.ingesting,
         )
         self._rate = status.tokens_per_s
         self._eta = status.eta_s

@@ -42,14 +42,16 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 
 
 def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
-    from hsx.progress import ProgressBar
+    from hsx.progress import JobProgress, ProgressBar
     from hsx_service.prepare import JobRefused
     from hsx_service.runner import DispatchHooks, JobFailed, run_job
 
     try:
         with ProgressBar(spec.name or "extract", enabled=None if progress else False) as bar:
-            summary = run_job(spec, hooks=DispatchHooks(on_progress=bar.update,
-                                                        on_waiting=bar.waiting))
+            summary = run_job(spec, hooks=DispatchHooks(
+                on_progress=bar.update, on_waiting=bar.waiting,
+                on_ingest=lambda p: bar.update(JobProgress.of_ingestion(
+                    p.rows, p.rows_expected))))
     except JobRefused as err:
         return error(str(err), EXIT_REFUSED)
     except JobFailed as err:

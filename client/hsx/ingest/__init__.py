@@ -24,7 +24,10 @@ order), so an error names the line a person can look up. Rows that cannot be use
 recorded with a plain-sentence reason and skipped; the ingestion goes on.
 
 Memory stays constant in the number of rows: rows are read, tokenized and written
-`batch_rows` at a time. This package imports no torch, vllm or ray; transformers is
+`batch_rows` at a time. A dataset is read as independent slices (byte ranges of JSON
+lines, runs of Parquet row groups, Arrow files: `DatasetSource.slices`), which `ingest`
+can tokenize on several processes (`workers`) and writes back in order: the tables are
+byte for byte those of one process. This package imports no torch, vllm or ray; transformers is
 imported inside the functions that load a tokenizer.
 
 - sources.py: where a dataset's rows come from (`resolve_source`: local files and
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 from hsx.ingest.pipeline import (
     NOT_A_CHAT,
+    IngestProgress,
     IngestResult,
     LengthSummary,
     estimate_tokens,
@@ -73,6 +77,7 @@ __all__ = [
     "DatasetLike",
     "DatasetNotFoundError",
     "DatasetSource",
+    "IngestProgress",
     "IngestResult",
     "LengthSummary",
     "check_dataset",

@@ -5,16 +5,29 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+import multiprocessing
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from hsx.ingest.rows import Chat, Sample, Text, classify
-from hsx.ingest.sources import DatasetLike, Row, resolve_source
+from hsx.ingest.sources import (
+    DatasetLike,
+    DatasetSource,
+    FilesSource,
+    Row,
+    SourceSlice,
+    resolve_source,
+)
 from hsx.ingest.tokenizer import chat_samples, encode, load_tokenizer, tokenizer_fingerprint
 from hsx.output import Output
 from hsx.output.layout import ERRORS, INPUTS
@@ -73,6 +86,48 @@ NOT_A_CHAT = ("regenerate needs a conversation (`messages` or `conversations`) t
               "answer; this row has none")
 
 
+@dataclass(frozen=True)
+class IngestProgress:
+    """How far an ingestion is: rows read and tokenized, and the share of the dataset
+    they are (from the sizes of the slices read: bytes of JSON lines, rows of Parquet;
+    0.0 while the first slice of a source that cannot be cut is read)."""
+
+    rows: int
+    fraction: float
+
+    @property
+    def rows_expected(self) -> int:
+        """The dataset's rows as estimated from the fraction read (0: unknown yet)."""
+        return round(self.rows / self.fraction) if self.fraction > 0 else 0
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What tokenizing a slice needs besides its rows (sent to each process)."""
+
+    tokenizer_path: str
+    tokenizer_fingerprint: str  # a process that loaded another version loads it again
+    trust_remote_code: bool
+    max_seq_len: int
+    chat_template_kwargs: dict[str, Any]
+    keep_messages: bool
+    batch_rows: int
+
+
+@dataclass
+class _Part:
+    """Rows of a slice, tokenized: inputs and errors with sample_index counted from the
+    slice's first row, the histogram of sample lengths and the sums of the result."""
+
+    rows: int
+    inputs: pa.RecordBatch
+    errors: pa.RecordBatch
+    counts: np.ndarray
+    tokens: int
+    loss_tokens: int
+    truncated: int
+
+
 def ingest(
     dataset: DatasetLike,
     tokenizer_path: str,
@@ -82,71 +137,75 @@ def ingest(
     chat_template_kwargs: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
     batch_rows: int = 1024,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[IngestProgress], None] | None = None,
     keep_messages: bool = False,
+    workers: int = 1,
+    executor: Executor | None = None,
 ) -> IngestResult:
     """Tokenize every row of `dataset` into the output's inputs.arrow and errors.arrow.
 
     Each table appears only once complete (staged, then published whole), so a reader
-    never sees half of one. `progress`, if given, is called after each batch
-    with the number of rows read so far. `keep_messages` (a job that regenerates)
-    keeps each row's parsed conversation in the inputs table's `messages` column, and
-    refuses rows that carry none.
+    never sees half of one. `progress`, if given, is called as rows are tokenized.
+    `keep_messages` (a job that regenerates) keeps each row's parsed conversation in the
+    inputs table's `messages` column, and refuses rows that carry none.
+
+    The dataset is read as independent slices (`DatasetSource.slices`: byte ranges of
+    JSON lines, runs of Parquet row groups, Arrow files). With `workers` > 1 (or an
+    `executor`, e.g. one of Ray tasks) the slices are tokenized in other processes, at
+    most 2 x workers at a time, and written in order: the tables are byte for byte those
+    of one process, and memory stays flat in the number of rows.
     """
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
     if batch_rows < 1:
         raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     source = resolve_source(dataset)  # fail on a bad path before loading a tokenizer
     data_fp = source.fingerprint()
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
     tok_fp = tokenizer_fingerprint(tokenizer_path, tokenizer=tokenizer)
-    vocab_size = len(tokenizer)
-    kwargs = dict(chat_template_kwargs or {})
     if not getattr(tokenizer, "chat_template", None):
         logger.warning("tokenizer %s has no chat template: rows with messages will be "
                        "recorded as errors", tokenizer_path)
+    settings = _Settings(tokenizer_path, tok_fp, trust_remote_code, max_seq_len,
+                         dict(chat_template_kwargs or {}), keep_messages, batch_rows)
+    slices = _slices(source, workers if executor is None else max(workers, 2))
+    total_weight = sum(s.weight for s in slices)
 
     out = Output.of(output)
     inputs = out.table_writer(INPUTS, messages=keep_messages)
     errors = out.table_writer(ERRORS)
     counts = np.zeros(max_seq_len + 1, dtype=np.int64)
     num_rows = num_errors = num_tokens = num_loss = num_truncated = 0
+    weight_done = 0
+    tokenized = _tokenized(slices, settings, tokenizer, workers, executor)
     try:
-        for batch in _batched(source.rows(batch_rows), batch_rows):
-            results = _process_batch(batch, tokenizer, vocab_size, max_seq_len, kwargs)
-            if keep_messages:
-                results = [NOT_A_CHAT if isinstance(r, Sample) and r.messages is None
-                           else r for r in results]
-            good_idx: list[int] = []
-            good: list[Sample] = []
-            bad_idx: list[int] = []
-            bad: list[str] = []
-            for offset, outcome in enumerate(results):
-                if isinstance(outcome, str):
-                    bad_idx.append(num_rows + offset)
-                    bad.append(_reason_text(outcome))
-                else:
-                    good_idx.append(num_rows + offset)
-                    good.append(outcome)
-                    counts[len(outcome.input_ids)] += 1
-                    num_tokens += len(outcome.input_ids)
-                    num_loss += int(outcome.loss_mask.sum())
-                    num_truncated += outcome.truncated
-            inputs.write(_inputs_batch(good_idx, good, messages=keep_messages))
-            errors.write(pa.RecordBatch.from_arrays(
-                [pa.array(bad_idx, pa.int64()), pa.array(bad, pa.string())],
-                schema=ERRORS_SCHEMA))
-            num_rows += len(batch)
-            num_errors += len(bad)
+        for index, parts in tokenized:
+            first = num_rows  # the slice's sample_index 0
+            for part in parts:
+                inputs.write(_shifted(part.inputs, first))
+                errors.write(_shifted(part.errors, first))
+                counts += part.counts
+                num_rows += part.rows
+                num_errors += part.errors.num_rows
+                num_tokens += part.tokens
+                num_loss += part.loss_tokens
+                num_truncated += part.truncated
+                if progress is not None:
+                    progress(IngestProgress(num_rows, _fraction(weight_done, total_weight)))
+            weight_done += slices[index].weight
             if progress is not None:
-                progress(num_rows)
+                progress(IngestProgress(num_rows, _fraction(weight_done, total_weight)
+                                        if index + 1 < len(slices) else 1.0))
         inputs.commit()
         errors.commit()
     except BaseException:
         inputs.abort()
         errors.abort()
         raise
+    finally:
+        tokenized.close()  # the pool is shut down before ingest returns or raises
     result = IngestResult(
         num_rows=num_rows,
         num_samples=num_rows - num_errors,
@@ -163,6 +222,138 @@ def ingest(
     logger.info("ingested %s: %d samples, %d errors, %d tokens", source,
                 result.num_samples, num_errors, num_tokens)
     return result
+
+
+# JSON lines slices for several workers: small enough that the last ones leave no worker
+# idle for long, and that the slices in flight (2 per worker) hold little memory, the
+# same whatever the dataset's size; large enough that a slice's task costs little.
+PARALLEL_SLICE_BYTES = 2**20
+
+
+def _slices(source: DatasetSource, workers: int) -> list[SourceSlice]:
+    """The source's slices; for several workers, JSON lines cut finer (the tables do not
+    depend on the cuts)."""
+    if workers <= 1 or not isinstance(source, FilesSource):
+        return source.slices()
+    return source.slices(slice_bytes=PARALLEL_SLICE_BYTES)
+
+
+def _fraction(done: int, total: int) -> float:
+    return min(done / total, 1.0) if total > 0 else 0.0
+
+
+def _tokenized(slices: list[SourceSlice], settings: _Settings,
+               tokenizer: PreTrainedTokenizerBase, workers: int, executor: Executor | None,
+               ) -> Generator[tuple[int, Iterable[_Part]], None, None]:
+    """(slice number, its parts) in slice order: tokenized here, one batch at a time,
+    or by `executor` (else a pool of `workers` processes), a window of them at once."""
+    if executor is None and (workers <= 1 or len(slices) < 2):
+        for index, slc in enumerate(slices):
+            yield index, _slice_parts(slc, settings, tokenizer)
+        return
+    owned = executor is None
+    pool = executor or ProcessPoolExecutor(
+        max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+        initializer=_exit_with_parent)
+    window = 2 * max(workers, 1)
+    pending: deque[Future[list[_Part]]] = deque()
+    try:
+        submitted = 0
+        for index in range(len(slices)):
+            while submitted < len(slices) and len(pending) < window:
+                pending.append(pool.submit(tokenize_slice, slices[submitted], settings))
+                submitted += 1
+            yield index, pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+        if owned:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _exit_with_parent() -> None:
+    """In a pool's process: exit when the process that ingests is gone. A killed driver
+    (SIGKILL, OOM) closes no queue, and its pool's processes would wait on theirs
+    forever, each holding a tokenizer."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hsx-exit-with-parent", daemon=True).start()
+
+
+# A process that tokenizes slices (a pool's, a Ray worker) loads the tokenizer once.
+_WORKER_TOKENIZER: dict[tuple[str, str, bool], PreTrainedTokenizerBase] = {}
+
+
+def tokenize_slice(slc: SourceSlice, settings: _Settings) -> list[_Part]:
+    """A slice's rows tokenized, in another process (a pool's, a Ray task's)."""
+    key = (settings.tokenizer_path, settings.tokenizer_fingerprint,
+           settings.trust_remote_code)
+    if key not in _WORKER_TOKENIZER:
+        if multiprocessing.parent_process() is not None:  # a pool's process
+            # Each tokenizes on one core: the processes are the parallelism, and
+            # tokenizers' own threads in every one would fight over the same cores.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        _WORKER_TOKENIZER.clear()
+        _WORKER_TOKENIZER[key] = load_tokenizer(
+            settings.tokenizer_path, trust_remote_code=settings.trust_remote_code)
+    return list(_slice_parts(slc, settings, _WORKER_TOKENIZER[key]))
+
+
+def _slice_parts(slc: SourceSlice, settings: _Settings, tokenizer: PreTrainedTokenizerBase
+                 ) -> Iterator[_Part]:
+    vocab_size = len(tokenizer)
+    first = 0
+    for batch in _batched(slc.rows(settings.batch_rows), settings.batch_rows):
+        yield _tokenize_batch(batch, first, tokenizer, vocab_size, settings)
+        first += len(batch)
+
+
+def _tokenize_batch(batch: list[Row], first: int, tokenizer: PreTrainedTokenizerBase,
+                    vocab_size: int, settings: _Settings) -> _Part:
+    """One batch of rows, the first numbered `first`."""
+    results = _process_batch(batch, tokenizer, vocab_size, settings.max_seq_len,
+                             settings.chat_template_kwargs)
+    if settings.keep_messages:
+        results = [NOT_A_CHAT if isinstance(r, Sample) and r.messages is None
+                   else r for r in results]
+    counts = np.zeros(settings.max_seq_len + 1, dtype=np.int64)
+    tokens = loss = truncated = 0
+    good_idx: list[int] = []
+    good: list[Sample] = []
+    bad_idx: list[int] = []
+    bad: list[str] = []
+    for offset, outcome in enumerate(results):
+        if isinstance(outcome, str):
+            bad_idx.append(first + offset)
+            bad.append(_reason_text(outcome))
+        else:
+            good_idx.append(first + offset)
+            good.append(outcome)
+            counts[len(outcome.input_ids)] += 1
+            tokens += len(outcome.input_ids)
+            loss += int(outcome.loss_mask.sum())
+            truncated += outcome.truncated
+    return _Part(
+        rows=len(batch),
+        inputs=_inputs_batch(good_idx, good, messages=settings.keep_messages),
+        errors=pa.RecordBatch.from_arrays(
+            [pa.array(bad_idx, pa.int64()), pa.array(bad, pa.string())],
+            schema=ERRORS_SCHEMA),
+        counts=counts, tokens=tokens, loss_tokens=loss, truncated=truncated)
+
+
+def _shifted(batch: pa.RecordBatch, offset: int) -> pa.RecordBatch:
+    """`batch` with `offset` added to its sample_index (column 0)."""
+    if not offset or not batch.num_rows:
+        return batch
+    index = pc.add(batch.column(0), pa.scalar(offset, pa.int64()))
+    return pa.RecordBatch.from_arrays([index, *batch.columns[1:]], schema=batch.schema)
 
 
 def _process_batch(rows: list[Row], tokenizer: PreTrainedTokenizerBase, vocab_size: int,

@@ -30,6 +30,11 @@ row group's column chunks, coalesced): nothing is downloaded whole, nothing need
 scratch disk, and memory is one row group, as on local disk. A JSON array file is read
 whole (it cannot be streamed).
 
+**Slices.** `slices()` cuts a source into independent parts (`SourceSlice`: lines of a
+JSON lines file starting in a byte range, a run of Parquet row groups, one Arrow file),
+each read on its own, by another process if need be; read one after the other they give
+the source's rows in order. A hub dataset is one slice.
+
 A row that cannot even be parsed (malformed JSON, undecodable bytes) is a `BadRow`
 with its reason, in its place: `sample_index` is a row's position in the source.
 """
@@ -241,6 +246,11 @@ class DatasetSource(abc.ABC):
     def check(self) -> None:
         """What preflight asks beyond resolving: that the rows can be read from here."""
 
+    def slices(self, slice_bytes: int = 0, slice_rows: int = 0) -> list[SourceSlice]:
+        """Independent parts whose rows, one after the other, are the source's rows in
+        order (see SourceSlice); this one: the whole source, which cannot be cut."""
+        return [SourceSlice("whole", source=self)]
+
     def __str__(self) -> str:
         return f"{self.location} ({self.kind})"
 
@@ -278,6 +288,36 @@ class FilesSource(DatasetSource):
         except StorageError as err:  # a bucket that failed mid-read (after its retries)
             raise DatasetAccessError(str(err)) from err
 
+    def slices(self, slice_bytes: int = 0, slice_rows: int = 0) -> list[SourceSlice]:
+        """JSON lines files cut at line starts every ~`slice_bytes` (a JSON array file
+        is one slice), Parquet files by runs of row groups of ~`slice_rows` rows (a row
+        group is never cut), save_to_disk folders by file. Reads footers and a line
+        per cut, not the rows."""
+        slice_bytes = slice_bytes or SLICE_BYTES
+        slice_rows = slice_rows or SLICE_ROWS
+        out: list[SourceSlice] = []
+        try:
+            for file in self.files:
+                if self.kind == "jsonl":
+                    cuts = _jsonl_cuts(file, slice_bytes)
+                    ends = [*cuts[1:], file.size]
+                    out += [SourceSlice("jsonl", file, a, b if b < file.size else None,
+                                        weight=b - a) for a, b in zip(cuts, ends, strict=True)]
+                elif self.kind == "parquet":
+                    meta = _parquet_file(file).metadata
+                    start = rows = 0
+                    for group in range(meta.num_row_groups):
+                        rows += meta.row_group(group).num_rows
+                        if rows >= slice_rows or group == meta.num_row_groups - 1:
+                            out.append(SourceSlice("parquet", file, start, group + 1,
+                                                   weight=rows))
+                            start, rows = group + 1, 0
+                else:
+                    out.append(SourceSlice(self.kind, file, weight=file.size))
+        except StorageError as err:
+            raise DatasetAccessError(str(err)) from err
+        return out
+
     def count_rows(self) -> int:
         try:
             if self.kind == "parquet":
@@ -314,6 +354,54 @@ class FilesSource(DatasetSource):
             raise DatasetAccessError(
                 f"cannot read {first.url}: {err.strerror or err}"
             ) from err
+
+
+@dataclass(frozen=True)
+class SourceSlice:
+    """An independent part of a source, read on its own (by another process): one
+    JSON lines file's lines starting in bytes [start, stop), one Parquet file's row
+    groups [start, stop), one Arrow stream file of a save_to_disk folder, or a whole
+    source that cannot be cut (a hub dataset). A source's slices, read one after the
+    other, give exactly its rows in order (`DatasetSource.slices`).
+
+    `weight` is its size in the unit of its kind (bytes of a JSON lines or Arrow file,
+    rows of Parquet), for estimating how much of a source is read.
+    """
+
+    kind: str  # "jsonl" | "parquet" | "save_to_disk" | "whole"
+    file: DataFile | None = None
+    start: int = 0
+    stop: int | None = None
+    weight: int = 0
+    source: DatasetSource | None = None  # kind "whole"
+
+    def rows(self, batch_rows: int = 1024) -> Iterator[Row]:
+        """The slice's rows in source order; a row that cannot be parsed is a BadRow."""
+        if self.kind == "whole":
+            if self.source is None:
+                raise RuntimeError("a whole-source slice without its source")
+            yield from self.source.rows(batch_rows)
+            return
+        if self.file is None:
+            raise RuntimeError(f"a {self.kind} slice without its file")
+        try:
+            if self.kind == "jsonl":
+                yield from _jsonl_lines(self.file, self.start, self.stop)
+                return
+            batches: Iterator[pa.RecordBatch | BadRow] = (
+                _iter_parquet(self.file, batch_rows, range(self.start, self.stop or 0))
+                if self.kind == "parquet" else _iter_arrow_stream(self.file, batch_rows))
+            for batch in batches:
+                if isinstance(batch, BadRow):
+                    yield batch
+                else:
+                    yield from _batch_rows(batch)
+        except StorageError as err:  # a bucket that failed mid-read (after its retries)
+            raise DatasetAccessError(str(err)) from err
+
+
+SLICE_BYTES = 4 * 2**20  # a JSON lines slice: about this many bytes
+SLICE_ROWS = 16384  # a Parquet slice: row groups until about this many rows
 
 
 class HubSource(DatasetSource):
@@ -690,14 +778,51 @@ def _parse_json_row(raw: bytes) -> Row:
 
 def _iter_jsonl(files: Sequence[DataFile]) -> Iterator[Row]:
     for file in files:
-        with file.open() as stream:
-            head = stream.peek(4096)[:4096].removeprefix(_BOM).lstrip()
-            if file.suffix == ".json" and head.startswith(b"["):
-                yield from _json_array(file, stream)
-                continue
-            # Bytes, split at \n only (as count_rows counts), each line decoded on its own.
-            for number, line in enumerate(stream):
-                yield _parse_json_row(line.removeprefix(_BOM) if number == 0 else line)
+        yield from _jsonl_lines(file, 0, None)
+
+
+def _is_json_array(file: DataFile, stream: io.BufferedReader) -> bool:
+    head = stream.peek(4096)[:4096].removeprefix(_BOM).lstrip()
+    return file.suffix == ".json" and head.startswith(b"[")
+
+
+def _jsonl_lines(file: DataFile, start: int, stop: int | None) -> Iterator[Row]:
+    """The rows of the lines of `file` that start at a byte in [start, stop) (to the end
+    when stop is None); `start` is 0 or the first byte of a line."""
+    with file.open() as stream:
+        if start == 0 and _is_json_array(file, stream):
+            yield from _json_array(file, stream)
+            return
+        if start:
+            stream.seek(start)
+        position = start
+        # Bytes, split at \n only (as count_rows counts), each line decoded on its own.
+        for line in stream:
+            if stop is not None and position >= stop:
+                return
+            first = position == 0
+            position += len(line)
+            yield _parse_json_row(line.removeprefix(_BOM) if first else line)
+
+
+def _jsonl_cuts(file: DataFile, slice_bytes: int) -> list[int]:
+    """Where the slices of a JSON lines file start: 0, then the first line start at or
+    after every `slice_bytes` bytes (a JSON array file: 0 only, it is read whole)."""
+    cuts = [0]
+    with file.open() as stream:
+        if _is_json_array(file, stream):
+            return cuts
+        target = slice_bytes
+        while target < file.size:
+            stream.seek(target - 1)
+            stream.readline()  # to the end of the line holding byte target - 1
+            cut = stream.tell()
+            if cut >= file.size:
+                break
+            if cut > cuts[-1]:
+                cuts.append(cut)
+            target = max(cut, target) + slice_bytes
+    return cuts
 
 
 def _json_array(file: DataFile, stream: IO[bytes]) -> Iterator[Row]:
@@ -732,11 +857,12 @@ def _parquet_file(file: DataFile) -> Any:
         raise _unreadable(file, "Parquet", err) from None
 
 
-def _iter_parquet(file: DataFile, batch_rows: int) -> Iterator[pa.RecordBatch | BadRow]:
-    """A Parquet file's rows by batch; the rows of a row group that cannot be decoded
-    are each a BadRow (the footer says how many there are)."""
+def _iter_parquet(file: DataFile, batch_rows: int, groups: range | None = None
+                  ) -> Iterator[pa.RecordBatch | BadRow]:
+    """A Parquet file's rows by batch (of `groups`, else every row group); the rows of a
+    row group that cannot be decoded are each a BadRow (the footer says how many)."""
     parquet = _parquet_file(file)
-    for group in range(parquet.metadata.num_row_groups):
+    for group in groups if groups is not None else range(parquet.metadata.num_row_groups):
         expected = parquet.metadata.row_group(group).num_rows
         seen = 0
         try:
@@ -759,18 +885,22 @@ def _iter_record_batches(kind: str, files: Sequence[DataFile], batch_rows: int
             yield from _iter_parquet(file, batch_rows)
         return
     for file in files:
-        # save_to_disk writes Arrow IPC *stream* files; memory-mapped on disk, no copy.
-        try:
-            with (pa.memory_map(str(file.path)) if file.path is not None
-                  else pa.PythonFile(file.open(), mode="r")) as source:
-                reader = pa.ipc.open_stream(source)
-                for batch in reader:
-                    for start in range(0, batch.num_rows, batch_rows):
-                        yield batch.slice(start, batch_rows)
-        except StorageError:
-            raise
-        except (pa.ArrowException, OSError) as err:  # a stream says nothing of what is left
-            raise _unreadable(file, "Arrow stream", err) from None
+        yield from _iter_arrow_stream(file, batch_rows)
+
+
+def _iter_arrow_stream(file: DataFile, batch_rows: int) -> Iterator[pa.RecordBatch]:
+    # save_to_disk writes Arrow IPC *stream* files; memory-mapped on disk, no copy.
+    try:
+        with (pa.memory_map(str(file.path)) if file.path is not None
+              else pa.PythonFile(file.open(), mode="r")) as source:
+            reader = pa.ipc.open_stream(source)
+            for batch in reader:
+                for start in range(0, batch.num_rows, batch_rows):
+                    yield batch.slice(start, batch_rows)
+    except StorageError:
+        raise
+    except (pa.ArrowException, OSError) as err:  # a stream says nothing of what is left
+        raise _unreadable(file, "Arrow stream", err) from None
 
 
 def _batch_rows(batch: pa.RecordBatch) -> Iterator[Row]:

@@ -112,6 +112,8 @@ class OutputTotals:
             units_done=self.units_done,
             samples_generated=self.generated,
             tokens_generated=self.generated_tokens,
+            rows_tokenized=self.samples_total + self.ingest_errors,
+            rows_total=self.samples_total + self.ingest_errors,
         )
 
 

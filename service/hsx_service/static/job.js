@@ -178,8 +178,9 @@ function renderJob(current, status) {
 
   setProgress($("#progress-bar"), status);
   const totalText = status.samples_total ? fmtInt(status.samples_total) : "?";
-  $("#progress-text").textContent =
-    `${fmtInt(status.samples_done)} / ${totalText} samples · ${fmtPercent(p)}`;
+  $("#progress-text").textContent = status.ingesting
+    ? `tokenizing the dataset: ${ingestionText(status)}`
+    : `${fmtInt(status.samples_done)} / ${totalText} samples · ${fmtPercent(p)}`;
   $("#eta").textContent = etaText(status);
 
   // Running: the current rate. Ended: the average over the time it ran.
@@ -193,6 +194,9 @@ function renderJob(current, status) {
   $("#stat-shards").textContent = fmtInt(status.shards);
   $("#stat-bytes").textContent = fmtBytes(status.bytes);
   $("#stat-bytes").title = `${fmtInt(status.bytes)} bytes`;
+  $("#stat-rows").textContent = ingestionText(status);
+  $("#stat-rows").title = status.ingesting
+    ? "the total is estimated from the share of the dataset read so far" : "";
   $("#stat-units").textContent = `${fmtInt(status.units_done)} / ${fmtInt(status.units_total)}`
     + (status.units_failed ? ` (${fmtInt(status.units_failed)} failed)` : "");
   const regenerates = Boolean(status.spec && status.spec.regenerate);
@@ -218,6 +222,16 @@ function renderJob(current, status) {
   renderDetails(status);
   drawRateChart(current);
   maybeRefreshErrors(current, status);
+}
+
+// Ingestion beside extraction: rows tokenized (or recorded as bad) of the dataset's rows,
+// an estimate (~) while it is being read.
+function ingestionText(status) {
+  const done = status.rows_tokenized || 0;
+  const total = status.rows_total || 0;
+  if (!done && !total) return "–";
+  if (!status.ingesting) return fmtInt(done);
+  return total ? `${fmtInt(done)} / ~${fmtInt(total)}` : fmtInt(done);
 }
 
 function etaText(status) {

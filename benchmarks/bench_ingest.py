@@ -1,0 +1,184 @@
+"""Ingestion: tokenizing a chat dataset on 2 processes against 1, and memory against size.
+
+A chat dataset made with the generator the tests use (`make_chat_dataset`: OpenAI-style
+conversations, one bad row per thousand), tokenized with the tiny tokenizer's chat
+template into an output's inputs.arrow and errors.arrow, the way a job's preparation
+does (`hsx.ingest.ingest`). Each measurement runs in a fresh process:
+
+- `1 worker`   the sequential path: every row tokenized in the process that ingests.
+- `2 workers`  the dataset read as slices (byte ranges of the JSONL), tokenized by a pool
+               of 2 processes, written back in order by the ingesting process.
+
+Ratio: rows/s of 2 workers ÷ 1 worker, the two alternating, on the `--rows` dataset
+(target ≥ 1.7 on 2 cores). The wall time counts everything `ingest` does: the
+tokenizer's load, the pool's start (each spawned process imports transformers), the
+tables written. Both sides' tables are checked to be byte-identical.
+
+Memory: peak resident memory of the ingesting process (the coordinator's share) and of
+the largest pool process, with the workers, on `--small` rows and on `--rows` rows: flat
+in the row count means large ÷ small within 1.10.
+
+Run: `python benchmarks/bench_ingest.py [--quick] [--rows N] [--small N] [--reps N]`
+(results in `results/ingest.json`; not part of `run_all.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+
+SPEEDUP_TARGET = 1.7
+MEMORY_TARGET = 1.10
+
+
+def child(data: str, tokenizer: str, out: str, workers: int) -> dict[str, Any]:
+    """One ingestion in this (fresh) process: what the parent records."""
+    from hsx.ingest import ingest
+
+    start = time.perf_counter()
+    result = ingest(data, tokenizer, 2048, out, workers=workers)
+    seconds = time.perf_counter() - start
+    digest = hashlib.sha256()
+    for name in ("inputs.arrow", "errors.arrow"):
+        digest.update((Path(out) / name).read_bytes())
+    return {
+        "workers": workers,
+        "rows": result.num_rows,
+        "samples": result.num_samples,
+        "errors": result.num_errors,
+        "tokens": result.num_tokens,
+        "seconds": seconds,
+        "rows_per_s": result.num_rows / seconds,
+        "tables_sha256": digest.hexdigest(),
+        # Linux: KiB; RUSAGE_CHILDREN: the largest child that has ended (pool processes).
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_worker_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
+
+
+def measure(data: Path, tokenizer: Path, scratch: Path, workers: int) -> dict[str, Any]:
+    out = Path(tempfile.mkdtemp(dir=scratch, prefix=f"out-{workers}-"))
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", str(data), str(tokenizer), str(out),
+         str(workers)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ingestion with {workers} workers failed:\n{proc.stderr[-3000:]}")
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    record: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return record
+
+
+def run(*, rows: int, small: int, reps: int, workers: int, out: Path, workdir: Path | None,
+        note: str | None) -> dict[str, Any]:
+    from hsx_workers.tiny_models import build_tokenizer, make_chat_dataset
+
+    machine = common.machine_info()
+    scratch = Path(tempfile.mkdtemp(dir=workdir, prefix="hsx-bench-ingest-"))
+    try:
+        tokenizer = scratch / "tokenizer"
+        build_tokenizer(tokenizer)
+        datasets = {}
+        for n in sorted({rows, small}):
+            path = scratch / f"chat-{n}.jsonl"
+            started = time.perf_counter()
+            make_chat_dataset(path, n=n - n // 1000, seed=0, bad_rows=n // 1000)
+            datasets[n] = path
+            print(f"dataset of {n:,} rows: {path.stat().st_size / 2**20:,.0f} MiB "
+                  f"({time.perf_counter() - started:.0f} s to make)", flush=True)
+
+        many = f"{workers} workers"
+        variants = {"1 worker": 1, many: workers}
+        raw: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+        for rep in range(reps):
+            for name in common.alternating(list(variants), rep):
+                record = measure(datasets[rows], tokenizer, scratch, variants[name])
+                raw[name].append(record)
+                print(f"rep {rep} {name}: {record['rows_per_s']:,.0f} rows/s "
+                      f"({record['seconds']:.1f} s), peak {record['peak_rss_mib']:,.0f} MiB",
+                      flush=True)
+        digests = {r["tables_sha256"] for records in raw.values() for r in records}
+        speedup = common.compare(raw[many], raw["1 worker"], "rows_per_s",
+                                 SPEEDUP_TARGET if workers == 2 else None)
+
+        memory = {"large": raw[many][0]}
+        if small != rows:
+            memory["small"] = measure(datasets[small], tokenizer, scratch, workers)
+        else:
+            memory["small"] = memory["large"]
+        growth = {
+            key: common.ratio(memory["large"][key], memory["small"][key])
+            for key in ("peak_rss_mib", "peak_rss_worker_mib")
+        }
+        section = {
+            "date": common.now_iso(),
+            "note": note,
+            "rows": rows,
+            "small_rows": small,
+            "reps": reps,
+            "workers": workers,
+            "cpu_affinity": len(os.sched_getaffinity(0)),
+            "raw": raw,
+            "identical_tables": len(digests) == 1,
+            "speedup": speedup,
+            "memory": {
+                "small": memory["small"],
+                "large": memory["large"],
+                "growth": growth,
+                "target": MEMORY_TARGET,
+                "verdict": "PASS" if all(g is not None and g <= MEMORY_TARGET
+                                         for g in growth.values()) else "MISS",
+            },
+        }
+        common.save_section(out, "ingest", section, {**machine,
+                                                      "load_end": os.getloadavg()})
+        print(common.table(common.RATIO_HEADERS,
+                           [common.ratio_row(f"rows/s, {many} ÷ 1", speedup)]))
+        print(common.table(
+            ["peak memory (MiB)", f"{small:,} rows", f"{rows:,} rows", "large ÷ small"],
+            [[label, memory["small"][key], memory["large"][key], growth[key]]
+             for label, key in (("ingesting process", "peak_rss_mib"),
+                                ("largest worker", "peak_rss_worker_mib"))]))
+        print(f"tables identical across runs and worker counts: {len(digests) == 1}")
+        return section
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)], check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        data, tokenizer, out, workers = argv[1:5]
+        print(json.dumps(child(data, tokenizer, out, int(workers))))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="20k and 5k rows, 1 repetition")
+    p.add_argument("--rows", type=int, help="rows of the dataset measured (default 1,000,000)")
+    p.add_argument("--small", type=int, help="rows of the memory baseline (default rows/10)")
+    p.add_argument("--reps", type=int, help="repetitions per variant (default 2)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="processes of the parallel side (default 2)")
+    p.add_argument("--out", type=Path, help="results JSON (default results/ingest.json)")
+    p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
+    p.add_argument("--note", help="free text stored with the results")
+    args = p.parse_args(argv)
+    rows = args.rows or (20_000 if args.quick else 1_000_000)
+    run(rows=rows, small=args.small or rows // (4 if args.quick else 10),
+        reps=args.reps or (1 if args.quick else 2), workers=args.workers,
+        out=args.out or common.RESULTS_DIR / "ingest.json", workdir=args.workdir,
+        note=args.note)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
