@@ -33,7 +33,8 @@ imported inside the functions that load a tokenizer.
 - sources.py: where a dataset's rows come from (`resolve_source`: local files and
   folders, bucket objects and prefixes, `save_to_disk` folders, hub ids; which split),
   its rows in source order, its fingerprint, and the check before any engine starts
-  (`check_dataset`);
+  (`check_dataset`); the files it reads and their folders are datafiles.py's, the rows
+  read from each kind of file readers.py's;
 - rows.py: what a row asks for (pre-tokenized ids, a conversation, plain text), or
   why it is bad;
 - tokenizer.py: the tokenizer, its fingerprint, and chats rendered with its template

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import abc
 import hashlib
-import io
 import json
 import logging
 import os
@@ -52,173 +51,46 @@ import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import Any
 
 import pyarrow as pa
 
-from hsx.output.storage import RangedFile, Storage, StorageError, check_key
+from hsx.ingest.datafiles import (
+    DATASET_SUFFIXES,
+    JSONL_SUFFIXES,
+    OBJECT_SCHEMES,
+    BadRow,
+    BucketFolder,
+    DataFile,
+    DatasetAccessError,
+    DatasetError,
+    DatasetFormatError,
+    DatasetNotFoundError,
+    Folder,
+    LocalFolder,
+    Row,
+    object_file,
+)
+from hsx.ingest.readers import (
+    iter_arrow_stream,
+    iter_jsonl,
+    iter_parquet,
+    iter_record_batches,
+    jsonl_cuts,
+    jsonl_lines,
+    parquet_file,
+    record_batch_rows,
+)
+from hsx.output.storage import Storage, StorageError, check_key
 from hsx.spec import DatasetSpec
 
 logger = logging.getLogger(__name__)
 
-
-class DatasetError(Exception):
-    """A dataset that cannot be read; the message names it and says why."""
-
-
-class DatasetNotFoundError(DatasetError, FileNotFoundError):
-    """The dataset path, object or prefix does not exist."""
-
-
-class DatasetFormatError(DatasetError, ValueError):
-    """The dataset exists but is not a format ingestion reads, or its split is not named."""
-
-
-class DatasetAccessError(DatasetError, OSError):
-    """The dataset cannot be read from here: no permission, a store or the hub that
-    cannot be reached, or a package that reading it needs."""
-
-
-@dataclass(frozen=True)
-class BadRow:
-    """A row that failed before it could be parsed (malformed JSON, not an object)."""
-
-    reason: str
-
-
-Row = dict[str, Any] | BadRow
-
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-DATASET_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
-OBJECT_SCHEMES = ("s3", "gs", "az")
-READ_BUFFER = 8 * 2**20  # bytes per ranged GET when a bucket's JSON lines stream
-_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors write at the start
 # `{split}-00000-of-00003...`: how `datasets`' push_to_hub (and the hub's parquet
 # conversion) name a split's shards.
 _SHARD_NAME = re.compile(r"^(?P<split>.+?)-\d{5}-of-\d{5}(?:[-_.][^/]*)?\.[^/.]+$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?$")
 _HUB_PROBE_TIMEOUT_S = 10.0
-
-
-# ------------------------------------------------------------------------ files
-
-
-@dataclass(frozen=True)
-class DataFile:
-    """One file of a dataset: a local file (`path`), or an object (`storage`, `key`).
-
-    `name` is its path below the dataset's root, `/`-separated; `version` what changes
-    when it is rewritten (on disk its modification time in ns, in a bucket its ETag or
-    else its modification time). Name, size and version make the dataset's fingerprint.
-    """
-
-    name: str
-    size: int
-    version: str
-    path: Path | None = None
-    storage: Storage | None = None
-    key: str = ""
-
-    @property
-    def url(self) -> str:
-        """Where it is, for messages."""
-        if self.path is not None:
-            return str(self.path)
-        if self.storage is None:
-            raise RuntimeError(f"dataset file {self.name} has neither a path nor a storage")
-        return self.storage.url(self.key)
-
-    @property
-    def suffix(self) -> str:
-        return PurePosixPath(self.name).suffix
-
-    @property
-    def hidden(self) -> bool:
-        """In (or is) a hidden file or folder: `.cache/`, `.git/`, `.DS_Store`."""
-        return any(part.startswith(".") for part in self.name.split("/"))
-
-    def open(self) -> io.BufferedReader:
-        """The file as a buffered binary stream (a bucket's: ranged GETs)."""
-        if self.path is not None:
-            return self.path.open("rb")
-        return io.BufferedReader(self._ranged(), READ_BUFFER)
-
-    def arrow_source(self) -> Any:
-        """What pyarrow reads it from: the path, or a file object of ranged reads."""
-        if self.path is not None:
-            return self.path
-        return pa.PythonFile(self._ranged(), mode="r")
-
-    def _ranged(self) -> RangedFile:
-        if self.storage is None:
-            raise RuntimeError(f"dataset file {self.name} has neither a path nor a storage")
-        return RangedFile(self.storage, self.key, self.size)
-
-    @classmethod
-    def local(cls, path: Path, name: str) -> DataFile:
-        st = path.stat()
-        return cls(name, st.st_size, str(st.st_mtime_ns), path=path)
-
-
-def _sorted(files: Sequence[DataFile]) -> list[DataFile]:
-    # By path components (as sorted Paths were): `a/x` before `a-b/x`.
-    return sorted(files, key=lambda f: tuple(f.name.split("/")))
-
-
-class _Folder(abc.ABC):
-    """A dataset's folder: a local directory or a bucket prefix."""
-
-    location: str
-
-    @abc.abstractmethod
-    def files(self) -> list[DataFile]:
-        """Every file below it (hidden ones too), sorted by path."""
-
-    @abc.abstractmethod
-    def read_text(self, name: str) -> str | None:
-        """A small file's text, or None if it does not exist."""
-
-
-class _LocalFolder(_Folder):
-    def __init__(self, root: Path, location: str) -> None:
-        self.root = root
-        self.location = location
-        self._files: list[DataFile] | None = None
-
-    def files(self) -> list[DataFile]:
-        if self._files is None:
-            found = [DataFile.local(p, p.relative_to(self.root).as_posix())
-                     for p in self.root.rglob("*") if p.is_file()]
-            self._files = _sorted(found)
-        return self._files
-
-    def read_text(self, name: str) -> str | None:
-        path = self.root / name
-        return path.read_text() if path.is_file() else None
-
-
-class _BucketFolder(_Folder):
-    def __init__(self, storage: Storage, location: str) -> None:
-        self.storage = storage
-        self.location = location
-        self._files: list[DataFile] | None = None
-
-    def files(self) -> list[DataFile]:
-        if self._files is None:
-            self._files = _sorted([_object_file(self.storage, info.key, info)
-                                   for info in self.storage.list("")])
-        return self._files
-
-    def read_text(self, name: str) -> str | None:
-        if not any(f.name == name for f in self.files()):
-            return None
-        return self.storage.read(name).decode("utf-8")
-
-
-def _object_file(storage: Storage, key: str, info: Any) -> DataFile:
-    version = info.etag or (repr(info.modified) if info.modified is not None else "")
-    return DataFile(key, info.size, version, storage=storage, key=key)
-
 
 # ----------------------------------------------------------------------- sources
 
@@ -278,13 +150,13 @@ class FilesSource(DatasetSource):
     def rows(self, batch_rows: int = 1024) -> Iterator[Row]:
         try:
             if self.kind == "jsonl":
-                yield from _iter_jsonl(self.files)
+                yield from iter_jsonl(self.files)
                 return
-            for batch in _iter_record_batches(self.kind, self.files, batch_rows):
+            for batch in iter_record_batches(self.kind, self.files, batch_rows):
                 if isinstance(batch, BadRow):
                     yield batch
                 else:
-                    yield from _batch_rows(batch)
+                    yield from record_batch_rows(batch)
         except StorageError as err:  # a bucket that failed mid-read (after its retries)
             raise DatasetAccessError(str(err)) from err
 
@@ -299,12 +171,12 @@ class FilesSource(DatasetSource):
         try:
             for file in self.files:
                 if self.kind == "jsonl":
-                    cuts = _jsonl_cuts(file, slice_bytes)
+                    cuts = jsonl_cuts(file, slice_bytes)
                     ends = [*cuts[1:], file.size]
                     out += [SourceSlice("jsonl", file, a, b if b < file.size else None,
                                         weight=b - a) for a, b in zip(cuts, ends, strict=True)]
                 elif self.kind == "parquet":
-                    meta = _parquet_file(file).metadata
+                    meta = parquet_file(file).metadata
                     start = rows = 0
                     for group in range(meta.num_row_groups):
                         rows += meta.row_group(group).num_rows
@@ -321,9 +193,9 @@ class FilesSource(DatasetSource):
     def count_rows(self) -> int:
         try:
             if self.kind == "parquet":
-                return sum(_parquet_file(f).metadata.num_rows for f in self.files)
+                return sum(parquet_file(f).metadata.num_rows for f in self.files)
             if self.kind == "save_to_disk":
-                return sum(batch.num_rows for batch in _iter_record_batches(
+                return sum(batch.num_rows for batch in iter_record_batches(
                     self.kind, self.files, 1 << 30) if isinstance(batch, pa.RecordBatch))
             rows = 0
             for f in self.files:
@@ -386,16 +258,16 @@ class SourceSlice:
             raise RuntimeError(f"a {self.kind} slice without its file")
         try:
             if self.kind == "jsonl":
-                yield from _jsonl_lines(self.file, self.start, self.stop)
+                yield from jsonl_lines(self.file, self.start, self.stop)
                 return
             batches: Iterator[pa.RecordBatch | BadRow] = (
-                _iter_parquet(self.file, batch_rows, range(self.start, self.stop or 0))
-                if self.kind == "parquet" else _iter_arrow_stream(self.file, batch_rows))
+                iter_parquet(self.file, batch_rows, range(self.start, self.stop or 0))
+                if self.kind == "parquet" else iter_arrow_stream(self.file, batch_rows))
             for batch in batches:
                 if isinstance(batch, BadRow):
                     yield batch
                 else:
-                    yield from _batch_rows(batch)
+                    yield from record_batch_rows(batch)
         except StorageError as err:  # a bucket that failed mid-read (after its retries)
             raise DatasetAccessError(str(err)) from err
 
@@ -455,7 +327,7 @@ class HubSource(DatasetSource):
     def rows(self, batch_rows: int = 1024) -> Iterator[Row]:
         for table in self.dataset().with_format("arrow").iter(batch_size=batch_rows):
             for batch in table.to_batches():
-                yield from _batch_rows(batch)
+                yield from record_batch_rows(batch)
 
     def count_rows(self) -> int:
         return int(self.dataset().num_rows)
@@ -604,7 +476,7 @@ def check_dataset(dataset: DatasetLike
 def _local_source(path: Path, location: str, split: str | None) -> DatasetSource:
     if path.is_file():
         return _file_source(DataFile.local(path, path.name), location, split)
-    return _folder_source(_LocalFolder(path, location), split)
+    return _folder_source(LocalFolder(path, location), split)
 
 
 def _file_source(file: DataFile, location: str, split: str | None) -> FilesSource:
@@ -629,8 +501,8 @@ def _bucket_source(uri: str, split: str | None) -> DatasetSource:
             storage = Storage.for_uri(parent)
             info = storage.head(name)
             if info is not None:
-                return _file_source(_object_file(storage, name, info), uri, split)
-        folder = _BucketFolder(Storage.for_uri(uri), uri)
+                return _file_source(object_file(storage, name, info), uri, split)
+        folder = BucketFolder(Storage.for_uri(uri), uri)
         if not folder.files():
             raise DatasetNotFoundError(
                 f"{uri}: no such object, and no objects under that prefix")
@@ -646,7 +518,7 @@ def _bucket_source(uri: str, split: str | None) -> DatasetSource:
         raise DatasetFormatError(f"{uri}: {err}") from err
 
 
-def _folder_source(folder: _Folder, split: str | None) -> FilesSource:
+def _folder_source(folder: Folder, split: str | None) -> FilesSource:
     location = folder.location
     if folder.read_text("dataset_dict.json") is not None:
         splits = sorted({f.name.split("/")[0] for f in folder.files()
@@ -727,7 +599,7 @@ def _choose_split(location: str, names: Sequence[str], split: str | None) -> str
     return split
 
 
-def _save_to_disk(folder: _Folder, prefix: str, split: str | None) -> FilesSource:
+def _save_to_disk(folder: Folder, prefix: str, split: str | None) -> FilesSource:
     location = folder.location
     where = f"{location}/{prefix}".rstrip("/")
     state = json.loads(folder.read_text(f"{prefix}state.json") or "{}")
@@ -750,171 +622,6 @@ def _save_to_disk(folder: _Folder, prefix: str, split: str | None) -> FilesSourc
     if not files:
         raise DatasetFormatError(f"{where}: state.json names no data files")
     return FilesSource("save_to_disk", files, location, fingerprinted=below, split=split)
-
-
-# --------------------------------------------------------------------------- rows
-
-
-def _parse_json_row(raw: bytes) -> Row:
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        # Replacing the bytes would train on text nobody wrote: the row is refused.
-        return BadRow(f"the line is not valid UTF-8 (byte {raw[err.start]:#04x} at "
-                       f"offset {err.start})")
-    line = line.rstrip("\r\n")
-    if not line.strip():
-        return BadRow("the line is empty")
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        return BadRow(f"the line is not valid JSON ({err})")
-    except RecursionError:
-        return BadRow("the line nests JSON too deeply to be read")
-    if not isinstance(row, dict):
-        return BadRow(f"the row is a JSON {type(row).__name__}, not an object")
-    return row
-
-
-def _iter_jsonl(files: Sequence[DataFile]) -> Iterator[Row]:
-    for file in files:
-        yield from _jsonl_lines(file, 0, None)
-
-
-def _is_json_array(file: DataFile, stream: io.BufferedReader) -> bool:
-    head = stream.peek(4096)[:4096].removeprefix(_BOM).lstrip()
-    return file.suffix == ".json" and head.startswith(b"[")
-
-
-def _jsonl_lines(file: DataFile, start: int, stop: int | None) -> Iterator[Row]:
-    """The rows of the lines of `file` that start at a byte in [start, stop) (to the end
-    when stop is None); `start` is 0 or the first byte of a line."""
-    with file.open() as stream:
-        if start == 0 and _is_json_array(file, stream):
-            yield from _json_array(file, stream)
-            return
-        if start:
-            stream.seek(start)
-        position = start
-        # Bytes, split at \n only (as count_rows counts), each line decoded on its own.
-        for line in stream:
-            if stop is not None and position >= stop:
-                return
-            first = position == 0
-            position += len(line)
-            yield _parse_json_row(line.removeprefix(_BOM) if first else line)
-
-
-def _jsonl_cuts(file: DataFile, slice_bytes: int) -> list[int]:
-    """Where the slices of a JSON lines file start: 0, then the first line start at or
-    after every `slice_bytes` bytes (a JSON array file: 0 only, it is read whole)."""
-    cuts = [0]
-    with file.open() as stream:
-        if _is_json_array(file, stream):
-            return cuts
-        target = slice_bytes
-        while target < file.size:
-            stream.seek(target - 1)
-            stream.readline()  # to the end of the line holding byte target - 1
-            cut = stream.tell()
-            if cut >= file.size:
-                break
-            if cut > cuts[-1]:
-                cuts.append(cut)
-            target = max(cut, target) + slice_bytes
-    return cuts
-
-
-def _json_array(file: DataFile, stream: IO[bytes]) -> Iterator[Row]:
-    # A JSON array file: not streamable, read whole (JSON lines are the norm).
-    try:
-        rows = json.loads(stream.read().removeprefix(_BOM).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise DatasetFormatError(
-            f"dataset file {file.url!r} starts like a JSON array but cannot be read "
-            f"as one ({type(err).__name__}: {err}); a JSON lines file (.jsonl) lets "
-            "each bad row be skipped on its own") from None
-    for row in rows:
-        yield row if isinstance(row, dict) else BadRow(
-            f"the row is a JSON {type(row).__name__}, not an object")
-
-
-def _unreadable(file: DataFile, kind: str, err: Exception) -> DatasetFormatError:
-    return DatasetFormatError(
-        f"dataset file {file.url!r} is not a readable {kind} file (truncated or damaged?): "
-        f"{str(err).strip() or type(err).__name__}")
-
-
-def _parquet_file(file: DataFile) -> Any:
-    import pyarrow.parquet as pq
-
-    try:
-        # From a bucket, pre_buffer coalesces a row group's column chunks into few GETs.
-        return pq.ParquetFile(file.arrow_source(), pre_buffer=file.path is None)
-    except StorageError:
-        raise
-    except (pa.ArrowException, OSError) as err:  # no footer: no row can be located
-        raise _unreadable(file, "Parquet", err) from None
-
-
-def _iter_parquet(file: DataFile, batch_rows: int, groups: range | None = None
-                  ) -> Iterator[pa.RecordBatch | BadRow]:
-    """A Parquet file's rows by batch (of `groups`, else every row group); the rows of a
-    row group that cannot be decoded are each a BadRow (the footer says how many)."""
-    parquet = _parquet_file(file)
-    for group in groups if groups is not None else range(parquet.metadata.num_row_groups):
-        expected = parquet.metadata.row_group(group).num_rows
-        seen = 0
-        try:
-            for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=[group]):
-                seen += batch.num_rows
-                yield batch
-        except StorageError:
-            raise  # the store failed, not the file: no row is bad
-        except (pa.ArrowException, OSError) as err:
-            reason = (f"row group {group} of {PurePosixPath(file.name).name} cannot be "
-                      f"decoded: {str(err).strip() or type(err).__name__}")
-            for _ in range(max(expected - seen, 0)):
-                yield BadRow(reason)
-
-
-def _iter_record_batches(kind: str, files: Sequence[DataFile], batch_rows: int
-                         ) -> Iterator[pa.RecordBatch | BadRow]:
-    if kind == "parquet":
-        for file in files:
-            yield from _iter_parquet(file, batch_rows)
-        return
-    for file in files:
-        yield from _iter_arrow_stream(file, batch_rows)
-
-
-def _iter_arrow_stream(file: DataFile, batch_rows: int) -> Iterator[pa.RecordBatch]:
-    # save_to_disk writes Arrow IPC *stream* files; memory-mapped on disk, no copy.
-    try:
-        with (pa.memory_map(str(file.path)) if file.path is not None
-              else pa.PythonFile(file.open(), mode="r")) as source:
-            reader = pa.ipc.open_stream(source)
-            for batch in reader:
-                for start in range(0, batch.num_rows, batch_rows):
-                    yield batch.slice(start, batch_rows)
-    except StorageError:
-        raise
-    except (pa.ArrowException, OSError) as err:  # a stream says nothing of what is left
-        raise _unreadable(file, "Arrow stream", err) from None
-
-
-def _batch_rows(batch: pa.RecordBatch) -> Iterator[Row]:
-    try:
-        yield from batch.to_pylist()
-    except UnicodeDecodeError:
-        # Writers do not all validate: a string column may hold bytes that are not
-        # UTF-8. Only the rows holding them are bad.
-        for i in range(batch.num_rows):
-            try:
-                yield batch.slice(i, 1).to_pylist()[0]
-            except UnicodeDecodeError as err:
-                yield BadRow(f"a string column holds bytes that are not valid UTF-8 "
-                              f"({err.reason})")
 
 
 # --------------------------------------------------------- the functions of before
