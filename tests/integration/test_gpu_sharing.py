@@ -64,6 +64,13 @@ def one_gpu_cluster() -> Iterator[HeadCluster]:
          "--include-dashboard=false", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"127.0.0.1:{port}"
+    # Up once it has recorded itself where a process of this machine looks for it (a
+    # driver started before that would start a private Ray instead of joining).
+    recorded = Path(temp) / "ray" / "ray_current_cluster"
+    deadline = time.monotonic() + 180
+    while not recorded.exists() and head.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert recorded.exists(), f"ray start --head did not come up (exit {head.poll()})"
     try:
         yield HeadCluster(address, env)
     finally:
