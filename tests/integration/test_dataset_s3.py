@@ -26,11 +26,11 @@ from hsx.ingest import (
     DatasetNotFoundError,
     check_dataset,
     count_rows,
+    datafiles,
     dataset_fingerprint,
     iter_rows,
     resolve_source,
 )
-from hsx.ingest import sources as sources_module
 from hsx.output import Storage
 from hsx.spec import DatasetSpec, JobSpec
 from hsx_service.prepare import JobRefused
@@ -82,7 +82,7 @@ def test_a_jsonl_object_streams_in_ranged_reads(aws: SeaweedS3, s3_uri: str,
         return real(self, key, start, length)
 
     # A buffer smaller than a line: lines span refills, and nothing is read whole.
-    monkeypatch.setattr(sources_module, "READ_BUFFER", 256)
+    monkeypatch.setattr(datafiles, "READ_BUFFER", 256)
     monkeypatch.setattr(type(storage), "read_range", counted)
     monkeypatch.setattr(type(storage), "read", lambda *a: pytest.fail("read whole"))
     got = list(iter_rows(f"{s3_uri}/chats.jsonl"))

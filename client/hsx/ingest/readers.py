@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import PurePosixPath
 from typing import IO, Any
 
@@ -166,6 +166,15 @@ def iter_arrow_stream(file: DataFile, batch_rows: int) -> Iterator[pa.RecordBatc
         raise
     except (pa.ArrowException, OSError) as err:  # a stream says nothing of what is left
         raise _unreadable(file, "Arrow stream", err) from None
+
+
+def batches_rows(batches: Iterable[pa.RecordBatch | BadRow]) -> Iterator[Row]:
+    """The rows of record batches in order; a BadRow among them stays in its place."""
+    for batch in batches:
+        if isinstance(batch, BadRow):
+            yield batch
+        else:
+            yield from record_batch_rows(batch)
 
 
 def record_batch_rows(batch: pa.RecordBatch) -> Iterator[Row]:

@@ -72,6 +72,7 @@ from hsx.ingest.datafiles import (
     object_file,
 )
 from hsx.ingest.readers import (
+    batches_rows,
     iter_arrow_stream,
     iter_jsonl,
     iter_parquet,
@@ -152,11 +153,7 @@ class FilesSource(DatasetSource):
             if self.kind == "jsonl":
                 yield from iter_jsonl(self.files)
                 return
-            for batch in iter_record_batches(self.kind, self.files, batch_rows):
-                if isinstance(batch, BadRow):
-                    yield batch
-                else:
-                    yield from record_batch_rows(batch)
+            yield from batches_rows(iter_record_batches(self.kind, self.files, batch_rows))
         except StorageError as err:  # a bucket that failed mid-read (after its retries)
             raise DatasetAccessError(str(err)) from err
 
@@ -263,11 +260,7 @@ class SourceSlice:
             batches: Iterator[pa.RecordBatch | BadRow] = (
                 iter_parquet(self.file, batch_rows, range(self.start, self.stop or 0))
                 if self.kind == "parquet" else iter_arrow_stream(self.file, batch_rows))
-            for batch in batches:
-                if isinstance(batch, BadRow):
-                    yield batch
-                else:
-                    yield from record_batch_rows(batch)
+            yield from batches_rows(batches)
         except StorageError as err:  # a bucket that failed mid-read (after its retries)
             raise DatasetAccessError(str(err)) from err
 
