@@ -68,7 +68,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_product import free_port
-from bench_vllm import BENCH, SHAPE_8B, Bench, _end_session, log
+from bench_vllm import BENCH, Bench, _end_session, log
 
 # The peer before hsx and bare: a run cut short keeps the comparison it was made for.
 PHASES = ("disk", "drop", "peer", "hsx", "bare")
@@ -107,21 +107,9 @@ class PeerBench(Bench):
     # -- set-up
 
     def setup(self) -> None:
-        from hsx_workers.tiny_models import build_tokenizer, make_tiny_model
-
-        if self.cpu:
-            make_tiny_model(self.model, "llama")
-            vocab = 512
-        else:
-            self.model.mkdir(parents=True, exist_ok=True)
-            vocab = len(build_tokenizer(self.model, vocab_size=640))
-            # Room for max_seq_len 8,192 plus the generated and speculative slots (Llama
-            # 3.1 8B itself has 131,072); nothing else of the shape changes.
-            config = {**SHAPE_8B, "max_position_embeddings": 16384}
-            (self.model / "config.json").write_text(json.dumps(config))
-        hidden = 256 if self.cpu else int(SHAPE_8B["hidden_size"])
-        self.bytes_per_token = {"bf16": 2 * len(self.layers) * hidden,
-                                "fp8": (1 + 4 / hidden) * len(self.layers) * hidden}
+        # Room for max_seq_len 8,192 plus the generated and speculative slots (Llama 3.1
+        # 8B itself has 131,072); nothing else of the shape changes.
+        vocab = self.make_model(max_position_embeddings=16384)
         a = self.args
         self._mixed(a.mixed)
         self._fixed("uniform", a.uniform, a.length, vocab)

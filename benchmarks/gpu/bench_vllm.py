@@ -89,7 +89,10 @@ class Bench:
 
     # -- set-up
 
-    def setup(self) -> None:
+    def make_model(self, **shape: Any) -> int:
+        """The target (a tiny Llama on the CPU, else the 8B shape with dummy weights and a
+        small trained tokenizer, `shape` overriding fields of it); sets bytes_per_token
+        and returns the vocabulary the prompts may use."""
         from hsx_workers.tiny_models import build_tokenizer, make_tiny_model
 
         if self.cpu:
@@ -97,12 +100,15 @@ class Bench:
             vocab = 512
         else:
             self.model.mkdir(parents=True, exist_ok=True)
-            tokenizer = build_tokenizer(self.model, vocab_size=640)
-            vocab = len(tokenizer)
-            (self.model / "config.json").write_text(json.dumps(SHAPE_8B))
+            vocab = len(build_tokenizer(self.model, vocab_size=640))
+            (self.model / "config.json").write_text(json.dumps({**SHAPE_8B, **shape}))
         hidden = 256 if self.cpu else int(SHAPE_8B["hidden_size"])
         self.bytes_per_token = {"bf16": 2 * len(self.layers) * hidden,
                                 "fp8": (1 + 4 / hidden) * len(self.layers) * hidden}
+        return vocab
+
+    def setup(self) -> None:
+        vocab = self.make_model()
         rng = random.Random(0)
         for name, n in (("rows", self.prompts), ("rows2", 2 * self.prompts)):
             with open(self.work / f"{name}.jsonl", "w") as f:
