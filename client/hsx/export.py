@@ -125,6 +125,10 @@ class ExportSummary:
             f"--token-freq-path {shlex.quote(str(Path(self.dest) / TOKEN_FREQ))}",
             f"--draft-vocab-size {draft_vocab_size}",
             "--on-missing raise",
+            # speculators 0.9's fused loss kernel fails under torch.compile with torch
+            # 2.11 (dynamo: "... already tracked for mutation", seen on an H200); its
+            # eager loss trains the same draft.
+            "--loss-implementation eager",
             f"--save-path {shlex.quote(self.dest.rstrip('/') + '-draft')}",
         ]
         return " ".join(parts)
