@@ -106,7 +106,8 @@ class ExportSummary:
     trust_remote_code: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "train_command": self.train_command()}
+        return {**asdict(self), "train_command": self.train_command(),
+                "fix_command": self.fix_command()}
 
     def train_command(self) -> str:
         """speculators' own trainer on this export, every argument spelled out: the
@@ -129,9 +130,17 @@ class ExportSummary:
             # 2.11 (dynamo: "... already tracked for mutation", seen on an H200); its
             # eager loss trains the same draft.
             "--loss-implementation eager",
-            f"--save-path {shlex.quote(self.dest.rstrip('/') + '-draft')}",
+            f"--save-path {shlex.quote(self.draft_path())}",
         ]
         return " ".join(parts)
+
+    def draft_path(self) -> str:
+        """Where the printed `speculators train` saves its drafts (one folder per epoch)."""
+        return self.dest.rstrip("/") + "-draft"
+
+    def fix_command(self) -> str:
+        """Run after training, before vLLM loads the draft (see `fix_speculators_draft`)."""
+        return f"hsx fix-draft {shlex.quote(self.draft_path())}"
 
 
 def _vocab_size(model: str) -> int | None:
@@ -144,6 +153,55 @@ def _vocab_size(model: str) -> int | None:
     text = config.get("text_config") or config
     size = text.get("vocab_size", config.get("vocab_size"))
     return int(size) if size else None
+
+
+VLLM_DEFAULT_AUX_LAYERS = 3
+
+
+def fix_speculators_draft(path: str | Path) -> list[Path]:
+    """Make every EAGLE-3 draft speculators saved under PATH load in vLLM with its own
+    number of auxiliary layers; returns the config.json files it changed.
+
+    speculators 0.9 records the auxiliary layer ids at the top of the draft's config
+    (`eagle_aux_hidden_state_layer_ids`); vLLM 0.25's speculators reader copies them to
+    the top of the draft's text config, but its Llama EAGLE-3 takes the width of `fc`
+    from `num_aux_hidden_states` or `eagle_config` in that text config and otherwise
+    assumes 3 (vllm/model_executor/models/llama_eagle3.py). A draft trained on 2 or 4
+    auxiliary layers therefore fails to load ("Tried to load weights of size [H, 2H] to
+    a parameter of size [H, 3H]"). Writing the count into `transformer_layer_config`
+    fixes that; a draft that already says it is left alone (the command is idempotent)."""
+    changed = []
+    for config_path in sorted(Path(path).rglob("config.json")):
+        config = json.loads(config_path.read_text())
+        if not _aux_count_unread(config):
+            continue
+        config["transformer_layer_config"]["num_aux_hidden_states"] = len(
+            config["eagle_aux_hidden_state_layer_ids"])
+        staged = config_path.with_name(f".config.json.{uuid.uuid4().hex}")
+        staged.write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(staged, config_path)
+        changed.append(config_path)
+    return changed
+
+
+def draft_aux_count_unread(draft: str | Path) -> bool:
+    """True when vLLM would read a wrong auxiliary layer count from the speculators
+    draft in DRAFT (a folder with config.json); see `fix_speculators_draft`."""
+    try:
+        return _aux_count_unread(json.loads((Path(draft) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def _aux_count_unread(config: dict[str, Any]) -> bool:
+    layers = config.get("eagle_aux_hidden_state_layer_ids")
+    text = config.get("transformer_layer_config")
+    if config.get("speculators_model_type") != "eagle3" or not layers or not isinstance(
+            text, dict):
+        return False
+    said = text.get("num_aux_hidden_states") or len(
+        (text.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [])
+    return (said or VLLM_DEFAULT_AUX_LAYERS) != len(layers)
 
 
 def hs_file_name(index: int) -> str:

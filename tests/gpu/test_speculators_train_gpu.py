@@ -1,6 +1,7 @@
 """speculators' own trainer on an hsx output, end to end, as README shows it: `hsx export
 --format speculators`, then the `speculators train` command the export prints (a few
-steps; speculators trains only on an accelerator), then vLLM loads the draft it wrote
+steps; speculators trains only on an accelerator) and the `hsx fix-draft` it prints
+after it, then vLLM loads the draft it wrote
 as the EAGLE-3 draft of the target and drafts with it (`hsx eval-draft --draft`).
 
 The output is written by hand (tests/unit/test_trainer.py's: random states of the tiny
@@ -27,7 +28,8 @@ def test_speculators_trains_on_the_export_and_vllm_loads_its_draft(
 ) -> None:
     source = make_output(tmp_path / "hsx", tiny_llama)
     assert main(["export", str(source), str(tmp_path / "spec"), "--json"]) == 0
-    command = shlex.split(json.loads(capsys.readouterr().out)["train_command"])
+    printed = json.loads(capsys.readouterr().out)
+    command = shlex.split(printed["train_command"])
     command[0] = str(Path(sys.executable).parent / "speculators")
     if not Path(command[0]).exists():  # the GPU bundle installs no console scripts
         command[:1] = [sys.executable, "-m", "speculators"]
@@ -37,6 +39,7 @@ def test_speculators_trains_on_the_export_and_vllm_loads_its_draft(
     saved = sorted(p.parent for p in (tmp_path / "spec-draft").rglob("config.json"))
     assert saved, list((tmp_path / "spec-draft").rglob("*"))
     draft = saved[-1]
+    assert main(shlex.split(printed["fix_command"])[1:]) == 0  # two auxiliary layers here
     measured = subprocess.run(
         [sys.executable, "-m", "hsx.cli", "eval-draft", str(source), "--draft", str(draft),
          "--prompts", "4", "--max-tokens", "16", "--json"],

@@ -243,3 +243,42 @@ def test_the_printed_command_is_one_speculators_runs(tmp_path: Path,
     assert config["speculators_model_type"] == "eagle3"
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert config["draft_vocab_size"] == min(32000, vocab)
+
+
+def test_fix_draft_gives_vllm_the_auxiliary_layer_count(tmp_path: Path, tiny_llama: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """A draft speculators builds on two auxiliary layers (as `--dry-run` saves it) reads
+    as three in vLLM 0.25 (its reader leaves the count where the Llama EAGLE-3 does not
+    look; the load then fails on fc's shape, seen on an H200); `hsx fix-draft`, printed
+    after the train command, writes it where vLLM reads it, and eval-draft refuses the
+    unfixed draft by name."""
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    from tests.unit.test_trainer import make_output as two_aux_output
+
+    src = two_aux_output(tmp_path / "hsx", tiny_llama)
+    assert main(["export", str(src), str(tmp_path / "spec"), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    command = shlex.split(printed["train_command"])
+    command[0] = str(Path(sys.executable).parent / "speculators")
+    done = subprocess.run([*command, "--dry-run"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    draft = tmp_path / "spec-draft"
+
+    def vllm_aux_count() -> int:  # as llama_eagle3.LlamaModel.__init__ resolves it
+        text = SpeculatorsConfig.extract_transformers_pre_trained_config(
+            json.loads((draft / "config.json").read_text()))
+        return text.get("num_aux_hidden_states") or len(
+            (text.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []) or 3
+
+    assert printed["target_layer_ids"] == [1, 2] and vllm_aux_count() == 3
+    assert main(["eval-draft", str(src), "--draft", str(draft)]) == 2
+    assert f"hsx fix-draft {draft}" in capsys.readouterr().err
+    assert printed["fix_command"] == f"hsx fix-draft {draft}"
+    assert main(shlex.split(printed["fix_command"])[1:]) == 0
+    assert capsys.readouterr().out.strip() == str(draft / "config.json")
+    assert vllm_aux_count() == 2
+    assert main(["fix-draft", str(draft)]) == 0  # idempotent
+    assert capsys.readouterr().out == ""

@@ -1,5 +1,6 @@
 """Commands on an output (a directory, file:// or s3:// URI): `export` writes it in
-speculators' layout, `verify` checks every committed shard (and withdraws bad ones)."""
+speculators' layout (`fix-draft` readies what speculators trains on it for vLLM),
+`verify` checks every committed shard (and withdraws bad ones)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,20 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if not summary.source_complete:
         console().print("[yellow]the source job was not complete: later shards are missing[/]")
     console().print(f"train with: {summary.train_command()}", markup=False, highlight=False)
+    console().print(f"then, before vLLM loads the draft: {summary.fix_command()}",
+                    markup=False, highlight=False)
+    return 0
+
+
+def _cmd_fix_draft(args: argparse.Namespace) -> int:
+    """Record a speculators-trained draft's auxiliary layer count where vLLM reads it."""
+    from hsx.export import fix_speculators_draft
+
+    changed = fix_speculators_draft(args.path)
+    for path in changed:
+        sys.stdout.write(f"{path}\n")
+    console().print(f"{len(changed)} draft config(s) changed under {args.path}"
+                    if changed else f"nothing to change under {args.path}")
     return 0
 
 
@@ -94,6 +109,11 @@ def add_parsers(sub: Any) -> None:
                    help="export what a still-running job has committed so far")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("fix-draft", help="make the EAGLE-3 drafts speculators saved under "
+                       "PATH load in vLLM with their own number of auxiliary layers")
+    p.add_argument("path", help="speculators' --save-path (every config.json under it)")
+    p.set_defaults(func=_cmd_fix_draft)
 
     p = sub.add_parser("verify", help="check every committed shard's checksums; "
                        "--repair withdraws the bad ones so a rerun extracts them again")

@@ -268,6 +268,7 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
     """Generate with vLLM and the draft on held-out prompts; report vLLM's acceptance
     counters and record them in draft/eval.json."""
     from hsx.draft import draft_folder
+    from hsx.export import draft_aux_count_unread
     from hsx.output import Output, StorageError
     from hsx_workers.acceptance import evaluate_draft
 
@@ -280,6 +281,9 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
             engine = target_engine_args(load_job(args.job))
         if args.tensor_parallel_size:
             engine["tensor_parallel_size"] = args.tensor_parallel_size
+        if args.draft is not None and draft_aux_count_unread(args.draft):
+            return error(f"vLLM would read a wrong auxiliary layer count from {args.draft}; "
+                         f"run `hsx fix-draft {args.draft}` first", EXIT_REFUSED)
         output = Output(args.output)
         root = draft_folder(output, args.draft_dir) if args.draft is None else None
         result = evaluate_draft(output, draft_root=args.draft_dir, prompts=args.prompts,
