@@ -521,12 +521,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-timeout", type=float, default=300)
     p.add_argument("--cpu", action="store_true", help="check the script on CPU (tiny model)")
     args = p.parse_args(argv)
-    # GPU: ~200k tokens per tool and workload (~5 s of an H200's prefill each).
+    # GPU: ~500k tokens per tool and workload (~12 s of an H200's prefill each). The
+    # first run's ~200k (results/gpu-peer/) left each tool's fixed costs in the ratios:
+    # the peer's command start (~16 s) and hsx's last shard's drain (~0.5-1 s of ~5 s).
+    # Its best concurrency was 64 or 128 (256 within 5%), its default 32 is always run.
     # CPU: a handful of prompts, lengths scaled to the tiny model.
     sizes = ({"mixed": 12, "uniform": 6, "short": 16, "length": 256, "max_seq_len": 1024,
               "peer_concurrency": [4]} if args.cpu else
-             {"mixed": 192, "uniform": 96, "short": 1536, "length": 2048, "max_seq_len": 8192,
-              "peer_concurrency": [64, 128, 256]})
+             {"mixed": 480, "uniform": 240, "short": 3840, "length": 2048, "max_seq_len": 8192,
+              "peer_concurrency": [64, 128]})
     for key, value in sizes.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -11,7 +11,7 @@
 # product (the whole product at real size: bench_product.py), multi (2 engines vs 1,
 # TP=2 vs 1), train (trainer scaling, 2 GPUs vs 1), peer (hsx against speculators'
 # prepare-data + generate-offline-data on `vllm serve`: bench_peer.py; carry .gpu-peer,
-# see below; ~10 minutes). Each step writes into
+# see below; ~15 minutes). Each step writes into
 # /tmp/hsx-gpu/results; one failing step does not stop the next.
 set -uo pipefail
 RES=/tmp/hsx-gpu/results
@@ -95,9 +95,9 @@ for s in "$@"; do
       if [ -d .gpu-peer ] && [ ! -d /tmp/site-peer ]; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/site-peer .gpu-peer/*.whl
       fi
-      # ~200k tokens per tool and workload; engines start 5 times (drop, bare, hsx bf16,
-      # hsx fp8, vllm serve): ~9-11 minutes on one H200.
-      PYTHONPATH=$PYTHONPATH:/tmp/site-peer timeout 840 python3 benchmarks/gpu/bench_peer.py \
+      # ~500k tokens per tool and workload; engines start 5 times (drop, bare, hsx bf16,
+      # hsx fp8, vllm serve): ~13-15 minutes on one H200 (PEER_FLAGS: e.g. --phases).
+      PYTHONPATH=$PYTHONPATH:/tmp/site-peer timeout 1080 python3 benchmarks/gpu/bench_peer.py ${PEER_FLAGS:-} \
         --child-timeout 300 --serve-timeout 240 --out "$RES/peer.json" > "$RES/peer.log" 2>&1
       echo "peer: rc=$? $(tail -1 "$RES/peer.log")"
       mkdir -p "$RES/peer-logs"
