@@ -89,6 +89,27 @@ def engine_key(spec: JobSpec, model: ModelInfo, layers: list[int]) -> tuple[Any,
     return (spec.engine, repr(engine_config_for(spec, model, layers)))
 
 
+# A busy machine can keep a new local Ray node from registering within the 30 s that
+# ray.init() allows it (ray/_private/node.py, a constant); that start is tried again.
+RAY_START_ATTEMPTS = 3
+RAY_START_TIMEOUT = "timed out during startup"
+
+
+def _init_ray(ray: Any, kwargs: dict[str, Any]) -> None:
+    """ray.init(**kwargs); a local node that timed out registering is started again."""
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as err:  # ray raises a bare Exception for this one
+            if RAY_START_TIMEOUT not in str(err) or attempt == RAY_START_ATTEMPTS:
+                raise
+            ray.shutdown()
+            logger.warning("Ray's local node did not register within Ray's 30 s (is the "
+                           "machine busy?); starting it again (attempt %d of %d)",
+                           attempt + 1, RAY_START_ATTEMPTS)
+
+
 def ensure_ray(address: str | None, cpus_needed: int) -> None:
     import ray
 
@@ -109,7 +130,7 @@ def ensure_ray(address: str | None, cpus_needed: int) -> None:
         if address == LOCAL_RAY:
             kwargs["address"] = LOCAL_RAY  # a private one, whatever runs here
     try:
-        ray.init(**kwargs)
+        _init_ray(ray, kwargs)
     except ValueError as err:
         # Without an address ray.init() joins the cluster a `ray start --head` left on
         # this machine (as on many GPU nodes), which takes no sizing.

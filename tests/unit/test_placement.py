@@ -283,3 +283,40 @@ def test_ensure_ray_joins_a_cluster_already_running_here(monkeypatch: pytest.Mon
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     ensure_ray("local", cpus_needed=2)
     assert calls[0]["address"] == "local" and calls[0]["num_cpus"] >= 2
+
+
+def test_ensure_ray_starts_again_a_local_node_that_timed_out(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """On a busy machine a new local node can miss the 30 s ray.init() gives it to
+    register (seen with the test suite's two workers on 2 cores): started again, said so;
+    a third timeout, or another error, is raised."""
+    import ray
+
+    from hsx_service.engine_pool import RAY_START_ATTEMPTS, ensure_ray
+
+    timeout = Exception("The current node timed out during startup. This could happen "
+                        "because some of the raylet failed to startup or the GCS has "
+                        "become overloaded.")
+    outcomes: list[Exception | None] = [timeout, None]
+    shutdowns: list[int] = []
+
+    def init(**kwargs: Any) -> None:
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ensure_ray(None, cpus_needed=2)
+    assert not outcomes and len(shutdowns) == 1
+    assert "did not register" in caplog.text and "attempt 2 of 3" in caplog.text
+
+    outcomes[:] = [timeout] * RAY_START_ATTEMPTS
+    with pytest.raises(Exception, match="timed out during startup"):
+        ensure_ray(None, cpus_needed=2)
+    assert not outcomes
+    outcomes[:] = [RuntimeError("no space left on device")]
+    with pytest.raises(RuntimeError, match="no space"):
+        ensure_ray(None, cpus_needed=2)
