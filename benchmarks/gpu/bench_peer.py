@@ -31,6 +31,8 @@ workload):
 - `hsx`    `run_job` to shards on the work folder's disk (fsynced, checksummed), bf16 then
            fp8; whole job (ingestion and plan included) and from the end of prepare; the
            hsx engine's KV cache in tokens.
+- `inflight` hsx bf16 again over every workload with `vllm.max_inflight_tokens` at each
+           of --inflight (the default's before and after, in the same run).
 - `bare`   drop's engine without capture: what capture costs vLLM. The drop and bare
            children report the engine's KV cache in tokens: the capture layer's share of it.
 
@@ -65,13 +67,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: cpu_profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_product import free_port
 from bench_vllm import BENCH, Bench, _end_session, log
 
 # The peer before hsx and bare: a run cut short keeps the comparison it was made for.
-PHASES = ("disk", "drop", "peer", "hsx", "bare")
+PHASES = ("disk", "drop", "peer", "hsx", "inflight", "bare")
 WORKLOADS = ("mixed", "uniform", "short128")
 
 # speculators' scripts/launch_vllm.py: the render front end's size and the native thread
@@ -187,6 +190,29 @@ class PeerBench(Bench):
                     f"{run['job_tokens_per_s']:,} tok/s")
                 self.save()
             out.setdefault("cache_tokens", {})[dtype] = self._engine_cache_tokens()
+            if self.args.profile and dtype == "bf16" and "short128" in self.workloads:
+                # Where a short row's time goes, actor and engine processes (not timed).
+                run = self._job(self._spec(self.work / "out-profiled", dtype,
+                                           rows=self.workloads["short128"].file), profile=True)
+                out["profiled"] = {"workload": "short128", "dtype": dtype, **run}
+                log(f"hsx short128 bf16 under py-spy: {run['tokens_per_s']:,} tok/s")
+        return out
+
+    def inflight(self) -> dict[str, Any]:
+        """hsx bf16 with other in-flight budgets: {budget: {workload: run}}."""
+        out: dict[str, Any] = self.result["phases"].setdefault("inflight", {})
+        for tokens in self.args.inflight_tokens:
+            over = {"max_inflight_tokens": tokens}
+            runs: dict[str, Any] = {"warmup": self._job(self._spec(
+                self.work / "out-warmup-inflight", "bf16", rows="warmup", vllm_over=over))}
+            for w in self.workloads.values():
+                run = self._job(self._spec(self.work / f"out-{w.name}-inflight", "bf16",
+                                           rows=w.file, vllm_over=over))
+                runs[w.name] = run
+                log(f"hsx {w.name} bf16, max_inflight_tokens {tokens}: "
+                    f"{run['tokens_per_s']:,} tok/s")
+            out[str(tokens)] = runs
+            self.save()
         return out
 
     def _engine_cache_tokens(self) -> int | None:
@@ -318,6 +344,9 @@ class PeerBench(Bench):
             for dtype, run in hsx.items():
                 speeds[f"hsx_{dtype}"] = run["tokens_per_s"]
                 speeds[f"hsx_{dtype}_job"] = run["job_tokens_per_s"]
+            for tokens, runs in p.get("inflight", {}).items():
+                if name in runs:
+                    speeds[f"hsx_bf16_inflight_{tokens}"] = runs[name]["tokens_per_s"]
             for which in ("default", "best"):
                 if which in peer:
                     speeds[f"peer_{which}"] = peer[which]["extract_tokens_per_s"]
@@ -327,7 +356,8 @@ class PeerBench(Bench):
             row: dict[str, Any] = {"tokens_per_s": speeds}
             row["over_drop"] = {k: ratio(speeds.get(k), drop) for k in
                                 ("hsx_bf16", "hsx_fp8", "peer_default", "peer_best",
-                                 "peer_best_logged", "bare")}
+                                 "peer_best_logged", "bare",
+                                 *(k for k in speeds if "_inflight_" in k))}
             row["hsx_job_over_peer_best_job"] = {
                 dtype: ratio(speeds.get(f"hsx_{dtype}_job"), speeds.get("peer_best_job"))
                 for dtype in ("bf16", "fp8")}
@@ -514,6 +544,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--peer-concurrency", type=int, nargs="*", default=None,
                    help="generate-offline-data concurrencies besides its default")
+    p.add_argument("--inflight-tokens", type=int, nargs="*", default=[262144],
+                   help="max_inflight_tokens of the `inflight` phase's hsx runs")
+    p.add_argument("--profile", action="store_true",
+                   help="one more hsx bf16 short128 run under py-spy (actor and engine)")
     p.add_argument("--workdir", default="/tmp/hsx-bench-peer")
     p.add_argument("--tmpfs", default="/dev/shm/hsx-bench-peer")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -534,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     # What Bench (bench_vllm.py) reads for its set-up and its children.
-    args.reps, args.prompts, args.profile, args.inflight = 1, args.uniform, False, 0
+    args.reps, args.prompts, args.inflight = 1, args.uniform, 0
     if args.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_CI_ENV", "1")

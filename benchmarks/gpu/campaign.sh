@@ -95,13 +95,15 @@ for s in "$@"; do
       if [ -d .gpu-peer ] && [ ! -d /tmp/site-peer ]; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/site-peer .gpu-peer/*.whl
       fi
-      # ~500k tokens per tool and workload; engines start 5 times (drop, bare, hsx bf16,
-      # hsx fp8, vllm serve): ~13-15 minutes on one H200 (PEER_FLAGS: e.g. --phases).
-      PYTHONPATH=$PYTHONPATH:/tmp/site-peer timeout 1080 python3 benchmarks/gpu/bench_peer.py ${PEER_FLAGS:-} \
+      # ~500k tokens per tool and workload; engines start 6 times (drop, bare, hsx bf16,
+      # hsx fp8, hsx at --inflight-tokens, vllm serve): ~15-17 minutes on one H200
+      # (PEER_FLAGS: e.g. --phases, --profile).
+      PYTHONPATH=$PYTHONPATH:/tmp/site-peer timeout 1380 python3 benchmarks/gpu/bench_peer.py ${PEER_FLAGS:-} \
         --child-timeout 300 --serve-timeout 240 --out "$RES/peer.json" > "$RES/peer.log" 2>&1
       echo "peer: rc=$? $(tail -1 "$RES/peer.log")"
       mkdir -p "$RES/peer-logs"
       cp /tmp/hsx-bench-peer/*.log /tmp/hsx-bench-peer/peer-logs/*.log "$RES/peer-logs/" 2>/dev/null
+      cp /tmp/hsx-bench-peer/profile-*.txt "$RES/" 2>/dev/null
       rm -rf /tmp/hsx-bench-peer/out-* /tmp/hsx-bench-peer/peer-*-hs /tmp/hsx-bench-peer/peer-staging ;;
     train)
       step train
