@@ -114,9 +114,12 @@ class PeerBench(Bench):
         # 8B itself has 131,072); nothing else of the shape changes.
         vocab = self.make_model(max_position_embeddings=16384)
         a = self.args
-        self._mixed(a.mixed)
-        self._fixed("uniform", a.uniform, a.length, vocab)
-        self._fixed("short128", a.short, 128, vocab)
+        if "mixed" in a.workloads:
+            self._mixed(a.mixed)
+        if "uniform" in a.workloads:
+            self._fixed("uniform", a.uniform, a.length, vocab)
+        if "short128" in a.workloads:
+            self._fixed("short128", a.short, 128, vocab)
         self._fixed("warmup", 8, 128, vocab)
         del self.workloads["warmup"]  # each engine's first requests, not timed
         self.result["machine"] = _machine()
@@ -177,7 +180,7 @@ class PeerBench(Bench):
 
     def hsx(self) -> dict[str, Any]:
         out: dict[str, Any] = self.result["phases"].setdefault("hsx", {})
-        for dtype in ("bf16", "fp8"):
+        for dtype in self.args.dtypes:
             # A fresh engine's first requests are slow (the drop and bare children and the
             # peer's server get the same warm-up).
             out.setdefault("warmup", {})[dtype] = self._job(
@@ -273,10 +276,14 @@ class PeerBench(Bench):
             hs = self.work / f"peer-{w.name}-hs"
             shutil.rmtree(hs, ignore_errors=True)
             flags = ["--concurrency", str(concurrency)] if concurrency else []
+            server.reset_cache()
+            cache_before = server.prefix_cache_counts()
             generate_s = self._speculators(
                 f"{w.name}-generate-{concurrency or 'default'}", env, "generate-offline-data",
                 "--preprocessed-data", str(prep), "--endpoint", f"{server.url}/v1",
                 "--output", str(hs), *flags)
+            counts = server.prefix_cache_counts()
+            hits, queries = counts[0] - cache_before[0], counts[1] - cache_before[1]
             inner = _logged_seconds(self.work / "peer-logs" /
                                     f"{w.name}-generate-{concurrency or 'default'}.log")
             synced = time.perf_counter()
@@ -293,6 +300,8 @@ class PeerBench(Bench):
             run = {"concurrency": concurrency or default, "generate_s": round(generate_s, 3),
                    "generate_logged_s": inner,
                    "sync_s": round(sync_s, 3), "files": len(files), "bytes": size,
+                   # The share of prompt tokens the server found in its prefix cache.
+                   "prefix_cache_hit_share": round(hits / queries, 4) if queries else None,
                    "extract_tokens_per_s": round(tokens / extract),
                    # The rate a run long enough to hide the command's start tends to.
                    "logged_tokens_per_s": round(tokens / (inner + sync_s)) if inner else None,
@@ -464,6 +473,8 @@ class PeerServer:
             [str(BENCH), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
         for key, value in self.thread_env.items():
             env.setdefault(key, value)
+        # For POST /reset_prefix_cache between runs (reset_cache): nothing else changes.
+        env["VLLM_SERVER_DEV_MODE"] = "1"
         with open(self.log, "w") as log_file:
             self.proc = subprocess.Popen(self.command, stdout=log_file,
                                          stderr=subprocess.STDOUT, env=env,
@@ -484,6 +495,32 @@ class PeerServer:
             time.sleep(1)
         raise RuntimeError(f"vllm serve not ready in {timeout:.0f} s: "
                            f"{self.log.read_text()[-4000:]}")
+
+    def reset_cache(self) -> None:
+        """Empty the server's prefix cache. `vllm serve` caches prefixes by default (as
+        speculators runs it), and a workload's 500k tokens fit its 650k-token cache: a
+        second run over the same prompts found 88-95% of them cached and computed only
+        the rest (results/gpu-peer/). Every run starts as a user's single run does."""
+        import httpx
+
+        for _ in range(30):  # refused while blocks are still held (the last files' saves)
+            answer = httpx.post(f"{self.url}/reset_prefix_cache", timeout=30)
+            answer.raise_for_status()
+            if answer.json().get("success"):
+                return
+            time.sleep(1)
+        raise RuntimeError("vllm serve did not reset its prefix cache in 30 s")
+
+    def prefix_cache_counts(self) -> tuple[float, float]:
+        """(hits, queries) in tokens, from the server's Prometheus counters."""
+        import httpx
+
+        totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in totals:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+        return totals["vllm:prefix_cache_hits_total"], totals["vllm:prefix_cache_queries_total"]
 
     def warm_up(self, prompts: list[list[int]]) -> None:
         """A few completions through the engine, then its staging folder emptied."""
@@ -544,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--peer-concurrency", type=int, nargs="*", default=None,
                    help="generate-offline-data concurrencies besides its default")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
+                   help="storage dtypes of the hsx phase")
     p.add_argument("--inflight-tokens", type=int, nargs="*", default=[262144],
                    help="max_inflight_tokens of the `inflight` phase's hsx runs")
     p.add_argument("--profile", action="store_true",

@@ -83,7 +83,13 @@ def gather_to_host(
     ready.record()
     stream.wait_event(ready)
     with torch.cuda.stream(stream):
-        slots = slot_mapping.to(kv_cache.device, non_blocking=True)
+        # From pinned memory, or the upload waits for the side stream, which waits for
+        # the model's stream: the engine's thread would stop at every finished request
+        # until the batch just launched ends, and the next batch is not prepared in the
+        # meantime (the overlap vLLM's async scheduling makes would be lost). Pinned, the
+        # copy is queued like the rest; torch's host allocator keeps the block until the
+        # copy has run.
+        slots = slot_mapping.pin_memory().to(kv_cache.device, non_blocking=True)
         states = extract(kv_cache, slots, num_tokens)
         if fp8:
             q, scales = quantize_fp8(states, check=False)
