@@ -96,7 +96,7 @@ for s in "$@"; do
         python3 -m pip install -q --no-index --no-deps --target /tmp/site-peer .gpu-peer/*.whl
       fi
       # ~500k tokens per tool and workload; engines start 6 times (drop, bare, hsx bf16,
-      # hsx fp8, hsx at --inflight-tokens, vllm serve): ~15-17 minutes on one H200
+      # hsx fp8, hsx at --inflight-tokens, vllm serve): 21 minutes measured on one H200
       # (PEER_FLAGS: e.g. --phases, --profile).
       PYTHONPATH=$PYTHONPATH:/tmp/site-peer timeout 1380 python3 benchmarks/gpu/bench_peer.py ${PEER_FLAGS:-} \
         --child-timeout 300 --serve-timeout 240 --out "$RES/peer.json" > "$RES/peer.log" 2>&1
