@@ -32,7 +32,7 @@ workload):
            fp8; whole job (ingestion and plan included) and from the end of prepare; the
            hsx engine's KV cache in tokens.
 - `inflight` hsx bf16 again over every workload with `vllm.max_inflight_tokens` at each
-           of --inflight (the default's before and after, in the same run).
+           of --inflight-tokens (the default's before and after, in the same run).
 - `bare`   drop's engine without capture: what capture costs vLLM. The drop and bare
            children report the engine's KV cache in tokens: the capture layer's share of it.
 
@@ -63,6 +63,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,17 +182,11 @@ class PeerBench(Bench):
     def hsx(self) -> dict[str, Any]:
         out: dict[str, Any] = self.result["phases"].setdefault("hsx", {})
         for dtype in self.args.dtypes:
-            # A fresh engine's first requests are slow (the drop and bare children and the
-            # peer's server get the same warm-up).
-            out.setdefault("warmup", {})[dtype] = self._job(
-                self._spec(self.work / f"out-warmup-{dtype}", dtype, rows="warmup"))
-            for w in self.workloads.values():
-                run = self._job(self._spec(self.work / f"out-{w.name}-{dtype}", dtype,
-                                           rows=w.file))
-                out.setdefault(w.name, {})[dtype] = run
-                log(f"hsx {w.name} {dtype}: {run['tokens_per_s']:,} tok/s, whole job "
-                    f"{run['job_tokens_per_s']:,} tok/s")
-                self.save()
+
+            def store(name: str, run: dict[str, Any], dtype: str = dtype) -> None:
+                out.setdefault(name, {})[dtype] = run
+
+            self._runs(dtype, dtype, store)
             out.setdefault("cache_tokens", {})[dtype] = self._engine_cache_tokens()
             if self.args.profile and dtype == "bf16" and "short128" in self.workloads:
                 # Where a short row's time goes, actor and engine processes (not timed).
@@ -205,18 +200,25 @@ class PeerBench(Bench):
         """hsx bf16 with other in-flight budgets: {budget: {workload: run}}."""
         out: dict[str, Any] = self.result["phases"].setdefault("inflight", {})
         for tokens in self.args.inflight_tokens:
-            over = {"max_inflight_tokens": tokens}
-            runs: dict[str, Any] = {"warmup": self._job(self._spec(
-                self.work / "out-warmup-inflight", "bf16", rows="warmup", vllm_over=over))}
-            for w in self.workloads.values():
-                run = self._job(self._spec(self.work / f"out-{w.name}-inflight", "bf16",
-                                           rows=w.file, vllm_over=over))
-                runs[w.name] = run
-                log(f"hsx {w.name} bf16, max_inflight_tokens {tokens}: "
-                    f"{run['tokens_per_s']:,} tok/s")
-            out[str(tokens)] = runs
-            self.save()
+            runs: dict[str, Any] = out.setdefault(str(tokens), {})
+            self._runs("bf16", f"bf16-inflight-{tokens}", runs.__setitem__,
+                       vllm_over={"max_inflight_tokens": tokens})
         return out
+
+    def _runs(self, dtype: str, label: str, store: Callable[[str, dict[str, Any]], None],
+              vllm_over: dict[str, Any] | None = None) -> None:
+        """hsx over every workload on one engine: a warm-up job first (a fresh engine's
+        first requests are slow; the drop and bare children and the peer's server get
+        the same), each run handed to `store(name, run)`, the results saved after each."""
+        store("warmup", self._job(self._spec(self.work / f"out-warmup-{label}", dtype,
+                                             rows="warmup", vllm_over=vllm_over)))
+        for w in self.workloads.values():
+            run = self._job(self._spec(self.work / f"out-{w.name}-{label}", dtype, rows=w.file,
+                                       vllm_over=vllm_over))
+            store(w.name, run)
+            log(f"hsx {w.name} {label}: {run['tokens_per_s']:,} tok/s, whole job "
+                f"{run['job_tokens_per_s']:,} tok/s")
+            self.save()
 
     def _engine_cache_tokens(self) -> int | None:
         """KV cache tokens of the pool's engine, read in its actor."""
@@ -500,7 +502,7 @@ class PeerServer:
         """Empty the server's prefix cache. `vllm serve` caches prefixes by default (as
         speculators runs it), and a workload's 500k tokens fit its 650k-token cache: a
         second run over the same prompts found 88-95% of them cached and computed only
-        the rest (results/gpu-peer/). Every run starts as a user's single run does."""
+        the rest (results/gpu-peer-2/). Every run starts as a user's single run does."""
         import httpx
 
         for _ in range(30):  # refused while blocks are still held (the last files' saves)
