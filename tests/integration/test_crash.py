@@ -48,6 +48,9 @@ def _job_file(tmp: Path, tiny_llama: Path, dataset: ChatDataset, output: Path) -
 def _start(job: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("RAY_ADDRESS", None)
+    # The product's default topology (tests/conftest.py runs engine cores in-process):
+    # the killed worker's engine-core process goes with it.
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     return subprocess.Popen(
         [*HSX, "extract", str(job), "--no-progress", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

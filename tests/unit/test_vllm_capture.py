@@ -1,6 +1,7 @@
 """VllmEngine.capture against a stand-in for vLLM's LLMEngine: results leave the spool as
 soon as they are published, while vLLM's blocking step() computes the next batch; the
-in-flight budget holds; an engine failure or a consumer that stops ends the driver.
+in-flight budget holds; an engine failure or a consumer that stops ends the driver; an
+engine core in the engine's own process is stepped until its files come.
 
 The stand-in's step() returns a batch only when the test releases it, and the test
 publishes each finished request's spool file itself (the connector's part), so every
@@ -35,6 +36,13 @@ LAYERS, HIDDEN, TOKENS = 2, 4, 3
 WAIT_S = 30.0  # how long a test waits for something that must happen
 
 
+@pytest.fixture(autouse=True)
+def _engine_core_in_its_own_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The product's topology: vLLM's engine core computes while the driver waits for
+    files (tests/conftest.py runs engine cores in-process; one test here does too)."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+
+
 class StepRefused(RuntimeError):
     pass
 
@@ -50,12 +58,14 @@ class FakeLLMEngine:
         self.unfinished: list[str] = []
         self.releases: queue.Queue[BaseException | None] = queue.Queue()
         self.in_step = threading.Event()
+        self.steps = 0
 
     def add_request(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
         self.added.append((request_id, list(prompt["prompt_token_ids"])))
         self.unfinished.append(request_id)
 
     def step(self) -> list[Any]:
+        self.steps += 1
         self.in_step.set()
         err = self.releases.get(timeout=WAIT_S)
         self.in_step.clear()
@@ -219,3 +229,23 @@ def test_a_consumer_that_stops_stops_the_driver(tmp_path: Path) -> None:
     fake.releases.put(None)  # the driver's step in progress ends with its batch
     results.close()
     assert not [t for t in threading.enumerate() if t.name == "hsx-vllm-driver"]
+
+
+def test_an_engine_core_in_this_process_is_stepped_until_its_files_come(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With VLLM_ENABLE_V1_MULTIPROCESSING=0 the connector's copies and writes move only
+    # when the engine is stepped: with every request finished and none of their files
+    # written yet, the driver steps again instead of waiting for files.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engine, fake = _engine(tmp_path, batch=2, budget_requests=8)
+    consumer = Consumer(engine.capture(_requests(2)))
+    _wait_until(lambda: fake.in_step.is_set() and len(fake.added) == 2)
+    fake.releases.put(None)  # both finish; their files are not written yet
+    _wait_until(lambda: fake.steps == 2 and fake.in_step.is_set())
+    for rid, _ in fake.added:  # this step writes them
+        fake.publish(rid)
+    fake.releases.put(None)
+    assert [consumer.take().sample_index for _ in range(2)] == [0, 1]  # type: ignore[union-attr]
+    # Nothing arriving and nothing left to send: the driver stops stepping and ends.
+    consumer.thread.join(WAIT_S)
+    assert not consumer.thread.is_alive() and consumer.got.empty()

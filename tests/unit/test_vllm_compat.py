@@ -1,8 +1,18 @@
-"""vllm_compat's fix of sampling under capture on vLLM's CPU platform (the platform of
-these machines): the installed function expands per-request values over draft tokens the
-way vLLM's kernel means to, where the CPU build's own returns uninitialized memory."""
+"""vllm_compat's fixes of vLLM on its CPU platform (the platform of these machines):
+
+- sampling under capture: the installed function expands per-request values over draft
+  tokens the way vLLM's kernel means to, where the CPU build's own returns uninitialized
+  memory;
+- the kernel-override scan at engine start: it rebinds kernels in a process that holds an
+  object like llvmlite's library (imported with numba), where vLLM's own scan raises.
+"""
 
 from __future__ import annotations
+
+import builtins
+import sys
+import types
+from typing import Any
 
 import pytest
 
@@ -31,3 +41,51 @@ def test_expansion_over_draft_tokens_is_exact() -> None:
     # Every value is written: nothing is left of the memory it was given.
     for _ in range(20):
         assert torch.isfinite(expand(torch.rand(64), torch.arange(1, 65) * 2, 128)).all()
+
+
+class _LockedLibrary:
+    """As llvmlite's `binding.ffi.lib`: no instance dict, and any attribute it lacks,
+    `__dict__` included, is a function of the library (wrapped, not a dict)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        return _LibraryFunction()
+
+
+class _LibraryFunction:
+    __slots__ = ()
+
+
+def test_kernel_overrides_register_beside_llvmlite(monkeypatch: pytest.MonkeyPatch) -> None:
+    dispatcher = pytest.importorskip("vllm.triton_utils.dispatcher")
+    from hsx_workers.vllm_compat import fix_kernel_override_scan
+
+    def kernel(x: int) -> int:
+        raise AssertionError("the original kernel ran")
+
+    def impl(x: int) -> int:
+        return x + 1
+
+    # A module that defines a kernel, a warmup owner that holds it as its `kernel`, and
+    # llvmlite's library beside them.
+    module = types.ModuleType("hsx_test_kernels")
+    module.kernel = kernel  # type: ignore[attr-defined]
+    module.owner = types.SimpleNamespace(kernel=kernel)  # type: ignore[attr-defined]
+    module.lib = _LockedLibrary()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(dispatcher, "_registry", {})
+    # The builtin for the test; the fix's own `vars` is taken away after it.
+    monkeypatch.setattr(dispatcher, "vars", builtins.vars, raising=False)
+
+    assert fix_kernel_override_scan()
+    assert fix_kernel_override_scan()  # twice is once
+    dispatcher.register_kernels({"hsx_test_kernels.kernel": impl})
+    assert isinstance(module.kernel, dispatcher.KernelOverride)
+    assert module.owner.kernel is module.kernel
+    assert module.kernel[1](41) == 42
+    # Every other namespace reads as before: a class's (a mappingproxy), an instance's.
+    namespace = dispatcher.vars
+    assert namespace(dispatcher.KernelOverride) == vars(dispatcher.KernelOverride)
+    assert namespace(module.owner) is vars(module.owner)
+    assert namespace(module.lib) == {}

@@ -109,6 +109,8 @@ def measure_acceptance(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from hsx_workers.vllm_compat import fix_kernel_override_scan
+
     if not prompts:
         raise ValueError("no prompts to generate from")
     # As long as the longest prompt and answer need (and the draft's k tokens past it).
@@ -116,6 +118,7 @@ def measure_acceptance(
     args: dict[str, Any] = {"enforce_eager": enforce_eager, **(engine or {})}
     # As long as the prompts need, at most what the job's own arguments allow.
     args["max_model_len"] = min(longest, int(args.get("max_model_len") or longest))
+    fix_kernel_override_scan()  # as VllmEngine: an engine core in this process must start
     llm = LLM(
         model=target, disable_log_stats=False,
         speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k},

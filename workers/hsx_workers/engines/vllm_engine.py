@@ -35,6 +35,7 @@ from hsx_workers.engines.base import (
     RequestStream,
 )
 from hsx_workers.spool import ERROR_SUFFIX, SPOOL_SUFFIX, read_error, spool_root, take_spool_file
+from hsx_workers.vllm_compat import fix_kernel_override_scan
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,9 @@ class VllmEngine:
         self.hooks = self._capture_path() == "hooks"
         if self.hooks:
             self._hook_args(engine_args)
+        # vLLM's engine core may run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+        # which by now may have imported numba: its kernel-override scan must survive that.
+        fix_kernel_override_scan()
         started = time.monotonic()
         self.llm = LLM(**engine_args)
         if self.hooks:
