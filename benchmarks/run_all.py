@@ -23,11 +23,12 @@ import common
 BENCHMARKS = {
     "writer": "bench_writer.py",
     "reader": "bench_reader.py",
+    "connector": "bench_connector.py",
     "pipeline": "bench_pipeline.py",
     "api": "bench_api.py",  # coordinator under polling load (run if present)
 }
-SECTIONS = {"writer": "writer", "reader": "reader", "pipeline": "pipeline",
-            "api": "api_polling"}
+SECTIONS = {"writer": "writer", "reader": "reader", "connector": "connector",
+            "pipeline": "pipeline", "api": "api_polling"}
 
 
 def summary_rows(results: dict[str, Any], names: list[str]) -> list[list[Any]]:
@@ -46,8 +47,8 @@ def summary_rows(results: dict[str, Any], names: list[str]) -> list[list[Any]]:
             for cache in ("warm", "cold"):
                 rows += [[f"reader ({cache})", *common.ratio_row(r, e)]
                          for r, e in section.get(cache, {}).get("ratios", {}).items()]
-        elif name == "writer":
-            rows += [["writer", *common.ratio_row(r, e)] for r, e in section["ratios"].items()]
+        elif name in ("writer", "connector"):
+            rows += [[name, *common.ratio_row(r, e)] for r, e in section["ratios"].items()]
         else:
             rows += [[name, what, "-", "-", "-", "-", v]
                      for what, v in section.get("verdicts", {}).items()]

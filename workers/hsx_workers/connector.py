@@ -19,8 +19,9 @@ Who calls what (same split as every vLLM connector):
 - scheduler side (engine core process): `build_connector_meta` names the spool file of
   each new request, `request_finished` delays freeing the request's blocks and queues
   a save — both inherited from vLLM's example connector.
-- worker side (TP rank 0 only): `get_finished` gathers the states of finished
-  requests out of the cache and writes them (`_submit_async_write`, overridden here).
+- worker side (TP rank 0 only): `get_finished` gathers the states of the requests a
+  step finished out of the cache, all at once (one slot mapping, one gather, one copy:
+  hostcopy.py), and writes each request's rows to its spool file (`_keep`).
 
 `kv_connector_extra_config`: `shared_storage_path` (the spool directory),
 `storage_dtype` (`bf16` or `fp8`), `num_writer_threads` (vLLM's, default 8).
@@ -41,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from hsx.output.shards import background_priority
-from hsx_workers.hostcopy import gather_to_host, slots_of_blocks
+from hsx_workers.hostcopy import gather_to_host, slots_of_requests, split_rows
 from hsx_workers.spool import publish_spool_file
 from hsx_workers.vllm_compat import extract_states, fix_cpu_sampling_constraints
 
@@ -68,6 +69,11 @@ def _write_spool_file(tensors: dict[str, torch.Tensor], event: Any, filename: st
 class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
     """Store-only connector for `extract_hidden_states`, CPU and CUDA."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._taken: set[str] = set()  # requests this step's get_finished gathered
+        self._made_dirs: set[str] = set()  # spool directories known to exist
+
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         # A regenerating job's generation requests have no states to keep: their blocks
@@ -82,26 +88,78 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         # No lock files: spool files are published by rename.
         return None
 
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        # Every request this step finished, gathered and copied at once; vLLM's loop
+        # below then polls their copies (and hands each to _submit_async_write, which
+        # finds it taken).
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        pending: list[PendingSave] = list(getattr(meta, "pending_saves", None) or [])
+        self._taken = set()
+        for group in _groups(pending, GATHER_TOKENS):
+            self._submit_step(group)
+        return super().get_finished(finished_req_ids)  # type: ignore[no-any-return]
+
     def _submit_async_write(self, pending: PendingSave) -> None:
+        if pending.req_id not in self._taken:
+            self._submit_step([pending])
+
+    def _submit_step(self, pending: list[PendingSave]) -> None:
+        """One gather and one device-to-host copy for these requests, then each request's
+        rows go to `_keep`."""
+        self._taken.update(p.req_id for p in pending)
         if not self._is_tp_rank_zero:
             return
         if self._kv_cache is None:
             raise RuntimeError("hsx connector: KV caches were never registered")
-        if pending.req_id in self._req_futures:
-            raise RuntimeError(f"hsx connector: request {pending.req_id} saved twice")
-
-        slot_mapping = slots_of_blocks(pending.block_ids, self._block_size)
+        for p in pending:
+            if p.req_id in self._req_futures:
+                raise RuntimeError(f"hsx connector: request {p.req_id} saved twice")
+        lengths = [int(p.token_ids.shape[0]) for p in pending]
+        slot_mapping = slots_of_requests([p.block_ids for p in pending], lengths,
+                                         self._block_size)
         stream = self._get_copy_stream() if self._kv_cache.is_cuda else None
-        fp8 = self._kv_transfer_config.get_from_extra_config("storage_dtype", "bf16") == "fp8"
         event, tensors = gather_to_host(
-            self._kv_cache, slot_mapping, int(pending.token_ids.shape[0]), stream,
-            extract=extract_states, fp8=fp8,
+            self._kv_cache, slot_mapping, sum(lengths), stream,
+            extract=extract_states, fp8=self._storage_fp8(),
         )
+        for p, rows in zip(pending, split_rows(tensors, lengths), strict=True):
+            self._req_copy_events[p.req_id] = event
+            self._keep(p, event, rows)
+
+    def _storage_fp8(self) -> bool:
+        return self._kv_transfer_config.get_from_extra_config("storage_dtype", "bf16") == "fp8"
+
+    def _keep(self, pending: PendingSave, event: Any, tensors: dict[str, torch.Tensor]) -> None:
+        """Write one request's states to its spool file once `event` has fired."""
         tensors["token_ids"] = pending.token_ids.clone()
-        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+        directory = os.path.dirname(pending.filename)
+        if directory not in self._made_dirs:
+            os.makedirs(directory, exist_ok=True)
+            self._made_dirs.add(directory)
         future: Future[None] = self._executor.submit(
             _write_spool_file, tensors, event, pending.filename
         )
-        self._req_copy_events[pending.req_id] = event
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
+
+
+GATHER_TOKENS = 65536
+"""At most this many tokens in one gather (2 GiB of bf16 states at 32 KiB a token): a
+step's finished requests stay within vLLM's batch, but a few requests finished by one
+step can each be long."""
+
+
+def _groups(pending: list[PendingSave], limit: int) -> list[list[PendingSave]]:
+    """`pending` in order, cut into groups of at most `limit` tokens (a longer request
+    alone)."""
+    groups: list[list[PendingSave]] = []
+    tokens = limit
+    for p in pending:
+        n = int(p.token_ids.shape[0])
+        if tokens + n > limit:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(p)
+        tokens += n
+    return groups

@@ -5,6 +5,13 @@ The connector (connector.py) calls `gather_to_host` with vLLM's own gather funct
 (vllm_compat.extract_states), which knows the installed release's cache layout; tests
 and benchmarks pass `gather` (the 0.32 layout) or their own.
 
+The connector gathers all the requests one engine step finished at once: their slots
+one after another (`slots_of_requests`, numpy, no torch call per request), one gather,
+one copy, and each request's states are rows of the result (`split_rows`). Per request,
+a gather and its copy were a few dozen torch calls on vLLM's engine thread, ~0.4 ms:
+on 128-token rows that thread spent two thirds of its time there, not computing
+(benchmarks/results/gpu-peer-3/).
+
 On CUDA the gather, the optional fp8 quantization and the device-to-host copy run on a
 side stream, into pinned host memory: pageable copies were measured 40x slower than
 pinned ones on an H200 (1.35 vs 55 GB/s), and a side stream keeps the copy off the
@@ -18,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from hsx.output.shards import quantize_fp8
@@ -40,6 +48,33 @@ def slots_of_blocks(block_ids: list[int], block_size: int) -> torch.Tensor:
     blocks = torch.tensor(block_ids, dtype=torch.long)
     offsets = torch.arange(block_size, dtype=torch.long)
     return (offsets[None, :] + blocks[:, None] * block_size).flatten()
+
+
+def slots_of_requests(block_ids: list[list[int]], num_tokens: list[int],
+                      block_size: int) -> torch.Tensor:
+    """Cache slot of every token of the requests, one request after another: request i's
+    first `num_tokens[i]` positions, from its block ids."""
+    blocks_needed = [-(-n // block_size) for n in num_tokens]
+    for ids, need, n in zip(block_ids, blocks_needed, num_tokens, strict=True):
+        if len(ids) < need:
+            raise ValueError(f"{n} tokens need {need} blocks of {block_size}, "
+                             f"the request has {len(ids)}")
+    blocks = np.fromiter(
+        (b for ids, need in zip(block_ids, blocks_needed, strict=True) for b in ids[:need]),
+        dtype=np.int64, count=sum(blocks_needed))
+    slots = (blocks[:, None] * block_size + np.arange(block_size)).ravel()
+    # Each request's last block is cut at its length.
+    spans = np.asarray(blocks_needed, dtype=np.int64) * block_size
+    starts = np.repeat(np.cumsum(spans) - spans, spans)
+    lengths = np.repeat(np.asarray(num_tokens, dtype=np.int64), spans)
+    return torch.from_numpy(slots[np.arange(slots.size) - starts < lengths])
+
+
+def split_rows(tensors: dict[str, torch.Tensor], num_tokens: list[int]
+               ) -> list[dict[str, torch.Tensor]]:
+    """Each request's rows of a gather over several requests (views, no copy)."""
+    parts = {name: t.split(num_tokens) for name, t in tensors.items()}
+    return [{name: parts[name][i] for name in tensors} for i in range(len(num_tokens))]
 
 
 def gather(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:

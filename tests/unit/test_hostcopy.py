@@ -1,0 +1,87 @@
+"""hostcopy's gather of several requests at once (what the connector does for the requests
+one engine step finished): each request's rows are exactly what a gather of that request
+alone gives, in bf16 and fp8, whatever the lengths and however the blocks lie in the
+cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hsx_workers.hostcopy import (  # noqa: E402
+    gather,
+    gather_to_host,
+    slots_of_blocks,
+    slots_of_requests,
+    split_rows,
+)
+
+BLOCK, LAYERS, HIDDEN, BLOCKS = 4, 3, 8, 64
+
+
+def _requests(seed: int) -> tuple[list[list[int]], list[int]]:
+    """Requests of 1..13 tokens on shuffled blocks (each with a spare block, as vLLM's
+    requests keep room for the generated token), none sharing a block."""
+    g = torch.Generator().manual_seed(seed)
+    free = torch.randperm(BLOCKS, generator=g).tolist()
+    blocks, lengths = [], []
+    for n in [1, BLOCK, BLOCK + 1, 13, 2 * BLOCK, 3]:
+        need = -(-n // BLOCK) + 1
+        blocks.append([free.pop() for _ in range(need)])
+        lengths.append(n)
+    return blocks, lengths
+
+
+def _bits(t: Any) -> Any:
+    """Comparable in any dtype (torch compares no float8 tensors)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def test_slots_of_requests_are_each_requests_slots_one_after_another() -> None:
+    blocks, lengths = _requests(0)
+    expected = torch.cat([slots_of_blocks(b, BLOCK)[:n]
+                          for b, n in zip(blocks, lengths, strict=True)])
+    assert torch.equal(slots_of_requests(blocks, lengths, BLOCK), expected)
+    assert slots_of_requests([], [], BLOCK).numel() == 0
+
+
+def test_a_request_with_too_few_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match="5 tokens need 2 blocks of 4, the request has 1"):
+        slots_of_requests([[3]], [5], BLOCK)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_gather_gives_each_request_what_its_own_gather_gives(fp8: bool) -> None:
+    cache = torch.randn(BLOCKS, LAYERS, BLOCK, HIDDEN).to(torch.bfloat16)
+    blocks, lengths = _requests(1)
+    event, tensors = gather_to_host(cache, slots_of_requests(blocks, lengths, BLOCK),
+                                    sum(lengths), fp8=fp8)
+    event.synchronize()
+    rows = split_rows(tensors, lengths)
+    assert len(rows) == len(lengths)
+    for b, n, got in zip(blocks, lengths, rows, strict=True):
+        _, alone = gather_to_host(cache, slots_of_blocks(b, BLOCK), n, fp8=fp8)
+        assert set(got) == set(alone)
+        for name in alone:
+            assert got[name].shape[0] == n
+            assert torch.equal(_bits(got[name]), _bits(alone[name]))
+        # and those are the request's tokens in the cache, position by position
+        if not fp8:
+            for t in range(n):
+                block, offset = b[t // BLOCK], t % BLOCK
+                assert torch.equal(got["hidden_states"][t], cache[block, :, offset])
+    # The rows are views of one gather, not copies.
+    base = tensors["hidden_states"]
+    assert all(r["hidden_states"].untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+               for r in rows)
+
+
+def test_gather_reads_the_32_layout() -> None:
+    cache = torch.arange(BLOCKS * LAYERS * BLOCK * HIDDEN, dtype=torch.float32).reshape(
+        BLOCKS, LAYERS, BLOCK, HIDDEN)
+    states = gather(cache, torch.tensor([5, 6, 7, 8, 9]), 3)
+    assert states.shape == (3, LAYERS, HIDDEN)
+    assert torch.equal(states[2], cache[1, :, 3])
