@@ -111,6 +111,8 @@ def test_a_coordinator_killed_while_it_trains_resumes_the_training(
     """kill -9 of `hsx serve` (and its Ray, trainer included) after the training's first
     checkpoint; a coordinator started again on the ledger picks the training up from
     that checkpoint and finishes it; the extraction's output passes the audit."""
+    import ray
+
     from hsx.wire import JobState, TrainState
     from hsx_service.runner import run_job
     from tests.integration.test_service import start_coordinator
@@ -120,7 +122,11 @@ def test_a_coordinator_killed_while_it_trains_resumes_the_training(
     run_job(spec, pool=engine_pool)  # the session's warm engine: the coordinator starts none
     output = Path(spec.output)
     roots, ledger = [tmp_path_factory.getbasetemp()], tmp_path / "ledger.sqlite"
-    first = start_coordinator(ledger, roots, tmp_path / "serve-1.log")
+    # Both coordinators join this session's Ray by its address (the trainer, owned by
+    # the killed one, goes with it): without one, a coordinator joined the newest Ray
+    # on the machine, the other pytest worker's `ray start` cluster, which ended under it.
+    ray_env = {"HSX_RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    first = start_coordinator(ledger, roots, tmp_path / "serve-1.log", env=ray_env)
     try:
         client = first.client()
         job = client.submit({**spec.model_dump(mode="json"), "train": TRAIN}, job_id="trained")
@@ -136,7 +142,7 @@ def test_a_coordinator_killed_while_it_trains_resumes_the_training(
     at_kill = read_train_state(output) or {}
     assert at_kill.get("state") == "running" and killed_at < TRAIN["max_steps"], at_kill
 
-    second = start_coordinator(ledger, roots, tmp_path / "serve-2.log")
+    second = start_coordinator(ledger, roots, tmp_path / "serve-2.log", env=ray_env)
     try:
         training = second.client().wait_train(job.id, timeout=600)
     finally:

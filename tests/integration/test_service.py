@@ -91,21 +91,7 @@ def serve_env(roots: list[Path]) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
     }
     env.pop("RAY_ADDRESS", None)
-    # This test process's Ray, when it has one (the session's engine pool): without an
-    # address a coordinator joins the newest cluster on the machine, which may be the
-    # other pytest worker's and end under it (a submit then waited on a dead cluster).
-    address = _session_ray_address()
-    if address:
-        env["HSX_RAY_ADDRESS"] = address
     return env
-
-
-def _session_ray_address() -> str | None:
-    if "ray" not in sys.modules:
-        return None
-    import ray
-
-    return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
 
 
 def start_coordinator(
