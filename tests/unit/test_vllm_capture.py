@@ -49,7 +49,8 @@ class StepRefused(RuntimeError):
 
 class FakeLLMEngine:
     """add_request records; step() blocks until released, then finishes the oldest
-    `batch` requests (or raises what it was released with)."""
+    `batch` requests (or raises what it was released with). A step with no request
+    left returns at once, as vLLM's does."""
 
     def __init__(self, spool: Path, batch: int) -> None:
         self.spool = spool
@@ -66,6 +67,8 @@ class FakeLLMEngine:
 
     def step(self) -> list[Any]:
         self.steps += 1
+        if not self.unfinished:
+            return []
         self.in_step.set()
         err = self.releases.get(timeout=WAIT_S)
         self.in_step.clear()
@@ -241,10 +244,9 @@ def test_an_engine_core_in_this_process_is_stepped_until_its_files_come(
     consumer = Consumer(engine.capture(_requests(2)))
     _wait_until(lambda: fake.in_step.is_set() and len(fake.added) == 2)
     fake.releases.put(None)  # both finish; their files are not written yet
-    _wait_until(lambda: fake.steps == 2 and fake.in_step.is_set())
-    for rid, _ in fake.added:  # this step writes them
+    _wait_until(lambda: fake.steps >= 3)  # stepped on while it waits for them
+    for rid, _ in fake.added:  # a step writes them
         fake.publish(rid)
-    fake.releases.put(None)
     assert [consumer.take().sample_index for _ in range(2)] == [0, 1]  # type: ignore[union-attr]
     # Nothing arriving and nothing left to send: the driver stops stepping and ends.
     consumer.thread.join(WAIT_S)
