@@ -10,8 +10,8 @@ env:
 demo: env
 	$(PY)/hsx demo
 
-# Two workers, a test module on one (tests/conftest.py orders the longest first): the
-# suite's engines, trainings and waits on one worker leave CPU time the other uses.
+# Two workers, a test module on one (tests/conftest.py orders the longest first), each
+# worker and what it starts on its own half of the cores (tests/conftest.py says why).
 XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: env lint

@@ -1,10 +1,12 @@
-"""Reading outputs back for comparisons between runs."""
+"""Reading outputs back for comparisons between runs; the learnable target's fixture type."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,28 @@ import psutil
 import torch
 
 from hsx.dataset import HiddenStatesDataset
+from hsx.output.layout import DRAFT_CHECKPOINTS, DRAFT_DIR
+from hsx_workers.learnable import TaskLanguage
+
+LEARNABLE_SAMPLES = 3000  # ~75k tokens of the learnable language
+
+
+@dataclass
+class Learnable:
+    """tests/integration/conftest.py's `learnable`: the target and its language's rows."""
+
+    target: Path
+    language: TaskLanguage
+    dataset: Path
+
+
+def published_step(output: Path) -> int:
+    """The checkpoint whose weights draft/ holds (hard links: the same inode)."""
+    ino = os.stat(output / DRAFT_DIR / "model.safetensors").st_ino
+    for ckpt in (output / DRAFT_CHECKPOINTS).iterdir():
+        if os.stat(ckpt / "model.safetensors").st_ino == ino:
+            return int(ckpt.name.split("-")[1])
+    raise AssertionError("draft/ holds no checkpoint's weights")
 
 
 def by_sample(output: Path) -> dict[int, dict[str, torch.Tensor]]:
