@@ -134,11 +134,12 @@ def ledger(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ledger") / "ledger.sqlite"
 
 
-def serve_for_module(tmp_path_factory: pytest.TempPathFactory,
-                     name: str) -> Iterator[Coordinator]:
-    """A module's own coordinator on a fresh ledger, allowed the whole session's tmp."""
+def serve_for_module(tmp_path_factory: pytest.TempPathFactory, name: str,
+                     *more_roots: Path) -> Iterator[Coordinator]:
+    """A module's own coordinator on a fresh ledger, allowed the whole session's tmp (and
+    `more_roots`)."""
     ledger = tmp_path_factory.mktemp(f"{name}-ledger") / "ledger.sqlite"
-    server = start_coordinator(ledger, [tmp_path_factory.getbasetemp()],
+    server = start_coordinator(ledger, [tmp_path_factory.getbasetemp(), *more_roots],
                                ledger.parent / "serve.log")
     yield server
     server.kill()

@@ -32,8 +32,10 @@ TRAIN = {"workers": 2, "steps": 80, "eval_prompts": 16}
 
 
 @pytest.fixture(scope="module")
-def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
-    yield from serve_for_module(tmp_path_factory, "train")
+def coordinator(tmp_path_factory: pytest.TempPathFactory,
+                learnable: Learnable) -> Iterator[Coordinator]:
+    # Under pytest-xdist the learnable target and its rows lie outside this worker's tmp.
+    yield from serve_for_module(tmp_path_factory, "train", learnable.target.parent)
 
 
 @dataclass
