@@ -213,8 +213,14 @@ class PeerBench(Bench):
         store("warmup", self._job(self._spec(self.work / f"out-warmup-{label}", dtype,
                                              rows="warmup", vllm_over=vllm_over)))
         for w in self.workloads.values():
-            run = self._job(self._spec(self.work / f"out-{w.name}-{label}", dtype, rows=w.file,
-                                       vllm_over=vllm_over))
+            try:
+                run = self._job(self._spec(self.work / f"out-{w.name}-{label}", dtype,
+                                           rows=w.file, vllm_over=vllm_over))
+            except Exception as err:  # one workload refused (say, the disk): the rest run
+                store(w.name, {"error": f"{type(err).__name__}: {err}"})
+                log(f"hsx {w.name} {label}: {type(err).__name__}: {err}")
+                self.save()
+                continue
             store(w.name, run)
             log(f"hsx {w.name} {label}: {run['tokens_per_s']:,} tok/s, whole job "
                 f"{run['job_tokens_per_s']:,} tok/s")
@@ -353,10 +359,12 @@ class PeerBench(Bench):
             peer = p.get("peer", {}).get(name, {})
             speeds = {"drop": drop, "bare": bare}
             for dtype, run in hsx.items():
+                if "error" in run:
+                    continue
                 speeds[f"hsx_{dtype}"] = run["tokens_per_s"]
                 speeds[f"hsx_{dtype}_job"] = run["job_tokens_per_s"]
             for tokens, runs in p.get("inflight", {}).items():
-                if name in runs:
+                if name in runs and "error" not in runs[name]:
                     speeds[f"hsx_bf16_inflight_{tokens}"] = runs[name]["tokens_per_s"]
             for which in ("default", "best"):
                 if which in peer:
