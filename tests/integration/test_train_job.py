@@ -22,8 +22,9 @@ import pytest
 from hsx.client import JobRefusedError, NotFoundError
 from hsx.output.layout import DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_EVAL
 from hsx.wire import JobState, JobStatus, TrainState, TrainStatus
+from hsx_workers.learnable import write_language_dataset
 
-from .helpers import Learnable, published_step, worker_processes
+from .helpers import LEARNABLE_SAMPLES, Learnable, published_step, worker_processes
 from .test_service import Coordinator, serve_for_module
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
@@ -51,9 +52,15 @@ class TrainedRun:
 def trained(coordinator: Coordinator, learnable: Learnable,
             tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
     output = tmp_path_factory.mktemp("train-out") / "tasks"
+    # Three times the shared rows (the same first ones): an extraction long enough that
+    # the trainer's two Ray Train workers, started with it on the same core under
+    # `make test`, take their first steps while it runs (with the shared rows alone the
+    # extraction once ended 23 s before the first step).
+    rows = write_language_dataset(output.parent / "tasks.jsonl", 3 * LEARNABLE_SAMPLES,
+                                  language=learnable.language)
     client = coordinator.client()
     job = client.submit({
-        "model": str(learnable.target), "dataset": str(learnable.dataset),
+        "model": str(learnable.target), "dataset": str(rows),
         "output": str(output), "layers": [1, 2, 3, 4], "max_seq_len": 256,
         "unit_tokens": 8192, "train": TRAIN,
     }, job_id="tasks")
