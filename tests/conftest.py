@@ -73,10 +73,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # module when it is almost out of work, so the longest go first (measured on CI's 2-core
 # machine) and the short ones fill in behind them.
 #
-# pytest-xdist hands each worker two modules at the start and keeps two queued on each:
-# test_train.py (~17 minutes) and the third module go to one worker, the rest flows to
-# the other. test_train_job.py comes fifth, so that its worker reaches it once the first
-# has built the learnable target they share (tests/integration/conftest.py).
+# pytest-xdist keeps two modules queued on each worker, so the worker that takes
+# test_train.py (~13 minutes on its core) is busy with it while the other runs the next
+# modules. test_train_job.py comes fifth: its worker reaches it after the first has built
+# the learnable target they share (tests/integration/conftest.py), not waiting on it.
 LONGEST_FIRST = (
     "integration/test_train.py", "integration/test_regenerate.py", "chaos/test_faults.py",
     "integration/test_service.py", "integration/test_train_job.py", "integration/test_crash.py",

@@ -3,7 +3,7 @@ shared with tests/chaos/ so that one session starts one Ray and one pool of warm
 
 `learnable` (the learnable target and its language's dataset) serves test_train.py and
 test_train_job.py, which `make test` may run on different pytest-xdist workers: the
-first to ask builds it (~1 minute of CPU) under a lock in the run's shared temporary
+first to ask builds it (~2.5 minutes on one core) under a lock in the run's shared temporary
 directory, the other finds it there.
 """
 
