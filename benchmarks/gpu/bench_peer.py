@@ -31,6 +31,9 @@ workload):
 - `hsx`    `run_job` to shards on the work folder's disk (fsynced, checksummed), bf16 then
            fp8; whole job (ingestion and plan included) and from the end of prepare; the
            hsx engine's KV cache in tokens.
+- `shm`    hsx again, each dtype, with its output in --tmpfs (/dev/shm): what hsx makes
+           where the bucket takes states faster than this disk (bf16 on long rows is
+           the disk's write + fsync rate otherwise).
 - `inflight` hsx bf16 again over every workload with `vllm.max_inflight_tokens` at each
            of --inflight-tokens (the default's before and after, in the same run).
 - `bare`   drop's engine without capture: what capture costs vLLM. The drop and bare
@@ -75,7 +78,7 @@ from bench_product import free_port
 from bench_vllm import BENCH, Bench, _end_session, log
 
 # The peer before hsx and bare: a run cut short keeps the comparison it was made for.
-PHASES = ("disk", "drop", "peer", "hsx", "inflight", "bare")
+PHASES = ("disk", "drop", "peer", "hsx", "shm", "inflight", "bare")
 WORKLOADS = ("mixed", "uniform", "short128")
 
 # speculators' scripts/launch_vllm.py: the render front end's size and the native thread
@@ -196,6 +199,17 @@ class PeerBench(Bench):
                 log(f"hsx short128 bf16 under py-spy: {run['tokens_per_s']:,} tok/s")
         return out
 
+    def shm(self) -> dict[str, Any]:
+        """hsx with its output in memory: {workload: {dtype: run}}."""
+        out: dict[str, Any] = self.result["phases"].setdefault("shm", {})
+        for dtype in self.args.dtypes:
+
+            def store(name: str, run: dict[str, Any], dtype: str = dtype) -> None:
+                out.setdefault(name, {})[dtype] = run
+
+            self._runs(dtype, f"{dtype}-shm", store, root=self.tmpfs)
+        return out
+
     def inflight(self) -> dict[str, Any]:
         """hsx bf16 with other in-flight budgets: {budget: {workload: run}}."""
         out: dict[str, Any] = self.result["phases"].setdefault("inflight", {})
@@ -206,15 +220,16 @@ class PeerBench(Bench):
         return out
 
     def _runs(self, dtype: str, label: str, store: Callable[[str, dict[str, Any]], None],
-              vllm_over: dict[str, Any] | None = None) -> None:
+              vllm_over: dict[str, Any] | None = None, root: Path | None = None) -> None:
         """hsx over every workload on one engine: a warm-up job first (a fresh engine's
         first requests are slow; the drop and bare children and the peer's server get
         the same), each run handed to `store(name, run)`, the results saved after each."""
-        store("warmup", self._job(self._spec(self.work / f"out-warmup-{label}", dtype,
+        root = root or self.work
+        store("warmup", self._job(self._spec(root / f"out-warmup-{label}", dtype,
                                              rows="warmup", vllm_over=vllm_over)))
         for w in self.workloads.values():
             try:
-                run = self._job(self._spec(self.work / f"out-{w.name}-{label}", dtype,
+                run = self._job(self._spec(root / f"out-{w.name}-{label}", dtype,
                                            rows=w.file, vllm_over=vllm_over))
             except Exception as err:  # one workload refused (say, the disk): the rest run
                 store(w.name, {"error": f"{type(err).__name__}: {err}"})
@@ -363,6 +378,10 @@ class PeerBench(Bench):
                     continue
                 speeds[f"hsx_{dtype}"] = run["tokens_per_s"]
                 speeds[f"hsx_{dtype}_job"] = run["job_tokens_per_s"]
+            for dtype, run in p.get("shm", {}).get(name, {}).items():
+                if "error" not in run:
+                    speeds[f"hsx_{dtype}_shm"] = run["tokens_per_s"]
+                    speeds[f"hsx_{dtype}_shm_job"] = run["job_tokens_per_s"]
             for tokens, runs in p.get("inflight", {}).items():
                 if name in runs and "error" not in runs[name]:
                     speeds[f"hsx_bf16_inflight_{tokens}"] = runs[name]["tokens_per_s"]
@@ -374,7 +393,8 @@ class PeerBench(Bench):
                     speeds[f"peer_{which}_concurrency"] = peer[which]["concurrency"]
             row: dict[str, Any] = {"tokens_per_s": speeds}
             row["over_drop"] = {k: ratio(speeds.get(k), drop) for k in
-                                ("hsx_bf16", "hsx_fp8", "peer_default", "peer_best",
+                                ("hsx_bf16", "hsx_fp8", "hsx_bf16_shm", "hsx_fp8_shm",
+                                 "hsx_bf16_job", "hsx_fp8_job", "peer_default", "peer_best",
                                  "peer_best_logged", "bare",
                                  *(k for k in speeds if "_inflight_" in k))}
             row["hsx_job_over_peer_best_job"] = {

@@ -104,7 +104,8 @@ for s in "$@"; do
       mkdir -p "$RES/peer-logs"
       cp /tmp/hsx-bench-peer/*.log /tmp/hsx-bench-peer/peer-logs/*.log "$RES/peer-logs/" 2>/dev/null
       cp /tmp/hsx-bench-peer/profile-*.txt "$RES/" 2>/dev/null
-      rm -rf /tmp/hsx-bench-peer/out-* /tmp/hsx-bench-peer/peer-*-hs /tmp/hsx-bench-peer/peer-staging ;;
+      rm -rf /tmp/hsx-bench-peer/out-* /tmp/hsx-bench-peer/peer-*-hs /tmp/hsx-bench-peer/peer-staging \
+        /dev/shm/hsx-bench-peer ;;
     train)
       step train
       if [ -f benchmarks/gpu/bench_train_scaling.py ]; then
