@@ -108,7 +108,9 @@ def start_coordinator(
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    # Ray's start alone took over 300 s once, beside another worker's training on a
+    # 2-core machine without AVX-512 (its local node timed out registering, twice).
+    deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"hsx serve exited: {log.read_text()[-3000:]}")

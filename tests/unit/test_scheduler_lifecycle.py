@@ -32,7 +32,9 @@ class Died(BaseException):
     """What kills a thread outright: not an Exception, so nothing in the loop catches it."""
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 300.0) -> None:
+    # A guard against a hang: four runner attempts, each preparing the tiny job, took
+    # over 60 s on a 2-core machine without AVX-512 under the rest of `make test`.
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
