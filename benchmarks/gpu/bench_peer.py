@@ -183,31 +183,32 @@ class PeerBench(Bench):
         return {**result, **{w.name: by_rows[w.ids_file] for w in self.workloads.values()}}
 
     def hsx(self) -> dict[str, Any]:
-        out: dict[str, Any] = self.result["phases"].setdefault("hsx", {})
-        for dtype in self.args.dtypes:
-
-            def store(name: str, run: dict[str, Any], dtype: str = dtype) -> None:
-                out.setdefault(name, {})[dtype] = run
-
-            self._runs(dtype, dtype, store)
-            out.setdefault("cache_tokens", {})[dtype] = self._engine_cache_tokens()
-            if self.args.profile and dtype == "bf16" and "short128" in self.workloads:
-                # Where a short row's time goes, actor and engine processes (not timed).
-                run = self._job(self._spec(self.work / "out-profiled", dtype,
-                                           rows=self.workloads["short128"].file), profile=True)
-                out["profiled"] = {"workload": "short128", "dtype": dtype, **run}
-                log(f"hsx short128 bf16 under py-spy: {run['tokens_per_s']:,} tok/s")
-        return out
+        return self._dtypes("hsx", self.work)
 
     def shm(self) -> dict[str, Any]:
         """hsx with its output in memory: {workload: {dtype: run}}."""
-        out: dict[str, Any] = self.result["phases"].setdefault("shm", {})
+        return self._dtypes("shm", self.tmpfs)
+
+    def _dtypes(self, phase: str, root: Path) -> dict[str, Any]:
+        """hsx over every workload in each dtype, outputs under `root`; with --profile one
+        more bf16 short128 run under py-spy (actor and engine processes, not timed)."""
+        out: dict[str, Any] = self.result["phases"].setdefault(phase, {})
+        suffix = "" if phase == "hsx" else f"-{phase}"
         for dtype in self.args.dtypes:
 
             def store(name: str, run: dict[str, Any], dtype: str = dtype) -> None:
                 out.setdefault(name, {})[dtype] = run
 
-            self._runs(dtype, f"{dtype}-shm", store, root=self.tmpfs)
+            self._runs(dtype, f"{dtype}{suffix}", store, root=root)
+            out.setdefault("cache_tokens", {})[dtype] = self._engine_cache_tokens()
+            if self.args.profile and dtype == "bf16" and "short128" in self.workloads:
+                run = self._job(self._spec(root / "out-profiled", dtype,
+                                           rows=self.workloads["short128"].file), profile=True)
+                profile = self.work / f"profile-{dtype}.txt"
+                if suffix and profile.exists():
+                    profile.rename(self.work / f"profile-{dtype}{suffix}.txt")
+                out["profiled"] = {"workload": "short128", "dtype": dtype, **run}
+                log(f"{phase} short128 bf16 under py-spy: {run['tokens_per_s']:,} tok/s")
         return out
 
     def inflight(self) -> dict[str, Any]:
@@ -619,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inflight-tokens", type=int, nargs="*", default=[262144],
                    help="max_inflight_tokens of the `inflight` phase's hsx runs")
     p.add_argument("--profile", action="store_true",
-                   help="one more hsx bf16 short128 run under py-spy (actor and engine)")
+                   help="one more bf16 short128 run under py-spy (actor and engine) in the "
+                        "hsx and shm phases")
     p.add_argument("--workdir", default="/tmp/hsx-bench-peer")
     p.add_argument("--tmpfs", default="/dev/shm/hsx-bench-peer")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
