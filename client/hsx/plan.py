@@ -33,19 +33,42 @@ class WorkUnit:
                    tokens=int(data["tokens"]))
 
 
+class UnitPlanner:
+    """`plan_units` one batch of lengths at a time, for rows that arrive while the job
+    runs: `add` returns the units its rows closed, `finish` the last one. Fed the same
+    lengths in any batches, it plans exactly what `plan_units` plans from all of them."""
+
+    def __init__(self, unit_tokens: int) -> None:
+        if unit_tokens <= 0:
+            raise ValueError("unit_tokens must be positive")
+        self.unit_tokens = unit_tokens
+        self.rows = 0  # rows seen
+        self.units = 0  # units closed
+        self._start = 0  # first row of the open unit
+        self._tokens = 0  # its tokens
+
+    def add(self, lengths: Sequence[int]) -> list[WorkUnit]:
+        closed: list[WorkUnit] = []
+        for length in lengths:
+            if self.rows > self._start and self._tokens + length > self.unit_tokens:
+                closed.append(WorkUnit(self.units, self._start, self.rows, self._tokens))
+                self.units += 1
+                self._start, self._tokens = self.rows, 0
+            self._tokens += int(length)
+            self.rows += 1
+        return closed
+
+    def finish(self) -> list[WorkUnit]:
+        """The open unit, if it has rows; no row may be added after."""
+        if self.rows == self._start:
+            return []
+        unit = WorkUnit(self.units, self._start, self.rows, self._tokens)
+        self.units += 1
+        self._start, self._tokens = self.rows, 0
+        return [unit]
+
+
 def plan_units(lengths: Sequence[int], unit_tokens: int) -> list[WorkUnit]:
     """Cut rows into units of at least one sample and at most ~unit_tokens tokens."""
-    if unit_tokens <= 0:
-        raise ValueError("unit_tokens must be positive")
-    units: list[WorkUnit] = []
-    start = 0
-    tokens = 0
-    for row, length in enumerate(lengths):
-        if row > start and tokens + length > unit_tokens:
-            units.append(WorkUnit(len(units), start, row, tokens))
-            start, tokens = row, 0
-        tokens += int(length)
-    if len(lengths) > start:
-        units.append(WorkUnit(len(units), start, len(lengths), tokens))
-    return units
-
+    planner = UnitPlanner(unit_tokens)
+    return planner.add(lengths) + planner.finish()

@@ -444,7 +444,7 @@ def test_batch_size_does_not_change_the_output(tiny_tokenizer: Path,
     small = read_inputs(tmp_path / "a")
     assert small.equals(read_inputs(tmp_path / "b"))
     assert read_errors(tmp_path / "a").equals(read_errors(tmp_path / "b"))
-    with pa.memory_map(str(tmp_path / "a" / layout.INPUTS)) as source:
+    with pa.memory_map(str(tmp_path / "a" / layout.inputs_part_path(0))) as source:
         reader = pa.ipc.open_file(source)
         # Batches of a fixed row count, recorded for readers that fetch one at a time.
         assert reader.schema.metadata[b"hsx.rows_per_batch"] == b"1024"
@@ -458,9 +458,15 @@ def test_output_files(tiny_tokenizer: Path, tok: Any, tmp_path: Path) -> None:
     assert read_inputs(out).schema.equals(INPUTS_SCHEMA)
     errors = read_errors(out)
     assert errors.schema.equals(ERRORS_SCHEMA)
-    assert errors.num_rows == 0  # written even when empty
+    assert errors.num_rows == 0
     assert list((out / layout.TMP_DIR).iterdir()) == []
-    assert result.inputs_path == Output(out).url(layout.INPUTS)
+    assert result.inputs_path == Output(out).url(layout.INPUTS_DIR)
+    # One part, the last: its inputs table, no errors table (it would be empty), its record.
+    assert sorted(p.name for p in (out / layout.INPUTS_DIR).iterdir()) == [
+        "part-00000.arrow", "part-00000.json"]
+    assert not (out / layout.ERRORS_DIR).exists()
+    (record,) = Output(out).part_records()
+    assert (record.samples, record.errors, record.rows_end, record.last) == (3, 0, 3, True)
     summary = result.lengths
     lengths = sorted(len(tok(t)["input_ids"]) for t in texts)
     assert (summary.min, summary.p50, summary.max) == tuple(lengths)

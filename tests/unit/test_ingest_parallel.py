@@ -14,7 +14,7 @@ import pytest
 from hsx.ingest import IngestProgress, ingest, resolve_source
 from hsx.ingest import pipeline as pipeline_module
 from hsx.ingest import sources as sources_module
-from hsx.output import layout
+from hsx.output import Output
 from hsx_workers.tiny_models import ChatDataset, make_chat_dataset, write_rows
 
 
@@ -77,8 +77,11 @@ def mixed_dataset(tmp_path_factory: pytest.TempPathFactory) -> ChatDataset:
     return make_chat_dataset(path, n=380, seed=3, bad_rows=20, formats="mixed")
 
 
-def _tables(out: Path) -> tuple[bytes, bytes]:
-    return (out / layout.INPUTS).read_bytes(), (out / layout.ERRORS).read_bytes()
+def _tables(out: Path) -> list[tuple[str, bytes]]:
+    """Every part of the inputs and errors tables, by name, byte for byte (the parts'
+    records say where the source goes on, in slices, so they differ with the cuts)."""
+    return [(str(p.relative_to(out)), p.read_bytes())
+            for p in sorted([*out.glob("inputs/*.arrow"), *out.glob("errors/*.arrow")])]
 
 
 def test_parallel_ingestion_writes_the_same_bytes(tiny_tokenizer: Path,
@@ -89,14 +92,19 @@ def test_parallel_ingestion_writes_the_same_bytes(tiny_tokenizer: Path,
     order: inputs.arrow and errors.arrow are byte for byte those of one process, bad
     rows included (and so are the units planned from them, and their shards)."""
     data = str(mixed_dataset.path)
-    one = ingest(data, str(tiny_tokenizer), 128, tmp_path / "one")
+    per = {"rows_per_part": 64}  # 6 parts, cut inside batches and between bad rows
+    one = ingest(data, str(tiny_tokenizer), 128, tmp_path / "one", **per)
     monkeypatch.setattr(pipeline_module, "PARALLEL_SLICE_BYTES", 4096)
     assert len(pipeline_module._slices(resolve_source(data), 2)) > 16
     seen: list[IngestProgress] = []
     two = ingest(data, str(tiny_tokenizer), 128, tmp_path / "two", workers=2,
-                 batch_rows=50, progress=seen.append)
+                 batch_rows=50, progress=seen.append, **per)
     with ThreadPoolExecutor(3) as pool:
-        three = ingest(data, str(tiny_tokenizer), 128, tmp_path / "three", executor=pool)
+        three = ingest(data, str(tiny_tokenizer), 128, tmp_path / "three", executor=pool,
+                       **per)
+    records = Output(tmp_path / "one").part_records()
+    assert [r.samples for r in records] == [64] * 5 + [60]
+    assert sum(r.errors for r in records) == 20 and records[-1].last
     assert _tables(tmp_path / "two") == _tables(tmp_path / "one")
     assert _tables(tmp_path / "three") == _tables(tmp_path / "one")
     assert one.num_errors == 20 and one.num_rows == 400
@@ -133,4 +141,41 @@ def test_a_slice_that_fails_fails_the_ingestion_and_leaves_no_table(
     with pytest.raises(sources_module.DatasetFormatError, match=r"b\.parquet"), \
             ThreadPoolExecutor(2) as pool:
         ingest(str(folder), str(tiny_tokenizer), 128, tmp_path / "out", executor=pool)
-    assert not (tmp_path / "out" / layout.INPUTS).exists()
+    assert Output(tmp_path / "out").part_numbers() == []
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_interrupted_ingestion_goes_on_after_its_last_part(
+        tiny_tokenizer: Path, mixed_dataset: ChatDataset, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+    """Killed after some parts were published, an ingestion run again tokenizes only
+    the rows after the last part, and its tables are those of one uninterrupted run."""
+    data = str(mixed_dataset.path)
+    per = {"rows_per_part": 64, "batch_rows": 50}
+    ingest(data, str(tiny_tokenizer), 128, tmp_path / "whole", **per)
+    monkeypatch.setattr(pipeline_module, "PARALLEL_SLICE_BYTES", 4096)
+    real = pipeline_module._tokenize_batch
+    tokenized: list[int] = []
+
+    def counting(batch: list[Any], *args: Any) -> Any:
+        if fail_after and sum(tokenized) >= fail_after:
+            raise RuntimeError("killed")
+        tokenized.append(len(batch))
+        return real(batch, *args)
+
+    monkeypatch.setattr(pipeline_module, "_tokenize_batch", counting)
+    fail_after = 250  # rows: the ingestion dies in its third or fourth part
+    with ThreadPoolExecutor(2) as pool, pytest.raises(RuntimeError, match="killed"):
+        ingest(data, str(tiny_tokenizer), 128, tmp_path / "out", workers=workers,
+               executor=pool if workers > 1 else None, **per)
+    out = Output(tmp_path / "out")
+    published = out.part_records()
+    assert 1 <= len(published) <= 3 and not published[-1].last
+    done = published[-1].rows_end
+    fail_after, tokenized[:] = 0, []
+    with ThreadPoolExecutor(2) as pool:
+        result = ingest(data, str(tiny_tokenizer), 128, out, workers=workers,
+                        executor=pool if workers > 1 else None, **per)
+    assert sum(tokenized) == 400 - done  # the published rows were not tokenized again
+    assert _tables(tmp_path / "out") == _tables(tmp_path / "whole")
+    assert result.num_rows == 400 and result.num_errors == 20

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from pathlib import Path
 
 import pytest
 
 from hsx.modelinfo import ModelConfigError, default_layers, read_model_info
-from hsx.plan import plan_units
+from hsx.plan import UnitPlanner, plan_units
 from hsx.spec import DatasetSpec, JobSpec, SpecError, load_job, parse_job
 
 BASE = {"model": "/m", "dataset": "/d.jsonl", "output": "/o"}
@@ -176,3 +177,22 @@ def test_plan_units_is_contiguous_and_bounded() -> None:
         assert u.samples == 1 or u.tokens <= 500
     assert plan_units(lengths, 500) == units
     assert plan_units([], 500) == []
+
+
+def test_units_planned_part_by_part_are_the_units_of_the_whole_table() -> None:
+    """Ingestion plans units as each part of the inputs lands: however the rows are cut
+    into parts, the plan is plan_units' of all of them (the same shards, a resumed job
+    finds its committed units)."""
+    rng = random.Random(7)
+    for _ in range(200):
+        lengths = [rng.randint(1, 900) for _ in range(rng.randint(0, 120))]
+        unit_tokens = rng.choice([1, 300, 1000, 5000])
+        planner = UnitPlanner(unit_tokens)
+        units, start = [], 0
+        while start < len(lengths):
+            step = rng.randint(0, 17)
+            units += planner.add(lengths[start:start + step])
+            start += step
+        units += planner.finish()
+        assert units == plan_units(lengths, unit_tokens)
+        assert planner.finish() == []

@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
@@ -29,8 +30,8 @@ from hsx.ingest.sources import (
     resolve_source,
 )
 from hsx.ingest.tokenizer import chat_samples, encode, load_tokenizer, tokenizer_fingerprint
-from hsx.output import Output
-from hsx.output.layout import ERRORS, INPUTS
+from hsx.output import IngestRecord, Output, PartRecord
+from hsx.output.layout import ERRORS_DIR, INPUTS_DIR
 from hsx.output.tables import ERRORS_SCHEMA, INPUTS_SCHEMA, with_messages
 from hsx.regenerate import dumps_messages
 
@@ -126,6 +127,13 @@ class _Part:
     tokens: int
     loss_tokens: int
     truncated: int
+    truncated_rows: np.ndarray | None = None  # sample_index of each truncated sample
+    first: int = 0  # sample_index of the batch's first row
+
+
+# Good samples in each part of the inputs table: a part is published (and its units can
+# start) every ~3-8 s of one process's tokenizing; ~120 parts for a million chats.
+ROWS_PER_PART = 8192
 
 
 def ingest(
@@ -141,13 +149,22 @@ def ingest(
     keep_messages: bool = False,
     workers: int = 1,
     executor: Executor | None = None,
+    rows_per_part: int | None = None,
+    job_fingerprint: str = "",
+    on_part: Callable[[PartRecord, np.ndarray], None] | None = None,
 ) -> IngestResult:
-    """Tokenize every row of `dataset` into the output's inputs.arrow and errors.arrow.
+    """Tokenize every row of `dataset` into the output's inputs and errors tables, in
+    parts of `rows_per_part` good samples (docs/FORMAT.md, "Inputs in parts").
 
-    Each table appears only once complete (staged, then published whole), so a reader
-    never sees half of one. `progress`, if given, is called as rows are tokenized.
-    `keep_messages` (a job that regenerates) keeps each row's parsed conversation in the
-    inputs table's `messages` column, and refuses rows that carry none.
+    A part appears only once whole (its tables staged, then published, then its record),
+    so a reader never sees half of one, and `on_part(record, lengths)` hears of each as
+    it appears (the driver plans units from the lengths). An output that holds some
+    parts of the same ingestion (ingest.json: the same dataset, tokenizer, settings and
+    `job_fingerprint`; else JobMismatch) goes on after the last one: what was published
+    is not tokenized again, and `on_part` hears of those parts first. `progress`, if
+    given, is called as rows are tokenized. `keep_messages` (a job that regenerates)
+    keeps each row's parsed conversation in the inputs table's `messages` column, and
+    refuses rows that carry none.
 
     The dataset is read as independent slices (`DatasetSource.slices`: byte ranges of
     JSON lines, runs of Parquet row groups, Arrow files). With `workers` > 1 (or an
@@ -170,58 +187,181 @@ def ingest(
                        "recorded as errors", tokenizer_path)
     settings = _Settings(tokenizer_path, tok_fp, trust_remote_code, max_seq_len,
                          dict(chat_template_kwargs or {}), keep_messages, batch_rows)
-    slices = _slices(source, workers if executor is None else max(workers, 2))
+    out = Output.of(output)
+    parallel = executor is not None or workers > 1
+    wanted = IngestRecord(
+        job_fingerprint=job_fingerprint, dataset_fingerprint=data_fp,
+        tokenizer_fingerprint=tok_fp, max_seq_len=max_seq_len, keep_messages=keep_messages,
+        rows_per_part=rows_per_part or ROWS_PER_PART,
+        slice_bytes=PARALLEL_SLICE_BYTES if parallel and isinstance(source, FilesSource)
+        else 0,
+        created_at=time.time())
+    record = out.start_ingest(wanted)
+    record.check_same(wanted, output=str(out))  # the first ingestion's settings hold
+    slices = source.slices(slice_bytes=record.slice_bytes) if record.slice_bytes \
+        else source.slices()
     total_weight = sum(s.weight for s in slices)
 
-    out = Output.of(output)
-    inputs = out.table_writer(INPUTS, messages=keep_messages)
-    errors = out.table_writer(ERRORS)
-    counts = np.zeros(max_seq_len + 1, dtype=np.int64)
-    num_rows = num_errors = num_tokens = num_loss = num_truncated = 0
-    weight_done = 0
-    tokenized = _tokenized(slices, settings, tokenizer, workers, executor)
+    parts = _PartBuilder(out, record, on_part)
+    parts.resume()
+    start, skip = parts.next_slice, parts.next_slice_row
+    weight_done = sum(s.weight for s in slices[:start])
+    tokenized = _tokenized(slices[start:] if not parts.ended else [], settings, tokenizer,
+                           workers, executor, skip)
     try:
-        for index, parts in tokenized:
-            first = num_rows  # the slice's sample_index 0
-            for part in parts:
-                inputs.write(_shifted(part.inputs, first))
-                errors.write(_shifted(part.errors, first))
-                counts += part.counts
-                num_rows += part.rows
-                num_errors += part.errors.num_rows
-                num_tokens += part.tokens
-                num_loss += part.loss_tokens
-                num_truncated += part.truncated
+        for index, batches in tokenized:
+            index += start
+            first = parts.rows_end - (skip if index == start else 0)  # sample_index 0
+            for batch in batches:
+                parts.add(batch, first, index)
                 if progress is not None:
-                    progress(IngestProgress(num_rows, _fraction(weight_done, total_weight)))
+                    progress(IngestProgress(parts.rows_end,
+                                            _fraction(weight_done, total_weight)))
             weight_done += slices[index].weight
             if progress is not None:
-                progress(IngestProgress(num_rows, _fraction(weight_done, total_weight)
+                progress(IngestProgress(parts.rows_end, _fraction(weight_done, total_weight)
                                         if index + 1 < len(slices) else 1.0))
-        inputs.commit()
-        errors.commit()
+        if not parts.ended:
+            parts.finish(len(slices))
     except BaseException:
-        inputs.abort()
-        errors.abort()
+        parts.abort()
         raise
     finally:
         tokenized.close()  # the pool is shut down before ingest returns or raises
+    totals = parts.totals
     result = IngestResult(
-        num_rows=num_rows,
-        num_samples=num_rows - num_errors,
-        num_errors=num_errors,
-        num_tokens=num_tokens,
-        num_loss_tokens=num_loss,
-        num_truncated=num_truncated,
-        lengths=_summarize(counts),
+        num_rows=parts.rows_end,
+        num_samples=totals.samples,
+        num_errors=totals.errors,
+        num_tokens=totals.tokens,
+        num_loss_tokens=totals.loss_tokens,
+        num_truncated=totals.truncated,
+        lengths=_summarize(parts.counts),
         tokenizer_fingerprint=tok_fp,
         dataset_fingerprint=data_fp,
-        inputs_path=inputs.url,
-        errors_path=errors.url,
+        inputs_path=out.url(INPUTS_DIR),
+        errors_path=out.url(ERRORS_DIR),
     )
-    logger.info("ingested %s: %d samples, %d errors, %d tokens", source,
-                result.num_samples, num_errors, num_tokens)
+    logger.info("ingested %s: %d samples, %d errors, %d tokens in %d parts", source,
+                result.num_samples, result.num_errors, result.num_tokens, parts.part)
     return result
+
+
+@dataclass
+class _Totals:
+    samples: int = 0
+    errors: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated: int = 0
+
+
+class _PartBuilder:
+    """Tokenized batches into the parts of the inputs and errors tables: a part closes
+    at its `rows_per_part`-th good sample, and is published with its record (where the
+    source goes on after it, so a resumed ingestion starts there)."""
+
+    def __init__(self, out: Output, record: IngestRecord,
+                 on_part: Callable[[PartRecord, np.ndarray], None] | None) -> None:
+        self.out = out
+        self.per = record.rows_per_part
+        self.keep_messages = record.keep_messages
+        self.on_part = on_part
+        self.part = 0  # the part being written
+        self.rows_end = 0  # source rows read into published parts and the open one
+        self.next_slice = self.next_slice_row = 0  # where the open part's rows go on
+        self.ended = False  # the last part is published
+        self.totals = _Totals()
+        self.counts = np.zeros(record.max_seq_len + 1, dtype=np.int64)
+        self._writers: tuple[Any, Any] | None = None
+        self._open = _Totals()  # the open part's
+        self._open_truncated: list[np.ndarray] = []
+
+    def resume(self) -> None:
+        """Take the parts already published (their records, their lengths)."""
+        for rec in self.out.part_records():
+            lengths = self.out.part_inputs(rec.part).column("length").to_numpy()
+            self._published(rec, lengths)
+
+    def _published(self, rec: PartRecord, lengths: np.ndarray) -> None:
+        self.part = rec.part + 1
+        self.ended = rec.last
+        self.rows_end = rec.rows_end
+        self.next_slice, self.next_slice_row = rec.next_slice, rec.next_slice_row
+        for name in ("samples", "errors", "tokens", "loss_tokens", "truncated"):
+            setattr(self.totals, name, getattr(self.totals, name) + getattr(rec, name))
+        np.add.at(self.counts, np.minimum(lengths, len(self.counts) - 1), 1)
+        if self.on_part is not None:
+            self.on_part(rec, lengths)
+
+    def add(self, batch: _Part, first: int, slice_index: int) -> None:
+        """A slice's batch (its sample_index counted from the slice's row `first`)."""
+        inputs, errors = _shifted(batch.inputs, first), _shifted(batch.errors, first)
+        truncated = (batch.truncated_rows if batch.truncated_rows is not None
+                     else np.zeros(0, np.int64)) + first
+        # A part closes at its per-th sample: the open part never holds per samples.
+        while inputs.num_rows and self._open.samples + inputs.num_rows >= self.per:
+            need = self.per - self._open.samples
+            cut = int(inputs.column(0)[need - 1].as_py()) + 1  # the row after its last
+            self._write(inputs.slice(0, need), _before(errors, cut),
+                        truncated[truncated < cut])
+            inputs, errors = inputs.slice(need), _from(errors, cut)
+            truncated = truncated[truncated >= cut]
+            self._close(cut, slice_index, cut - first, last=False)
+        self._write(inputs, errors, truncated)
+        self.rows_end = max(self.rows_end, first + batch.first + batch.rows)
+
+    def _write(self, inputs: pa.RecordBatch, errors: pa.RecordBatch,
+               truncated: np.ndarray) -> None:
+        if self._writers is None:
+            self._writers = self.out.part_writers(self.part, messages=self.keep_messages)
+        self._writers[0].write(inputs)
+        self._writers[1].write(errors)
+        self._open.samples += inputs.num_rows
+        self._open.errors += errors.num_rows
+        if inputs.num_rows:
+            self._open.tokens += int(pc.sum(inputs.column("length")).as_py())
+            self._open.loss_tokens += int(pc.sum(pc.list_flatten(
+                inputs.column("loss_mask"))).as_py() or 0)
+        self._open.truncated += len(truncated)
+
+    def _close(self, rows_end: int, next_slice: int, next_row: int, *, last: bool) -> None:
+        if self._writers is None:
+            self._writers = self.out.part_writers(self.part, messages=self.keep_messages)
+        inputs, errors = self._writers
+        inputs.commit()
+        if self._open.errors:
+            errors.commit()
+        else:
+            errors.abort()
+        self._writers = None
+        o = self._open
+        rec = PartRecord(part=self.part, samples=o.samples, errors=o.errors,
+                         rows_end=rows_end, tokens=o.tokens, loss_tokens=o.loss_tokens,
+                         truncated=o.truncated, next_slice=next_slice,
+                         next_slice_row=next_row, last=last)
+        self.out.publish_part(rec)
+        self._open = _Totals()
+        self._published(rec, self.out.part_inputs(rec.part).column("length").to_numpy())
+
+    def finish(self, slices: int) -> None:
+        """The dataset (of `slices` slices) ended: the open part, maybe empty, is the last."""
+        self._close(self.rows_end, slices, 0, last=True)
+
+    def abort(self) -> None:
+        if self._writers is not None:
+            for writer in self._writers:
+                writer.abort()
+            self._writers = None
+
+
+def _before(errors: pa.RecordBatch, cut: int) -> pa.RecordBatch:
+    return errors.filter(pc.less(errors.column(0), cut)) if errors.num_rows else errors
+
+
+def _from(errors: pa.RecordBatch, cut: int) -> pa.RecordBatch:
+    return (errors.filter(pc.greater_equal(errors.column(0), cut)) if errors.num_rows
+            else errors)
 
 
 # JSON lines slices for several workers: small enough that the last ones leave no worker
@@ -244,12 +384,14 @@ def _fraction(done: int, total: int) -> float:
 
 def _tokenized(slices: list[SourceSlice], settings: _Settings,
                tokenizer: PreTrainedTokenizerBase, workers: int, executor: Executor | None,
-               ) -> Generator[tuple[int, Iterable[_Part]], None, None]:
+               skip: int = 0) -> Generator[tuple[int, Iterable[_Part]], None, None]:
     """(slice number, its parts) in slice order: tokenized here, one batch at a time,
-    or by `executor` (else a pool of `workers` processes), a window of them at once."""
+    or by `executor` (else a pool of `workers` processes), a window of them at once.
+    The first slice's first `skip` rows are read but not tokenized (a resumed
+    ingestion published them)."""
     if executor is None and (workers <= 1 or len(slices) < 2):
         for index, slc in enumerate(slices):
-            yield index, _slice_parts(slc, settings, tokenizer)
+            yield index, _slice_parts(slc, settings, tokenizer, skip if index == 0 else 0)
         return
     owned = executor is None
     pool = executor or ProcessPoolExecutor(
@@ -261,7 +403,8 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
         submitted = 0
         for index in range(len(slices)):
             while submitted < len(slices) and len(pending) < window:
-                pending.append(pool.submit(tokenize_slice, slices[submitted], settings))
+                pending.append(pool.submit(tokenize_slice, slices[submitted], settings,
+                                           skip if submitted == 0 else 0))
                 submitted += 1
             yield index, pending.popleft().result()
     finally:
@@ -290,7 +433,7 @@ def _exit_with_parent() -> None:
 _WORKER_TOKENIZER: dict[tuple[str, str, bool], PreTrainedTokenizerBase] = {}
 
 
-def tokenize_slice(slc: SourceSlice, settings: _Settings) -> list[_Part]:
+def tokenize_slice(slc: SourceSlice, settings: _Settings, skip: int = 0) -> list[_Part]:
     """A slice's rows tokenized, in another process (a pool's, a Ray task's)."""
     key = (settings.tokenizer_path, settings.tokenizer_fingerprint,
            settings.trust_remote_code)
@@ -302,14 +445,15 @@ def tokenize_slice(slc: SourceSlice, settings: _Settings) -> list[_Part]:
         _WORKER_TOKENIZER.clear()
         _WORKER_TOKENIZER[key] = load_tokenizer(
             settings.tokenizer_path, trust_remote_code=settings.trust_remote_code)
-    return list(_slice_parts(slc, settings, _WORKER_TOKENIZER[key]))
+    return list(_slice_parts(slc, settings, _WORKER_TOKENIZER[key], skip))
 
 
-def _slice_parts(slc: SourceSlice, settings: _Settings, tokenizer: PreTrainedTokenizerBase
-                 ) -> Iterator[_Part]:
+def _slice_parts(slc: SourceSlice, settings: _Settings, tokenizer: PreTrainedTokenizerBase,
+                 skip: int = 0) -> Iterator[_Part]:
     vocab_size = len(tokenizer)
-    first = 0
-    for batch in _batched(slc.rows(settings.batch_rows), settings.batch_rows):
+    first = skip
+    rows = itertools.islice(slc.rows(settings.batch_rows), skip, None)
+    for batch in _batched(rows, settings.batch_rows):
         yield _tokenize_batch(batch, first, tokenizer, vocab_size, settings)
         first += len(batch)
 
@@ -328,6 +472,7 @@ def _tokenize_batch(batch: list[Row], first: int, tokenizer: PreTrainedTokenizer
     good: list[Sample] = []
     bad_idx: list[int] = []
     bad: list[str] = []
+    cut: list[int] = []
     for offset, outcome in enumerate(results):
         if isinstance(outcome, str):
             bad_idx.append(first + offset)
@@ -339,13 +484,16 @@ def _tokenize_batch(batch: list[Row], first: int, tokenizer: PreTrainedTokenizer
             tokens += len(outcome.input_ids)
             loss += int(outcome.loss_mask.sum())
             truncated += outcome.truncated
+            if outcome.truncated:
+                cut.append(first + offset)
     return _Part(
         rows=len(batch),
         inputs=_inputs_batch(good_idx, good, messages=settings.keep_messages),
         errors=pa.RecordBatch.from_arrays(
             [pa.array(bad_idx, pa.int64()), pa.array(bad, pa.string())],
             schema=ERRORS_SCHEMA),
-        counts=counts, tokens=tokens, loss_tokens=loss, truncated=truncated)
+        counts=counts, tokens=tokens, loss_tokens=loss, truncated=truncated,
+        truncated_rows=np.asarray(cut, dtype=np.int64), first=first)
 
 
 def _shifted(batch: pa.RecordBatch, offset: int) -> pa.RecordBatch:

@@ -16,9 +16,11 @@ from __future__ import annotations
 from hsx.output.output import BadShard, Output, OutputNotFound, OutputTotals
 from hsx.output.records import (
     CommitRecord,
+    IngestRecord,
     JobMismatch,
     Manifest,
     OutputCorrupt,
+    PartRecord,
     RegenerationsRef,
     SampleError,
     UnitPlan,
@@ -37,6 +39,7 @@ __all__ = [
     "BadShard",
     "CommitRecord",
     "CommitResult",
+    "IngestRecord",
     "JobMismatch",
     "Manifest",
     "ObjectExistsError",
@@ -47,6 +50,7 @@ __all__ = [
     "OutputCorrupt",
     "OutputNotFound",
     "OutputTotals",
+    "PartRecord",
     "RegenerationsRef",
     "SampleError",
     "ShardCorrupt",

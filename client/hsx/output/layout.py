@@ -9,8 +9,12 @@ checkpoint and the draft beside it, each folder ending with its `uploaded.json`
 ```
 <output>/
   manifest.json                    job description: model, layer ids, dtype, units
-  inputs.arrow                     every good sample: sample_index, input_ids, loss_mask, length
-  errors.arrow                     every bad row from ingestion: sample_index, reason
+  ingest.json                      the ingestion the inputs come from (fingerprints, part size)
+  inputs/part-00000.arrow          good samples, in parts of rows_per_part rows:
+                                   sample_index, input_ids, loss_mask, length
+  inputs/part-00000.json           the part's record: it exists once both tables of the part do
+  errors/part-00000.arrow          the part's bad rows from ingestion: sample_index, reason
+  (inputs.arrow, errors.arrow      the tables whole, as outputs written before the parts hold them)
   shards/unit-000042-<attempt>.safetensors   one shard per work unit
   regenerations/unit-000042-<attempt>.arrow  a regenerating job's answers of that unit
   commits/unit-000042.json         the commit record that makes that shard visible
@@ -37,8 +41,11 @@ FORMAT_VERSION = 1
 SHARD_FORMAT_NAME = "hsx-shard"
 
 MANIFEST = "manifest.json"
-INPUTS = "inputs.arrow"
+INPUTS = "inputs.arrow"  # the whole tables of outputs written before inputs/ parts
 ERRORS = "errors.arrow"
+INGEST = "ingest.json"
+INPUTS_DIR = "inputs"
+ERRORS_DIR = "errors"
 COMPLETE = "complete.json"
 SHARDS_DIR = "shards"
 REGENERATIONS_DIR = "regenerations"
@@ -71,6 +78,18 @@ def commit_path(unit: int) -> str:
 
 def shard_path(unit: int, attempt: str) -> str:
     return f"{SHARDS_DIR}/{unit_name(unit)}-{attempt}.safetensors"
+
+
+def inputs_part_path(part: int) -> str:
+    return f"{INPUTS_DIR}/part-{part:05d}.arrow"
+
+
+def errors_part_path(part: int) -> str:
+    return f"{ERRORS_DIR}/part-{part:05d}.arrow"
+
+
+def part_record_path(part: int) -> str:
+    return f"{INPUTS_DIR}/part-{part:05d}.json"
 
 
 def regenerations_path(unit: int, attempt: str) -> str:

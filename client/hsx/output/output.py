@@ -14,6 +14,7 @@ connections); what it caches (the manifest, the inputs table's reader) is rebuil
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -30,18 +31,25 @@ from hsx.output.layout import (
     COMMITS_DIR,
     COMPLETE,
     ERRORS,
+    INGEST,
     INPUTS,
+    INPUTS_DIR,
     MANIFEST,
     REGENERATIONS_DIR,
     SHARDS_DIR,
     commit_path,
+    errors_part_path,
+    inputs_part_path,
+    part_record_path,
     regenerations_path,
     unit_of_key,
 )
 from hsx.output.records import (
     CommitRecord,
+    IngestRecord,
     Manifest,
     OutputCorrupt,
+    PartRecord,
     RegenerationsRef,
     SampleError,
 )
@@ -62,6 +70,8 @@ from hsx.progress import JobProgress
 logger = logging.getLogger(__name__)
 
 _COMMIT_NAME = re.compile(r"^unit-(\d{6,})\.json$")
+_PART_RECORD = re.compile(rf"^{INPUTS_DIR}/part-(\d{{5,}})\.json$")
+_KEEP_PARTS = 4  # inputs parts whose readers an Output keeps (a unit spans one or two)
 _READ_THREADS = 8  # commit records fetched side by side from an object store
 
 
@@ -143,6 +153,8 @@ class Output:
     def _init_caches(self) -> None:
         self._manifest: Manifest | None = None
         self._inputs: TableRows | None = None
+        self._rows_per_part: int | None = None  # 0: whole tables (inputs.arrow)
+        self._part_rows: dict[int, TableRows] = {}
 
     @classmethod
     def of(cls, output: Output | str | os.PathLike[str]) -> Output:
@@ -222,34 +234,135 @@ class Output:
     # ------------------------------------------------------------------ tables
 
     def table_writer(self, name: str, *, messages: bool = False) -> TableWriter:
-        """A writer of `inputs.arrow` or `errors.arrow` (visible once committed).
+        """A writer of a whole `inputs.arrow` or `errors.arrow` (visible once committed),
+        as outputs written before the parts hold them; ingestion writes parts
+        (`part_writers`).
 
         `messages`: the inputs table of a regenerating job also keeps each row's
         conversation (a `messages` column of JSON text)."""
+        return self._table_writer(name, name, messages)
+
+    def _table_writer(self, table: str, key: str, messages: bool) -> TableWriter:
         schemas = {INPUTS: INPUTS_SCHEMA, ERRORS: ERRORS_SCHEMA}
-        if name not in schemas:
-            raise ValueError(f"{name!r} is not a table of an output ({sorted(schemas)})")
-        if messages and name != INPUTS:
+        if table not in schemas:
+            raise ValueError(f"{table!r} is not a table of an output ({sorted(schemas)})")
+        if messages and table != INPUTS:
             raise ValueError("only the inputs table keeps messages")
-        schema = with_messages(INPUTS_SCHEMA) if messages else schemas[name]
-        return TableWriter(self.storage, name, schema)
+        schema = with_messages(INPUTS_SCHEMA) if messages else schemas[table]
+        return TableWriter(self.storage, key, schema)
+
+    def part_writers(self, part: int, *, messages: bool = False
+                     ) -> tuple[TableWriter, TableWriter]:
+        """Writers of one part of the inputs and errors tables; `publish_part` after
+        both are committed makes the part exist."""
+        return (self._table_writer(INPUTS, inputs_part_path(part), messages),
+                self._table_writer(ERRORS, errors_part_path(part), False))
+
+    def start_ingest(self, record: IngestRecord) -> IngestRecord:
+        """Publish ingest.json once (create-if-absent); the one that is there after
+        (check it with `IngestRecord.check_same`)."""
+        try:
+            self.storage.create(INGEST, record.to_json())
+        except ObjectExistsError:
+            found = self.read_ingest_record()
+            if found is None:  # removed between the two calls
+                raise
+            return found
+        return record
+
+    def read_ingest_record(self) -> IngestRecord | None:
+        """ingest.json, or None (no ingestion started here, or one older than parts)."""
+        try:
+            return IngestRecord.parse(self.storage.read(INGEST), self.url(INGEST))
+        except FileNotFoundError:
+            return None
+
+    def publish_part(self, record: PartRecord) -> None:
+        """The part's record, after its tables: the part exists from now on. A record
+        already there (another driver ingested the same part: the same bytes) stays."""
+        with contextlib.suppress(ObjectExistsError):
+            self.storage.create(part_record_path(record.part), record.to_json())
+
+    def part_numbers(self) -> list[int]:
+        """The parts that exist (have a record), in order, up to the first missing."""
+        found = set()
+        for info in self.storage.list(INPUTS_DIR):
+            m = _PART_RECORD.match(info.key)
+            if m:
+                found.add(int(m.group(1)))
+        parts: list[int] = []
+        while len(parts) in found:
+            parts.append(len(parts))
+        return parts
+
+    def part_records(self) -> list[PartRecord]:
+        """The records of the parts that exist, in order."""
+        return [PartRecord.parse(self.storage.read(part_record_path(p)),
+                                 self.url(part_record_path(p)))
+                for p in self.part_numbers()]
+
+    def part_inputs(self, part: int) -> pa.Table:
+        """One part of the inputs table, whole."""
+        return read_table(self.storage, inputs_part_path(part))
+
+    def _parts_layout(self) -> int:
+        """Rows per inputs part, or 0 when the output holds the tables whole (or holds
+        none yet: then the readers say the dataset was not ingested)."""
+        if self._rows_per_part is None:
+            if self.storage.exists(INPUTS):
+                self._rows_per_part = 0
+            else:
+                record = self.read_ingest_record()
+                if record is None:
+                    return 0
+                self._rows_per_part = record.rows_per_part
+        return self._rows_per_part
 
     def inputs(self) -> pa.Table:
-        """The whole inputs table (memory-mapped on local disk)."""
-        return read_table(self.storage, INPUTS)
+        """The whole inputs table (memory-mapped on local disk): the parts that exist,
+        one after the other."""
+        if not self._parts_layout():
+            return read_table(self.storage, INPUTS)
+        tables = [self.part_inputs(p) for p in self.part_numbers()]
+        if not tables:
+            return INPUTS_SCHEMA.empty_table()
+        return pa.concat_tables(tables)
 
     def input_rows(self, start: int, stop: int) -> pa.Table:
         """Rows [start, stop) of the inputs table; on an object store only their batches
-        are read. The reader is kept, so a worker's next unit costs no footer read."""
-        if self._inputs is None:
-            self._inputs = TableRows(self.storage, INPUTS)
-        return self._inputs.slice(start, stop)
+        are read. The readers are kept, so a worker's next unit costs no footer read."""
+        per = self._parts_layout()
+        if not per:
+            if self._inputs is None:
+                self._inputs = TableRows(self.storage, INPUTS)
+            return self._inputs.slice(start, stop)
+        if stop <= start:
+            return self._part_reader(start // per).slice(0, 0)
+        pieces = []
+        for part in range(start // per, (stop - 1) // per + 1):
+            first = part * per
+            pieces.append(self._part_reader(part).slice(max(start, first) - first,
+                                                        min(stop, first + per) - first))
+        return pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+
+    def _part_reader(self, part: int) -> TableRows:
+        reader = self._part_rows.pop(part, None)
+        if reader is None:
+            reader = TableRows(self.storage, inputs_part_path(part))
+        self._part_rows[part] = reader  # most recent last
+        while len(self._part_rows) > _KEEP_PARTS:
+            del self._part_rows[next(iter(self._part_rows))]
+        return reader
 
     def ingest_errors(self) -> pa.Table:
         """The rows refused at ingestion (an empty table when there were none)."""
-        if not self.storage.exists(ERRORS):
-            return ERRORS_SCHEMA.empty_table()
-        return read_table(self.storage, ERRORS)
+        if not self._parts_layout():
+            if not self.storage.exists(ERRORS):
+                return ERRORS_SCHEMA.empty_table()
+            return read_table(self.storage, ERRORS)
+        tables = [read_table(self.storage, errors_part_path(r.part))
+                  for r in self.part_records() if r.errors]
+        return pa.concat_tables(tables) if tables else ERRORS_SCHEMA.empty_table()
 
     # ------------------------------------------------------------------ regenerations
 
@@ -413,9 +526,11 @@ class Output:
 
     # ------------------------------------------------------------------ totals, errors
 
-    def totals(self, records: Iterable[CommitRecord] | None = None) -> OutputTotals:
-        """The output's numbers (from `records` when given, else every commit record)."""
-        manifest = self.manifest()
+    def totals(self, records: Iterable[CommitRecord] | None = None, *,
+               manifest: Manifest | None = None) -> OutputTotals:
+        """The output's numbers (from `records` when given, else every commit record),
+        against `manifest` when given (a plan still growing), else the output's."""
+        manifest = manifest or self.manifest()
         records = self.commits() if records is None else list(records)
         return OutputTotals(
             samples_total=manifest.num_samples,

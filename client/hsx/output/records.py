@@ -133,6 +133,73 @@ class Manifest(BaseModel):
         return _parse(cls, data, where)
 
 
+class IngestRecord(BaseModel):
+    """ingest.json: the ingestion an output's inputs parts come from, written once when
+    it starts, so that a driver that finds parts and no manifest knows whose they are
+    and how to go on (docs/FORMAT.md, "Inputs in parts")."""
+
+    model_config = ConfigDict(extra="allow")
+
+    format_version: int = Field(FORMAT_VERSION, description="Version of the output format.")
+    job_fingerprint: str = Field("", description="The job's (Manifest.job_fingerprint); "
+                                 "empty when the tables were ingested outside a job.")
+    dataset_fingerprint: str = Field(..., description="As in the manifest.")
+    tokenizer_fingerprint: str = Field(..., description="As in the manifest.")
+    max_seq_len: int = Field(..., ge=1)
+    keep_messages: bool = Field(False, description="The inputs keep each conversation.")
+    rows_per_part: int = Field(..., ge=1, description="Good samples in each inputs part "
+                               "but the last: row r of the inputs is row r % rows_per_part "
+                               "of part r // rows_per_part.")
+    slice_bytes: int = Field(0, ge=0, description="How JSON lines were cut into slices "
+                             "(0: the default); a resumed ingestion cuts the same way.")
+    created_at: float = Field(..., description="Unix time.")
+
+    def check_same(self, other: IngestRecord, *, output: str) -> None:
+        """JobMismatch unless `other` would ingest the same tables as this one (how they
+        are cut into parts and slices is this record's to say: `other` follows it)."""
+        for name in ("job_fingerprint", "dataset_fingerprint", "tokenizer_fingerprint",
+                     "max_seq_len", "keep_messages"):
+            if getattr(self, name) != getattr(other, name):
+                raise JobMismatch(
+                    f"output: {output} holds the inputs of another ingestion ({name} "
+                    "differs: another job, a changed dataset or tokenizer); choose another "
+                    "output or remove that one")
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(indent=1).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> IngestRecord:
+        return _parse(cls, data, where)
+
+
+class PartRecord(BaseModel):
+    """inputs/part-NNNNN.json: one part of the inputs and errors tables is whole. Written
+    after both tables, so a part exists exactly when its record does."""
+
+    model_config = ConfigDict(extra="allow")
+
+    part: int = Field(..., ge=0)
+    samples: int = Field(..., ge=0, description="Rows of inputs/part-NNNNN.arrow.")
+    errors: int = Field(..., ge=0, description="Rows of errors/part-NNNNN.arrow.")
+    rows_end: int = Field(..., ge=0, description="Source rows read through this part: "
+                          "the sample_index the next part starts at.")
+    tokens: int = Field(..., ge=0)
+    loss_tokens: int = Field(..., ge=0)
+    truncated: int = Field(..., ge=0, description="Samples cut to max_seq_len.")
+    next_slice: int = Field(..., ge=0, description="Where the source goes on: this slice "
+                            "(as ingest.json's slice_bytes cut it) ...")
+    next_slice_row: int = Field(..., ge=0, description="... from this row of it.")
+    last: bool = Field(False, description="The dataset ends with this part.")
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(indent=1).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> PartRecord:
+        return _parse(cls, data, where)
+
+
 class Checksum(BaseModel):
     """The digests of a shard: `header` over bytes [0, 8 + N), `data` over the data
     section's bytes after hidden_states (`scheme` "samples": those hold each sample's

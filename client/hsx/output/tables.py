@@ -109,8 +109,10 @@ class TableWriter:
     def _flush(self, final: bool) -> None:
         table = pa.Table.from_batches(self._pending, schema=self._pending[0].schema)
         full = table.num_rows if final else table.num_rows - table.num_rows % self.rows_per_batch
-        for part in table.slice(0, full).combine_chunks().to_batches(
-                max_chunksize=self.rows_per_batch):
+        # `take` makes fresh arrays: a slice's list columns keep their parent's child
+        # buffer, and would be written with bytes that depend on where it was cut.
+        rows = table.slice(0, full).take(pa.array(range(full), pa.int64()))
+        for part in rows.combine_chunks().to_batches(max_chunksize=self.rows_per_batch):
             self._writer.write_batch(part)
         rest = table.slice(full)
         self._pending = rest.combine_chunks().to_batches() if rest.num_rows else []
