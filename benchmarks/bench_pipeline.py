@@ -211,7 +211,7 @@ class HsxRunner:
             max_seq_len=self.cfg["max_seq_len"],
             **({"unit_tokens": self.cfg["unit_tokens"]} if self.cfg.get("unit_tokens") else {}),
         )
-        return prepare(spec)
+        return prepare(spec, stream=False)
 
     def _run_units(self, job: Any) -> list[Any]:
         """Every unit, handed to the worker as the job driver does: DISPATCH_DEPTH at once."""

@@ -53,8 +53,12 @@ READY_PAUSE_MAX_S = 2.0
 class DispatchHooks:
     """What a driver wants to hear while a job runs (the CLI: progress; the service: all)."""
 
-    # The job is prepared (its output has a manifest and a plan); no engine started yet.
+    # The job is prepared (its output has a manifest and a plan, or its ingestion has
+    # started: PreparedJob.ingestion); no engine started yet.
     on_prepared: Callable[[PreparedJob], None] | None = None
+    # (job, units, ingested): the ingestion planned these units; `ingested` once it
+    # ended and the manifest is published (the job's plan is whole).
+    on_planned: Callable[[PreparedJob, list[WorkUnit], bool], None] | None = None
     # A new job's dataset is being tokenized: how far (hsx.ingest.IngestProgress).
     on_ingest: Callable[[Any], None] | None = None
     on_progress: Callable[[JobProgress], None] | None = None
@@ -88,8 +92,15 @@ class Dispatch:
         self.slots = slots
         self.max_attempts = max_attempts
         self.result = DispatchResult()
-        self.progress = job.output.totals().progress()
+        self.progress = job.totals().progress()
         self.queue: deque[WorkUnit] = deque(job.pending)
+        # A job whose dataset is still being tokenized: its units come from the ingestion
+        # (`take_planned`), and this run shows the ingestion's progress with its own.
+        self.feed = job.ingestion
+        self.fed = self.feed is None
+        if self.feed is not None:
+            self.feed.dispatching = True
+            self.progress.ingesting = True
         self.attempts: dict[int, int] = {}
         self.alone: set[int] = set()  # units that were on a failed worker: retried one at a time
         # unit -> (samples, tokens) captured, (samples, tokens) regenerated, while it runs
@@ -99,6 +110,47 @@ class Dispatch:
         self.first_ready: float | None = None
 
     # ------------------------------------------------------------ the steps
+
+    def take_planned(self) -> None:
+        """The units the ingestion planned since the last call go to the queue (those
+        an earlier run committed to the progress), with how far the ingestion is; when
+        it ended on an error (the dataset, the output, a cancel), dispatch stops: the
+        units out end, and the driver raises the ingestion's error."""
+        feed = self.feed
+        if feed is None or self.fed:
+            return
+        done = feed.done  # read first: a unit planned after it is taken next round
+        new = feed.take()
+        job, progress = self.job, self.progress
+        job.units.extend(new)
+        job.manifest = feed.manifest
+        fresh = [u for u in new if u.unit not in job.committed]
+        job.pending.extend(fresh)
+        if not (self.result.cancelled or self.result.fatal):
+            self.queue.extend(fresh)
+        progress.units_total = len(job.units)
+        progress.samples_total = job.manifest.num_samples
+        progress.tokens_total = job.manifest.tokens_total
+        if feed.progress is not None:
+            progress.rows_tokenized = feed.progress.rows
+            progress.rows_total = feed.progress.rows_expected
+        if done:
+            self.fed = True
+            progress.ingesting = False
+            if feed.error is not None:
+                logger.warning("the ingestion stopped: %s", feed.error)
+                self.queue.clear()
+            else:
+                progress.rows_total = progress.rows_tokenized = (
+                    job.manifest.num_samples + job.manifest.num_errors)
+        if new or done:
+            if self.hooks.on_planned is not None:
+                self.hooks.on_planned(job, new, done and feed.error is None)
+            self.emit(True)
+
+    def feeding(self) -> bool:
+        """Units may still come from the ingestion, and dispatch goes on."""
+        return not self.fed and not self.result.cancelled and self.result.fatal is None
 
     def emit(self, extra_live: bool) -> None:
         shown = JobProgress(**{**self.progress.__dict__, "workers": {}})
@@ -233,8 +285,13 @@ class Dispatch:
         self.gate_open = self.all_started()
         self.emit(False)
         while self.working():
+            self.take_planned()
             self.open_gate()
             if self.cancel_asked():
+                continue
+            if self.feed is not None and self.feeding() and not self.queue and not any(
+                    s.inflight or s.state == "starting" for s in self.slots):
+                self.feed.wait(POLL_S)  # every engine is ready for units not planned yet
                 continue
             if self.gate_open and self.dispatch_all():
                 if self.progress.rate_since is None:
@@ -255,8 +312,8 @@ class Dispatch:
         return self.result
 
     def working(self) -> bool:
-        """Units are in flight, or queued and dispatch goes on."""
-        return any(s.inflight for s in self.slots) or bool(
+        """Units are in flight, or queued or still to be planned, and dispatch goes on."""
+        return any(s.inflight for s in self.slots) or self.feeding() or bool(
             self.queue and not self.result.cancelled and self.result.fatal is None)
 
     def open_gate(self) -> None:

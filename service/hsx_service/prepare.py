@@ -17,20 +17,30 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from hsx import __version__
 from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
-from hsx.output import JobMismatch, Manifest, Output, StorageError, UnitPlan
+from hsx.output import (
+    JobMismatch,
+    Manifest,
+    Output,
+    OutputCorrupt,
+    OutputTotals,
+    PartRecord,
+    StorageError,
+    UnitPlan,
+)
 from hsx.output.layout import LAYER_CONVENTION
-from hsx.plan import WorkUnit, plan_units
+from hsx.plan import UnitPlanner, WorkUnit
 from hsx.spec import JobSpec
 
 if TYPE_CHECKING:
-    from hsx.ingest import IngestProgress
+    from hsx.ingest import IngestProgress, IngestResult
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +65,10 @@ class PreparedJob:
     units: list[WorkUnit]
     pending: list[WorkUnit]
     complete: bool
+    committed: set[int] = field(default_factory=set)  # units with a commit record
+    # A new job's dataset being tokenized while it runs: more units come from it, and
+    # `manifest` is its plan so far until the ingestion publishes the manifest.
+    ingestion: Ingestion | None = None
 
     @classmethod
     def of(cls, spec: JobSpec, model: ModelInfo, output: Output) -> PreparedJob:
@@ -64,7 +78,11 @@ class PreparedJob:
         done = output.committed_units()
         return cls(spec=spec, model=model, output=output, manifest=manifest, units=units,
                    pending=[u for u in units if u.unit not in done],
-                   complete=output.is_complete())
+                   complete=output.is_complete(), committed=done)
+
+    def totals(self) -> OutputTotals:
+        """The output's numbers against the plan so far."""
+        return self.output.totals(manifest=self.manifest)
 
     @property
     def layers(self) -> list[int]:
@@ -320,59 +338,44 @@ def ingest_workers(workers: int | None = None) -> int:
     return workers or os.cpu_count() or 1
 
 
-def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None = None
+def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None = None,
+            cancelled: Callable[[], bool] | None = None, stream: bool = True
             ) -> PreparedJob:
-    """Preflight, then make (or find) the output's manifest, inputs and plan.
+    """Preflight, then find the output's manifest and plan, or start making them.
 
-    `on_ingest` hears how far the ingestion of a new job is (rows tokenized)."""
+    A job whose output has a manifest is prepared from it. A new one (or one whose
+    ingestion a killed driver left in parts) starts its `Ingestion` on a thread and is
+    returned once the first part of its inputs is published (what the first rows show
+    refuses it before any engine starts): its units come as the parts are published,
+    while its engines start. A dataset whole by then is prepared as any other. A
+    regenerating job is ingested whole first (its workers read the manifest), and so is
+    any with `stream=False`. `on_ingest` hears how far the
+    ingestion is (rows tokenized); `cancelled` stops it."""
     info, layers, output = preflight(spec)
     workers = ingest_workers()
-    from hsx.ingest import DatasetError, dataset_fingerprint, ingest
-
     manifest = output.read_manifest()
-    try:
-        data_fp = dataset_fingerprint(spec.dataset_spec) if manifest is not None else ""
-        if manifest is None:
-            result = ingest(
-                spec.dataset_spec,
-                spec.tokenizer or spec.model,
-                spec.max_seq_len,
-                output,
-                chat_template_kwargs=spec.chat_template_kwargs,
-                trust_remote_code=spec.trust_remote_code,
-                keep_messages=spec.regenerate is not None,
-                progress=on_ingest,
-                workers=workers,
-            )
-            data_fp = result.dataset_fingerprint
-    except DatasetError as err:  # found while reading it: still before any engine starts
-        raise JobRefused(f"dataset: {err}") from err
     if manifest is None:
-        lengths = output.inputs().column("length").to_numpy()
-        units = plan_units(lengths.tolist(), spec.unit_tokens)
-        # Another driver may have prepared the same output at the same moment: the
-        # manifest published first is the one, and it must be this same job.
-        manifest = output.publish_manifest(Manifest(
-            hsx_version=__version__,
-            job_fingerprint=spec.data_fingerprint(),
-            dataset_fingerprint=data_fp,
-            model=spec.model,
-            architecture=info.architecture,
-            num_layers=info.num_layers,
-            hidden_size=info.hidden_size,
-            layers=layers,
-            layer_convention=LAYER_CONVENTION,
-            storage_dtype=spec.storage_dtype,
-            engine=spec.engine,
-            tokenizer_fingerprint=result.tokenizer_fingerprint,
-            max_seq_len=spec.max_seq_len,
-            num_samples=result.num_samples,
-            num_errors=result.num_errors,
-            num_tokens=result.num_tokens,
-            units=[UnitPlan.of(u) for u in units],
-            created_at=time.time(),
-            spec=spec.model_dump(mode="json"),
-        ))
+        check_estimated_output(spec, info, layers, output)
+        ingestion = Ingestion(spec, info, layers, output, workers, on_ingest, cancelled)
+        ingestion.start()
+        if stream and spec.regenerate is None:
+            ingestion.wait_first_part()
+        else:
+            ingestion.join()
+        if ingestion.done:  # a dataset small enough to be whole by now: as any other
+            ingestion.raise_error()
+            manifest = output.manifest()
+        else:
+            return PreparedJob(spec=spec, model=info, output=output,
+                               manifest=ingestion.manifest, units=[], pending=[],
+                               complete=False, committed=output.committed_units(),
+                               ingestion=ingestion)
+    from hsx.ingest import DatasetError, dataset_fingerprint
+
+    try:
+        data_fp = dataset_fingerprint(spec.dataset_spec)
+    except DatasetError as err:
+        raise JobRefused(f"dataset: {err}") from err
     try:
         manifest.check_same_job(spec.data_fingerprint(), data_fp, output=str(output),
                                 dataset=str(spec.dataset_spec))
@@ -381,3 +384,170 @@ def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None
     job = PreparedJob.of(spec, info, output)
     check_output_size(job)
     return job
+
+
+class Ingestion:
+    """A new job's dataset tokenized on a thread (in parts: hsx.ingest.ingest) while its
+    engines start and run. Each part published plans the units its rows close (the same
+    plan `plan_units` makes of the whole table); `take` hands them to the dispatcher.
+    When the last part is published, the manifest is (create-if-absent, checked against
+    this job), and the exact size of the output is checked. A failure (the dataset, the
+    output, a cancel) is kept in `error` for the driver: the dispatcher stops handing
+    out units, the units out end, the job fails with it.
+
+    A driver killed while ingesting left the parts it published; this one goes on after
+    the last (ingest.json says it is the same job), tokenizing nothing twice, and plans
+    the same units again, so the units committed before the kill are recognised."""
+
+    def __init__(self, spec: JobSpec, info: ModelInfo, layers: list[int], output: Output,
+                 workers: int, on_ingest: Callable[[IngestProgress], None] | None,
+                 cancelled: Callable[[], bool] | None) -> None:
+        self.spec, self.info, self.layers, self.output = spec, info, layers, output
+        self.workers = workers
+        self.on_ingest = on_ingest
+        self.cancelled = cancelled
+        self.dispatching = False  # the dispatcher shows the progress from now on
+        self.progress: IngestProgress | None = None
+        self.units: list[WorkUnit] = []
+        self.parts = 0  # parts published (an earlier driver's too)
+        self._last_part = False  # the last of them is
+        self.error: BaseException | None = None
+        self.done = False
+        self.manifest = self._manifest(units=[])  # the plan so far (not published)
+        self._planner = UnitPlanner(spec.unit_tokens)
+        self._new: list[WorkUnit] = []
+        self._stop = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="hsx-ingest", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def stop(self) -> None:
+        """Stop at the next batch (what is published stays) and wait for the thread."""
+        self._stop = True
+        self.join()
+
+    def take(self) -> list[WorkUnit]:
+        """The units planned since the last call."""
+        with self._cv:
+            new, self._new = self._new, []
+            return new
+
+    def wait_first_part(self) -> None:
+        """Until the first part is published or the ingestion ended: what the first
+        rows show (a file that cannot be read, another job's output, a dataset small
+        enough to be whole by then and too big for the disk) refuses the job before
+        any engine starts."""
+        with self._cv:
+            # After the last part, the manifest and the size check are moments away.
+            while not self.done and (not self.parts or self._last_part):
+                self._cv.wait()
+
+    def wait(self, timeout: float) -> None:
+        """Until a unit is planned, the ingestion ends, or `timeout` seconds."""
+        with self._cv:
+            if not self._new and not self.done:
+                self._cv.wait(timeout)
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        from hsx.ingest import DatasetError, ingest
+
+        spec = self.spec
+        try:
+            result = ingest(
+                spec.dataset_spec, spec.tokenizer or spec.model, spec.max_seq_len,
+                self.output, chat_template_kwargs=spec.chat_template_kwargs,
+                trust_remote_code=spec.trust_remote_code,
+                keep_messages=spec.regenerate is not None, progress=self._progress,
+                workers=self.workers, job_fingerprint=spec.data_fingerprint(),
+                on_part=self._part)
+            # Another driver may have prepared the same output at the same moment: the
+            # manifest published first is the one, and it must be this same job.
+            manifest = self.output.publish_manifest(self._manifest(self.units, result))
+            manifest.check_same_job(spec.data_fingerprint(), result.dataset_fingerprint,
+                                    output=str(self.output), dataset=str(spec.dataset_spec))
+            self.manifest = manifest
+            self._check_size()
+        except DatasetError as err:  # found while reading it
+            self.error = JobRefused(f"dataset: {err}")
+        except JobMismatch as err:
+            self.error = JobRefused(str(err))
+        except (StorageError, OutputCorrupt) as err:
+            self.error = JobRefused(f"output: {err}")
+        except BaseException as err:  # a cancel, a bug: the driver raises it
+            self.error = err
+        finally:
+            with self._cv:
+                self.done = True
+                self._cv.notify_all()
+
+    def _progress(self, progress: IngestProgress) -> None:
+        from hsx_service.errors import JobCancelled  # (errors imports this module)
+
+        if self._stop:
+            raise JobCancelled("the job stopped while its dataset was being tokenized")
+        if self.cancelled is not None and self.cancelled():
+            raise JobCancelled("cancelled while the dataset was being tokenized")
+        self.progress = progress
+        if not self.dispatching and self.on_ingest is not None:
+            self.on_ingest(progress)
+
+    def _part(self, record: PartRecord, lengths: Any) -> None:
+        units = self._planner.add(lengths.tolist())
+        if record.last:
+            units += self._planner.finish()
+        with self._cv:
+            m = self.manifest
+            self.manifest = m.model_copy(update={
+                "num_samples": m.num_samples + record.samples,
+                "num_errors": m.num_errors + record.errors,
+                "num_tokens": m.num_tokens + record.tokens,
+                "units": [*m.units, *(UnitPlan.of(u) for u in units)]})
+            self.units.extend(units)
+            self._new.extend(units)
+            self.parts += 1
+            self._last_part = record.last
+            self._cv.notify_all()
+
+    def _manifest(self, units: list[WorkUnit], result: IngestResult | None = None
+                  ) -> Manifest:
+        spec, info = self.spec, self.info
+        return Manifest(
+            hsx_version=__version__,
+            job_fingerprint=spec.data_fingerprint(),
+            dataset_fingerprint=result.dataset_fingerprint if result else "",
+            model=spec.model,
+            architecture=info.architecture,
+            num_layers=info.num_layers,
+            hidden_size=info.hidden_size,
+            layers=self.layers,
+            layer_convention=LAYER_CONVENTION,
+            storage_dtype=spec.storage_dtype,
+            engine=spec.engine,
+            tokenizer_fingerprint=result.tokenizer_fingerprint if result else "",
+            max_seq_len=spec.max_seq_len,
+            num_samples=result.num_samples if result else 0,
+            num_errors=result.num_errors if result else 0,
+            num_tokens=result.num_tokens if result else 0,
+            units=[UnitPlan.of(u) for u in units],
+            created_at=time.time(),
+            spec=spec.model_dump(mode="json"),
+        )
+
+    def _check_size(self) -> None:
+        """The exact size, now that the dataset is tokenized: the units not committed
+        must fit (JobRefused, kept in `error`, stops the job)."""
+        committed = self.output.committed_units()
+        job = PreparedJob(spec=self.spec, model=self.info, output=self.output,
+                          manifest=self.manifest, units=self.units,
+                          pending=[u for u in self.units if u.unit not in committed],
+                          complete=False)
+        check_output_size(job)

@@ -119,21 +119,22 @@ def run_job(
     hooks = hooks or DispatchHooks()
     started = time.time()
     try:
-        job = prepare(spec, on_ingest=lambda p: _ingesting(hooks, p))
+        job = prepare(spec, on_ingest=hooks.on_ingest, cancelled=hooks.cancelled)
     except (StorageError, OutputCorrupt) as err:  # the output failed while being prepared
         raise JobRefused(f"output: {err}") from err
     except OSError as err:
         if is_disk_full(err):
             raise JobFailed(disk_full_message(spec.output, err)) from err
         raise
-    if hooks.on_prepared is not None:
-        hooks.on_prepared(job)
+    ingestion = job.ingestion
     try:
-        if job.complete and not job.pending:
+        if hooks.on_prepared is not None:
+            hooks.on_prepared(job)
+        if job.complete and not job.pending and ingestion is None:
             return JobSummary.of(job.output.totals(), str(job.output), time.time() - started,
                                  nothing_to_do=True)
         result = DispatchResult()
-        if job.pending:
+        if job.pending or ingestion is not None:
             owned = pool is None
             pool = pool or EnginePool()
             try:
@@ -142,6 +143,8 @@ def run_job(
             finally:
                 if owned:
                     pool.shutdown()
+        if ingestion is not None and ingestion.done:
+            ingestion.raise_error()  # the dataset, the output's size, a cancel
         if result.fatal is not None:
             raise JobFailed(result.fatal)
         if result.cancelled:
@@ -156,15 +159,9 @@ def run_job(
         if is_disk_full(err):
             raise JobFailed(disk_full_message(job.output, err)) from err
         raise
-
-
-def _ingesting(hooks: DispatchHooks, progress: Any) -> None:
-    """Ingestion's progress to the driver; a cancel stops the ingestion (its tables are
-    dropped, nothing was published)."""
-    if hooks.cancelled is not None and hooks.cancelled():
-        raise JobCancelled("cancelled while the dataset was being tokenized")
-    if hooks.on_ingest is not None:
-        hooks.on_ingest(progress)
+    finally:
+        if ingestion is not None:
+            ingestion.stop()  # when the job ended first (engines that cannot start)
 
 
 def finish(job: PreparedJob, started: float, *, restarts: int = 0) -> JobSummary:

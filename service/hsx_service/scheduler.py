@@ -508,21 +508,30 @@ class Scheduler:
             self._end(job_id, JobState.failed, str(err))
             return
 
-        def prepared(job: PreparedJob) -> None:
+        def planned(job: PreparedJob, units: list[WorkUnit], ingested: bool) -> None:
             self.ledger.plan(job_id, [(u.unit, u.row_start, u.row_end, u.tokens)
-                                      for u in job.units])
-            self.ledger.reconcile_units(job_id, {u.unit for u in job.units} - {
-                u.unit for u in job.pending})
-            self._start_run(job_id, job.output.totals().progress())
+                                      for u in units])
+            self.ledger.reconcile_units(job_id, {u.unit for u in units} & job.committed)
+            if ingested and row.spec.train is not None and \
+                    self.ledger.training(job_id) is None:
+                # Started once the plan is whole, it follows the shards as they are
+                # committed (or waits for the end when `follow` is off, or when its plan
+                # trains after extracting).
+                self._start_training(row, row.spec.train)
+
+        def prepared(job: PreparedJob) -> None:
+            progress = job.totals().progress()
+            progress.ingesting = job.ingestion is not None
+            self._start_run(job_id, progress)
             # Engines stay warm between jobs on the same config; others give their place.
             self.pool.keep_only(engine_key(row.spec, job.model, job.layers), plan.replicas)
-            if row.spec.train is not None and self.ledger.training(job_id) is None:
-                # Started now, it follows the shards as they are committed (or waits for
-                # the end when `follow` is off, or when its plan trains after extracting).
-                self._start_training(row, row.spec.train)
+            # A job whose dataset is still being tokenized hears of its units as they
+            # are planned (on_planned); its ingestion shows in its progress.
+            planned(job, job.units, job.ingestion is None)
 
         hooks = DispatchHooks(
             on_prepared=prepared,
+            on_planned=planned,
             on_ingest=lambda p: self.statuses.ingesting(job_id, p.rows, p.rows_expected),
             on_progress=lambda p: self.statuses.progressed(job_id, p),
             on_unit_done=lambda report: self._on_unit_done(job_id, report),

@@ -28,7 +28,7 @@ import pytest
 from hsx.dataset import HiddenStatesDataset
 from hsx.output import Output, ShardCorrupt
 from hsx.output import faults as fault_points
-from hsx.output.layout import COMMITS_DIR, SHARDS_DIR, TMP_DIR
+from hsx.output.layout import COMMITS_DIR, SHARDS_DIR, TMP_DIR, inputs_part_path
 from hsx_workers.tiny_models import ChatDataset, make_chat_dataset
 from tests.unit.outputs import flip_sample_byte
 
@@ -198,10 +198,13 @@ from hsx.spec import JobSpec
 from hsx_service.runner import DispatchHooks, run_job
 
 pipeline.PARALLEL_SLICE_BYTES = 512  # the small dataset in several slices
+pipeline.ROWS_PER_PART = 4  # and in parts of 4 samples
 spec = JobSpec.model_validate_json(sys.argv[1])
 
 def killed(progress):
-    # The first slice is back, the others are in the pool's processes: the driver dies.
+    # A part is published, other slices are in the pool's processes: the driver dies.
+    if not os.path.exists(os.path.join(spec.output, "inputs", "part-00000.json")):
+        return
     children = [p.pid for p in multiprocessing.active_children()]
     with open(sys.argv[2], "w") as f:
         json.dump({"children": children, "rows": progress.rows}, f)
@@ -219,14 +222,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_driver_killed_during_ingestion_leaves_nothing_and_a_rerun_completes(
+def test_a_driver_killed_during_ingestion_keeps_its_parts_and_a_rerun_completes(
     job: Any, engine_pool: Any, small_dataset: ChatDataset, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """SIGKILL of the driver (`hsx extract`, a coordinator) while 2 processes tokenize:
-    its pool's processes exit too, nothing is published (no manifest, no inputs table:
-    the tables are staged and published whole), and a rerun ingests, plans the same
-    units and completes with every row once (in a shard or in errors.arrow)."""
+    """SIGKILL of the driver (`hsx extract`, a coordinator) while 2 processes tokenize,
+    after it published a part of the inputs: its pool's processes exit too, no manifest
+    is published and no half part is visible, and a rerun goes on after the published
+    parts (not tokenized again: their files are the same files), plans the same units
+    and completes with every row once (in a shard or in the errors table)."""
     import sys
     import time
 
@@ -248,14 +252,17 @@ def test_a_driver_killed_during_ingestion_leaves_nothing_and_a_rerun_completes(
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in killed["children"]), "the pool outlived its driver"
     out = Output(output)
-    assert not out.has_manifest() and not (output / "inputs.arrow").exists()
+    kept = {p: os.stat(output / inputs_part_path(p)).st_ino for p in out.part_numbers()}
+    assert not out.has_manifest() and kept and not out.part_records()[-1].last
 
     monkeypatch.setenv("HSX_INGEST_WORKERS", "2")
     monkeypatch.setattr(pipeline, "PARALLEL_SLICE_BYTES", 512)
     summary = run_job(spec, pool=engine_pool)
     assert summary.shards == 2
+    assert {p: os.stat(output / inputs_part_path(p)).st_ino for p in kept} == kept
     figures = audit(output, small_dataset)
     errors = Output(output).ingest_errors()["sample_index"].to_pylist()
     assert errors == sorted(small_dataset.bad)
     report("killed during ingestion", {"faults": 1, "rows_before_kill": killed["rows"],
+                                       "parts_kept": len(kept),
                                        **figures})

@@ -99,6 +99,57 @@ def test_rerun_does_nothing(vllm_run: Run, make_job: Any, engine_pool: Any) -> N
     assert snapshot(vllm_run.output) == before
 
 
+def test_units_start_while_the_dataset_is_tokenized(
+    tmp_path: Path, make_job: Any, engine_pool: Any, vllm_samples: dict[int, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dataset in parts of 32 samples, and the ingestion held after its first part
+    until a unit is committed: the job's first units run while the rest of its rows are
+    still tokenized, its progress shows both, and the plan is the one `plan_units` makes
+    of the whole table, so the samples are the reference run's."""
+    import threading
+
+    from hsx.ingest import pipeline
+    from hsx.plan import plan_units
+
+    monkeypatch.setattr(pipeline, "ROWS_PER_PART", 32)
+    committed = threading.Event()
+    held: list[bool] = []
+    publish = Output.publish_part
+
+    def publish_then_hold(self: Output, record: Any) -> None:
+        publish(self, record)
+        if record.part == 0:  # in the ingestion's thread: the job goes on without it
+            held.append(committed.wait(timeout=900))
+
+    monkeypatch.setattr(Output, "publish_part", publish_then_hold)
+    planned: list[tuple[int, bool, bool]] = []  # (units, ingested, a unit committed yet)
+    seen: list[JobProgress] = []
+    spec = make_job(tmp_path / "out", engine="vllm", unit_tokens=1024)
+    summary = run_job(spec, pool=engine_pool, hooks=DispatchHooks(
+        on_unit_done=lambda _report: committed.set(),
+        on_planned=lambda _job, units, done: planned.append(
+            (len(units), done, committed.is_set())),
+        on_progress=seen.append))
+    assert held == [True], "no unit was committed while the ingestion waited"
+    assert planned[-1][1] and not planned[0][1]  # units came before the plan was whole
+    assert any(p.ingesting and p.units_done > 0 and p.rows_tokenized > 0 for p in seen)
+    out = Output(spec.output)
+    records = out.part_records()
+    assert len(records) > 3 and records[-1].last
+    lengths = out.inputs().column("length").to_pylist()
+    assert out.manifest().work_units == plan_units(lengths, 1024)
+    assert summary.shards == len(out.manifest().units)
+    streamed = by_sample(Path(spec.output))
+    assert sorted(streamed) == sorted(vllm_samples)
+    for index, sample in streamed.items():
+        ref = vllm_samples[index]
+        assert torch.equal(sample["input_ids"], ref["input_ids"])
+        assert torch.equal(sample["loss_mask"], ref["loss_mask"])
+        # Same engine config; batches differ between runs, so allow bf16 rounding.
+        assert relative_error(sample["hidden_states"], ref["hidden_states"]).max() < 1e-2
+
+
 def test_vllm_equals_hf_reference(
     tmp_path: Path, make_job: Any, engine_pool: Any, vllm_samples: dict[int, Any]
 ) -> None:

@@ -105,11 +105,11 @@ def test_output_of_another_job_is_refused(
     out = tmp_path / "out"
     first = JobSpec(model=str(tiny_tokenizer), dataset=str(chat_dataset.path), output=str(out),
                     layers=[1, 4], max_seq_len=128)
-    job = prepare(first)
+    job = prepare(first, stream=False)
     assert job.samples_total == len(chat_dataset.good_indices)
-    assert prepare(first).manifest == job.manifest  # found again, not redone
+    assert prepare(first, stream=False).manifest == job.manifest  # found again, not redone
     with pytest.raises(JobRefused, match="already holds a different job"):
-        prepare(first.model_copy(update={"layers": [2, 4]}))
+        prepare(first.model_copy(update={"layers": [2, 4]}), stream=False)
 
 
 @pytest.mark.parametrize(

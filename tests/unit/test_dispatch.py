@@ -79,9 +79,13 @@ def _units(n: int) -> list[WorkUnit]:
 
 
 def _dispatch(units: int, heard: _Heard | None = None, *, workers: int = 1,
-              max_attempts: int = 3, output: _Output | None = None) -> Dispatch:
+              max_attempts: int = 3, output: _Output | None = None,
+              ingestion: Any = None) -> Dispatch:
+    out = output or _Output()
     job: Any = SimpleNamespace(spec=SimpleNamespace(storage_dtype="bfloat16", checksum="xxh3"),
-                               output=output or _Output(), pending=_units(units))
+                               output=out, pending=_units(units), units=_units(units),
+                               totals=out.totals, ingestion=ingestion, committed=set(),
+                               manifest=None)
     slots = [EngineSlot(name=f"engine-{i}", actor=_Actor(), state="idle")
              for i in range(workers)]
     pool: Any = SimpleNamespace(restarts=0)
@@ -324,3 +328,62 @@ def test_the_loop_runs_every_unit_retrying_a_dead_workers_units_alone(
     assert heard.restarts == ["engine-0"] and [e[:2] for e in heard.errors] == [(0, 1), (1, 1)]
     assert sorted(workers[0].ran + workers[1].ran) == [0, 0, 1, 1, 2, 3, 4, 5]
     assert heard.progress[-1].workers == {"engine-0": "idle", "engine-1": "idle"}
+
+
+@dataclass
+class _Feed:
+    """An ingestion as the dispatcher sees it: units planned part by part."""
+
+    manifest: Any
+    planned: list[WorkUnit] = field(default_factory=list)
+    done: bool = False
+    error: BaseException | None = None
+    progress: Any = None
+    dispatching: bool = False
+
+    def take(self) -> list[WorkUnit]:
+        new, self.planned = self.planned, []
+        return new
+
+
+def test_units_planned_while_the_dataset_is_tokenized_are_dispatched_as_they_come() -> None:
+    planned: list[tuple[list[int], bool]] = []
+    heard = _Heard()
+    hooks = heard.hooks()
+    hooks.on_planned = lambda _job, units, done: planned.append(([u.unit for u in units], done))
+    feed = _Feed(manifest=SimpleNamespace(num_samples=8, num_errors=1, tokens_total=80))
+    run = _dispatch(0, ingestion=feed)
+    run.hooks = hooks
+    run.job.committed = {1}  # an earlier run committed unit 1 before it was killed
+    assert feed.dispatching and run.progress.ingesting
+    assert run.working() and not run.queue  # nothing yet, but units may come
+
+    feed.planned = _units(3)[:2]
+    feed.progress = SimpleNamespace(rows=9, rows_expected=20)
+    run.take_planned()
+    assert [u.unit for u in run.queue] == [0]  # unit 1 is committed already
+    assert run.progress.units_total == 2 and run.progress.rows_tokenized == 9
+    assert run.progress.rows_total == 20 and run.progress.ingesting
+    run.dispatch(run.slots[0])
+    assert not run.queue and run.working()
+
+    feed.planned, feed.done = [_units(3)[2]], True
+    run.take_planned()
+    assert [u.unit for u in run.queue] == [2] and not run.feeding()
+    assert not run.progress.ingesting and run.progress.rows_total == 9
+    assert planned == [([0, 1], False), ([2], True)]
+    assert heard.progress[-1].units_total == 3
+
+
+def test_an_ingestion_that_fails_stops_dispatch_and_lets_the_units_out_end() -> None:
+    feed = _Feed(manifest=SimpleNamespace(num_samples=0, num_errors=0, tokens_total=0))
+    run = _dispatch(0, ingestion=feed)
+    feed.planned = _units(3)
+    run.take_planned()
+    run.dispatch(run.slots[0])  # two units out, one queued
+    feed.done, feed.error = True, ValueError("dataset: a file went away")
+    run.take_planned()
+    assert not run.queue and not run.feeding()
+    assert run.working()  # the units out end first
+    run.slots[0].inflight.clear()
+    assert not run.working()

@@ -451,7 +451,7 @@ def test_refused_output_over_quota(configs: dict[str, Path], chat_dataset: ChatD
     message = _run_refused(_spec(configs["llama"], chat_dataset, tmp_path / "q"))
     assert "quota" in message and "MiB" in message
     monkeypatch.setenv("HSX_QUOTA_BYTES", str(10**12))
-    job = prepare(_spec(configs["llama"], chat_dataset, tmp_path / "q"))
+    job = prepare(_spec(configs["llama"], chat_dataset, tmp_path / "q"), stream=False)
     assert job.pending
 
 

@@ -178,8 +178,12 @@ function renderJob(current, status) {
 
   setProgress($("#progress-bar"), status);
   const totalText = status.samples_total ? fmtInt(status.samples_total) : "?";
+  // Units run while the rest of the dataset is tokenized: both are shown.
+  const extracted = status.units_done
+    ? ` · ${fmtInt(status.samples_done)} samples extracted (${fmtInt(status.units_done)}`
+      + ` of ${fmtInt(status.units_total)} units planned so far)` : "";
   $("#progress-text").textContent = status.ingesting
-    ? `tokenizing the dataset: ${ingestionText(status)}`
+    ? `tokenizing the dataset: ${ingestionText(status)} rows${extracted}`
     : `${fmtInt(status.samples_done)} / ${totalText} samples · ${fmtPercent(p)}`;
   $("#eta").textContent = etaText(status);
 

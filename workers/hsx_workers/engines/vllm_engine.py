@@ -13,9 +13,9 @@ The CPU build of vLLM runs the same code: create the engine in a process that is
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-import itertools
 import re
 import shutil
 import threading

@@ -1,0 +1,178 @@
+"""Time from submit to the first committed shard on a dataset of a million chats.
+
+A chat dataset made with the generator the tests use (`make_chat_dataset`, one bad row
+per thousand), the tiny Llama and its tokenizer, the product's defaults (`engine: vllm`
+on vLLM's CPU build, one replica, local Ray, one ingestion process). Two measurements,
+each in a fresh process, on the same dataset:
+
+- `streamed`  `run_job` as `hsx extract` runs it: the engines start once the first part
+              of the inputs is published and take units while the rest is tokenized.
+              Measured: submit → the first unit's commit record (then the job is
+              cancelled: extracting a million chats on a CPU is not the point).
+- `whole`     what a job waited for before its first unit when the plan needed the whole
+              table: `ingest` of the dataset, start to end (the tokenizer's load
+              included). With `--whole-rows N` < the dataset's rows, the first N rows
+              are ingested and the time scaled to the dataset's rows (ingestion is
+              linear in rows: results/ingest.json's memory and rate figures).
+
+Ratio: streamed ÷ whole (how much of the old wait is left), and the target: the first
+commit within 60 s of submit. Progress samples of the streamed run (rows tokenized,
+units planned and committed, as the CLI bar and the API show them) are kept.
+
+Run: `python benchmarks/bench_first_commit.py [--rows N] [--whole-rows N]`
+(results in `results/first_commit.json`; not part of `run_all.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+
+FIRST_COMMIT_TARGET_S = 60.0
+
+
+def child_streamed(data: str, model: str, out: str) -> dict[str, Any]:
+    """One job in this (fresh) process, cancelled after its first commit."""
+    from hsx.progress import JobProgress
+    from hsx.spec import JobSpec
+    from hsx_service.runner import DispatchHooks, JobCancelled, run_job
+
+    spec = JobSpec(model=model, dataset=data, output=out, max_seq_len=2048)
+    marks: dict[str, float] = {}
+    seen: list[dict[str, Any]] = []
+    start = time.perf_counter()
+
+    def on_progress(p: JobProgress) -> None:
+        seen.append({"t": round(time.perf_counter() - start, 2),
+                     "rows_tokenized": p.rows_tokenized, "rows_total": p.rows_total,
+                     "ingesting": p.ingesting, "units_total": p.units_total,
+                     "units_done": p.units_done})
+
+    def on_unit_done(_report: Any) -> None:
+        marks.setdefault("first_commit_s", time.perf_counter() - start)
+
+    def on_planned(_job: Any, units: list[Any], _done: bool) -> None:
+        if units:
+            marks.setdefault("first_units_planned_s", time.perf_counter() - start)
+
+    hooks = DispatchHooks(on_progress=on_progress, on_unit_done=on_unit_done,
+                          on_planned=on_planned,
+                          cancelled=lambda: "first_commit_s" in marks)
+    with contextlib.suppress(JobCancelled):
+        run_job(spec, hooks=hooks)
+    marks["job_ended_s"] = time.perf_counter() - start
+    last = seen[-1] if seen else {}
+    return {**{k: round(v, 2) for k, v in marks.items()},
+            "rows_tokenized_at_end": last.get("rows_tokenized"),
+            "units_planned_at_end": last.get("units_total"),
+            "progress": seen[:: max(1, len(seen) // 40)]}
+
+
+def child_whole(data: str, model: str, out: str, rows: int) -> dict[str, Any]:
+    """`ingest` of the dataset's first `rows` rows, start to end."""
+    import itertools
+
+    from hsx.ingest import ingest
+
+    source = data
+    if rows:
+        source = str(Path(out).parent / "head.jsonl")
+        with open(data, "rb") as f, open(source, "wb") as g:
+            g.writelines(itertools.islice(f, rows))
+    start = time.perf_counter()
+    result = ingest(source, model, 2048, out)
+    return {"rows": result.num_rows, "seconds": round(time.perf_counter() - start, 2)}
+
+
+def _child(args: list[str]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{args[0]} failed:\n{proc.stderr[-3000:]}")
+    record: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return record
+
+
+def run(*, rows: int, whole_rows: int, out: Path, workdir: Path | None,
+        note: str | None) -> dict[str, Any]:
+    from hsx_workers.tiny_models import make_chat_dataset, make_tiny_model
+
+    machine = common.machine_info()
+    scratch = Path(tempfile.mkdtemp(dir=workdir, prefix="hsx-bench-first-commit-"))
+    try:
+        model = make_tiny_model(scratch / "model", "llama")
+        data = scratch / "chat.jsonl"
+        started = time.perf_counter()
+        make_chat_dataset(data, n=rows - rows // 1000, seed=0, bad_rows=rows // 1000)
+        print(f"dataset of {rows:,} rows: {data.stat().st_size / 2**20:,.0f} MiB "
+              f"({time.perf_counter() - started:.0f} s to make)", flush=True)
+
+        streamed = _child(["--streamed", str(data), str(model), str(scratch / "streamed")])
+        print(f"streamed: first commit {streamed['first_commit_s']} s after submit",
+              flush=True)
+        subprocess.run(["rm", "-rf", str(scratch / "streamed")], check=False)
+        part = min(whole_rows or rows, rows)
+        whole = _child(["--whole", str(data), str(model), str(scratch / "whole" / "out"),
+                        str(part if part < rows else 0)])
+        whole_s = whole["seconds"] * rows / whole["rows"]
+        print(f"whole ingestion: {whole['seconds']} s for {whole['rows']:,} rows "
+              f"(scaled to {rows:,}: {whole_s:,.0f} s)", flush=True)
+        first = streamed["first_commit_s"]
+        section = {
+            "date": common.now_iso(),
+            "note": note,
+            "rows": rows,
+            "cpu_affinity": len(os.sched_getaffinity(0)),
+            "streamed": streamed,
+            "whole": {**whole, "scaled_to_rows": rows, "scaled_seconds": round(whole_s, 1),
+                      "scaled": whole["rows"] < rows},
+            "first_commit_s": first,
+            "first_commit_over_whole_ingestion": common.ratio(first, whole_s),
+            "target_s": FIRST_COMMIT_TARGET_S,
+            "verdict": "PASS" if first <= FIRST_COMMIT_TARGET_S else "MISS",
+        }
+        common.save_section(out, "first_commit", section,
+                            {**machine, "load_end": os.getloadavg()})
+        print(common.table(
+            ["", "seconds"],
+            [["submit → first committed shard (streamed)", first],
+             ["ingestion of the whole dataset (the old wait)", round(whole_s, 1)],
+             ["ratio", section["first_commit_over_whole_ingestion"]]]))
+        return section
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)], check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--streamed":
+        print(json.dumps(child_streamed(*argv[1:4])))
+        return 0
+    if argv and argv[0] == "--whole":
+        print(json.dumps(child_whole(argv[1], argv[2], argv[3], int(argv[4]))))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows of the dataset")
+    p.add_argument("--whole-rows", type=int, default=0,
+                   help="rows the whole-ingestion baseline reads (default: all)")
+    p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "first_commit.json")
+    p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
+    p.add_argument("--note", help="free text stored with the results")
+    args = p.parse_args(argv)
+    run(rows=args.rows, whole_rows=args.whole_rows, out=args.out, workdir=args.workdir,
+        note=args.note)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
