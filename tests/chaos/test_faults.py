@@ -266,3 +266,68 @@ def test_a_driver_killed_during_ingestion_keeps_its_parts_and_a_rerun_completes(
     report("killed during ingestion", {"faults": 1, "rows_before_kill": killed["rows"],
                                        "parts_kept": len(kept),
                                        **figures})
+
+
+_KILLED_AFTER_A_COMMIT_DURING_INGESTION = """
+import os, signal, sys, threading
+import hsx.ingest.pipeline as pipeline
+from hsx.output import Output
+from hsx.spec import JobSpec
+from hsx_service.runner import DispatchHooks, run_job
+
+pipeline.ROWS_PER_PART = 4  # the small dataset in parts of 4 samples
+spec = JobSpec.model_validate_json(sys.argv[1])
+committed = threading.Event()
+publish = Output.publish_part
+
+def publish_then_hold(self, record):
+    publish(self, record)
+    if record.part == 1:  # the rest of the dataset waits for a unit to commit
+        committed.wait(600)
+
+Output.publish_part = publish_then_hold
+
+def killed(report):
+    os.kill(os.getpid(), signal.SIGKILL)  # a unit committed, ingestion midway: die
+
+run_job(spec, hooks=DispatchHooks(on_unit_done=killed))
+"""
+
+
+def test_a_driver_killed_after_a_commit_during_ingestion_resumes_without_gap_or_double(
+    make_job: Any, engine_pool: Any, small_dataset: ChatDataset, tmp_path: Path,
+) -> None:
+    """The streaming plan's own case: units run while the dataset is tokenized, and the
+    driver is SIGKILLed once one has committed, with 2 of its parts published and the
+    rest not. The rerun goes on after those parts, plans the same units (so the
+    committed one is recognised and not extracted again) and completes with every row
+    once, in a shard or in the errors table."""
+    import signal
+    import sys
+
+    from hsx_service.runner import run_job
+
+    spec = make_job(tmp_path / "out", dataset=str(small_dataset.path), unit_tokens=300)
+    output = Path(spec.output)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_AFTER_A_COMMIT_DURING_INGESTION,
+                             spec.model_dump_json()], start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=900)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its Ray and engine processes
+    assert proc.returncode == -9, stderr[-2000:]
+    out = Output(output)
+    records = {r.unit: r.shard for r in out.commits()}
+    parts = out.part_records()
+    assert not out.has_manifest() and records
+    assert len(parts) == 2 and not parts[-1].last  # the rest was never tokenized
+
+    summary = run_job(spec, pool=engine_pool)
+    assert {r.unit: r.shard for r in Output(output).commits() if r.unit in records} == records
+    assert summary.shards == len(Output(output).manifest().units) > len(records)
+    figures = audit(output, small_dataset)
+    report("killed after a commit during ingestion",
+           {"faults": 1, "parts_before_kill": len(parts), "units_committed_before_kill":
+            len(records), **figures})

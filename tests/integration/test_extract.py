@@ -104,7 +104,7 @@ def test_units_start_while_the_dataset_is_tokenized(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The dataset in parts of 32 samples, and the ingestion held after its first part
-    until a unit is committed: the job's first units run while the rest of its rows are
+    (before it publishes the second) until a unit is committed: the job's first units run while the rest of its rows are
     still tokenized, its progress shows both, and the plan is the one `plan_units` makes
     of the whole table, so the samples are the reference run's."""
     import threading
@@ -117,12 +117,12 @@ def test_units_start_while_the_dataset_is_tokenized(
     held: list[bool] = []
     publish = Output.publish_part
 
-    def publish_then_hold(self: Output, record: Any) -> None:
-        publish(self, record)
-        if record.part == 0:  # in the ingestion's thread: the job goes on without it
+    def hold_then_publish(self: Output, record: Any) -> None:
+        if record.part == 1:  # in the ingestion's thread: the job goes on without it
             held.append(committed.wait(timeout=900))
+        publish(self, record)
 
-    monkeypatch.setattr(Output, "publish_part", publish_then_hold)
+    monkeypatch.setattr(Output, "publish_part", hold_then_publish)
     planned: list[tuple[int, bool, bool]] = []  # (units, ingested, a unit committed yet)
     seen: list[JobProgress] = []
     spec = make_job(tmp_path / "out", engine="vllm", unit_tokens=1024)
