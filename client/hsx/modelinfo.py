@@ -57,6 +57,12 @@ class ModelInfo:
         return text if isinstance(text, dict) else self.config
 
     @property
+    def max_positions(self) -> int | None:
+        """Positions the text model was built for (`max_position_embeddings`), if said."""
+        value = self.shape.get("max_position_embeddings")
+        return int(value) if isinstance(value, int | float) and value > 0 else None
+
+    @property
     def uses_mla(self) -> bool:
         """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2's text model)."""
         return bool(self.shape.get("kv_lora_rank"))

@@ -240,6 +240,14 @@ def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
 def check_engine_args(spec: JobSpec, info: ModelInfo) -> None:
     """Refuse `vllm:` keys that the installed vLLM does not take, or that hsx sets itself,
     and settings under which the installed vLLM is known to capture wrong states."""
+    positions = info.max_positions
+    if spec.engine == "vllm" and positions is not None and spec.max_seq_len + 2 > positions:
+        # vLLM's capture runs each prompt with one generated token and one speculative
+        # slot after it, and refuses a max_model_len beyond the model's positions.
+        raise JobRefused(
+            f"max_seq_len: {spec.max_seq_len} is too long for {spec.model}: it has "
+            f"{positions} positions (max_position_embeddings) and vLLM's capture needs 2 "
+            f"beyond the prompt; set max_seq_len to {positions - 2} or less")
     passed = spec.vllm.engine_args()
     if spec.engine != "vllm":
         if passed:

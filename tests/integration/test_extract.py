@@ -61,6 +61,17 @@ def vllm_samples(vllm_run: Run) -> dict[int, dict[str, torch.Tensor]]:
     return by_sample(vllm_run.output)
 
 
+def _same_samples(got: dict[int, Any], ref: dict[int, Any]) -> None:
+    """The same samples, tokens and masks as the reference run, and its states: the same
+    engine config, but batches differ between runs, so bf16 rounding is allowed."""
+    assert sorted(got) == sorted(ref)
+    for index, sample in got.items():
+        assert torch.equal(sample["input_ids"], ref[index]["input_ids"])
+        assert torch.equal(sample["loss_mask"], ref[index]["loss_mask"])
+        assert relative_error(sample["hidden_states"],
+                              ref[index]["hidden_states"]).max() < 1e-2
+
+
 def test_every_good_row_is_in_exactly_one_shard(
     vllm_run: Run, vllm_samples: dict[int, Any], chat_dataset: ChatDataset
 ) -> None:
@@ -104,9 +115,10 @@ def test_units_start_while_the_dataset_is_tokenized(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The dataset in parts of 32 samples, and the ingestion held after its first part
-    (before it publishes the second) until a unit is committed: the job's first units run while the rest of its rows are
-    still tokenized, its progress shows both, and the plan is the one `plan_units` makes
-    of the whole table, so the samples are the reference run's."""
+    (before it publishes the second) until a unit is committed: the job's first units
+    run while the rest of its rows are still tokenized, its progress shows both, and the
+    plan is the one `plan_units` makes of the whole table, so the samples are the
+    reference run's."""
     import threading
 
     from hsx.ingest import pipeline
@@ -140,14 +152,7 @@ def test_units_start_while_the_dataset_is_tokenized(
     lengths = out.inputs().column("length").to_pylist()
     assert out.manifest().work_units == plan_units(lengths, 1024)
     assert summary.shards == len(out.manifest().units)
-    streamed = by_sample(Path(spec.output))
-    assert sorted(streamed) == sorted(vllm_samples)
-    for index, sample in streamed.items():
-        ref = vllm_samples[index]
-        assert torch.equal(sample["input_ids"], ref["input_ids"])
-        assert torch.equal(sample["loss_mask"], ref["loss_mask"])
-        # Same engine config; batches differ between runs, so allow bf16 rounding.
-        assert relative_error(sample["hidden_states"], ref["hidden_states"]).max() < 1e-2
+    _same_samples(by_sample(Path(spec.output)), vllm_samples)
 
 
 def test_vllm_equals_hf_reference(
@@ -179,14 +184,7 @@ def test_two_replicas_run_at_once_and_yield_the_same_data(
         sum(state == "busy" for state in p["workers"].values()) for p in run.progress
     )
     assert busy_at_once == 2, "both engines should have worked at the same time"
-    two = by_sample(run.output)
-    assert sorted(two) == sorted(vllm_samples)
-    for index, sample in two.items():
-        ref = vllm_samples[index]
-        assert torch.equal(sample["input_ids"], ref["input_ids"])
-        assert torch.equal(sample["loss_mask"], ref["loss_mask"])
-        # Same engine config; batches differ between runs, so allow bf16 rounding.
-        assert relative_error(sample["hidden_states"], ref["hidden_states"]).max() < 1e-2
+    _same_samples(by_sample(run.output), vllm_samples)
 
 
 def test_fp8_round_trip_and_half_size(

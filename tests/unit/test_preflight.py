@@ -329,7 +329,7 @@ class ExplodingPool:
 
 def _spec(model: Path, dataset: ChatDataset, out: Path, **fields: Any) -> JobSpec:
     return JobSpec(model=str(model), dataset=str(dataset.path), output=str(out),
-                   max_seq_len=256, **fields)
+                   **{"max_seq_len": 256, **fields})
 
 
 def _unknown_architecture(source: Path, dest: Path) -> Path:
@@ -349,6 +349,21 @@ def _run_refused(spec: JobSpec) -> str:
     with pytest.raises(JobRefused) as err:
         run_job(spec, pool=ExplodingPool())  # type: ignore[arg-type]
     return str(err.value)
+
+
+def test_refused_max_seq_len_beyond_the_models_positions(
+        configs: dict[str, Path], chat_dataset: ChatDataset, tmp_path: Path) -> None:
+    """vLLM's capture runs a prompt with 2 positions after it: a max_seq_len that leaves
+    no room in the model's positions is refused before any engine starts (the engine's
+    own start failed with vLLM's max_model_len error)."""
+    message = _run_refused(_spec(configs["llama"], chat_dataset, tmp_path / "o",
+                                 max_seq_len=2048))
+    assert "max_seq_len" in message and "2048 positions" in message and "2046" in message
+    from hsx.modelinfo import read_model_info
+    from hsx_service.prepare import check_engine_args
+
+    check_engine_args(_spec(configs["llama"], chat_dataset, tmp_path / "o2", max_seq_len=2046),
+                      read_model_info(str(configs["llama"])))  # 2046 fits
 
 
 def test_refused_bad_layer_id_for_model(configs: dict[str, Path], chat_dataset: ChatDataset,

@@ -188,18 +188,16 @@ def ingest(
     settings = _Settings(tokenizer_path, tok_fp, trust_remote_code, max_seq_len,
                          dict(chat_template_kwargs or {}), keep_messages, batch_rows)
     out = Output.of(output)
-    parallel = executor is not None or workers > 1
+    parallel = executor is not None or workers > 1  # JSON lines cut finer
     wanted = IngestRecord(
         job_fingerprint=job_fingerprint, dataset_fingerprint=data_fp,
         tokenizer_fingerprint=tok_fp, max_seq_len=max_seq_len, keep_messages=keep_messages,
         rows_per_part=rows_per_part or ROWS_PER_PART,
-        slice_bytes=PARALLEL_SLICE_BYTES if parallel and isinstance(source, FilesSource)
-        else 0,
-        created_at=time.time())
+        slice_bytes=_slice_bytes(source, parallel), created_at=time.time())
     record = out.start_ingest(wanted)
     record.check_same(wanted, output=str(out))  # the first ingestion's settings hold
-    slices = source.slices(slice_bytes=record.slice_bytes) if record.slice_bytes \
-        else source.slices()
+    slices = (source.slices(slice_bytes=record.slice_bytes) if record.slice_bytes
+              else source.slices())
     total_weight = sum(s.weight for s in slices)
 
     parts = _PartBuilder(out, record, on_part)
@@ -275,7 +273,7 @@ class _PartBuilder:
         self.counts = np.zeros(record.max_seq_len + 1, dtype=np.int64)
         self._writers: tuple[Any, Any] | None = None
         self._open = _Totals()  # the open part's
-        self._open_truncated: list[np.ndarray] = []
+        self._open_lengths: list[np.ndarray] = []
 
     def resume(self) -> None:
         """Take the parts already published (their records, their lengths)."""
@@ -324,6 +322,7 @@ class _PartBuilder:
             self._open.loss_tokens += int(pc.sum(pc.list_flatten(
                 inputs.column("loss_mask"))).as_py() or 0)
         self._open.truncated += len(truncated)
+        self._open_lengths.append(inputs.column("length").to_numpy())
 
     def _close(self, rows_end: int, next_slice: int, next_row: int, *, last: bool) -> None:
         if self._writers is None:
@@ -341,8 +340,10 @@ class _PartBuilder:
                          truncated=o.truncated, next_slice=next_slice,
                          next_slice_row=next_row, last=last)
         self.out.publish_part(rec)
-        self._open = _Totals()
-        self._published(rec, self.out.part_inputs(rec.part).column("length").to_numpy())
+        lengths = (np.concatenate(self._open_lengths) if self._open_lengths
+                   else np.zeros(0, np.int32))
+        self._open, self._open_lengths = _Totals(), []
+        self._published(rec, lengths)
 
     def finish(self, slices: int) -> None:
         """The dataset (of `slices` slices) ended: the open part, maybe empty, is the last."""
@@ -370,12 +371,16 @@ def _from(errors: pa.RecordBatch, cut: int) -> pa.RecordBatch:
 PARALLEL_SLICE_BYTES = 2**20
 
 
+def _slice_bytes(source: DatasetSource, parallel: bool) -> int:
+    """How JSON lines are cut (0: the source's default); for several workers finer (the
+    tables do not depend on the cuts)."""
+    return PARALLEL_SLICE_BYTES if parallel and isinstance(source, FilesSource) else 0
+
+
 def _slices(source: DatasetSource, workers: int) -> list[SourceSlice]:
-    """The source's slices; for several workers, JSON lines cut finer (the tables do not
-    depend on the cuts)."""
-    if workers <= 1 or not isinstance(source, FilesSource):
-        return source.slices()
-    return source.slices(slice_bytes=PARALLEL_SLICE_BYTES)
+    """The source's slices as `ingest` with `workers` processes cuts them."""
+    slice_bytes = _slice_bytes(source, workers > 1)
+    return source.slices(slice_bytes=slice_bytes) if slice_bytes else source.slices()
 
 
 def _fraction(done: int, total: int) -> float:
