@@ -89,6 +89,7 @@ def child_whole(data: str, model: str, out: str, rows: int) -> dict[str, Any]:
     from hsx.ingest import ingest
 
     source = data
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     if rows:
         source = str(Path(out).parent / "head.jsonl")
         with open(data, "rb") as f, open(source, "wb") as g:

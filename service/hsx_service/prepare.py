@@ -467,7 +467,12 @@ class Ingestion:
 
     def _run(self) -> None:
         from hsx.ingest import DatasetError, ingest
+        from hsx.output.shards import background_priority
 
+        # The engines go first on cores they share with ingestion (vLLM's CPU build, the
+        # actors that feed GPUs): this thread and the pool processes it starts take
+        # what they leave.
+        background_priority()
         spec = self.spec
         try:
             result = ingest(
