@@ -2,8 +2,10 @@
 
 A chat dataset made with the generator the tests use (`make_chat_dataset`, one bad row
 per thousand), the tiny Llama and its tokenizer, the product's defaults (`engine: vllm`
-on vLLM's CPU build, one replica, local Ray, one ingestion process) but `storage_dtype:
-fp8` (in bf16 the output estimate refuses the job on a 68 GB disk, as it should). Two measurements,
+on vLLM's CPU build, one replica, local Ray, one ingestion process, `unit_tokens`) but
+`storage_dtype: fp8` (in bf16 the output estimate refuses the job on a 68 GB disk, as it
+should) and `max_seq_len: 1024` (the tiny model has 2,048 positions; the default 4,096
+is refused at preflight). Two measurements,
 each in a fresh process, on the same dataset:
 
 - `streamed`  `run_job` as `hsx extract` runs it: the engines start once the first part
