@@ -118,17 +118,14 @@ class _Settings:
 @dataclass
 class _Part:
     """Rows of a slice, tokenized: inputs and errors with sample_index counted from the
-    slice's first row, the histogram of sample lengths and the sums of the result."""
+    slice's first row, and which samples were truncated (the sums and the histogram
+    are taken as the rows go into parts)."""
 
     rows: int
     inputs: pa.RecordBatch
     errors: pa.RecordBatch
-    counts: np.ndarray
-    tokens: int
-    loss_tokens: int
-    truncated: int
-    truncated_rows: np.ndarray | None = None  # sample_index of each truncated sample
-    first: int = 0  # sample_index of the batch's first row
+    truncated_rows: np.ndarray  # sample_index of each truncated sample
+    first: int  # sample_index of the batch's first row
 
 
 # Good samples in each part of the inputs table: a part is published (and its units can
@@ -295,8 +292,7 @@ class _PartBuilder:
     def add(self, batch: _Part, first: int, slice_index: int) -> None:
         """A slice's batch (its sample_index counted from the slice's row `first`)."""
         inputs, errors = _shifted(batch.inputs, first), _shifted(batch.errors, first)
-        truncated = (batch.truncated_rows if batch.truncated_rows is not None
-                     else np.zeros(0, np.int64)) + first
+        truncated = batch.truncated_rows + first
         # A part closes at its per-th sample: the open part never holds per samples.
         while inputs.num_rows and self._open.samples + inputs.num_rows >= self.per:
             need = self.per - self._open.samples
@@ -471,8 +467,6 @@ def _tokenize_batch(batch: list[Row], first: int, tokenizer: PreTrainedTokenizer
     if settings.keep_messages:
         results = [NOT_A_CHAT if isinstance(r, Sample) and r.messages is None
                    else r for r in results]
-    counts = np.zeros(settings.max_seq_len + 1, dtype=np.int64)
-    tokens = loss = truncated = 0
     good_idx: list[int] = []
     good: list[Sample] = []
     bad_idx: list[int] = []
@@ -485,10 +479,6 @@ def _tokenize_batch(batch: list[Row], first: int, tokenizer: PreTrainedTokenizer
         else:
             good_idx.append(first + offset)
             good.append(outcome)
-            counts[len(outcome.input_ids)] += 1
-            tokens += len(outcome.input_ids)
-            loss += int(outcome.loss_mask.sum())
-            truncated += outcome.truncated
             if outcome.truncated:
                 cut.append(first + offset)
     return _Part(
@@ -497,7 +487,6 @@ def _tokenize_batch(batch: list[Row], first: int, tokenizer: PreTrainedTokenizer
         errors=pa.RecordBatch.from_arrays(
             [pa.array(bad_idx, pa.int64()), pa.array(bad, pa.string())],
             schema=ERRORS_SCHEMA),
-        counts=counts, tokens=tokens, loss_tokens=loss, truncated=truncated,
         truncated_rows=np.asarray(cut, dtype=np.int64), first=first)
 
 
