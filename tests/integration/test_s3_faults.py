@@ -30,7 +30,16 @@ import yaml
 
 from hsx.dataset import HiddenStatesDataset
 from hsx.output import ObjectExistsError, Output, ShardWriter, Storage
-from hsx.output.layout import COMMITS_DIR, COMPLETE, ERRORS, INPUTS, MANIFEST, SHARDS_DIR
+from hsx.output.layout import (
+    COMMITS_DIR,
+    COMPLETE,
+    INGEST,
+    MANIFEST,
+    SHARDS_DIR,
+    errors_part_path,
+    inputs_part_path,
+    part_record_path,
+)
 from hsx.output.object_storage import ObjectStoreStorage
 from hsx.output.s3_multipart import MIN_PART_SIZE
 from hsx_service.runner import DispatchHooks, EnginePool, run_job
@@ -69,7 +78,12 @@ def _only_the_output_is_left(uri: str) -> None:
     assert isinstance(storage, ObjectStoreStorage) and storage.multipart is not None
     assert storage.multipart.list_uploads() == []
     records = out.commits()
-    expected = {MANIFEST, INPUTS, ERRORS, COMPLETE}
+    parts = out.part_records()
+    assert parts and parts[-1].last
+    expected = {MANIFEST, INGEST, COMPLETE}
+    expected |= {inputs_part_path(p.part) for p in parts}
+    expected |= {part_record_path(p.part) for p in parts}
+    expected |= {errors_part_path(p.part) for p in parts if p.errors}
     expected |= {f"{COMMITS_DIR}/unit-{r.unit:06d}.json" for r in records}
     expected |= {r.shard for r in records}
     assert {i.key for i in storage.list()} == expected

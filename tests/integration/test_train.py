@@ -35,7 +35,17 @@ import torch
 from hsx.dataset import HiddenStatesDataset
 from hsx.draft import read_validation
 from hsx.output import Output, ShardWriter
-from hsx.output.layout import DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_EVAL, ERRORS, INPUTS, MANIFEST
+from hsx.output.layout import (
+    DRAFT_CHECKPOINTS,
+    DRAFT_DIR,
+    DRAFT_EVAL,
+    ERRORS,
+    ERRORS_DIR,
+    INGEST,
+    INPUTS,
+    INPUTS_DIR,
+    MANIFEST,
+)
 from hsx.spec import JobSpec
 from hsx_service.runner import run_job
 
@@ -92,9 +102,12 @@ def _copy_output(src: Path, dst: Path,
             subprocess.run(["rm", "-rf", str(dst / leftover)], check=True)
         return dst
     dst.mkdir(parents=True)
-    for name in (MANIFEST, INPUTS, ERRORS):
+    for name in (MANIFEST, INGEST, INPUTS, ERRORS):  # the tables whole, or in parts:
         if (src / name).exists():
             os.link(src / name, dst / name)
+    for folder in (INPUTS_DIR, ERRORS_DIR):
+        if (src / folder).exists():
+            subprocess.run(["cp", "-al", str(src / folder), str(dst / folder)], check=True)
     manifest = Output(src).manifest()
     ds = HiddenStatesDataset(src, backend="torch")
     for record in ds.records:

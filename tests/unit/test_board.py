@@ -283,7 +283,9 @@ def test_ingestion_shows_beside_extraction_and_a_cancel_stops_it(
         if cancel:
             assert final.state == JobState.cancelled, final.last_error
             assert len(seen) == 1
-            assert not (tmp_path / name / "inputs.arrow").exists()
+            # Nothing published: no part of the inputs, no manifest.
+            assert not any((tmp_path / name / folder).exists()
+                           for folder in ("inputs", "inputs.arrow", "manifest.json"))
             continue
         assert final.state == JobState.succeeded, final.last_error
         assert seen and all(s.ingesting and s.state == JobState.running for s in seen)
