@@ -83,12 +83,16 @@ class Settings(BaseSettings):
             "(HSX_QUOTA_BYTES) limits `hsx extract`."
         ),
     )
-    ingest_workers: int = Field(
-        1,
+    ingest_workers: int | None = Field(
+        None,
         ge=0,
         description=(
-            "Processes that tokenize a job's dataset, side by side (0: one per core). The "
-            "same variable (HSX_INGEST_WORKERS) sets it for `hsx extract`."
+            "Slices of a job's dataset tokenized at once. None: as Ray tasks of one CPU, "
+            "as many as Ray has CPUs for (beside one per GPU; on this node for a local "
+            "dataset, anywhere for a bucket's); 1: one after the other in the "
+            "coordinator's process; N: N Ray tasks (0: one per core). The same variable "
+            "(HSX_INGEST_WORKERS) sets it for `hsx extract`, whose ingestion runs before "
+            "it connects Ray: unset, in its own process; N, a pool of N processes."
         ),
     )
 

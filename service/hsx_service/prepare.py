@@ -20,6 +20,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 # A byte quota for one job's output, when the operator sets one (0 or unset: none).
 QUOTA_ENV = "HSX_QUOTA_BYTES"
-# Processes that tokenize a dataset (unset: 1, in the coordinator's own; 0: one per core).
+# Slices of a dataset tokenized at once (unset: as many as Ray has CPUs for, where Ray is
+# connected, else 1, in the driver's own process; 0: one per core): ingest_workers.
 INGEST_WORKERS_ENV = "HSX_INGEST_WORKERS"
 
 
@@ -331,13 +333,17 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def ingest_workers(workers: int | None = None) -> int:
-    """Processes that tokenize a dataset: the argument, else $HSX_INGEST_WORKERS (0: one
-    per core), else 1."""
+def ingest_workers(workers: int | None = None) -> int | None:
+    """Slices of a dataset tokenized at once: the argument, else $HSX_INGEST_WORKERS (0:
+    one per core; 1: one after the other, in the driver's own process), else None: as
+    many as Ray has CPUs for where Ray is connected, else 1 (`Ingestion` decides:
+    hsx_service.ingest_tasks)."""
     if workers is None:
         raw = os.environ.get(INGEST_WORKERS_ENV, "").strip()
+        if not raw:
+            return None
         try:
-            workers = int(raw) if raw else 1
+            workers = int(raw)
         except ValueError:
             raise JobRefused(f"{INGEST_WORKERS_ENV}={raw!r} is not a number of "
                              "processes") from None
@@ -394,6 +400,15 @@ def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None
     return job
 
 
+def _end_tasks(tasks: Executor) -> None:
+    """No task of an ingestion runs once it ended: what a failed or cancelled one left
+    waiting or running is cancelled (and waited for)."""
+    try:
+        tasks.shutdown(cancel_futures=True)
+    except Exception as err:  # Ray lost: its tasks went with it
+        logger.warning("the ingestion's tasks could not be cancelled: %s", err)
+
+
 class Ingestion:
     """A new job's dataset tokenized on a thread (in parts: hsx.ingest.ingest) while its
     engines start and run. Each part published plans the units its rows close (the same
@@ -408,7 +423,7 @@ class Ingestion:
     the same units again, so the units committed before the kill are recognised."""
 
     def __init__(self, spec: JobSpec, info: ModelInfo, layers: list[int], output: Output,
-                 workers: int, on_ingest: Callable[[IngestProgress], None] | None,
+                 workers: int | None, on_ingest: Callable[[IngestProgress], None] | None,
                  cancelled: Callable[[], bool] | None) -> None:
         self.spec, self.info, self.layers, self.output = spec, info, layers, output
         self.workers = workers
@@ -468,19 +483,23 @@ class Ingestion:
     def _run(self) -> None:
         from hsx.ingest import DatasetError, ingest
         from hsx.output.shards import background_priority
+        from hsx_service.ingest_tasks import tokenizing_tasks
 
         # The engines go first on cores they share with ingestion (vLLM's CPU build, the
         # actors that feed GPUs): this thread and the pool processes it starts take
-        # what they leave.
+        # what they leave (Ray's tasks lower themselves: pipeline.py).
         background_priority()
         spec = self.spec
+        tasks = None
         try:
+            tasks = tokenizing_tasks(spec.dataset_spec, self.workers)
             result = ingest(
                 spec.dataset_spec, spec.tokenizer or spec.model, spec.max_seq_len,
                 self.output, chat_template_kwargs=spec.chat_template_kwargs,
                 trust_remote_code=spec.trust_remote_code,
                 keep_messages=spec.regenerate is not None, progress=self._progress,
-                workers=self.workers, job_fingerprint=spec.data_fingerprint(),
+                workers=tasks.max_workers if tasks is not None else self.workers or 1,
+                executor=tasks, job_fingerprint=spec.data_fingerprint(),
                 on_part=self._part)
             # Another driver may have prepared the same output at the same moment: the
             # manifest published first is the one, and it must be this same job.
@@ -498,6 +517,8 @@ class Ingestion:
         except BaseException as err:  # a cancel, a bug: the driver raises it
             self.error = err
         finally:
+            if tasks is not None:
+                _end_tasks(tasks)
             with self._cv:
                 self.done = True
                 self._cv.notify_all()

@@ -530,7 +530,7 @@ def test_ingest_workers_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     from hsx_service.prepare import INGEST_WORKERS_ENV, JobRefused, ingest_workers
 
     monkeypatch.delenv(INGEST_WORKERS_ENV, raising=False)
-    assert ingest_workers() == 1
+    assert ingest_workers() is None  # Ingestion decides: Ray tasks where Ray is connected
     monkeypatch.setenv(INGEST_WORKERS_ENV, "3")
     assert ingest_workers() == 3
     monkeypatch.setenv(INGEST_WORKERS_ENV, "0")
@@ -539,3 +539,15 @@ def test_ingest_workers_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setenv(INGEST_WORKERS_ENV, bad)
         with pytest.raises(JobRefused, match=INGEST_WORKERS_ENV):
             ingest_workers()
+
+
+def test_without_ray_connected_ingestion_takes_the_local_path() -> None:
+    """No Ray tasks (and no import of Ray) where this process has not connected Ray:
+    `hsx extract`'s ingestion, which starts before its engines connect it.
+    tests/integration/test_ingest_ray.py runs them."""
+    from hsx.spec import DatasetSpec
+    from hsx_service.ingest_tasks import tokenizing_tasks
+
+    for path in ("/data/chats.jsonl", "s3://bucket/chats"):
+        for workers in (None, 1, 4):
+            assert tokenizing_tasks(DatasetSpec(path=path), workers) is None

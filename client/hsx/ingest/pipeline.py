@@ -165,9 +165,11 @@ def ingest(
 
     The dataset is read as independent slices (`DatasetSource.slices`: byte ranges of
     JSON lines, runs of Parquet row groups, Arrow files). With `workers` > 1 (or an
-    `executor`, e.g. one of Ray tasks) the slices are tokenized in other processes, at
-    most 2 x workers at a time, and written in order: the tables are byte for byte those
-    of one process, and memory stays flat in the number of rows.
+    `executor`, e.g. one of Ray tasks: hsx_service.ingest_tasks) the slices are
+    tokenized in other processes, at most 2 x workers submitted at a time, and written
+    in order: the tables are byte for byte those of one process, and memory stays flat
+    in the number of rows. A source of one slice is tokenized here whatever the
+    workers: no other process would finish it sooner.
     """
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
@@ -390,14 +392,14 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
     or by `executor` (else a pool of `workers` processes), a window of them at once.
     The first slice's first `skip` rows are read but not tokenized (a resumed
     ingestion published them)."""
-    if executor is None and (workers <= 1 or len(slices) < 2):
+    if len(slices) < 2 or (executor is None and workers <= 1):
         for index, slc in enumerate(slices):
             yield index, _slice_parts(slc, settings, tokenizer, skip if index == 0 else 0)
         return
     owned = executor is None
     pool = executor or ProcessPoolExecutor(
         max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-        initializer=_exit_with_parent)
+        initializer=_pool_process)
     window = 2 * max(workers, 1)
     pending: deque[Future[list[_Part]]] = deque()
     try:
@@ -413,6 +415,17 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
             future.cancel()
         if owned:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+# "1" in a process that tokenizes slices for the one that ingests: set by the pool's
+# initializer, and by the runtime env of Ray's tasks (hsx_service.ingest_tasks).
+TOKENIZING_PROCESS_ENV = "HSX_TOKENIZING_PROCESS"
+
+
+def _pool_process() -> None:
+    """A pool's process: it tokenizes for the one that ingests, and exits with it."""
+    os.environ[TOKENIZING_PROCESS_ENV] = "1"
+    _exit_with_parent()
 
 
 def _exit_with_parent() -> None:
@@ -438,15 +451,25 @@ def tokenize_slice(slc: SourceSlice, settings: _Settings, skip: int = 0) -> list
     """A slice's rows tokenized, in another process (a pool's, a Ray task's)."""
     key = (settings.tokenizer_path, settings.tokenizer_fingerprint,
            settings.trust_remote_code)
+    if os.environ.get(TOKENIZING_PROCESS_ENV) == "1":
+        _one_core_behind_the_engines()
     if key not in _WORKER_TOKENIZER:
-        if multiprocessing.parent_process() is not None:  # a pool's process
-            # Each tokenizes on one core: the processes are the parallelism, and
-            # tokenizers' own threads in every one would fight over the same cores.
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         _WORKER_TOKENIZER.clear()
         _WORKER_TOKENIZER[key] = load_tokenizer(
             settings.tokenizer_path, trust_remote_code=settings.trust_remote_code)
     return list(_slice_parts(slc, settings, _WORKER_TOKENIZER[key], skip))
+
+
+def _one_core_behind_the_engines() -> None:
+    """How a process that tokenizes for the one that ingests runs: on one core (the
+    processes are the parallelism, and tokenizers' own threads in every one would fight
+    over the same cores), at the lowest priority, as the ingesting thread (a pool's
+    processes inherit it; Ray starts its workers at nice 15, the engines' own). Called
+    for each slice: a priority is a thread's, and this one runs the slice."""
+    from hsx.output.shards import background_priority
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before the tokenizer runs
+    background_priority()
 
 
 def _slice_parts(slc: SourceSlice, settings: _Settings, tokenizer: PreTrainedTokenizerBase,
