@@ -167,6 +167,21 @@ class PeerBench(Bench):
                 f.write(json.dumps({"input_ids": ids, "loss_mask": [1] * length}) + "\n")
         self.workloads[name] = Workload(name, n, name, name, n * length)
 
+    def run_phases(self) -> None:
+        """--rounds times every phase, each round's phases and ratios kept in `rounds`
+        (the last round's also as `phases` and `ratios`): drop and hsx alternate on the
+        GPU, so a run-to-run spread shows as one, not as a difference between tools."""
+        rounds: list[dict[str, Any]] = self.result.setdefault("rounds", [])
+        for number in range(self.args.rounds):
+            if number:
+                log(f"=== round {number + 1} of {self.args.rounds}")
+                self.result["phases"], self.result["errors"] = {}, {}
+            super().run_phases()
+            rounds.append({"phases": self.result["phases"], "errors": self.result["errors"],
+                           "ratios": self.result["ratios"],
+                           "phase_seconds": dict(self.result.get("phase_seconds", {}))})
+            self.save()
+
     # -- phases
 
     def drop(self) -> dict[str, Any]:
@@ -622,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="one more bf16 short128 run under py-spy (actor and engine) in the "
                         "hsx and shm phases")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the phases this many times in turn (each round kept)")
     p.add_argument("--workdir", default="/tmp/hsx-bench-peer")
     p.add_argument("--tmpfs", default="/dev/shm/hsx-bench-peer")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)

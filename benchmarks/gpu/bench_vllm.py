@@ -358,22 +358,26 @@ class Bench:
         self.setup()
         self.save()
         try:
-            for phase in self.args.phases:
-                start = time.perf_counter()
-                log(f"== {phase}")
-                try:
-                    self.result["phases"][phase] = getattr(self, phase)()
-                except Exception as err:
-                    self.result["errors"][phase] = f"{type(err).__name__}: {err}"
-                    log(traceback.format_exc())
-                self.result.setdefault("phase_seconds", {})[phase] = round(
-                    time.perf_counter() - start, 1)
-                self.result["ratios"] = self.ratios()
-                self.save()
+            self.run_phases()
         finally:
             if self._pool is not None:
                 self._pool.shutdown()
         log(json.dumps(self.result["ratios"], indent=1))
+
+    def run_phases(self) -> None:
+        """Every phase of --phases in order, the ratios and the file after each."""
+        for phase in self.args.phases:
+            start = time.perf_counter()
+            log(f"== {phase}")
+            try:
+                self.result["phases"][phase] = getattr(self, phase)()
+            except Exception as err:
+                self.result["errors"][phase] = f"{type(err).__name__}: {err}"
+                log(traceback.format_exc())
+            self.result.setdefault("phase_seconds", {})[phase] = round(
+                time.perf_counter() - start, 1)
+            self.result["ratios"] = self.ratios()
+            self.save()
 
 
 class SpoolPeak:

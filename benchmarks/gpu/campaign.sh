@@ -11,7 +11,9 @@
 # product (the whole product at real size: bench_product.py), multi (2 engines vs 1,
 # TP=2 vs 1), train (trainer scaling, 2 GPUs vs 1), peer (hsx against speculators'
 # prepare-data + generate-offline-data on `vllm serve`: bench_peer.py; carry .gpu-peer,
-# see below; ~15 minutes). Each step writes into
+# see below; ~15 minutes), ingest (ingestion on 2 and 8 processes against 1:
+# bench_ingest.py), first-commit (submit → first committed shard on a million chats:
+# bench_first_commit.py). Each step writes into
 # /tmp/hsx-gpu/results; one failing step does not stop the next.
 set -uo pipefail
 RES=/tmp/hsx-gpu/results
@@ -106,6 +108,23 @@ for s in "$@"; do
       cp /tmp/hsx-bench-peer/profile-*.txt "$RES/" 2>/dev/null
       rm -rf /tmp/hsx-bench-peer/out-* /tmp/hsx-bench-peer/peer-*-hs /tmp/hsx-bench-peer/peer-staging \
         /dev/shm/hsx-bench-peer ;;
+    ingest)
+      step ingest
+      # Issue 25 on a node with many cores: ingestion with 2 and with 8 processes against
+      # 1 (INGEST_ROWS rows, default 200k, memory baseline a tenth), then submit → first
+      # committed shard on a million chats with vLLM's GPU build (the tiny model).
+      for w in 2 8; do
+        timeout 900 python3 benchmarks/bench_ingest.py --rows ${INGEST_ROWS:-200000} --reps 1 \
+          --workers $w --out "$RES/ingest-$w.json" --workdir /tmp \
+          --note "GPU node, $(nproc) cores" > "$RES/ingest-$w.log" 2>&1
+        echo "ingest $w workers: rc=$? $(tail -1 "$RES/ingest-$w.log")"
+      done ;;
+    first-commit)
+      step first-commit
+      timeout 1200 python3 benchmarks/bench_first_commit.py --rows ${FIRST_COMMIT_ROWS:-1000000} \
+        --whole-rows 200000 --out "$RES/first_commit.json" --workdir /tmp \
+        --note "GPU node: vLLM's GPU build, $(nproc) cores" > "$RES/first_commit.log" 2>&1
+      echo "first-commit: rc=$? $(tail -1 "$RES/first_commit.log")" ;;
     train)
       step train
       if [ -f benchmarks/gpu/bench_train_scaling.py ]; then
