@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -545,9 +548,17 @@ def test_without_ray_connected_ingestion_takes_the_local_path() -> None:
     """No Ray tasks (and no import of Ray) where this process has not connected Ray:
     `hsx extract`'s ingestion, which starts before its engines connect it.
     tests/integration/test_ingest_ray.py runs them."""
-    from hsx.spec import DatasetSpec
-    from hsx_service.ingest_tasks import tokenizing_tasks
+    # A fresh interpreter: an earlier test of this process may have connected Ray.
+    code = textwrap.dedent("""
+        import sys
+        from hsx.spec import DatasetSpec
+        from hsx_service.ingest_tasks import tokenizing_tasks
 
-    for path in ("/data/chats.jsonl", "s3://bucket/chats"):
-        for workers in (None, 1, 4):
-            assert tokenizing_tasks(DatasetSpec(path=path), workers) is None
+        for path in ("/data/chats.jsonl", "s3://bucket/chats"):
+            for workers in (None, 1, 4):
+                assert tokenizing_tasks(DatasetSpec(path=path), workers) is None, (path, workers)
+        assert "ray" not in sys.modules
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stderr
