@@ -33,6 +33,7 @@ from hsx.output.layout import (
     DRAFT_STATE,
     DRAFT_UPLOADED,
     DRAFT_VALIDATION,
+    DRAFT_VISITS,
     checkpoint_name,
 )
 from hsx.output.storage import ObjectExistsError, Storage, StorageError
@@ -160,6 +161,12 @@ def read_metrics(root: str | Path) -> list[dict[str, Any]]:
 def read_validation(root: str | Path) -> list[dict[str, Any]]:
     """Every record of draft/validation.jsonl (one per validation), in order."""
     return read_jsonl(Path(root) / DRAFT_VALIDATION)
+
+
+def read_visits(root: str | Path) -> list[dict[str, Any]]:
+    """Every record of draft/visits.jsonl (one per step of a one-worker training: its
+    epoch and the sample indices it trained), in order."""
+    return read_jsonl(Path(root) / DRAFT_VISITS)
 
 
 def read_train_state(root: str | Path) -> dict[str, Any] | None:

@@ -222,11 +222,33 @@ class TrainSpec(BaseModel):
     norm_before_residual: bool = Field(
         True, description="Normalize the hidden input before the residual (speculators default)."
     )
+    online: bool = Field(
+        False,
+        description=(
+            "A job's training fed by its engines directly: the captured states go to the "
+            "trainer through the job's stream (hsx.online, in memory) and are never stored "
+            "as shards; the engines capture the data again for each epoch. Only in a job's "
+            "`train:` section run by the coordinator, with one worker."
+        ),
+    )
+    buffer_bytes: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Online: captured states the trainer has not taken yet, at most (the engines "
+            "wait beyond it). None: 1 GiB."
+        ),
+    )
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainSpec:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("set steps or epochs, not both")
+        if self.online and self.workers > 1:
+            raise ValueError("online training runs on one worker (workers: 1); several "
+                             "workers read stored shards (online: false)")
+        if self.online and not self.follow:
+            raise ValueError("online training follows the engines: follow must be true")
         return self
 
 
@@ -455,6 +477,9 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"regenerate.max_tokens ({self.regenerate.max_tokens}) leaves no room for "
                 f"the conversation within max_seq_len ({self.max_seq_len})")
+        if self.regenerate is not None and self.train is not None and self.train.online:
+            raise ValueError("train.online with regenerate is not built: regenerate first "
+                             "(a job without train.online), then train on its output")
         return self
 
     def data_fingerprint(self) -> str:

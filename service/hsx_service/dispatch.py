@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hsx.online import EPOCH_STRIDE
 from hsx.output import CommitRecord
 from hsx.output.storage import is_disk_full
 from hsx.plan import WorkUnit
@@ -34,6 +35,7 @@ from hsx.progress import JobProgress
 from hsx.wire import ResourcePlan
 from hsx_service.engine_pool import DISPATCH_DEPTH, EnginePool, EngineSlot
 from hsx_service.errors import JobFailed
+from hsx_service.online import OnlineFeed
 from hsx_service.prepare import PreparedJob
 
 logger = logging.getLogger(__name__)
@@ -79,13 +81,15 @@ class DispatchResult:
     cancelled: bool = False
     restarts: int = 0
     fatal: str | None = None  # what stopped the whole job (a full disk), not one unit
+    online: OnlineFeed | None = None  # an online job's feed, as it ended
 
 
 class Dispatch:
     """One job's units fed to its workers (`run`); see the module docstring for the steps."""
 
     def __init__(self, job: PreparedJob, pool: EnginePool, hooks: DispatchHooks,
-                 slots: list[EngineSlot], max_attempts: int) -> None:
+                 slots: list[EngineSlot], max_attempts: int,
+                 online: OnlineFeed | None = None) -> None:
         self.job = job
         self.pool = pool
         self.hooks = hooks
@@ -93,7 +97,13 @@ class Dispatch:
         self.max_attempts = max_attempts
         self.result = DispatchResult()
         self.progress = job.totals().progress()
-        self.queue: deque[WorkUnit] = deque(job.pending)
+        # An online job (online.py): its units come from the feed, epoch after epoch,
+        # and are committed into its stream, not the output.
+        self.online = online
+        self.commits_into = job.output if online is None else online.stream.output()
+        self.queue: deque[WorkUnit] = deque(job.pending if online is None else ())
+        if online is not None:
+            online.planned(job.units, whole=job.ingestion is None)
         # A job whose dataset is still being tokenized: its units come from the ingestion
         # (`take_planned`), and this run shows the ingestion's progress with its own.
         self.feed = job.ingestion
@@ -108,6 +118,7 @@ class Dispatch:
         self.last_poll = 0.0
         self.gate_open = False  # units are handed out once the engines have started (run)
         self.first_ready: float | None = None
+        self.online_waiting: str | None = None  # what the online feed last said it waits for
 
     # ------------------------------------------------------------ the steps
 
@@ -126,7 +137,9 @@ class Dispatch:
         job.manifest = feed.manifest
         fresh = [u for u in new if u.unit not in job.committed]
         job.pending.extend(fresh)
-        if not (self.result.cancelled or self.result.fatal):
+        if self.online is not None:
+            self.online.planned(new, whole=done and feed.error is None)
+        elif not (self.result.cancelled or self.result.fatal):
             self.queue.extend(fresh)
         progress.units_total = len(job.units)
         progress.samples_total = job.manifest.num_samples
@@ -178,7 +191,7 @@ class Dispatch:
         for ref, unit in list(slot.inflight.items()):
             try:
                 # The attempt may have committed before its worker died: then it is done.
-                record = self.job.output.read_commit(unit.unit)
+                record = self.commits_into.read_commit(unit.unit)
             except FileNotFoundError:
                 record = None
             if record is not None:
@@ -191,6 +204,8 @@ class Dispatch:
             if self.hooks.on_unit_error is not None:
                 self.hooks.on_unit_error(unit, attempt, message, gave_up)
             self.live.pop(unit.unit, None)
+            if self.online is not None:
+                self.online.answered(unit.unit)
             if gave_up:
                 self.result.failed_units[unit.unit] = message
                 self.progress.units_failed += 1
@@ -223,6 +238,13 @@ class Dispatch:
         slot.units_run += 1
         self.live.pop(unit.unit, None)
         progress = self.progress
+        if self.online is not None:
+            self.online.committed(unit.unit)
+            if unit.unit >= EPOCH_STRIDE:  # an epoch after the first: the same data again
+                progress.rate_tokens += report.tokens
+                if self.hooks.on_unit_done is not None:
+                    self.hooks.on_unit_done(report)
+                return
         progress.units_done += 1
         progress.shards += 1
         progress.samples_done += report.samples + len(report.errors)
@@ -260,8 +282,13 @@ class Dispatch:
             if self.queue[0].unit in self.alone and slot.inflight:
                 break
             unit = self.queue.popleft()
-            ref = slot.actor.run_unit.remote(self.job.output, spec.storage_dtype, unit,
-                                             spec.checksum)
+            if self.online is None:
+                ref = slot.actor.run_unit.remote(self.job.output, spec.storage_dtype, unit,
+                                                 spec.checksum)
+            else:
+                ref = slot.actor.run_unit.remote(
+                    self.job.output, spec.storage_dtype, unit, spec.checksum,
+                    str(self.online.stream.path), self.online.rows_of(unit.unit))
             slot.inflight[ref] = unit
             slot.state = "busy"
             sent = True
@@ -289,6 +316,8 @@ class Dispatch:
             self.open_gate()
             if self.cancel_asked():
                 continue
+            if self.online is not None and self.take_online():
+                continue  # nothing to capture for the trainer now, nothing in flight
             if self.feed is not None and self.feeding() and not self.queue and not any(
                     s.inflight or s.state == "starting" for s in self.slots):
                 self.feed.wait(POLL_S)  # every engine is ready for units not planned yet
@@ -312,9 +341,34 @@ class Dispatch:
         return self.result
 
     def working(self) -> bool:
-        """Units are in flight, or queued or still to be planned, and dispatch goes on."""
+        """Units are in flight, or queued or still to be planned, and dispatch goes on;
+        for an online job, until its trainer ended."""
+        going = not self.result.cancelled and self.result.fatal is None
         return any(s.inflight for s in self.slots) or self.feeding() or bool(
-            self.queue and not self.result.cancelled and self.result.fatal is None)
+            self.queue and going) or (
+            self.online is not None and going and not self.online.finished())
+
+    def take_online(self) -> bool:
+        """An online job: queue what the feed hands out for the engines' free depth, and
+        say what dispatch waits for. True when there is nothing to do but wait (the
+        caller waits here POLL_S and goes round again)."""
+        online = self.online
+        if online is None or not self.gate_open:
+            return False
+        serving = [s for s in self.slots if s.state in ("idle", "busy")]
+        room = sum(DISPATCH_DEPTH - len(s.inflight) for s in serving) - len(self.queue)
+        if not (self.result.cancelled or self.result.fatal):
+            self.queue.extend(online.take(room))
+        reason = online.waiting_for
+        if reason != self.online_waiting:
+            self.online_waiting = reason
+            if self.hooks.on_waiting is not None:
+                self.hooks.on_waiting(reason)
+        idle = not self.queue and not any(s.inflight or s.state == "starting"
+                                          for s in self.slots)
+        if idle and not online.finished():
+            time.sleep(POLL_S)
+        return idle
 
     def open_gate(self) -> None:
         if not self.gate_open:

@@ -61,10 +61,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "hsx_train_tokens_per_second": ("gauge", "Training throughput."),
     "hsx_train_restarts_total": ("counter", "Trainer restarts (each resumes a checkpoint)."),
     "hsx_train_state": ("gauge", "1 for the training's current state (label state)."),
-    "hsx_job_waiting": ("gauge", "1 while the job waits for resources (its status's "
-                        "waiting_for says for what and who holds it)."),
+    "hsx_job_waiting": ("gauge", "1 while the job waits for resources, or (online) its "
+                        "engines wait for its trainer to take what they captured (its "
+                        "status's waiting_for says for what and who holds it)."),
     "hsx_train_waiting": ("gauge", "1 while the training or its evaluation waits (for GPUs, "
-                          "or for the extraction its plan trains after)."),
+                          "for the extraction its plan trains after, or for data: shards "
+                          "or, online, units the engines have not captured yet)."),
     "hsx_gpus_held": ("gauge", "GPUs held in the coordinator's books, by job and role "
                       "(engine-N, trainer, evaluation)."),
     "hsx_gpus_waited": ("gauge", "GPUs asked for and not granted yet, by job and role."),

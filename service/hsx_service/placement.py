@@ -126,6 +126,16 @@ def plan_job(spec: JobSpec, cluster: ClusterShape) -> ResourcePlan:
     if train is not None:
         training = "beside" if engine_gpus + train_gpus <= gpus else "after"
         eval_gpus = tp if train.eval_prompts > 0 else 0
+        if train.online and training == "after":
+            fit = (gpus - train_gpus) // tp
+            fix = (f"set replicas to {fit} or less (or leave it out)" if fit >= 1 else
+                   f"add a GPU (an engine takes {_gpus(tp)}, the trainer one more), or set "
+                   "train.online to false: the trainer then reads stored shards after the "
+                   "extraction")
+            raise JobRefused(
+                f"train.online: the trainer takes the states as the engines capture them, "
+                f"so it needs its own GPU beside them: {_gpus(engine_gpus)} for the engines "
+                f"and {train_gpus} for the trainer, the Ray cluster has {gpus}; {fix}")
     plan = ResourcePlan(gpus=gpus, replicas=replicas, tensor_parallel_size=tp,
                         engine_gpus=engine_gpus, train_gpus=train_gpus, eval_gpus=eval_gpus,
                         training=training)

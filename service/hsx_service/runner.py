@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsx import __version__
+from hsx.online import Stream
 from hsx.output import OutputCorrupt, OutputTotals, StorageError
+from hsx.output.shards.encoding import HIDDEN_DTYPE, NUMPY_DTYPES
 from hsx.output.storage import is_disk_full
 from hsx.spec import JobSpec
 from hsx.wire import ResourcePlan
@@ -47,6 +49,7 @@ from hsx_service.engine_pool import (
     target_engine_args,
 )
 from hsx_service.errors import JobCancelled, JobFailed
+from hsx_service.online import OnlineFeed
 from hsx_service.placement import ClusterShape, plan_job
 from hsx_service.prepare import JobRefused, PreparedJob, prepare
 
@@ -130,7 +133,7 @@ def run_job(
     try:
         if hooks.on_prepared is not None:
             hooks.on_prepared(job)
-        if job.complete and not job.pending and ingestion is None:
+        if job.complete and (not job.pending or online_job(spec)) and ingestion is None:
             return JobSummary.of(job.output.totals(), str(job.output), time.time() - started,
                                  nothing_to_do=True)
         result = DispatchResult()
@@ -152,6 +155,8 @@ def run_job(
         if result.failed_units:
             raise JobFailed(
                 failed_units_message(result.failed_units, len(job.units), max_attempts))
+        if result.online is not None:
+            return finish_online(job, started, result)
         return finish(job, started, restarts=result.restarts)
     except (StorageError, OutputCorrupt) as err:  # committed units stay valid
         raise JobFailed(f"output: {err}") from err
@@ -174,6 +179,33 @@ def finish(job: PreparedJob, started: float, *, restarts: int = 0) -> JobSummary
     job.output.mark_complete(
         {**summary.as_dict(), "hsx_version": __version__, "completed_at": time.time()}
     )
+    return summary
+
+
+def online_job(spec: JobSpec) -> bool:
+    """The job's training is fed by its engines (hsx.online): no shard is stored."""
+    return spec.train is not None and spec.train.online
+
+
+def finish_online(job: PreparedJob, started: float, result: DispatchResult) -> JobSummary:
+    """An online job's trainer ended: its stream goes, complete.json says what was
+    captured (no shard is stored)."""
+    online = result.online
+    if online is None:
+        raise RuntimeError("finish_online is for an online job's result")
+    if online.ended == "failed":
+        raise JobFailed(f"the online training failed: {online.error or 'see its status'}; "
+                        "the engines stopped capturing for it")
+    online.stream.remove()
+    totals = job.output.totals()
+    summary = JobSummary.of(totals, str(job.output), time.time() - started,
+                            restarts=result.restarts)
+    summary.samples = job.manifest.num_samples
+    summary.tokens = job.manifest.tokens_total
+    job.output.mark_complete({
+        **summary.as_dict(), "online": {"captures": online.captures,
+                                        "trainer": online.ended},
+        "hsx_version": __version__, "completed_at": time.time()})
     return summary
 
 
@@ -212,6 +244,22 @@ def execute(
         slots = pool.slots(spec.engine, config, plan.replicas, spec, job=job_id,
                            order=submitted_at,
                            waits=Waits(cancelled=hooks.cancelled, on_wait=hooks.on_waiting))
-        return Dispatch(job, pool, hooks, slots, max_attempts).run()
+        online = online_feed(job) if online_job(spec) else None
+        result = Dispatch(job, pool, hooks, slots, max_attempts, online=online).run()
+        result.online = online
+        return result
     finally:
         pool.park()
+
+
+def online_feed(job: PreparedJob) -> OnlineFeed:
+    """The feed of an online job's units, its stream opened with the job's manifest."""
+    spec = job.spec
+    train = spec.train
+    if train is None:
+        raise RuntimeError("an online job has a train section")
+    stream = Stream(job.output.location)
+    stream.open(job.manifest.to_json().decode())
+    width = NUMPY_DTYPES[HIDDEN_DTYPE[spec.storage_dtype]].itemsize
+    per_token = len(job.layers) * job.manifest.hidden_size * width
+    return OnlineFeed(stream, train.buffer_bytes, per_token)

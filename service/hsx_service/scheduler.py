@@ -348,6 +348,10 @@ class Scheduler:
         if not self._ready:
             raise self.not_ready()
         row = self._row(job_id)
+        if spec.online:
+            raise JobRefused("online: an online training is given in the job's `train:` "
+                             "section when it is submitted (its engines feed the trainer); "
+                             "this call trains on the job's stored shards")
         if row.state in (JobState.failed, JobState.cancelled) and not (
                 open_output(row.output).has_manifest()):
             raise JobRefused(f"job {job_id} is {row.state.value} and left no output to train on")
@@ -585,6 +589,10 @@ class Scheduler:
         self._set_state(job_id, state, error)  # applies the queued writes first
         if state.finished:
             self._extracted.setdefault(job_id, threading.Event()).set()
+        train = self._row(job_id).spec.train
+        if state in (JobState.cancelled, JobState.failed) and train is not None and \
+                train.online:
+            self.trainings.stop_job(job_id)  # its engines no longer capture for it
 
 
 def _ray_lost(err: BaseException) -> bool:

@@ -36,6 +36,7 @@ from hsx.draft import (
     read_train_state,
     read_validation,
 )
+from hsx.online import Stream
 from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_METRICS
 from hsx.spec import JobSpec, TrainSpec
@@ -113,6 +114,14 @@ class Trainings:
                 actor.stop.remote()
         for thread in list(self._threads.values()):
             thread.join(timeout=30)
+
+    def stop_job(self, job_id: str) -> None:
+        """Ask the job's trainer to checkpoint and stop (an online job that ended
+        otherwise than by its training: no engine captures for it any more)."""
+        actor = self._actors.get(job_id)
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                actor.stop.remote()
 
     def status(self, row: TrainRow, output: Path, draft: str | None = None) -> TrainStatus:
         """`output`: the folder whose draft/ is read; `draft`: where the draft is, as
@@ -204,6 +213,11 @@ class Trainings:
         evaluation = None
         try:
             outcome = self._train(run, seat)
+            if outcome == "failed" and run.spec.online:
+                # The job's engines capture for this trainer until it says it ended.
+                row = self.ledger.training(job_id)
+                Stream(Output.of(run.output).location).set_trainer(
+                    "failed", error=row.error if row else None)
             if outcome == "done" and run.spec.eval_prompts > 0:
                 evaluation = self._evaluation_holder(run)
                 # In line before the trainer's GPUs go, so no later job slips in between.
@@ -375,6 +389,8 @@ class Trainings:
                 progress = None
             if progress is not None:
                 self._live[job_id] = progress
+                if progress.get("waiting_for") != self._waits.get(job_id):
+                    self._wait(job_id, progress.get("waiting_for"))  # the data, who holds it
                 if progress.get("last") and state is TrainState.starting:
                     state = TrainState.running
                     self._set(job_id, state)

@@ -320,3 +320,21 @@ def test_ensure_ray_starts_again_a_local_node_that_timed_out(
     outcomes[:] = [RuntimeError("no space left on device")]
     with pytest.raises(RuntimeError, match="no space"):
         ensure_ray(None, cpus_needed=2)
+
+
+def test_an_online_training_needs_its_own_gpu_beside_the_engines() -> None:
+    with pytest.raises(JobRefused, match=r"train.online: .* 1 GPU for the engines and 1 for "
+                                         r"the trainer, the Ray cluster has 1; add a GPU"):
+        plan_job(_spec(train={"online": True}), gpus(1))
+    with pytest.raises(JobRefused, match="set replicas to 1 or less"):
+        plan_job(_spec(train={"online": True}, replicas=2), gpus(2))
+    plan = plan_job(_spec(train={"online": True}), gpus(2))  # replicas unset: 1 beside
+    assert (plan.replicas, plan.train_gpus, plan.training) == (1, 1, "beside")
+    assert plan_job(_spec(train={"online": True}), ClusterShape(gpus=0, cpus=8, cores=2))
+
+
+def test_online_training_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(ValueError, match="online training runs on one worker"):
+        _spec(train={"online": True, "workers": 2})
+    with pytest.raises(ValueError, match="train.online with regenerate is not built"):
+        _spec(train={"online": True}, regenerate={"max_tokens": 8})

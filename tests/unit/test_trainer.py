@@ -457,6 +457,63 @@ def test_steps_are_packs_of_whole_samples(tmp_path: Path, tiny_llama: Path) -> N
     assert all(s.tokens <= 40 for s in steps)
 
 
+def _visits(root: Path) -> dict[int, list[int]]:
+    """epoch -> the samples its steps trained, in order (draft/visits.jsonl)."""
+    from hsx.draft import read_visits
+
+    out: dict[int, list[int]] = {}
+    for v in read_visits(root):
+        out.setdefault(v["epoch"], []).extend(v["samples"])
+    return out
+
+
+def test_a_resume_mid_unit_trains_none_of_its_samples_twice(tmp_path: Path,
+                                                            tiny_llama: Path) -> None:
+    # Steps of 48 tokens hold 2-3 samples: units of 6 end mid-step, so the checkpoint
+    # after step 3 falls inside unit 1. Its samples trained before it must not come back.
+    root = make_output(tmp_path / "out", tiny_llama)
+    DraftTrainer(root, spec(max_steps=3, checkpoint_every=1)).run()
+    state = torch.load(root / DRAFT_CHECKPOINTS / "step-00000003" / "trainer_state.pt",
+                       weights_only=False)["state"]
+    assert state["partial"], "the checkpoint should fall inside a unit"
+    DraftTrainer(root, spec(max_steps=12, checkpoint_every=100)).run()
+    epochs = _visits(root)
+    assert sorted(epochs[0]) == list(range(18))  # each sample of epoch 0 exactly once
+    assert len(set(epochs[1])) == len(epochs[1])
+
+
+def test_an_online_trainer_takes_its_units_from_the_stream(
+        tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsx.online import STREAM_DIR_ENV, Stream, stream_unit
+
+    monkeypatch.setenv(STREAM_DIR_ENV, str(tmp_path / "streams"))
+    root = make_output(tmp_path / "out", tiny_llama, units=(), complete=False)
+    stream = Stream(Output(root).location)
+    stream.open((root / "manifest.json").read_text())
+    # What the engines captured for epochs 0 and 1.
+    for epoch in (0, 1):
+        for unit in UNITS:
+            with ShardWriter(stream.path, stream_unit(epoch, unit), layers=LAYERS,
+                             hidden_size=HIDDEN, storage_dtype="bf16") as w:
+                for i in UNITS[unit]:
+                    s = sample(i)
+                    w.add(i, s["input_ids"], s["loss_mask"], s["hidden_states"])
+                w.commit(errors=[])
+    trainer = DraftTrainer(root, spec(online=True, max_steps=8, steps=8,
+                                      checkpoint_every=100))
+    state = trainer.run()
+    assert state.step == 8 and state.epoch == 1
+    epochs = _visits(root)
+    assert sorted(epochs[0]) == list(range(18))
+    assert len(set(epochs[1])) == len(epochs[1])
+    # Epoch 0's units were taken from the stream as they were read; no shard in the output.
+    assert not {u for u in stream.committed() if u < stream_unit(1, 0)}
+    assert Output(root).committed_units() == set()
+    assert stream.trainer() == {"state": "done", "step": 8}
+    resume = stream.resume()
+    assert resume is not None and resume.epoch == 0 and resume.units_done == []
+
+
 def test_prefetch_reads_on_across_epoch_ends(tmp_path: Path, tiny_llama: Path) -> None:
     root = make_output(tmp_path / "out", tiny_llama)
     trainer = DraftTrainer(root, spec(batch_tokens=40, pack_tokens=16))

@@ -48,7 +48,8 @@ class TrainerActor:
         trainer = self._trainer
         if trainer is not None:
             return {"last": self._last, "first_step_at": trainer.first_step_at,
-                    "resumed_from": trainer.resumed_from}
+                    "resumed_from": trainer.resumed_from,
+                    "waiting_for": trainer.data.waiting_for()}
         state = read_train_state(self.root) or {}
         return {"last": last_record(self.root / DRAFT_METRICS),
                 "first_step_at": state.get("first_step_at"),

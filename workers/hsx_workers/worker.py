@@ -230,15 +230,19 @@ class ExtractionWorker:
                       conversations)
 
     def run_unit(self, output: Output | str, storage_dtype: str, unit: WorkUnit,
-                 checksum: str = DEFAULT_CHECKSUM) -> UnitReport:
+                 checksum: str = DEFAULT_CHECKSUM, stream: str | None = None,
+                 rows_of: WorkUnit | None = None) -> UnitReport:
         """Extract one unit into its shard and commit it; blocks until it is committed.
 
         `output` is the job's Output (it carries the storage settings the driver
         resolved) or its URI. Units queued by concurrent calls run back to back through
-        one engine, in the order the calls arrived.
+        one engine, in the order the calls arrived. An online job's unit is committed
+        into `stream` (a folder, hsx.online) as stream unit `unit`; its rows are those
+        of the job's unit `rows_of`.
         """
-        out, rows, table = self._rows(Output.of(output), unit)
-        run = _UnitRun(out, storage_dtype, checksum, unit, rows,
+        out, rows, table = self._rows(Output.of(output), rows_of or unit)
+        dest = out if stream is None else Output(stream)
+        run = _UnitRun(dest, storage_dtype, checksum, unit, rows,
                        regen=self._regen_of(out, table))
         with self._lock:
             if self._dead is not None:

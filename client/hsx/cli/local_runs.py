@@ -33,6 +33,11 @@ def _cmd_extract(args: argparse.Namespace) -> int:
                                else str(Path(args.output).resolve()))
     if overrides:
         spec = spec.model_copy(update=overrides)
+    if spec.train is not None and spec.train.online:
+        from hsx.cli.training import train_online
+
+        return train_online(spec, lambda: _run_extract(
+            spec, progress=not args.no_progress, as_json=args.json))
     code = _run_extract(spec, progress=not args.no_progress, as_json=args.json)
     if code != 0 or spec.train is None:
         return code
@@ -55,7 +60,10 @@ def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
     except JobRefused as err:
         return error(str(err), EXIT_REFUSED)
     except JobFailed as err:
-        return error(f"{err} (committed shards are kept; run again to resume)", EXIT_FAILED)
+        kept = ("the inputs and the draft's checkpoints are kept; run again to resume the "
+                "training" if spec.train is not None and spec.train.online else
+                "committed shards are kept; run again to resume")
+        return error(f"{err} ({kept})", EXIT_FAILED)
     except KeyboardInterrupt:
         return error("interrupted (committed shards are kept; run again to resume)", 130)
     if as_json:

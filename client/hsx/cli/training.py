@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,10 @@ def _train_spec(args: argparse.Namespace) -> Any:
         if not sep:
             raise SpecError(f"--set {item!r}: expected key=value")
         fields[key.strip()] = yaml.safe_load(value)
+    if fields.get("online"):
+        raise SpecError("online: an online training is a job's `train:` section (hsx "
+                        "extract job.yaml, hsx submit): its engines feed the trainer; `hsx "
+                        "train` trains on an output's stored shards")
     fields["follow"] = bool(args.follow)
     return parse_train(fields)
 
@@ -217,6 +222,53 @@ def train_after_extraction(job: Any, output: str) -> int:
     code = _train_local(output, spec, None)
     if code != 0 or spec.eval_prompts == 0:
         return code
+    return _measure_draft(job, output)
+
+
+def train_online(job: Any, extract: Callable[[], int]) -> int:
+    """`hsx extract` of a job with `train: {online: true}`: the trainer runs here on a
+    thread while `extract()` drives the engines, which capture for it through the job's
+    stream (hsx.online) until it has trained its steps; then vLLM measures the draft."""
+    import threading
+
+    from hsx.online import Stream
+    from hsx.output import Output
+    from hsx_service.prepare import JobRefused
+    from hsx_service.scheduler import check_draft_layers
+
+    try:
+        check_draft_layers(job)  # before any engine starts
+    except JobRefused as err:
+        return error(str(err), EXIT_REFUSED)
+    stream = Stream(Output(job.output).location)
+    outcome: dict[str, Any] = {}
+
+    def train() -> None:
+        try:
+            outcome["code"] = _train_local(job.output, job.train, None)
+        except BaseException as err:  # the engines must hear of it, whatever it is
+            outcome["code"] = EXIT_FAILED
+            outcome["error"] = f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            if outcome.get("code") != 0:  # else the trainer said `done` itself
+                stream.set_trainer("failed", error=outcome.get(
+                    "error", f"the trainer exited with code {outcome.get('code')}"))
+
+    trainer = threading.Thread(target=train, name="hsx-online-trainer", daemon=True)
+    trainer.start()
+    code = extract()
+    if code != 0:
+        return code
+    trainer.join()
+    if outcome.get("code") != 0 or job.train.eval_prompts == 0:
+        return int(outcome.get("code", EXIT_FAILED))
+    return _measure_draft(job, job.output)
+
+
+def _measure_draft(job: Any, output: str) -> int:
+    """vLLM measures the job's trained draft as the coordinator would (draft/eval.json)."""
+    spec = job.train
     from hsx.draft import draft_folder
     from hsx.output import Output, StorageError
     from hsx_service.runner import target_engine_args

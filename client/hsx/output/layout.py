@@ -25,6 +25,7 @@ checkpoint and the draft beside it, each folder ending with its `uploaded.json`
     checkpoints/step-000200/         whole checkpoints (weights, trainer_state.pt, metrics.json)
     metrics.jsonl                    one record per logged step
     validation.jsonl                 one record per validation (at each checkpoint)
+    visits.jsonl                     one record per step: its epoch and the samples it trained
     train.json                       the trainer's state, plan, best checkpoint
     eval.json                        the draft's acceptance in vLLM on held-out prompts
     uploaded.json                    in a bucket: written last, names the files of draft/
@@ -56,6 +57,7 @@ DRAFT_CHECKPOINTS = "draft/checkpoints"
 DRAFT_METRICS = "draft/metrics.jsonl"
 DRAFT_STATE = "draft/train.json"
 DRAFT_VALIDATION = "draft/validation.jsonl"
+DRAFT_VISITS = "draft/visits.jsonl"  # one record per step: the samples it trained
 DRAFT_EVAL = "draft/eval.json"
 DRAFT_STOP = "draft/.stop"  # asks a running (distributed) training to checkpoint and stop
 CHECKPOINT_METRICS = "metrics.json"  # in each checkpoint folder

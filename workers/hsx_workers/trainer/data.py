@@ -15,13 +15,14 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hsx.dataset import HiddenStatesDataset
+from hsx.online import Stream, split_unit
 from hsx.output import CommitRecord, Output, ShardReader
 from hsx.spec import TrainSpec
 from hsx_workers.trainer.group import WorkerGroup
@@ -37,6 +38,7 @@ class StepBatch:
     packs: list[dict[str, Any]]
     tokens: int
     units: list[int]
+    samples: list[tuple[int, int]] = field(default_factory=list)  # (unit, sample_index)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,10 @@ class TrainingData:
     def __init__(self, output: Output, spec: TrainSpec, group: WorkerGroup, *,
                  stop: threading.Event, poll_interval: float) -> None:
         self.output = output
+        # An online job's units come from its stream (hsx.online), each taken once read;
+        # the held-out samples are kept here as they pass, for validation.
+        self.stream = Stream(output.location) if spec.online else None
+        self._held: dict[int, dict[str, Any]] = {}
         self.spec = spec
         self.group = group
         self.stop = stop
@@ -92,6 +98,7 @@ class TrainingData:
         self._val_set: frozenset[int] = frozenset()
         self._val_rows: dict[int, int] = {}  # held-out sample index -> row of inputs.arrow
         self._unbilled_wait = 0.0  # waits since the last step, billed to the next one
+        self._waiting_since: float | None = None  # the loop waits for its next step now
 
     def hold_out(self, sample_indices: Sequence[int]) -> list[int]:
         """Set aside the samples validation scores (`held_out`: `sample_indices` are
@@ -103,6 +110,17 @@ class TrainingData:
         self._val_rows = {i: row_of[i] for i in self.val_indices}
         return self.val_indices
 
+    def waiting_for(self, after_s: float = 2.0) -> str | None:
+        """What the training waits for, once its loop has waited `after_s` for data."""
+        since = self._waiting_since
+        if since is None or time.monotonic() - since < after_s:
+            return None
+        waited = time.monotonic() - since
+        if self.stream is not None:
+            return (f"the engines: no captured unit in the online stream for {waited:.0f} s "
+                    "(the trainer takes them faster than they are captured)")
+        return f"the extraction: no new committed shard for {waited:.0f} s"
+
     def take_wait(self) -> float:
         """Seconds the reader of `prefetch` waited for it since the last call."""
         waited, self._unbilled_wait = self._unbilled_wait, 0.0
@@ -112,7 +130,11 @@ class TrainingData:
         return unit % self.group.world == self.group.rank
 
     def _units(self, ds: HiddenStatesDataset, epoch: int, done: set[int],
-               halted: Callable[[], bool]) -> Iterator[ShardReader]:
+               halted: Callable[[], bool]) -> Iterator[tuple[int, ShardReader]]:
+        """(unit, its shard) of this worker's units of `epoch` not in `done`, each once."""
+        if self.stream is not None:
+            yield from self._stream_units(ds, epoch, done, halted)
+            return
         if epoch == 0 and not ds.complete:
             shards = ds.shards(stop=halted)  # follow=True: as commits land
         else:
@@ -125,7 +147,42 @@ class TrainingData:
                 return
             unit = unit_of(reader)
             if unit not in done and self._own(unit):
-                yield reader
+                yield unit, reader
+
+    def _stream_units(self, ds: HiddenStatesDataset, epoch: int, done: set[int],
+                      halted: Callable[[], bool]) -> Iterator[tuple[int, ShardReader]]:
+        """An online job's units of `epoch`, as the engines commit them into the stream.
+        Each is taken from the stream once yielded (its samples are read by then, see
+        `batches`); a unit this run does not need (an earlier epoch's, one the checkpoint
+        holds, one read already) is taken unread."""
+        stream = self.stream
+        if stream is None:
+            raise RuntimeError("not an online training")
+        source = stream.output()
+        wanted = {u.unit for u in ds.manifest.units} - done
+        read: set[int] = set()
+        while wanted and not halted():
+            found = False
+            for sid in sorted(stream.committed()):
+                if halted():
+                    return
+                e, unit = split_unit(sid)
+                if e > epoch:
+                    continue  # captured ahead: the next epoch's
+                if e < epoch or unit not in wanted:
+                    stream.take(sid)
+                    continue
+                try:
+                    reader = source.open_shard(source.read_commit(sid))
+                except FileNotFoundError:  # taken by an earlier run meanwhile
+                    continue
+                found = True
+                wanted.discard(unit)
+                read.add(unit)
+                yield unit, reader
+                stream.take(sid)
+            if not found and wanted:
+                time.sleep(self.poll_interval)
 
     def _wait_for_complete(self, halted: Callable[[], bool]) -> None:
         while not self.output.is_complete() and not halted():
@@ -149,11 +206,13 @@ class TrainingData:
         return collate
 
     def batches(self, epoch: int, dtype: torch.dtype, plan: Plan, *, pad: bool,
-                done: Sequence[int] = (), halted: Callable[[], bool] | None = None
-                ) -> Iterator[StepBatch]:
-        """This worker's steps of one epoch, in order; each names the units it finishes.
-        `done`: units of this epoch trained before a resume, left out; `halted()`: stop
-        reading (default: the training's stop); `pad`: see `collate`."""
+                done: Sequence[int] = (), partial: Mapping[int, Sequence[int]] | None = None,
+                halted: Callable[[], bool] | None = None) -> Iterator[StepBatch]:
+        """This worker's steps of one epoch, in order; each names the units it finishes
+        and the samples it trains. `done`: units of this epoch trained before a resume,
+        left out; `partial`: samples of units begun before it (unit -> sample indices),
+        left out; `halted()`: stop reading (default: the training's stop); `pad`: see
+        `collate`."""
         halted = halted or self.stop.is_set
         if not self.spec.follow:
             self._wait_for_complete(halted)
@@ -165,10 +224,15 @@ class TrainingData:
         pack: list[dict[str, Any]] = []
         pack_tokens = step_tokens = 0
         finished: list[int] = []
-        for reader in self._units(ds, epoch, set(done), halted):
-            unit = unit_of(reader)
+        trained: list[tuple[int, int]] = []
+        partial = partial or {}
+        for unit, reader in self._units(ds, epoch, set(done), halted):
+            skip = set(partial.get(unit, ()))
+            indices = [int(i) for i in reader.sample_indices]
+            if self.stream is not None:
+                self._keep_held_out(reader, indices)
             order = [j for j in range(len(reader))
-                     if int(reader.sample_indices[j]) not in self._val_set]
+                     if indices[j] not in self._val_set and indices[j] not in skip]
             _seeded(self.spec.seed, epoch, unit, 2).shuffle(order)
             for j in order:
                 sample = to_speculators_sample(reader.sample(j, backend="torch"), dtype)
@@ -178,8 +242,9 @@ class TrainingData:
                 if (pack or packs) and step_tokens + pack_tokens + length > plan.batch_tokens:
                     if pack:
                         packs.append(collate(pack, pack_tokens))
-                    yield StepBatch(packs, step_tokens + pack_tokens, finished)
+                    yield StepBatch(packs, step_tokens + pack_tokens, finished, trained)
                     packs, pack, pack_tokens, step_tokens, finished = [], [], 0, 0, []
+                    trained = []
                 elif pack and pack_tokens + length > plan.pack_tokens:
                     # Whole samples only: what does not fit starts the next pack.
                     packs.append(collate(pack, pack_tokens))
@@ -187,18 +252,30 @@ class TrainingData:
                     pack, pack_tokens = [], 0
                 pack.append(sample)
                 pack_tokens += length
+                trained.append((unit, indices[j]))
             finished.append(unit)
         if pack:
             packs.append(collate(pack, pack_tokens))
         if packs or finished:
-            yield StepBatch(packs, step_tokens + pack_tokens, finished)
+            yield StepBatch(packs, step_tokens + pack_tokens, finished, trained)
+
+    def _keep_held_out(self, reader: ShardReader, indices: list[int]) -> None:
+        """Online: the held-out samples of a unit read from the stream, kept (copied: the
+        stream's file goes) for validation."""
+        for j, idx in enumerate(indices):
+            if idx in self._val_set and idx not in self._held:
+                sample = reader.sample(j, backend="torch")
+                self._held[idx] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                   for k, v in sample.items()}
 
     def prefetch(self, epoch: int, dtype: torch.dtype, plan: Plan, *, pad: bool,
-                 done: Sequence[int] = ()) -> Iterator[StepBatch | EpochEnd]:
-        """This worker's steps from `epoch` on (the units of it in `done` left out), an
-        EpochEnd after each epoch's last. One thread reads ahead across epoch
-        ends, so a new epoch's first step does not wait for its first unit to be read
-        (with small data and several workers, epochs end every few steps). It ends when
+                 done: Sequence[int] = (), partial: Mapping[int, Sequence[int]] | None = None
+                 ) -> Iterator[StepBatch | EpochEnd]:
+        """This worker's steps from `epoch` on (the units of it in `done`, and the
+        samples in `partial`, left out), an EpochEnd after each epoch's last. One thread
+        reads ahead across epoch ends, so a new epoch's first step does not wait for its
+        first unit to be read (with small data and several workers, epochs end every few
+        steps). It ends when
         the training stops or the consumer stops reading."""
         q: queue.Queue[Any] = queue.Queue(maxsize=4)
         end = object()
@@ -218,16 +295,16 @@ class TrainingData:
 
         def produce() -> None:
             try:
-                skip, current = list(done), epoch
+                skip, begun, current = list(done), partial, epoch
                 while not halted():
                     for batch in self.batches(current, dtype, plan, pad=pad, done=skip,
-                                              halted=halted):
+                                              partial=begun, halted=halted):
                         if not put(batch, halted):
                             break
                     # An epoch cut short by the stop has not ended.
                     if halted() or not put(EpochEnd(current), halted):
                         break
-                    skip, current = [], current + 1
+                    skip, begun, current = [], None, current + 1
                 put(end, abandoned.is_set)  # a stopped training still reads to the end
             except BaseException as err:
                 put(err, abandoned.is_set)
@@ -237,7 +314,11 @@ class TrainingData:
         try:
             while True:
                 t0 = time.perf_counter()
-                item = q.get()
+                self._waiting_since = time.monotonic()
+                try:
+                    item = q.get()
+                finally:
+                    self._waiting_since = None
                 self._unbilled_wait += time.perf_counter() - t0
                 if item is end:
                     return
@@ -258,6 +339,10 @@ class TrainingData:
         wanted = {i for n, i in enumerate(self.val_indices)
                   if n % self.group.world == self.group.rank}
         if not wanted:
+            return
+        if self.stream is not None:  # online: those read from the stream so far
+            for idx in sorted(wanted & self._held.keys()):
+                yield self._held[idx]
             return
         mine = sorted(self._val_rows[i] for i in wanted)
 

@@ -27,6 +27,7 @@ from hsx.draft import (
     expected_acceptance,
     read_metrics,
     read_validation,
+    read_visits,
     write_json,
 )
 from hsx.output import Manifest, Output, StorageError, faults
@@ -38,6 +39,7 @@ from hsx.output.layout import (
     DRAFT_STATE,
     DRAFT_STOP,
     DRAFT_VALIDATION,
+    DRAFT_VISITS,
     checkpoint_name,
 )
 from hsx.output.local_storage import fsync_dir
@@ -62,6 +64,9 @@ class TrainState:
     epoch: int = 0
     units_done: list[int] = field(default_factory=list)  # of the current epoch
     tokens: int = 0  # trained on by all workers
+    # Samples of the current epoch trained in units not finished yet: unit -> indices
+    # (a resume leaves them out, so no sample is trained twice in an epoch).
+    partial: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -209,6 +214,8 @@ class DraftTrainer:
                                           if int(m.get("step", 0)) <= step])
             self._rewrite(DRAFT_VALIDATION, [v for v in read_validation(self.root)
                                              if int(v.get("step", 0)) <= step])
+            self._rewrite(DRAFT_VISITS, [v for v in read_visits(self.root)
+                                         if int(v.get("step", 0)) <= step])
         logger.info("resumed from %s (step %d, epoch %d)", ckpt.name, self.state.step,
                     self.state.epoch)
 
@@ -263,6 +270,9 @@ class DraftTrainer:
             # What a run killed mid-checkpoint left staged: never a checkpoint.
             shutil.rmtree(self.draft / ".tmp", ignore_errors=True)
             self._write_state("running")
+        stream = self.data.stream
+        if stream is not None:  # online: the driver captures what this run needs
+            stream.start_run(self.state.epoch, self.state.units_done)
         trained = model
         if self.group.world > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -284,13 +294,15 @@ class DraftTrainer:
                 # The reader goes on from epoch to epoch; it ends only once the training is
                 # asked to stop (or with the error it met, raised here).
                 for batch in self.data.prefetch(self.state.epoch, dtype, plan, pad=self._pad,
-                                                done=list(self.state.units_done)):
+                                                done=list(self.state.units_done),
+                                                partial=dict(self.state.partial)):
                     if isinstance(batch, EpochEnd):
                         if fresh and not stepped:
                             raise TrainRefused(f"worker {self.group.rank} of {self.group.world} "
                                                "found no training sample in its units")
                         self.state.epoch += 1
                         self.state.units_done = []
+                        self.state.partial = {}
                         stepped, fresh = False, True
                         continue
                     if batch.packs:
@@ -299,7 +311,7 @@ class DraftTrainer:
                             break
                         self._step(trained, opt, sched, batch, loss_config)
                         stepped = True
-                    self.state.units_done.extend(batch.units)
+                    self._units_trained(batch)
                     if batch.packs and self.state.step % plan.checkpoint_every == 0:
                         self._checkpoint(model, opt, sched)
                     if self.state.step >= end:
@@ -314,8 +326,24 @@ class DraftTrainer:
         self._checkpoint(model, opt, sched)
         if self.group.main:
             self._write_state("stopped" if stopped else "done")
+        if stream is not None:
+            stream.set_trainer("stopped" if stopped else "done", step=self.state.step)
         self.group.barrier()
         return self.state
+
+    def _units_trained(self, batch: StepBatch) -> None:
+        """What a step trained goes into the state a checkpoint keeps (and the visits
+        log: each sample trained, by step and epoch)."""
+        finished = set(batch.units)
+        for unit, idx in batch.samples:
+            if unit not in finished:
+                self.state.partial.setdefault(unit, []).append(idx)
+        for unit in batch.units:
+            self.state.partial.pop(unit, None)
+        self.state.units_done.extend(batch.units)
+        if batch.samples and self.group.main and self.group.world == 1:
+            self._append(DRAFT_VISITS, {"step": self.state.step, "epoch": self.state.epoch,
+                                        "samples": [i for _, i in batch.samples]})
 
     def _stop_requested(self) -> bool:
         """Whether any worker was asked to stop (collective: all stop at the same step)."""

@@ -1,0 +1,174 @@
+"""The stream of an online job: captured states handed from the engines to the trainer
+without ever becoming the output's shards.
+
+An online job (`train: {online: true}`) writes its output's tables (inputs, errors,
+manifest, complete.json) and its draft, but no shard. Its engines capture each unit
+again for every epoch the trainer needs and commit it into the job's **stream**: a
+folder in the output's layout (shards/, commits/, a copy of the manifest) under
+`stream_root()` — `/dev/shm` by default, so in memory, not on disk. The trainer follows
+the stream's commits, trains on each unit once per epoch and deletes it after the step
+that finished it. The stream is bounded (`buffer_bytes`): the driver hands out no unit
+while the captured states the trainer has not taken reach it, and says so.
+
+Units of the stream are numbered `epoch * EPOCH_STRIDE + unit` (`stream_unit`), so the
+same unit captured for two epochs is two commit records, and the driver's bookkeeping
+(attempts, retries, create-if-absent commits) works on them as on any unit.
+
+Exactly once per epoch: the trainer's checkpoint keeps the units (and the samples of
+units begun) it trained in the current epoch. Each run of the trainer writes `resume.json`
+(a run id, the epoch and units of the checkpoint it resumed from) before it reads
+anything; the driver then captures again what that checkpoint had not consumed and what
+is no longer in the stream. The trainer drops (deletes unread) what it does not need: a
+unit of an epoch before its own, or one its checkpoint already holds.
+
+One node: the engines, the trainer and the driver share the stream's folder. This module
+is the one owner of the stream's layout; the driver (hsx_service.online) and the trainer
+(hsx_workers.trainer.data) use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hsx.output.layout import COMMITS_DIR, SHARDS_DIR, commit_path, unit_of_key
+
+EPOCH_STRIDE = 1_000_000_000  # stream unit = epoch * EPOCH_STRIDE + the job's unit
+RESUME = "resume.json"  # the trainer's run: where it resumed
+TRAINER = "trainer.json"  # the trainer's state as the driver reads it: running, done, ...
+STREAM_DIR_ENV = "HSX_STREAM_DIR"
+DEFAULT_BUFFER_BYTES = 1 << 30
+
+
+def stream_unit(epoch: int, unit: int) -> int:
+    return epoch * EPOCH_STRIDE + unit
+
+
+def split_unit(stream: int) -> tuple[int, int]:
+    """(epoch, the job's unit) of a stream unit."""
+    return divmod(stream, EPOCH_STRIDE)
+
+
+def stream_root() -> Path:
+    """Where streams live: $HSX_STREAM_DIR, else /dev/shm/hsx-stream (memory), else the
+    temporary folder."""
+    named = os.environ.get(STREAM_DIR_ENV)
+    if named:
+        return Path(named).expanduser()
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / "hsx-stream"
+    return Path(tempfile.gettempdir()) / "hsx-stream"
+
+
+@dataclass
+class Resume:
+    """One run of the trainer: where it started (its checkpoint's epoch and units)."""
+
+    run: str
+    epoch: int = 0
+    units_done: list[int] = field(default_factory=list)
+
+
+class Stream:
+    """The stream of the output at `location` (its `Output.location`)."""
+
+    def __init__(self, location: str, root: Path | None = None) -> None:
+        digest = hashlib.sha256(location.encode()).hexdigest()[:16]
+        self.path = (root or stream_root()) / digest
+        self.location = location
+
+    def __repr__(self) -> str:
+        return f"Stream({self.path})"
+
+    def output(self) -> Any:
+        """The stream as an Output (what the engines commit into)."""
+        from hsx.output import Output
+
+        return Output(self.path)
+
+    def open(self, manifest_json: str) -> None:
+        """Create the folder with a copy of the output's manifest (readers check shards
+        against it)."""
+        from hsx.output.layout import MANIFEST
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / f".{MANIFEST}.tmp"
+        tmp.write_text(manifest_json)
+        os.replace(tmp, self.path / MANIFEST)
+
+    def committed(self) -> set[int]:
+        """Stream units committed and not yet taken by the trainer."""
+        from hsx.output.output import unit_of_commit_key
+
+        folder = self.path / COMMITS_DIR
+        if not folder.is_dir():
+            return set()
+        return {u for name in os.listdir(folder)
+                if (u := unit_of_commit_key(f"{COMMITS_DIR}/{name}")) is not None}
+
+    def buffered(self) -> tuple[int, int]:
+        """(shards, bytes) captured and not yet taken by the trainer."""
+        folder = self.path / SHARDS_DIR
+        shards = size = 0
+        if folder.is_dir():
+            for entry in os.scandir(folder):
+                with_unit = unit_of_key(f"{SHARDS_DIR}/{entry.name}")
+                if with_unit is None:
+                    continue
+                try:
+                    size += entry.stat().st_size
+                except FileNotFoundError:  # taken meanwhile
+                    continue
+                shards += 1
+        return shards, size
+
+    def take(self, unit: int) -> None:
+        """The trainer is done with a stream unit: its record, then its shards, go."""
+        (self.path / commit_path(unit)).unlink(missing_ok=True)
+        folder = self.path / SHARDS_DIR
+        if folder.is_dir():
+            for entry in os.scandir(folder):
+                if unit_of_key(f"{SHARDS_DIR}/{entry.name}") == unit:
+                    Path(entry.path).unlink(missing_ok=True)
+
+    def start_run(self, epoch: int, units_done: list[int]) -> Resume:
+        """A trainer run begins from a checkpoint at (`epoch`, `units_done`)."""
+        resume = Resume(uuid.uuid4().hex[:12], epoch, sorted(units_done))
+        self.set_trainer("running", run=resume.run)
+        self._write(RESUME, resume.__dict__)
+        return resume
+
+    def resume(self) -> Resume | None:
+        body = self._read(RESUME)
+        return None if body is None else Resume(**body)
+
+    def set_trainer(self, state: str, **extra: Any) -> None:
+        """The trainer's state for the driver: `running`, `waiting` (for units), `done`,
+        `stopped`, `failed`."""
+        self._write(TRAINER, {"state": state, **extra})
+
+    def trainer(self) -> dict[str, Any] | None:
+        return self._read(TRAINER)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def _write(self, name: str, body: dict[str, Any]) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / f".{name}.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, self.path / name)
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.path / name).read_text())
+        except FileNotFoundError:
+            return None
