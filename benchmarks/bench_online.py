@@ -74,7 +74,7 @@ def _run(work: Path, name: str, target: Path, rows: Path, train: dict[str, Any]
         "stored_bytes": _stored_bytes(output),
         "units": units,
         "captures": captures if captures is not None else units,
-        "target_tokens": manifest["tokens_total"] * (captures or units) // units,
+        "target_tokens": manifest["num_tokens"] * (captures or units) // units,
         "mean_acceptance_length": evaluation["mean_acceptance_length"],
         "acceptance_per_position": evaluation["acceptance_per_position"],
     }
