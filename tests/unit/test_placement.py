@@ -336,5 +336,5 @@ def test_an_online_training_needs_its_own_gpu_beside_the_engines() -> None:
 def test_online_training_refuses_what_it_cannot_do() -> None:
     with pytest.raises(ValueError, match="online training runs on one worker"):
         _spec(train={"online": True, "workers": 2})
-    with pytest.raises(ValueError, match="train.online with regenerate is not built"):
+    with pytest.raises(ValueError, match=r"train\.online with regenerate is not built"):
         _spec(train={"online": True}, regenerate={"max_tokens": 8})
