@@ -75,11 +75,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 #
 # pytest-xdist keeps two modules queued on each worker, so the worker that takes
 # test_train.py (~13 minutes on its core) is busy with it while the other runs the next
-# modules. test_train_job.py comes fifth: its worker reaches it after the first has built
-# the learnable target they share (tests/integration/conftest.py), not waiting on it.
+# modules. test_train_job.py comes fifth and test_online.py (~9 minutes) sixth: their
+# workers reach them after the first has built the learnable target they share
+# (tests/integration/conftest.py), not waiting on it.
 LONGEST_FIRST = (
     "integration/test_train.py", "integration/test_regenerate.py", "chaos/test_faults.py",
-    "integration/test_service.py", "integration/test_train_job.py", "integration/test_crash.py",
+    "integration/test_service.py", "integration/test_train_job.py", "integration/test_online.py",
+    "integration/test_crash.py",
     "integration/test_gpu_sharing.py", "chaos/test_node_loss.py",
     "integration/test_extract_s3.py", "chaos/test_trainer_faults.py",
     "integration/test_demo.py", "integration/test_s3_faults.py", "integration/test_archs.py",
