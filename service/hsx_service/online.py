@@ -18,7 +18,6 @@ feed ends when the trainer says it ended (done, stopped or failed).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from hsx.online import DEFAULT_BUFFER_BYTES, Resume, Stream, split_unit, stream_unit
@@ -87,13 +86,15 @@ class OnlineFeed:
             return []
         taken: list[WorkUnit] = []
         self.waiting_for = None
+        # The stream is listed once a call; what this call hands out is added as it goes.
+        stored, present = self.stream.buffered()[1], self.stream.committed()
         while len(taken) < room:
             unit = self._next()
             if unit is None:
                 break
             cost = unit[1].tokens * self.bytes_per_token
-            held = self._held_bytes()
-            if held and held + cost > self.buffer_bytes and self._before(unit[0]):
+            held = stored + sum(self.inflight.values())
+            if held and held + cost > self.buffer_bytes and self._before(unit[0], present):
                 self.waiting_for = (
                     f"the trainer: {_mb(held)} of captured states wait to be trained on "
                     f"(online buffer {_mb(self.buffer_bytes)})")
@@ -105,16 +106,12 @@ class OnlineFeed:
             taken.append(WorkUnit(sid, job_unit.row_start, job_unit.row_end, job_unit.tokens))
         return taken
 
-    def _before(self, epoch: int) -> bool:
-        """Whether the stream holds (or the engines capture) a unit the trainer takes
-        before this epoch's: else the buffer may be full of later epochs' units while the
-        trainer waits for this one (a unit captured again after its restart), and this
-        unit goes through whatever the buffer holds."""
-        return any(split_unit(sid)[0] <= epoch
-                   for sid in (*self.stream.committed(), *self.inflight))
-
-    def _held_bytes(self) -> int:
-        return self.stream.buffered()[1] + sum(self.inflight.values())
+    def _before(self, epoch: int, present: set[int]) -> bool:
+        """Whether the stream (`present`) holds, or the engines capture, a unit the
+        trainer takes before this epoch's: else the buffer may be full of later epochs'
+        units while the trainer waits for this one (a unit captured again after its
+        restart), and this unit goes through whatever the buffer holds."""
+        return any(split_unit(sid)[0] <= epoch for sid in (*present, *self.inflight))
 
     def _next(self) -> tuple[int, WorkUnit] | None:
         """The next (epoch, unit) not captured for the trainer's run, None if none yet."""
@@ -144,12 +141,6 @@ class OnlineFeed:
             held.setdefault(epoch, set()).add(unit)
         self.captured = {e: units for e, units in held.items() if e >= resume.epoch}
         self.captured.setdefault(resume.epoch, set()).update(resume.units_done)
-
-    def describe(self) -> dict[str, object]:
-        shards, size = self.stream.buffered()
-        return {"epoch": self.epoch, "buffered_shards": shards, "buffered_bytes": size,
-                "buffer_bytes": self.buffer_bytes, "captures": self.captures,
-                "waiting_for": self.waiting_for, "at": time.time()}
 
 
 def _mb(n: int) -> str:
