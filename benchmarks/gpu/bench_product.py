@@ -14,13 +14,24 @@ the time it dispatched) ÷ drop; the gap between the end of the extraction and t
 trainer's first step; training tokens/s; the whole time from submit to draft/eval.json;
 and every `waiting_for` the job and its training showed, with when.
 
+`--online` runs, instead of the one job, the same job twice on the one GPU, without the
+evaluation (the weights are random): `offline` (the plan trains after the extraction,
+from its stored shards) and `online` (`train: {online: true}`: the plan gives the
+trainer 0.3 of the engine's GPU, the engine captures each epoch again into the stream).
+Reported for each: training tokens/s (median of the steps after the 10th) and the share
+of the trainer's time spent waiting, the bytes the output holds besides draft/, the
+target's tokens captured, the whole time; and the GPU time split: `nvidia-smi pmon`
+samples every second of each process's SM share, summed by role (the trainer's actor
+against the target's engine processes), with each role's peak framebuffer memory.
+Ratios online ÷ offline: training tokens/s, whole time, bytes stored.
+
 The target's weights are random, so the draft's acceptance means nothing here; the
 trainer still reads the target's embeddings, lm_head and final norm (speculators'
 `load_verifier_weights`), so the model folder gets those three tensors (random) beside
 its config.
 
     PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD/benchmarks \\
-      python3 benchmarks/gpu/bench_product.py --out $OUT/product.json
+      python3 benchmarks/gpu/bench_product.py --out $OUT/product.json [--online]
     .venv/bin/python benchmarks/gpu/bench_product.py --cpu --out /tmp/p.json   # CPU check
 """
 
@@ -108,25 +119,112 @@ class Serve:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def run_job(bench: Bench, args: argparse.Namespace, drop_tps: float | None) -> dict[str, Any]:
+class GpuSplit:
+    """`nvidia-smi pmon` every second while a job runs: each process's SM share and
+    framebuffer memory, by role (its command names the trainer's Ray actor, else it is
+    the target's engine). Nothing when the machine has no nvidia-smi."""
+
+    def __init__(self, log: Path) -> None:
+        import shutil
+
+        self.log = log
+        self.proc = None
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(["nvidia-smi", "pmon", "-s", "um", "-d", "1"],
+                                         stdout=open(log, "w"),  # noqa: SIM115
+                                         stderr=subprocess.STDOUT)
+
+    def stop(self) -> dict[str, Any]:
+        if self.proc is None:
+            return {"available": False}
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        return split_of(self.log.read_text())
+
+
+def split_of(text: str) -> dict[str, Any]:
+    """SM-percent-seconds and peak memory by role from `nvidia-smi pmon -s um` lines."""
+    names: list[str] = []
+    sm: dict[str, float] = {"draft": 0.0, "target": 0.0}
+    peak_mb: dict[str, float] = {"draft": 0.0, "target": 0.0}
+    seconds: set[str] = set()
+    samples = 0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            if not names and "pid" in line:
+                names = line.lstrip("#").split()
+            continue
+        fields = line.split()
+        if not names or len(fields) < len(names) - 1:
+            continue
+        row = dict(zip(names, fields, strict=False))
+        command = " ".join(fields[len(names) - 1:]) if "command" in names else ""
+        role = "draft" if "Trainer" in command else "target"
+        samples += 1
+        with_sm = row.get("sm", "-")
+        if with_sm not in ("-", ""):
+            sm[role] += float(with_sm)
+        fb = row.get("fb", "-")
+        if fb not in ("-", ""):
+            peak_mb[role] = max(peak_mb[role], float(fb))
+        seconds.add(row.get("gpu", "0") + "/" + str(samples))
+    busy = sum(sm.values())
+    return {"available": True, "samples": samples,
+            "sm_percent_seconds": {k: round(v, 1) for k, v in sm.items()},
+            "share_of_busy": {k: round(v / busy, 3) if busy else None for k, v in sm.items()},
+            "peak_fb_mb": peak_mb}
+
+
+def trainer_seconds(output: Path) -> dict[str, Any]:
+    """From draft/metrics.jsonl: the trainer's compute and waiting seconds, and its
+    training tokens/s (median of the steps after the 10th)."""
+    import statistics
+
+    path = output / "draft" / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    metrics = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    metrics = [m for m in metrics if "step_s" in m]
+    if not metrics:
+        return {}
+    steady = [m["tokens_per_s"] for m in metrics[10:]] or [m["tokens_per_s"] for m in metrics]
+    return {"steps": metrics[-1]["step"],
+            "compute_s": round(sum(m["step_s"] - m["wait_s"] for m in metrics), 1),
+            "wait_s": round(sum(m["wait_s"] for m in metrics), 1),
+            "wait_fraction": round(metrics[-1]["wait_fraction"], 3),
+            "tokens_per_s_median": round(statistics.median(steady), 1)}
+
+
+def stored_bytes(output: Path) -> int:
+    """Bytes under the output, its draft/ left out (what the extraction stored)."""
+    return sum(p.stat().st_size for p in output.rglob("*")
+               if p.is_file() and "draft" not in p.relative_to(output).parts)
+
+
+def run_job(bench: Bench, args: argparse.Namespace, drop_tps: float | None,
+            name: str = "product", train_extra: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
     from hsx.client import Client, NotFoundError
     from hsx.output.layout import DRAFT_EVAL
 
     work = bench.work
-    output = work / "product-out"
+    output = work / f"{name}-out"
     vllm: dict[str, Any] = {} if bench.cpu else {"load_format": "dummy"}
-    train: dict[str, Any] = {"steps": args.steps, "checkpoint_every": args.checkpoint_every}
+    train: dict[str, Any] = {"steps": args.steps, "checkpoint_every": args.checkpoint_every,
+                             **(train_extra or {})}
     spec = {"model": str(bench.model), "dataset": str(work / "rows.jsonl"),
             "output": str(output), "layers": bench.layers, "max_seq_len": bench.length + 64,
             "vllm": vllm, "train": train}
     server = Serve(work)
     timeline: dict[str, float] = {}
     waits: list[dict[str, Any]] = []
+    split = None
     try:
         server.ready()
         client = Client(server.url, token=TOKEN, timeout=60)
+        split = GpuSplit(work / f"{name}-pmon.log")
         submitted = time.time()
-        job = client.submit(spec, job_id="product")
+        job = client.submit(spec, job_id=name)
         shown: dict[str, str | None] = {"job": None, "train": None}
         deadline = time.monotonic() + args.timeout
         status = training = None
@@ -154,6 +252,7 @@ def run_job(bench: Bench, args: argparse.Namespace, drop_tps: float | None) -> d
                 break
             time.sleep(0.5)
         ended = time.time()
+        gpu_split, split = split.stop(), None
         if status is None or training is None:
             raise RuntimeError("the job or its training never answered")
         evaluation = None
@@ -183,13 +282,20 @@ def run_job(bench: Bench, args: argparse.Namespace, drop_tps: float | None) -> d
                       "plan": training.plan.model_dump() if training.plan else None,
                       "restarts": training.restarts},
             "eval": evaluation,
+            "trainer": trainer_seconds(output),
+            "stored_bytes": stored_bytes(output),
+            "gpu_split": gpu_split,
+            "online": json.loads((output / "complete.json").read_text()).get("online")
+            if (output / "complete.json").exists() else None,
             "waits": [{**w, "at": round(w["at"] - submitted, 1)} for w in waits],
             "timeline": {k: round(v - submitted, 1) for k, v in timeline.items()},
         }
         return result
     finally:
+        if split is not None:
+            split.stop()
         server.stop()
-        (work / "serve-tail.log").write_text(server.log.read_text()[-20000:])
+        (work / f"{name}-serve-tail.log").write_text(server.log.read_text()[-20000:])
 
 
 def _since(start: float | None, end: float | None) -> float | None:
@@ -207,6 +313,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--no-drop", action="store_true", help="skip the ceiling phase")
     p.add_argument("--cpu", action="store_true", help="check the script on CPU (tiny model)")
+    p.add_argument("--online", action="store_true",
+                   help="the job offline then online, without the evaluation")
     args = p.parse_args()
     # What Bench (bench_vllm.py) reads for its set-up and its drop child.
     args.reps, args.tmpfs, args.child_timeout = 1, "/dev/shm/hsx-bench-product", 900.0
@@ -233,6 +341,9 @@ def main() -> int:
         save()
     if not bench.cpu:
         verifier_weights(bench.model)
+    if args.online:
+        online_pair(bench, args, result, save)
+        return 0 if not result["errors"] else 1
     try:
         result["job"] = run_job(bench, args, drop_tps)
         log(json.dumps(result["job"]["seconds"]))
@@ -240,6 +351,29 @@ def main() -> int:
         result["errors"]["job"] = traceback.format_exc()[-4000:]
     save()
     return 0 if not result["errors"] else 1
+
+
+def online_pair(bench: Bench, args: argparse.Namespace, result: dict[str, Any],
+                save: Any) -> None:
+    """The job offline, then online (module docstring), and online ÷ offline."""
+    for name, extra in (("offline", {"eval_prompts": 0}),
+                        ("online", {"eval_prompts": 0, "online": True})):
+        try:
+            result[name] = run_job(bench, args, None, name, extra)
+            log(f"{name}: {json.dumps(result[name]['trainer'])} "
+                f"split {json.dumps(result[name]['gpu_split'])}")
+        except Exception:
+            result["errors"][name] = traceback.format_exc()[-4000:]
+        save()
+    off, on = result.get("offline"), result.get("online")
+    if off and on and off["trainer"] and on["trainer"]:
+        result["online_over_offline"] = {
+            "train_tokens_per_s": round(on["trainer"]["tokens_per_s_median"]
+                                        / off["trainer"]["tokens_per_s_median"], 3),
+            "whole_seconds": round(on["seconds"]["whole"] / off["seconds"]["whole"], 3),
+            "stored_bytes": round(on["stored_bytes"] / max(off["stored_bytes"], 1), 5),
+        }
+    save()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
 #
 # Steps, in the order given: smoke, bench (capture path on one GPU), tests (tests/gpu, or
 # the files and test ids in GPU_TESTS, each under GPU_TEST_TIMEOUT seconds, default 600),
-# product (the whole product at real size: bench_product.py), multi (2 engines vs 1,
+# product (the whole product at real size: bench_product.py), online (the same job
+# offline and online on one GPU: bench_product.py --online), multi (2 engines vs 1,
 # TP=2 vs 1), train (trainer scaling, 2 GPUs vs 1), peer (hsx against speculators'
 # prepare-data + generate-offline-data on `vllm serve`: bench_peer.py; carry .gpu-peer,
 # see below; ~15 minutes), ingest (ingestion on 2 and 8 processes against 1:
@@ -81,9 +82,18 @@ for s in "$@"; do
       timeout 1500 python3 benchmarks/gpu/bench_product.py --out "$RES/product.json" \
         > "$RES/product.log" 2>&1
       echo "product: rc=$? $(tail -1 "$RES/product.log")"
-      cp /tmp/hsx-bench-product/serve-tail.log "$RES/product-serve.log" 2>/dev/null
+      cp /tmp/hsx-bench-product/product-serve-tail.log "$RES/product-serve.log" 2>/dev/null
       cp /tmp/hsx-bench-product/drop.log "$RES/product-drop.log" 2>/dev/null
       rm -rf /tmp/hsx-bench-product/product-out ;;
+    online)
+      step online
+      # The same job with train: offline, then online (the trainer on 0.3 of the GPU).
+      timeout 1500 python3 benchmarks/gpu/bench_product.py --online --no-drop \
+        --out "$RES/online.json" > "$RES/online.log" 2>&1
+      echo "online: rc=$? $(tail -1 "$RES/online.log")"
+      cp /tmp/hsx-bench-product/*-serve-tail.log /tmp/hsx-bench-product/*-pmon.log "$RES/" \
+        2>/dev/null
+      rm -rf /tmp/hsx-bench-product/offline-out /tmp/hsx-bench-product/online-out ;;
     multi)
       step multi
       timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases hsx replicas2 tp2 --reps 1 \

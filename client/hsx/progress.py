@@ -137,11 +137,15 @@ class ProgressBar:
             return
         self._waiting = reason
         if reason:
-            line = f"{self.title}: {reason}"
-            if self._progress is not None:
-                self._progress.console.print(line, markup=False, highlight=False)
-            else:
-                console().print(line, markup=False, highlight=False)
+            self.note(reason)
+
+    def note(self, text: str) -> None:
+        """A line above the bar (stderr), under the bar's title."""
+        line = f"{self.title}: {text}"
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            console().print(line, markup=False, highlight=False)
 
     def update(self, p: JobProgress) -> None:
         self.waiting(p.waiting_for)

@@ -239,6 +239,17 @@ class TrainSpec(BaseModel):
             "wait beyond it). None: 1 GiB."
         ),
     )
+    gpu_share: float = Field(
+        0.3,
+        gt=0,
+        le=0.8,
+        description=(
+            "Online, when the cluster has no GPU to spare for the trainer (one GPU, or the "
+            "engines take them all): the part of an engine's GPU the trainer takes, in "
+            "Ray's accounting and in memory (torch caps it there); the engines' vLLM then "
+            "takes at most 0.95 less this of the GPU's memory."
+        ),
+    )
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainSpec:

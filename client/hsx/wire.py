@@ -83,9 +83,14 @@ class ResourcePlan(BaseModel):
         "none",
         description=(
             "`beside`: the trainer runs on GPUs of its own while the engines extract; "
-            "`after`: the engines yield their GPUs to it when the extraction ends; `none`."
+            "`after`: the engines yield their GPUs to it when the extraction ends; "
+            "`shared`: an online trainer takes `train_share` of a GPU the engines use; `none`."
         ),
     )
+    train_share: float = Field(0.0, description="Training `shared`: the part of one GPU (of "
+                               "Ray's accounting and of its memory) the trainer takes.")
+    engine_memory: float = Field(0.0, description="The fraction of each GPU's memory the "
+                                 "engines' vLLM takes (GPU clusters).")
     summary: str = Field("", description="The plan in words.")
 
 

@@ -43,7 +43,11 @@ LOCAL_RAY_MIN_CPUS = 8  # a local Ray started here has at least these logical CP
 STOP_GRACE_S = 30.0  # an engine asked to shut down gets this long before it is killed
 
 
-def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int]) -> Any:
+def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int],
+                      memory: float | None = None) -> Any:
+    """`memory`: the fraction of each GPU's memory vLLM takes, as the job's plan says
+    (`ResourcePlan.engine_memory`: less when an online trainer shares the GPU); default
+    the spec's."""
     from hsx_workers.engines.base import EngineConfig
 
     options: dict[str, Any] = {"cpu_kvcache_gib": spec.vllm.cpu_kvcache_gib}
@@ -51,7 +55,7 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int]) -> Any
         options["max_num_batched_tokens"] = spec.vllm.max_num_batched_tokens
     if spec.vllm.enforce_eager:
         options["enforce_eager"] = True
-    options["gpu_memory_utilization"] = spec.vllm.gpu_memory_utilization
+    options["gpu_memory_utilization"] = memory or spec.vllm.gpu_memory_utilization
     options["max_inflight_tokens"] = spec.vllm.max_inflight_tokens
     if spec.vllm.engine_args():
         options["engine_args"] = spec.vllm.engine_args()
@@ -84,9 +88,10 @@ def target_engine_args(spec: JobSpec) -> dict[str, Any]:
     }
 
 
-def engine_key(spec: JobSpec, model: ModelInfo, layers: list[int]) -> tuple[Any, ...]:
+def engine_key(spec: JobSpec, model: ModelInfo, layers: list[int],
+               memory: float | None = None) -> tuple[Any, ...]:
     """Jobs with equal keys can share engines (EnginePool keeps actors by this key)."""
-    return (spec.engine, repr(engine_config_for(spec, model, layers)))
+    return (spec.engine, repr(engine_config_for(spec, model, layers, memory)))
 
 
 # A busy machine can keep a new local Ray node from registering within the 30 s that
@@ -186,32 +191,35 @@ class EngineSlot:
         return next(iter(self.inflight.values()), None)
 
 
-def engine_bundles(tp: int, gpus: bool) -> list[dict[str, float]]:
+def engine_bundles(tp: int, gpus: bool, part: float = 1.0) -> list[dict[str, float]]:
     """The placement-group bundles of one engine.
 
-    GPU nodes: one bundle per TP rank, a GPU and a CPU each, packed; with TP > 1 vLLM's
-    Ray executor places its rank workers on them and the engine's own actor takes no
-    resources of its own. CPU machines: one bundle of `tp` CPUs (vLLM's Ray executor
-    refuses the CPU platform, so ranks are processes of the multiprocessing executor).
+    GPU nodes: one bundle per TP rank, a GPU (`part` of one when an online trainer
+    shares it) and a CPU each, packed; with TP > 1 vLLM's Ray executor places its rank
+    workers on them and the engine's own actor takes no resources of its own. CPU
+    machines: one bundle of `tp` CPUs (vLLM's Ray executor refuses the CPU platform, so
+    ranks are processes of the multiprocessing executor).
     """
     if not gpus:
         return [{"CPU": float(tp)}]
-    return [{"GPU": 1.0, "CPU": 1.0} for _ in range(tp)]
+    return [{"GPU": part, "CPU": 1.0} for _ in range(tp)]
 
 
-def engine_resources(tp: int, gpus: bool) -> tuple[dict[str, Any], str | None]:
+def engine_resources(tp: int, gpus: bool, part: float = 1.0
+                     ) -> tuple[dict[str, Any], str | None]:
     """What the process that builds a vLLM engine (the engine's actor, the evaluation's
     task) takes inside the engine's placement group, and the executor vLLM must use.
 
-    GPU, TP 1: the GPU itself. GPU, TP > 1: nothing; vLLM's Ray executor puts its ranks
-    on the group's bundles (this is what spans nodes). CPU: the `tp` CPUs, ranks as
+    GPU, TP 1: the GPU itself (`part` of it). GPU, TP > 1: nothing; vLLM's Ray executor
+    puts its ranks on the group's bundles (this is what spans nodes; each rank takes
+    VLLM_RAY_PER_WORKER_GPUS = `part`: `slots`). CPU: the `tp` CPUs, ranks as
     processes of the multiprocessing executor (inside a placement group vLLM would pick
     its Ray executor, which refuses the CPU platform).
     """
     if not gpus:
         return {"num_cpus": tp, "num_gpus": 0}, ("mp" if tp > 1 else None)
     if tp == 1:
-        return {"num_cpus": 1, "num_gpus": 1}, None
+        return {"num_cpus": 1, "num_gpus": part}, None
     return {"num_cpus": 0, "num_gpus": 0}, "ray"
 
 
@@ -243,10 +251,12 @@ class EnginePool:
 
     def slots(self, engine: str, config: Any, replicas: int, spec: JobSpec, *,
               job: str = "local", order: float = 0.0, waits: Waits | None = None,
-              ) -> list[EngineSlot]:
+              part: float = 1.0) -> list[EngineSlot]:
         """`replicas` workers of this engine configuration for `job`: the warm ones, and
         new ones once the arbiter and Ray have their GPUs (meanwhile `waits` hears what
-        they wait for). Raises JobCancelled if `waits` says cancelled while waiting."""
+        they wait for); each rank takes `part` of a GPU (less than 1 when the job's online
+        trainer shares it: its plan's 1 - train_share). Raises JobCancelled if `waits`
+        says cancelled while waiting."""
         import ray
 
         from hsx_workers.worker import ExtractionWorker
@@ -278,19 +288,22 @@ class EnginePool:
                 binding = _cpu_binding(index, replicas, tp)
                 if binding:
                     env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+            elif part < 1 and tp > 1:
+                env["VLLM_RAY_PER_WORKER_GPUS"] = f"{part:g}"  # its ranks fit the bundles
             holder = None
             if gpus:
-                holder = Holder(job=job, role=name, gpus=tp, order=(order, ENGINE))
+                holder = Holder(job=job, role=name, gpus=round(tp * part, 6),
+                                order=(order, ENGINE))
                 if not self.arbiter.acquire(holder, cancelled=waits.cancelled,
                                             on_wait=waits.on_wait):
                     raise JobCancelled("cancelled while waiting for GPUs")
-            pg = place(engine_bundles(tp, bool(gpus)), f"{name} of job {job}",
+            pg = place(engine_bundles(tp, bool(gpus), part), f"{name} of job {job}",
                        cancelled=waits.cancelled, on_wait=waits.on_wait)
             if pg is None:
                 if holder is not None:
                     self.arbiter.release(holder)
                 raise JobCancelled("cancelled while waiting for Ray to place an engine")
-            resources, backend = engine_resources(tp, bool(gpus))
+            resources, backend = engine_resources(tp, bool(gpus), part)
             options: dict[str, Any] = {
                 "max_restarts": -1,
                 "max_task_retries": 0,
@@ -316,9 +329,10 @@ class EnginePool:
 
         info, layers, _ = preflight(spec)
         ensure_ray(spec.ray_address, (spec.replicas or 1) * spec.tensor_parallel_size)
-        config = engine_config_for(spec, info, layers)
-        replicas = plan_job(spec, ClusterShape.of_ray()).replicas
-        slots = self.slots(spec.engine, config, replicas, spec, job="warm-up")
+        plan = plan_job(spec, ClusterShape.of_ray())
+        config = engine_config_for(spec, info, layers, plan.engine_memory)
+        slots = self.slots(spec.engine, config, plan.replicas, spec, job="warm-up",
+                           part=1.0 - plan.train_share)
         starting = [s for s in slots if s.state == "starting"]
         ray.get([s.ready_ref for s in starting], timeout=timeout)
         for slot in starting:

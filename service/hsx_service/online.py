@@ -23,6 +23,11 @@ from collections.abc import Iterable
 from hsx.online import DEFAULT_BUFFER_BYTES, Resume, Stream, split_unit, stream_unit
 from hsx.plan import WorkUnit
 
+# Without `buffer_bytes` the buffer holds this many of the job's largest units, when that
+# is more than DEFAULT_BUFFER_BYTES: one the trainer reads, one committed behind it, one
+# the engine captures, so neither side waits on a unit boundary.
+BUFFER_UNITS = 3
+
 # What ends the feed. A `stopped` trainer (its coordinator shutting down) is resumed
 # later: the feed goes on with its next run.
 TRAINER_ENDED = ("done", "failed")
@@ -34,7 +39,7 @@ class OnlineFeed:
     def __init__(self, stream: Stream, buffer_bytes: int | None, bytes_per_token: int
                  ) -> None:
         self.stream = stream
-        self.buffer_bytes = buffer_bytes or DEFAULT_BUFFER_BYTES
+        self.asked_bytes = buffer_bytes  # the spec's train.buffer_bytes
         self.bytes_per_token = bytes_per_token  # of a captured token, all layers
         self.units: list[WorkUnit] = []  # the job's plan so far, in order
         self._by_unit: dict[int, WorkUnit] = {}
@@ -47,6 +52,14 @@ class OnlineFeed:
         self.ended: str | None = None  # the trainer's final state
         self.error: str | None = None  # why it failed
         self.captures = 0  # stream units committed, all epochs
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The spec's, else 1 GiB or BUFFER_UNITS of the largest unit planned so far."""
+        if self.asked_bytes:
+            return self.asked_bytes
+        largest = max((u.tokens for u in self.units), default=0) * self.bytes_per_token
+        return max(DEFAULT_BUFFER_BYTES, BUFFER_UNITS * largest)
 
     # -- what the dispatcher tells
 

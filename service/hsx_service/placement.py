@@ -43,6 +43,9 @@ POLL_S = 0.5
 # Ray takes a moment to place a group after a holder released its GPUs; a placement
 # that takes longer than this is a wait worth telling.
 PLACE_QUIET_S = 3.0
+# Of a GPU an online trainer shares with an engine, the memory neither vLLM nor the
+# trainer budgets for: CUDA contexts, and what vLLM allocates beyond its budget.
+SHARE_MARGIN = 0.05
 
 Cancelled = Callable[[], bool]
 OnWait = Callable[[str | None], None]
@@ -84,8 +87,8 @@ def local_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _gpus(n: int) -> str:
-    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+def _gpus(n: float) -> str:
+    return f"{n:g} GPU" if n <= 1 else f"{n:g} GPUs"
 
 
 def trains_on_gpus(spec: JobSpec, cluster_gpus: int) -> int:
@@ -123,24 +126,30 @@ def plan_job(spec: JobSpec, cluster: ClusterShape) -> ResourcePlan:
     engine_gpus = replicas * tp
     training = "none"
     eval_gpus = 0
+    share = 0.0
     if train is not None:
         training = "beside" if engine_gpus + train_gpus <= gpus else "after"
         eval_gpus = tp if train.eval_prompts > 0 else 0
         if train.online and training == "after":
-            fit = (gpus - train_gpus) // tp
-            fix = (f"set replicas to {fit} or less (or leave it out)" if fit >= 1 else
-                   f"add a GPU (an engine takes {_gpus(tp)}, the trainer one more), or set "
-                   "train.online to false: the trainer then reads stored shards after the "
-                   "extraction")
-            raise JobRefused(
-                f"train.online: the trainer takes the states as the engines capture them, "
-                f"so it needs its own GPU beside them: {_gpus(engine_gpus)} for the engines "
-                f"and {train_gpus} for the trainer, the Ray cluster has {gpus}; {fix}")
+            # The trainer takes the states as the engines capture them, so it cannot
+            # wait for their GPUs: it takes a part of one of them.
+            training, share, train_gpus = "shared", train.gpu_share, 0
     plan = ResourcePlan(gpus=gpus, replicas=replicas, tensor_parallel_size=tp,
                         engine_gpus=engine_gpus, train_gpus=train_gpus, eval_gpus=eval_gpus,
-                        training=training)
+                        training=training, train_share=share,
+                        engine_memory=engine_memory(spec, share))
     plan.summary = _summary(plan)
     return plan
+
+
+def engine_memory(spec: JobSpec, share: float) -> float:
+    """The fraction of each GPU's memory the job's vLLM takes: `vllm.gpu_memory_utilization`,
+    less what a trainer sharing the GPU takes (`share`) and a margin for its CUDA context
+    and what vLLM allocates beyond its budget."""
+    wanted = spec.vllm.gpu_memory_utilization
+    if share <= 0:
+        return wanted
+    return round(min(wanted, 1.0 - share - SHARE_MARGIN), 3)
 
 
 def _plan_on_cpus(spec: JobSpec, cluster: ClusterShape) -> ResourcePlan:
@@ -182,6 +191,9 @@ def _summary(plan: ResourcePlan) -> str:
         "the trainer on a CPU"
     if plan.training == "beside":
         text += f"; {trainer} beside them, following the shards"
+    elif plan.training == "shared":
+        text += (f"; the online trainer shares a GPU with them: it takes {plan.train_share:g} "
+                 f"of it (and of its memory), vLLM {plan.engine_memory:g} of each GPU's memory")
     elif plan.training == "after":
         text += (f"; when the extraction ends the engines yield their GPUs and {trainer} "
                  "trains")
@@ -200,7 +212,7 @@ class Holder:
 
     job: str
     role: str  # engine-0, trainer, evaluation
-    gpus: int
+    gpus: float  # a part of one GPU for an online trainer sharing it, and its engine
     order: tuple[float, int]  # (the job's submission time, 0 engines | 1 trainer | 2 evaluation)
     idle: bool = False  # an engine kept warm that no job uses now
     # In line, but not served before this is set (a trainer planned after the extraction),
@@ -333,8 +345,8 @@ class GpuArbiter:
         with self._cond:
             return any(h.eligible and h.order < order for h in self._waiting)
 
-    def _free(self, total: int) -> int:
-        return total - sum(h.gpus for h in self._held)
+    def _free(self, total: int) -> float:
+        return round(total - sum(h.gpus for h in self._held), 6)
 
     def _grantable(self, holder: Holder, total: int) -> bool:
         first = next((h for h in self._waiting if h.eligible and h.gpus <= total), None)

@@ -19,12 +19,13 @@ dispatcher's hooks and result, and the job's outcomes (`JobFailed`, `JobCancelle
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from hsx import __version__
-from hsx.online import Stream
+from hsx.online import STREAM_DIR_ENV, Stream
 from hsx.output import OutputCorrupt, OutputTotals, StorageError
 from hsx.output.shards.encoding import HIDDEN_DTYPE, NUMPY_DTYPES
 from hsx.output.storage import is_disk_full
@@ -235,16 +236,17 @@ def execute(
     """
     spec = job.spec
     job.output.clean_orphans()  # what lost attempts left; another driver may be running
-    config = engine_config_for(spec, job.model, job.layers)
     ensure_ray(spec.ray_address, (spec.replicas or 1) * spec.tensor_parallel_size)
     plan = plan or plan_job(spec, ClusterShape.of_ray())
+    config = engine_config_for(spec, job.model, job.layers, plan.engine_memory)
     if hooks.on_plan is not None:
         hooks.on_plan(plan)
+    online = online_feed(job) if online_job(spec) else None  # refused before any engine
     try:
         slots = pool.slots(spec.engine, config, plan.replicas, spec, job=job_id,
                            order=submitted_at,
-                           waits=Waits(cancelled=hooks.cancelled, on_wait=hooks.on_waiting))
-        online = online_feed(job) if online_job(spec) else None
+                           waits=Waits(cancelled=hooks.cancelled, on_wait=hooks.on_waiting),
+                           part=1.0 - plan.train_share)
         result = Dispatch(job, pool, hooks, slots, max_attempts, online=online).run()
         result.online = online
         return result
@@ -253,7 +255,8 @@ def execute(
 
 
 def online_feed(job: PreparedJob) -> OnlineFeed:
-    """The feed of an online job's units, its stream opened with the job's manifest."""
+    """The feed of an online job's units, its stream opened with the job's manifest;
+    JobRefused when the stream's file system cannot hold its buffer."""
     spec = job.spec
     train = spec.train
     if train is None:
@@ -262,4 +265,18 @@ def online_feed(job: PreparedJob) -> OnlineFeed:
     stream.open(job.manifest.to_json().decode())
     width = NUMPY_DTYPES[HIDDEN_DTYPE[spec.storage_dtype]].itemsize
     per_token = len(job.layers) * job.manifest.hidden_size * width
-    return OnlineFeed(stream, train.buffer_bytes, per_token)
+    feed = OnlineFeed(stream, train.buffer_bytes, per_token)
+    feed.planned(job.units, whole=False)
+    # The stream holds at most the buffer, or one unit larger than it (one always moves),
+    # besides what it holds already (a resumed job's units).
+    largest = max((u.tokens for u in job.units), default=0) * per_token
+    need = max(feed.buffer_bytes, largest) - stream.buffered()[1]
+    free = shutil.disk_usage(stream.path).free
+    if free < need:
+        raise JobRefused(
+            f"train.buffer_bytes: the online stream ({stream.path}) needs {need / 2**20:,.0f} "
+            f"MiB (the buffer, {feed.buffer_bytes / 2**20:,.0f} MiB, or the largest unit, "
+            f"{largest / 2**20:,.0f} MiB), its file system has {free / 2**20:,.0f} MiB free; "
+            f"point {STREAM_DIR_ENV} at a folder with room (tmpfs or a local disk), or lower "
+            "train.buffer_bytes and unit_tokens")
+    return feed

@@ -362,14 +362,16 @@ class Scheduler:
     def _start_training(self, row: JobRow, spec: TrainSpec) -> None:
         """Train the job's draft; on a cluster whose GPUs the engines take, only once the
         extraction has ended (its plan says `after`)."""
-        after = None
+        after, share = None, 0.0
         if not row.state.finished:
             plan = self.statuses.plans.get(row.id) or plan_for_cluster(row.spec)
             wanted = trains_on_gpus(row.spec.model_copy(update={"train": spec}), plan.gpus)
-            if plan.engine_gpus + wanted > plan.gpus:
+            if plan.training == "shared":
+                share = plan.train_share  # an online trainer on a part of an engine's GPU
+            elif plan.engine_gpus + wanted > plan.gpus:
                 after = self._extracted.setdefault(row.id, threading.Event())
         self.trainings.start(row.id, row.output, spec, job=row.spec, order=row.created_at,
-                             after=after)
+                             after=after, share=share)
 
     def train_status(self, job_id: str) -> TrainStatus:
         row = self._row(job_id)
@@ -528,7 +530,8 @@ class Scheduler:
             progress.ingesting = job.ingestion is not None
             self._start_run(job_id, progress)
             # Engines stay warm between jobs on the same config; others give their place.
-            self.pool.keep_only(engine_key(row.spec, job.model, job.layers), plan.replicas)
+            self.pool.keep_only(engine_key(row.spec, job.model, job.layers,
+                                           plan.engine_memory), plan.replicas)
             # A job whose dataset is still being tokenized hears of its units as they
             # are planned (on_planned); its ingestion shows in its progress.
             planned(job, job.units, job.ingestion is None)

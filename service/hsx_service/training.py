@@ -86,13 +86,16 @@ class Trainings:
         self._history: dict[Path, tuple[tuple[int, int], list[TrainPoint]]] = {}
 
     def start(self, job_id: str, output: str, spec: TrainSpec, *, job: JobSpec | None = None,
-              order: float = 0.0, after: threading.Event | None = None) -> None:
+              order: float = 0.0, after: threading.Event | None = None,
+              share: float = 0.0) -> None:
         """Train the draft of `output` (a job's output path or URI) in a new actor.
 
         `job`: the job whose target the evaluation runs as it does (default: the output's
         model, TP 1); `order`: the job's place in line for GPUs (its submission time);
         `after`: an event the training waits for before it asks for GPUs (the job's end,
-        when its plan trains after the extraction).
+        when its plan trains after the extraction); `share`: the part of a GPU an online
+        trainer takes beside the job's engine on it (the plan's `train_share`; 0: GPUs of
+        its own).
         """
         with self._lock:
             thread = self._threads.get(job_id)
@@ -100,7 +103,7 @@ class Trainings:
                 raise JobConflict(f"job {job_id} is already training; wait for it to end")
             self.ledger.put_training(job_id, spec)
             self._live.pop(job_id, None)
-            run = _Run(job_id, output, spec, job, order, after)
+            run = _Run(job_id, output, spec, job, order, after, share)
             thread = threading.Thread(target=self._watch, args=(run,),
                                       name=f"hsx-train-{job_id}", daemon=True)
             self._threads[job_id] = thread
@@ -202,7 +205,7 @@ class Trainings:
     def _run_training(self, run: _Run) -> None:
         job_id = run.job_id
         trainer = Holder(
-            job=job_id, role="trainer", gpus=self._trainer_gpus(run.spec),
+            job=job_id, role="trainer", gpus=run.share or self._trainer_gpus(run.spec),
             order=(run.order, TRAINER), ready=run.after,
             until=f"waiting for the extraction of job {job_id} to end: its engines hold the "
                   "GPUs the trainer needs (the plan trains after it)")
@@ -292,9 +295,11 @@ class Trainings:
         on_wait = lambda reason: self._wait(job_id, reason)  # noqa: E731
         if not self.arbiter.acquire(holder, cancelled=self._stopping.is_set, on_wait=on_wait):
             return None
-        bundles = engine_bundles(holder.gpus, True) if holder.gpus else []
+        bundles = engine_bundles(int(holder.gpus), True) if holder.gpus else []
         if holder.role == "trainer" and run.spec.workers > 1:
             bundles = []  # Ray Train places its workers; the arbiter holds their GPUs
+        elif holder.role == "trainer" and run.share:
+            bundles = engine_bundles(1, True, run.share)  # a part of an engine's GPU
         pg = None
         if bundles:
             pg = place(bundles, holder.describe(), cancelled=self._stopping.is_set,
@@ -318,7 +323,7 @@ class Trainings:
         if seat is None:
             return False
         try:
-            gpus, tp = holder.gpus > 0, max(holder.gpus, 1)
+            gpus, tp = holder.gpus > 0, max(int(holder.gpus), 1)
             resources, backend = engine_resources(tp, gpus)
             engine = target_engine_args(run.job) if run.job is not None else {}
             engine["tensor_parallel_size"] = tp
@@ -366,11 +371,12 @@ class Trainings:
         # With several workers the actor only drives Ray Train; the workers take the GPUs.
         options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 1, "num_gpus": 0}
         if seat.pg is not None:
-            options.update(num_gpus=1, scheduling_strategy=in_group(seat.pg))
+            options.update(num_gpus=run.share or 1, scheduling_strategy=in_group(seat.pg))
         actor_cls: Any = ray.remote(TrainerActor)
         # The Output carries the endpoint and credentials resolved here to the actor.
         return actor_cls.options(**options).remote(Output(run.output),
-                                                   run.spec.model_dump(mode="json"))
+                                                   run.spec.model_dump(mode="json"),
+                                                   memory_share=run.share or None)
 
     def _follow(self, job_id: str, actor: Any) -> tuple[str, str | None]:
         """Poll the actor until `run` ends: (done | stopped | failed | died, error)."""
@@ -429,6 +435,7 @@ class _Run:
     job: JobSpec | None
     order: float
     after: threading.Event | None
+    share: float = 0.0  # of an engine's GPU, for an online trainer beside it (else 0)
 
 
 @dataclass

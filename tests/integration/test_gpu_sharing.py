@@ -39,6 +39,7 @@ from .test_service import TOKEN, Coordinator, _free_port, start_coordinator
 pytestmark = pytest.mark.integration
 
 TRAIN = {"steps": 12, "checkpoint_every": 6, "eval_prompts": 4, "eval_max_tokens": 16}
+ONLINE = {"online": True, "steps": 12, "checkpoint_every": 6, "eval_prompts": 0}
 
 
 @dataclass
@@ -97,17 +98,19 @@ def _spec(model: Path, dataset: ChatDataset, output: Path, **extra: Any) -> dict
             "layers": [1, 2, 3, 4], "max_seq_len": 256, "unit_tokens": 4096, **extra}
 
 
-def test_hsx_extract_joins_the_cluster_a_ray_start_left_here(
+def test_hsx_extract_joins_the_cluster_a_ray_start_left_here_and_trains_online_on_it(
     one_gpu_cluster: HeadCluster, tiny_llama: Path, chat_dataset: ChatDataset, tmp_path: Path
 ) -> None:
     """With a `ray start --head` cluster on the machine and no address anywhere, `hsx
     extract` joins it (and says so) instead of dying on the sizing ray.init() refuses
-    there; its engine takes the cluster's one GPU. First in the module: the coordinator
-    below keeps its engine, and that GPU, warm."""
+    there. Its job trains online: with no GPU to spare, the plan it prints gives the
+    trainer 0.3 of the engine's GPU and vLLM 0.65 of its memory; the draft trains on
+    what the engine captures, and no shard is stored."""
     import yaml
 
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(_spec(tiny_llama, chat_dataset, tmp_path / "out")))
+    out = tmp_path / "out"
+    job.write_text(yaml.safe_dump(_spec(tiny_llama, chat_dataset, out, train=ONLINE)))
     env = {k: v for k, v in one_gpu_cluster.env.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-m", "hsx.cli", "extract", str(job),
                            "--no-progress"], env=env, capture_output=True, text=True,
@@ -115,7 +118,11 @@ def test_hsx_extract_joins_the_cluster_a_ray_start_left_here(
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-3000:]
     assert "joined the Ray cluster already running on this machine (CPUs: 8, GPUs: 1)" in text
-    assert "done" in text and (tmp_path / "out" / "complete.json").exists()
+    assert ("plan: 1 GPU: 1 engine on 1; the online trainer shares a GPU with them: it "
+            "takes 0.3 of it (and of its memory), vLLM 0.65 of each GPU's memory") in text
+    assert f"trained {ONLINE['steps']} steps" in text, text[-3000:]
+    complete = json.loads((out / "complete.json").read_text())
+    assert complete["shards"] == 0 and complete["online"]["trainer"] == "done", complete
 
 
 def test_what_one_gpu_can_never_run_is_refused_at_submit(
@@ -196,3 +203,45 @@ def test_one_gpu_extracts_trains_measures_then_serves_the_next_job(
     assert f'hsx_job_waiting{{job="{b.id}"}} 1.0' in metrics_while_b_waits
     assert f'hsx_gpus_waited{{job="{b.id}",role="engine-0"}} 1.0' in metrics_while_b_waits
     assert not seen_a, seen_a  # A itself never waited: its engine came first
+
+
+def test_one_gpu_online_job_gives_its_trainer_a_part_of_the_engines_gpu(
+    coordinator: Coordinator, tiny_llama: Path, chat_dataset: ChatDataset,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """An online job on the one GPU: the engine and the trainer hold it together (0.7 and
+    0.3 in the coordinator's books and in Ray's), the trainer never waits for the
+    extraction to end, and the job stores no shard."""
+    client = coordinator.client()
+    base = tmp_path_factory.mktemp("gpu-share-online")
+    job = client.submit(_spec(tiny_llama, chat_dataset, base / "o", train=ONLINE),
+                        job_id="online")
+    both_held = ""
+    deadline = time.monotonic() + 600
+    status = training = None
+    while time.monotonic() < deadline:
+        status = client.get(job.id)
+        try:
+            training = client.train_status(job.id)
+        except NotFoundError:
+            training = None
+        if not both_held and training is not None and training.state == TrainState.running:
+            scrape = httpx.get(f"{coordinator.url}/metrics",
+                               headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).text
+            if f'hsx_gpus_held{{job="{job.id}",role="engine-0"}} 0.7' in scrape:
+                both_held = scrape
+        if status.state.finished and training is not None and training.state.finished:
+            break
+        time.sleep(0.2)
+    assert status is not None and training is not None
+    assert status.state == JobState.succeeded, status.last_error
+    assert training.state == TrainState.done, training.error
+    assert training.step == ONLINE["steps"]
+    plan = status.plan
+    assert plan is not None and (plan.training, plan.train_share, plan.engine_memory) == \
+        ("shared", 0.3, 0.65), plan
+    assert "the online trainer shares a GPU with them" in plan.summary
+    assert both_held, "the engine and the trainer never held the GPU at the same time"
+    assert f'hsx_gpus_held{{job="{job.id}",role="trainer"}} 0.3' in both_held
+    complete = json.loads((base / "o" / "complete.json").read_text())
+    assert complete["shards"] == 0 and complete["online"]["trainer"] == "done", complete

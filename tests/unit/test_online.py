@@ -85,6 +85,52 @@ def test_a_unit_larger_than_the_buffer_still_moves(stream: Stream) -> None:
     assert ids(feed.take(10)) == [(0, 0)]  # alone, when nothing else is held
 
 
+def test_the_default_buffer_holds_three_of_the_largest_units(stream: Stream) -> None:
+    """An 8B target's 65,536-token unit is 2 GiB in bf16: a 1 GiB buffer would let one
+    unit out at a time, the engine idle while the trainer reads it."""
+    from hsx.online import DEFAULT_BUFFER_BYTES
+
+    feed = OnlineFeed(stream, buffer_bytes=None, bytes_per_token=32 * 1024)
+    assert feed.buffer_bytes == DEFAULT_BUFFER_BYTES  # nothing planned yet
+    feed.planned([WorkUnit(0, 0, 10, 65536), WorkUnit(1, 10, 20, 65536),
+                  WorkUnit(2, 20, 30, 65536), WorkUnit(3, 30, 40, 1000)], whole=True)
+    assert feed.buffer_bytes == 3 * 65536 * 32 * 1024
+    assert [split_unit(u.unit) for u in feed.take(10)] == [(0, 0), (0, 1), (0, 2)]
+    small = OnlineFeed(stream, buffer_bytes=None, bytes_per_token=1)
+    small.planned(UNITS, whole=True)
+    assert small.buffer_bytes == DEFAULT_BUFFER_BYTES  # small units: the 1 GiB floor
+    assert OnlineFeed(stream, buffer_bytes=250, bytes_per_token=1).buffer_bytes == 250
+
+
+def test_a_stream_folder_without_room_for_the_buffer_is_refused_before_any_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+    from types import SimpleNamespace
+
+    from hsx.online import STREAM_DIR_ENV
+    from hsx.spec import JobSpec
+    from hsx_service import runner
+    from hsx_service.prepare import JobRefused
+
+    monkeypatch.setenv(STREAM_DIR_ENV, str(tmp_path / "streams"))
+    spec = JobSpec(model="/m", dataset="/d.jsonl", output=str(tmp_path / "out"),
+                   layers=[1, 2, 4], train={"online": True})
+    manifest = SimpleNamespace(hidden_size=4096, to_json=lambda: b"{}")
+    job = SimpleNamespace(spec=spec, layers=[1, 2, 4], manifest=manifest,
+                          units=[WorkUnit(0, 0, 10, 65536)],
+                          output=SimpleNamespace(location=str(tmp_path / "out")))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(runner.shutil, "disk_usage",
+                        lambda _: usage._replace(free=64 * 2**20))  # a container's /dev/shm
+    with pytest.raises(JobRefused, match=r"train\.buffer_bytes: the online stream .* needs "
+                                         r"4,608 MiB .* has 64 MiB free; point HSX_STREAM_DIR"):
+        runner.online_feed(job)  # type: ignore[arg-type]
+    monkeypatch.setattr(runner.shutil, "disk_usage",
+                        lambda _: usage._replace(free=8 * 2**30))
+    assert runner.online_feed(job).buffer_bytes == 3 * 65536 * 3 * 4096 * 2  # type: ignore[arg-type]
+
+
 def test_a_new_trainer_run_gets_back_what_its_checkpoint_had_not(stream: Stream) -> None:
     feed = OnlineFeed(stream, buffer_bytes=10**9, bytes_per_token=1)
     feed.planned(UNITS, whole=True)

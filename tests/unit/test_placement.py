@@ -322,15 +322,57 @@ def test_ensure_ray_starts_again_a_local_node_that_timed_out(
         ensure_ray(None, cpus_needed=2)
 
 
-def test_an_online_training_needs_its_own_gpu_beside_the_engines() -> None:
-    with pytest.raises(JobRefused, match=r"train.online: .* 1 GPU for the engines and 1 for "
-                                         r"the trainer, the Ray cluster has 1; add a GPU"):
-        plan_job(_spec(train={"online": True}), gpus(1))
-    with pytest.raises(JobRefused, match="set replicas to 1 or less"):
-        plan_job(_spec(train={"online": True}, replicas=2), gpus(2))
+def test_an_online_trainer_shares_the_engines_gpu_when_none_is_left_for_it() -> None:
+    plan = plan_job(_spec(train={"online": True}), gpus(1))
+    assert (plan.replicas, plan.engine_gpus, plan.train_gpus, plan.training) == \
+        (1, 1, 0, "shared")
+    # The trainer takes 0.3 of the GPU; vLLM the default 0.85 less that and the margin.
+    assert (plan.train_share, plan.engine_memory) == (0.3, 0.65)
+    assert "the online trainer shares a GPU with them: it takes 0.3 of it" in plan.summary
+    assert "vLLM 0.65 of each GPU's memory" in plan.summary
+    # What it asks for wins when it is smaller; a target as wide as the node shares too.
+    plan = plan_job(_spec(train={"online": True, "gpu_share": 0.5},
+                          vllm={"gpu_memory_utilization": 0.4}), gpus(1))
+    assert (plan.train_share, plan.engine_memory) == (0.5, 0.4)
+    plan = plan_job(_spec(train={"online": True}, tensor_parallel_size=2), gpus(2))
+    assert (plan.replicas, plan.training, plan.train_share) == (1, "shared", 0.3)
+    # Explicit replicas that take every GPU share; a GPU to spare is the trainer's own.
+    assert plan_job(_spec(train={"online": True}, replicas=2), gpus(2)).training == "shared"
     plan = plan_job(_spec(train={"online": True}), gpus(2))  # replicas unset: 1 beside
-    assert (plan.replicas, plan.train_gpus, plan.training) == (1, 1, "beside")
-    assert plan_job(_spec(train={"online": True}), ClusterShape(gpus=0, cpus=8, cores=2))
+    assert (plan.replicas, plan.train_gpus, plan.training, plan.train_share) == \
+        (1, 1, "beside", 0.0)
+    assert plan.engine_memory == 0.85
+    # An offline trainer still waits for the engines' GPU; a CPU cluster shares nothing.
+    assert plan_job(_spec(train={}), gpus(1)).training == "after"
+    cpu = plan_job(_spec(train={"online": True}), ClusterShape(gpus=0, cpus=8, cores=2))
+    assert (cpu.training, cpu.train_share) == ("beside", 0.0)
+    with pytest.raises(ValueError, match=r"less than or equal to 0\.8"):
+        TrainSpec(online=True, gpu_share=0.9)
+
+
+def test_an_engine_and_its_online_trainer_hold_one_gpu_together() -> None:
+    arbiter = GpuArbiter(total=lambda: 1)
+    engine = Holder(job="a", role="engine-0", gpus=0.7, order=(1.0, ENGINE))
+    trainer = Holder(job="a", role="trainer", gpus=0.3, order=(1.0, TRAINER))
+    assert arbiter.acquire(engine) and arbiter.acquire(trainer)  # neither waits
+    later = Holder(job="b", role="engine-0", gpus=1, order=(2.0, ENGINE))
+    heard: list[str | None] = []
+    stop = threading.Event()
+    waiter = threading.Thread(target=arbiter.acquire, args=(later,),
+                              kwargs={"on_wait": heard.append, "cancelled": stop.is_set,
+                                      "poll_s": 0.01})
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not heard and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert heard[0] == ("waiting for 1 GPU of 1: held by engine-0 of job a, "
+                        "the trainer of job a")
+    arbiter.release(engine)
+    time.sleep(0.1)
+    assert later not in arbiter.holders()  # 0.7 free is not the 1 it needs
+    arbiter.release(trainer)
+    waiter.join(timeout=10)
+    assert later in arbiter.holders()
 
 
 def test_online_training_refuses_what_it_cannot_do() -> None:

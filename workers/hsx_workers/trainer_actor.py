@@ -23,8 +23,10 @@ class TrainerActor:
     coordinator resolved, or a path: a bucket's draft is trained in this node's working
     folder and uploaded; see hsx.draft)."""
 
-    def __init__(self, output: Output | str, spec: dict[str, Any]) -> None:
+    def __init__(self, output: Output | str, spec: dict[str, Any],
+                 memory_share: float | None = None) -> None:
         self.output = Output.of(output)
+        self.memory_share = memory_share  # of the GPU's memory: it shares it with an engine
         self.root = draft_folder(self.output)  # where this node trains it
         self.spec = TrainSpec.model_validate(spec)
         self._stop = threading.Event()
@@ -37,7 +39,7 @@ class TrainerActor:
             return {"step": state["step"], "epoch": state["epoch"],
                     "stopped": state["state"] == "stopped"}
         self._trainer = DraftTrainer(self.output, self.spec, on_metrics=self._on_metrics,
-                                     stop=self._stop)
+                                     stop=self._stop, memory_share=self.memory_share)
         result = self._trainer.run()
         return {"step": result.step, "epoch": result.epoch, "stopped": self._stop.is_set()}
 

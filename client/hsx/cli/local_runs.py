@@ -54,6 +54,7 @@ def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
     try:
         with ProgressBar(spec.name or "extract", enabled=None if progress else False) as bar:
             summary = run_job(spec, hooks=DispatchHooks(
+                on_plan=lambda plan: bar.note(f"plan: {plan.summary}"),
                 on_progress=bar.update, on_waiting=bar.waiting,
                 on_ingest=lambda p: bar.update(JobProgress.of_ingestion(
                     p.rows, p.rows_expected))))

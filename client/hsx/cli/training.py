@@ -78,7 +78,10 @@ def _plan_line(plan: Any) -> str:
             f"validated checkpoint every {plan.checkpoint_every:,} steps")
 
 
-def _train_local(target: str, spec: Any, draft_dir: str | None) -> int:
+def _train_local(target: str, spec: Any, draft_dir: str | None,
+                 memory_share: float | None = None) -> int:
+    """Train here; `memory_share`: of the GPU's memory, at most (an online trainer
+    sharing the GPU with the job's engine)."""
     from hsx.draft import draft_folder
     from hsx.output import Output, StorageError
     from hsx.output.layout import DRAFT_DIR
@@ -94,8 +97,10 @@ def _train_local(target: str, spec: Any, draft_dir: str | None) -> int:
     except (StorageError, ValueError) as err:
         return error(str(err), EXIT_REFUSED)
     try:
-        train = _train_here if spec.workers == 1 else _train_workers
-        summary = train(output, root, spec, out)
+        if spec.workers == 1:
+            summary = _train_here(output, root, spec, out, memory_share)
+        else:
+            summary = _train_workers(output, root, spec, out)
     except TrainRefused as err:
         return error(str(err), EXIT_REFUSED)
     except StorageError as err:
@@ -121,7 +126,8 @@ def _train_local(target: str, spec: Any, draft_dir: str | None) -> int:
     return 0
 
 
-def _train_here(output: Any, root: Path, spec: Any, out: Any) -> dict[str, Any]:
+def _train_here(output: Any, root: Path, spec: Any, out: Any,
+                memory_share: float | None = None) -> dict[str, Any]:
     """One process: DraftTrainer, each step printed."""
     from hsx_workers.trainer import DraftTrainer
 
@@ -131,6 +137,7 @@ def _train_here(output: Any, root: Path, spec: Any, out: Any) -> dict[str, Any]:
             out.print(f"[yellow]warning:[/] {plan.warning}")
 
     trainer = DraftTrainer(output, spec, draft_root=root, on_plan=on_plan,
+                           memory_share=memory_share,
                            on_metrics=lambda m: out.print(
                                _train_line(m.step, m.epoch, m.loss, m.acc, m.tokens_per_s,
                                            m.wait_fraction),
@@ -233,11 +240,16 @@ def train_online(job: Any, extract: Callable[[], int]) -> int:
 
     from hsx.online import Stream
     from hsx.output import Output
+    from hsx_service.placement import plan_for_cluster
     from hsx_service.prepare import JobRefused
+    from hsx_service.runner import ensure_ray
     from hsx_service.scheduler import check_draft_layers
 
     try:
         check_draft_layers(job)  # before any engine starts
+        ensure_ray(job.ray_address, (job.replicas or 1) * job.tensor_parallel_size)
+        # On a GPU the engines take, the trainer takes its plan's share of one of them.
+        share = plan_for_cluster(job).train_share or None
     except JobRefused as err:
         return error(str(err), EXIT_REFUSED)
     stream = Stream(Output(job.output).location)
@@ -245,7 +257,7 @@ def train_online(job: Any, extract: Callable[[], int]) -> int:
 
     def train() -> None:
         try:
-            outcome["code"] = _train_local(job.output, job.train, None)
+            outcome["code"] = _train_local(job.output, job.train, None, share)
         except BaseException as err:  # the engines must hear of it, whatever it is
             outcome["code"] = EXIT_FAILED
             outcome["error"] = f"{type(err).__name__}: {err}"

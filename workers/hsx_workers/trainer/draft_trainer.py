@@ -111,6 +111,7 @@ class DraftTrainer:
         world: int = 1,
         device: torch.device | None = None,
         validate: Callable[[Any], Scores] | None = None,
+        memory_share: float | None = None,
     ) -> None:
         self.output = Output.of(output)
         self.root = draft_folder(self.output, draft_root)
@@ -121,6 +122,8 @@ class DraftTrainer:
         self.poll_interval = poll_interval
         self.group = WorkerGroup(rank, world)
         self.device = device
+        # Of the GPU's memory, at most (an online trainer sharing the GPU with an engine).
+        self.memory_share = memory_share
         self._validate_fn = validate  # tests replace the validation; None: held-out samples
         self.draft = self.root / DRAFT_DIR
         self.bucket = bucket_draft(self.output, self.root)  # None on local disk
@@ -248,6 +251,12 @@ class DraftTrainer:
         draft_layout(manifest)  # refuse before any weight is loaded
         if self.device is None:
             self.device = resolve_device(self.spec.device)
+        if self.memory_share and self.device.type == "cuda":
+            # Beyond its share the trainer runs out of memory itself, instead of taking
+            # what the engine's vLLM budgeted for its KV cache.
+            index = self.device.index
+            torch.cuda.set_per_process_memory_fraction(
+                float(self.memory_share), torch.cuda.current_device() if index is None else index)
         self.plan = plan = self._make_plan(manifest)
         if plan.warning and self.group.main:
             logger.warning("%s", plan.warning)
