@@ -478,6 +478,11 @@ class JobSpec(BaseModel):
         # Stored in ascending order whatever order is asked: vLLM emits them sorted.
         return sorted(layers)
 
+    @property
+    def trains_online(self) -> bool:
+        """Its training is fed by its engines (hsx.online): the job stores no shard."""
+        return self.train is not None and self.train.online
+
     @model_validator(mode="after")
     def _regenerate_engine(self) -> JobSpec:
         if self.regenerate is not None and self.engine != "vllm":

@@ -167,8 +167,10 @@ def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], ou
     ingestion; `prepare` checks the exact size once the dataset is tokenized. Takes what
     `preflight` returned. An object store has no free space to check, only the quota.
     """
-    if output.has_manifest():
-        return  # a rerun: ingested already, prepare checks the exact size
+    if output.has_manifest() or spec.trains_online:
+        # A rerun: ingested already, prepare checks the exact size. An online job stores
+        # no shard (its stream's room is checked before its engines start: runner.py).
+        return
     quota = output_quota(quota_bytes)
     limit_what = _size_limit(output, quota)
     if limit_what is None:
@@ -303,6 +305,8 @@ def check_output_size(job: PreparedJob, quota_bytes: int | None = None) -> int:
     Runs after ingestion (the token count is exact then) and before any engine starts.
     Returns the estimated bytes still to write.
     """
+    if job.spec.trains_online:
+        return 0  # no shard is stored (the stream's room: runner.online_feed)
     per_token = job.model.bytes_per_token(len(job.layers))[job.spec.storage_dtype]
     pending_tokens = sum(u.tokens for u in job.pending)
     need = pending_tokens * per_token

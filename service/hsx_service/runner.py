@@ -185,7 +185,7 @@ def finish(job: PreparedJob, started: float, *, restarts: int = 0) -> JobSummary
 
 def online_job(spec: JobSpec) -> bool:
     """The job's training is fed by its engines (hsx.online): no shard is stored."""
-    return spec.train is not None and spec.train.online
+    return spec.trains_online
 
 
 def finish_online(job: PreparedJob, started: float, result: DispatchResult) -> JobSummary:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hsx.modelinfo import read_model_info
-from hsx.spec import JobSpec
+from hsx.spec import JobSpec, TrainSpec
 from hsx_service.prepare import JobRefused, preflight, prepare
 from hsx_workers.preflight import (
     ModelReport,
@@ -418,6 +418,11 @@ def test_submit_refuses_an_output_estimated_over_quota(
     # Under twice the quota the estimate lets it through: ingestion's exact count decides.
     monkeypatch.setenv("HSX_QUOTA_BYTES", str(int(exact.num_tokens * 2 * 4 * 256 * 0.6)))
     check_estimated_output(spec, *preflight(spec))
+    # An online job stores no shard: no estimate of shards refuses it (found on an
+    # H200, where an 8B online job was refused for the 32 GiB its shards would take).
+    monkeypatch.setenv("HSX_QUOTA_BYTES", "100000")
+    online = spec.model_copy(update={"train": TrainSpec(online=True)})
+    check_estimated_output(online, *preflight(online))
 
 
 def test_refused_engine_args_vllm_lacks_or_hsx_sets(configs: dict[str, Path],
