@@ -762,3 +762,23 @@ def test_learnable_targets_final_norm_has_outliers_and_the_same_function(
     factors = model.model.norm.weight / weight
     assert int((factors == NORM_OUTLIER).sum()) == NORM_OUTLIERS
     assert float(factors[factors != NORM_OUTLIER].max()) <= 2.0 + 1e-6
+
+
+def test_a_trainer_out_of_its_gpu_share_says_what_to_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of memory inside its share of an engine's GPU, an online trainer's error names
+    train.gpu_share and batch_tokens; a trainer with a GPU of its own raises torch's."""
+    from hsx_workers.trainer.draft_trainer import ShareTooSmall
+
+    def out_of_memory(self: DraftTrainer) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(DraftTrainer, "_run", out_of_memory)
+    shared = DraftTrainer(tmp_path, spec(), memory_share=0.3)
+    with pytest.raises(ShareTooSmall, match=r"inside its share of the engine's GPU \(train\."
+                                            r"gpu_share 0\.3\); raise train\.gpu_share .* "
+                                            r"or lower train\.batch_tokens\. CUDA out of"):
+        shared.run()
+    with pytest.raises(torch.OutOfMemoryError):
+        DraftTrainer(tmp_path, spec()).run()

@@ -85,7 +85,7 @@ def _train_local(target: str, spec: Any, draft_dir: str | None,
     from hsx.draft import draft_folder
     from hsx.output import Output, StorageError
     from hsx.output.layout import DRAFT_DIR
-    from hsx_workers.trainer import TrainRefused
+    from hsx_workers.trainer import ShareTooSmall, TrainRefused
 
     out = console()
     try:
@@ -103,6 +103,8 @@ def _train_local(target: str, spec: Any, draft_dir: str | None,
             summary = _train_workers(output, root, spec, out)
     except TrainRefused as err:
         return error(str(err), EXIT_REFUSED)
+    except ShareTooSmall as err:
+        return error(str(err), EXIT_FAILED)
     except StorageError as err:
         return error(f"{err}; the next `hsx train` resumes from the newest checkpoint",
                       EXIT_FAILED)

@@ -93,6 +93,10 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+class ShareTooSmall(RuntimeError):
+    """An online trainer sharing an engine's GPU ran out of memory inside its share."""
+
+
 class DraftTrainer:
     """One training run over one output, as worker `rank` of `world`; see the module
     docstring. With world > 1 it runs inside a Ray Train worker (`train_distributed`)."""
@@ -265,6 +269,26 @@ class DraftTrainer:
         return plan
 
     def run(self) -> TrainState:
+        try:
+            return self._run()
+        except torch.OutOfMemoryError as err:
+            if not self.memory_share:
+                raise
+            raise ShareTooSmall(self._share_advice(err)) from err
+
+    def _share_advice(self, err: BaseException) -> str:
+        """What to change when the trainer ran out of its share of an engine's GPU."""
+        size, share = "", self.memory_share or 0.0
+        if self.device is not None and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            size = f": {share * total / 2**30:.0f} of {total / 2**30:.0f} GiB"
+        batch = f" ({self.plan.batch_tokens:,})" if self.plan is not None else ""
+        return (f"the trainer ran out of GPU memory inside its share of the engine's GPU "
+                f"(train.gpu_share {share:g}{size}); raise train.gpu_share (vLLM "
+                f"then takes less of the GPU) or lower train.batch_tokens{batch}. "
+                f"{str(err).splitlines()[0] if str(err) else ''}")
+
+    def _run(self) -> TrainState:
         plan = self.prepare()
         manifest = self.manifest
         if self.device is None or manifest is None:
