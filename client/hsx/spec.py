@@ -236,7 +236,7 @@ class TrainSpec(BaseModel):
         gt=0,
         description=(
             "Online: captured states the trainer has not taken yet, at most (the engines "
-            "wait beyond it). None: 1 GiB."
+            "wait beyond it). None: 1 GiB, or three of the job's largest units when more."
         ),
     )
     gpu_share: float = Field(
