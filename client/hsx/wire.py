@@ -263,6 +263,9 @@ class TrainPlan(BaseModel):
     val_samples: int = Field(0, description="Samples held out for validation.")
     passes: float = Field(0.0, description="Times the schedule goes over the training tokens.")
     warning: str | None = Field(None, description="Why the data is small for the schedule.")
+    online: str | None = Field(None, description="An online training: the target tokens "
+                               "the engines capture for it, against the bytes offline "
+                               "would store.")
 
 
 class DraftEval(BaseModel):

@@ -503,6 +503,13 @@ def test_an_online_trainer_takes_its_units_from_the_stream(
                                       checkpoint_every=100))
     state = trainer.run()
     assert state.step == 8 and state.epoch == 1
+    # The plan says what the target captures for it: 2 epochs of the 18 samples' tokens.
+    plan = trainer.plan
+    assert plan is not None and plan.online is not None
+    tokens = sum(len(sample(i)["input_ids"]) for i in range(18))
+    assert plan.online.startswith(f"online: the engines capture the dataset 2 times "
+                                  f"({2 * tokens:,} target tokens) for {plan.passes:.1f} "
+                                  "passes, instead of storing")
     epochs = _visits(root)
     assert sorted(epochs[0]) == list(range(18))
     assert len(set(epochs[1])) == len(epochs[1])

@@ -135,6 +135,8 @@ def _train_here(output: Any, root: Path, spec: Any, out: Any,
 
     def on_plan(plan: Any) -> None:
         out.print(_plan_line(plan), markup=False, highlight=False)
+        if plan.online:
+            out.print(plan.online, markup=False, highlight=False)
         if plan.warning:
             out.print(f"[yellow]warning:[/] {plan.warning}")
 

@@ -112,6 +112,7 @@ function renderTrainingQuality(train, plan) {
       + ` on ${plan.device}, lr ${plan.lr} (${plan.lr_schedule}),`
       + ` ${plan.passes.toFixed(1)} passes over ${fmtInt(plan.train_tokens)} tokens;`
       + ` ${fmtInt(plan.val_samples)} samples held out`
+      + (plan.online ? `. ${plan.online[0].toUpperCase()}${plan.online.slice(1)}` : "")
     : "";
   $("#train-warning").hidden = !train.warning;
   $("#train-warning").textContent = train.warning ? `Warning: ${train.warning}` : "";

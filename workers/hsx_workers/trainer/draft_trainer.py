@@ -12,7 +12,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +43,18 @@ from hsx.output.layout import (
     checkpoint_name,
 )
 from hsx.output.local_storage import fsync_dir
+from hsx.output.shards.encoding import HIDDEN_DTYPE, NUMPY_DTYPES
 from hsx.spec import TrainSpec
 from hsx_workers.trainer.data import EpochEnd, StepBatch, TrainingData, to_speculators_sample
 from hsx_workers.trainer.draft_model import build_draft_model, draft_layout
 from hsx_workers.trainer.group import WorkerGroup
-from hsx_workers.trainer.plan import Plan, TrainRefused, plan_schedule, read_inputs_summary
+from hsx_workers.trainer.plan import (
+    Plan,
+    TrainRefused,
+    online_cost,
+    plan_schedule,
+    read_inputs_summary,
+)
 from hsx_workers.trainer.scores import Scores
 
 logger = logging.getLogger(__name__)
@@ -169,11 +176,16 @@ class DraftTrainer:
                 f"{len(units)} work unit(s) for {self.group.world} workers: each worker "
                 "reads its own units; use fewer workers or a smaller unit_tokens")
         device = self.device.type if self.device is not None else "cpu"
-        return plan_schedule(
+        plan = plan_schedule(
             self.spec, device=device, train_samples=len(train),
             train_tokens=sum(max(0, n - 1) for _, n in train),
             val_samples=len(self.val_indices), workers=self.group.world,
         )
+        if self.spec.online:
+            width = NUMPY_DTYPES[HIDDEN_DTYPE[manifest.storage_dtype]].itemsize
+            plan = replace(plan, online=online_cost(
+                plan, sum(inputs.lengths), len(manifest.layers) * manifest.hidden_size * width))
+        return plan
 
     def _optimizer(self, model: Any, plan: Plan) -> tuple[torch.optim.Optimizer, Any]:
         params = [p for p in model.parameters() if p.requires_grad]

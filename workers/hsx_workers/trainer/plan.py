@@ -56,6 +56,7 @@ class Plan:
     val_samples: int
     passes: float  # steps x tokens per step / training tokens
     warning: str | None = None
+    online: str | None = None  # an online training: what the target captures for it
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of the peak learning rate after `step` optimizer steps."""
@@ -104,6 +105,17 @@ def plan_schedule(
         checkpoint_every=every, train_samples=train_samples, train_tokens=train_tokens,
         val_samples=val_samples, passes=passes, warning=warning,
     )
+
+
+def online_cost(plan: Plan, dataset_tokens: int, bytes_per_token: int) -> str:
+    """What an online training costs the target, against what offline would store: the
+    engines capture every sample (held-out ones too) once per epoch the schedule enters."""
+    epochs = max(1, math.ceil(plan.passes - 1e-9))
+    stored = dataset_tokens * bytes_per_token
+    return (f"online: the engines capture the dataset {epochs} time"
+            f"{'s' if epochs > 1 else ''} ({epochs * dataset_tokens:,} target tokens) for "
+            f"{plan.passes:.1f} passes, instead of storing {stored / 1e9:,.2f} GB of states "
+            "once")
 
 
 def held_out(sample_indices: Sequence[int], fraction: float, max_samples: int,
