@@ -179,6 +179,8 @@ def ingest(
         raise ValueError(f"workers must be >= 1, got {workers}")
     source = resolve_source(dataset)  # fail on a bad path before loading a tokenizer
     data_fp = source.fingerprint()
+    if executor is None and workers > 1:
+        _pool_context()  # its server imports while this process loads the tokenizer
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
     tok_fp = tokenizer_fingerprint(tokenizer_path, tokenizer=tokenizer)
     if not getattr(tokenizer, "chat_template", None):
@@ -398,8 +400,7 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
         return
     owned = executor is None
     pool = executor or ProcessPoolExecutor(
-        max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-        initializer=_pool_process)
+        max_workers=workers, mp_context=_pool_context(), initializer=_pool_process)
     window = 2 * max(workers, 1)
     pending: deque[Future[list[_Part]]] = deque()
     try:
@@ -415,6 +416,20 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
             future.cancel()
         if owned:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _pool_context() -> Any:
+    """How the pool's processes start: forked from multiprocessing's fork server, which
+    imports what they need once (pool_preload.py), and is started here, so that it
+    imports while the ingesting process loads its own tokenizer. Not forked from the
+    ingesting process itself: a coordinator's threads (Ray's, the API's) would be
+    forked in the middle of what they hold."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["hsx.ingest.pool_preload"])
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return context
 
 
 # "1" in a process that tokenizes slices for the one that ingests: set by the pool's

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,8 @@ from hsx.ingest.rows import Chat, Sample, not_unicode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 NO_TEMPLATE = "the tokenizer has no chat template, so the conversation cannot be rendered"
 
@@ -122,7 +125,9 @@ def _turn_prefixes(tokenizer: PreTrainedTokenizerBase, chat: Chat, full: str,
     for i in chat.assistant:
         try:
             start = _render(tokenizer, chat.messages[:i], True, kwargs)
-            end = _render(tokenizer, chat.messages[: i + 1], False, kwargs)
+            # A chat's last turn ends it: that rendering is the full one.
+            end = (full if i + 1 == len(chat.messages)
+                   else _render(tokenizer, chat.messages[: i + 1], False, kwargs))
         except Exception:  # e.g. a template that refuses a conversation without a user turn
             return None
         if not (len(start) <= len(end) and full.startswith(start) and full.startswith(end)):
@@ -168,9 +173,77 @@ def encode(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, special: boo
                           verbose=False)["input_ids"])
 
 
+def _encode_with_offsets(tokenizer: PreTrainedTokenizerBase, texts: list[str]
+                         ) -> tuple[list[list[int]], list[list[tuple[int, int]]] | None]:
+    """Token ids of `texts` and each token's character span; no spans from a tokenizer
+    that cannot give them (transformers' Python tokenizers)."""
+    if not texts:
+        return [], []
+    try:
+        enc = tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
+                        return_offsets_mapping=True, verbose=False)
+    except NotImplementedError:
+        return encode(tokenizer, texts, special=False), None
+    return list(enc["input_ids"]), list(enc["offset_mapping"])
+
+
+# Tokenizers whose prefixes tokenized from their last added token were found to differ
+# from the prefixes tokenized whole (by id: the check in _prefix_ids).
+_WHOLE_PREFIXES: set[int] = set()
+PREFIXES_CHECKED = 2
+"""Chats of each batch whose turn prefixes are also tokenized whole, to check the cut."""
+
+
+def _split_points(tokenizer: PreTrainedTokenizerBase, ids: list[int],
+                  offsets: list[tuple[int, int]] | None) -> list[tuple[int, int]]:
+    """(character end, token count) after each added token of a tokenized text, where
+    the tokenizer splits its input before normalizing and pre-tokenizing it: the text
+    before such a point tokenizes alone as the tokens before it. Added tokens that strip
+    the whitespace beside them are no such point."""
+    if offsets is None or id(tokenizer) in _WHOLE_PREFIXES:
+        return []
+    cuts = _clean_added(tokenizer)
+    return [(offsets[j][1], j + 1) for j, token in enumerate(ids) if token in cuts]
+
+
+def _clean_added(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(i for i, t in added.items()
+                     if not getattr(t, "lstrip", False) and not getattr(t, "rstrip", False))
+
+
+def _prefix_ids(tokenizer: PreTrainedTokenizerBase, prefixes: list[tuple[str, list[int],
+                list[tuple[int, int]]]]) -> list[list[int]]:
+    """Token ids of each prefix (text, its full text's ids, their split points), as the
+    tokenizer gives them for the prefix alone: the full text's tokens up to the prefix's
+    last split point, then the rest of the prefix tokenized (a turn's prefix is most of
+    its chat, the rest a few tokens). The first PREFIXES_CHECKED chats' prefixes are
+    tokenized whole too; where they differ, every prefix of this tokenizer is."""
+    heads: list[list[int]] = []
+    tails: list[str] = []
+    for text, ids, points in prefixes:
+        chars, count = 0, 0
+        for end, n in points:
+            if end > len(text):
+                break
+            chars, count = end, n
+        heads.append(ids[:count])
+        tails.append(text[chars:])
+    checked = [text for text, _, _ in prefixes[: 2 * PREFIXES_CHECKED]]
+    tail_ids = encode(tokenizer, tails + checked, special=False)
+    cut = [head + list(tail) for head, tail in zip(heads, tail_ids, strict=False)]
+    if all(cut[i] == list(whole) for i, whole in enumerate(tail_ids[len(tails):])):
+        return cut
+    logger.warning("the tokenizer's prefixes do not tokenize as their parts: ingestion "
+                   "tokenizes each turn prefix whole from now on (slower)")
+    _WHOLE_PREFIXES.add(id(tokenizer))
+    return [list(ids) for ids in encode(tokenizer, [t for t, _, _ in prefixes], special=False)]
+
+
 def chat_samples(tokenizer: PreTrainedTokenizerBase, chats: list[Chat],
                   kwargs: dict[str, Any]) -> list[Sample | str]:
-    """Tokenize a batch of chats; one batched tokenizer call for texts, one for prefixes."""
+    """Tokenize a batch of chats: one batched tokenizer call for their texts (with each
+    token's characters), one for what their turn prefixes add (_prefix_ids)."""
     if not getattr(tokenizer, "chat_template", None):
         return [NO_TEMPLATE] * len(chats)
     rendered: list[_Rendered | str] = []
@@ -180,16 +253,22 @@ def chat_samples(tokenizer: PreTrainedTokenizerBase, chats: list[Chat],
         except TemplateFailure as err:
             rendered.append(str(err))
     ok = [r for r in rendered if isinstance(r, _Rendered)]
-    full_ids = iter(encode(tokenizer, [r.text for r in ok], special=False))
-    prefix_texts = [t for r in ok if r.prefixes for pair in r.prefixes for t in pair]
-    prefix_ids = iter(encode(tokenizer, prefix_texts, special=False))
+    all_ids, all_offsets = _encode_with_offsets(tokenizer, [r.text for r in ok])
+    full = {id(r): (ids, all_offsets[i] if all_offsets is not None else None)
+            for i, (r, ids) in enumerate(zip(ok, all_ids, strict=True))}
+    prefixes: list[tuple[str, list[int], list[tuple[int, int]]]] = []
+    for done in ok:
+        ids, offsets = full[id(done)]
+        points = _split_points(tokenizer, ids, offsets)
+        prefixes.extend((text, ids, points) for pair in done.prefixes or () for text in pair)
+    prefix_ids = iter(_prefix_ids(tokenizer, prefixes) if prefixes else [])
 
     out: list[Sample | str] = []
     for r in rendered:
         if isinstance(r, str):
             out.append(r)
             continue
-        ids = next(full_ids)
+        ids, offsets = full[id(r)]
         mask: np.ndarray | None = np.zeros(len(ids), dtype=np.uint8)
         for _ in r.prefixes or ():
             start_ids, end_ids = next(prefix_ids), next(prefix_ids)
@@ -199,18 +278,12 @@ def chat_samples(tokenizer: PreTrainedTokenizerBase, chats: list[Chat],
             else:
                 mask = None  # a token spans a turn boundary: fall back to offsets
         if mask is None or r.prefixes is None:
-            try:
-                enc = tokenizer(r.text, add_special_tokens=False, return_offsets_mapping=True)
-            except NotImplementedError:
+            if offsets is None:
                 out.append("the chat's assistant tokens cannot be located: the template's "
                            "prefixes do not tokenize as prefixes and the tokenizer gives no "
                            "character offsets")
                 continue
-            if list(enc["input_ids"]) != list(ids):
-                out.append("the tokenizer gives other token ids when asked for character "
-                           "offsets, so the assistant tokens cannot be located")
-                continue
-            mask = _mask_from_offsets(enc["offset_mapping"], r.spans, len(ids))
+            mask = _mask_from_offsets(offsets, r.spans, len(ids))
         out.append(Sample(np.asarray(ids, dtype=np.int32), mask, truncated=False))
     return out
 
