@@ -18,13 +18,14 @@ Memory: peak resident memory of the ingesting process (the coordinator's share) 
 the largest pool process, with the workers, on `--small` rows and on `--rows` rows: flat
 in the row count means large ÷ small within 1.10.
 
-Run: `python benchmarks/bench_ingest.py [--quick] [--rows N] [--small N] [--reps N]`
+Run: `python benchmarks/bench_ingest.py [--quick] [--rows N] [--small N] [--reps N] [--profile]`
 (results in `results/ingest.json`; not part of `run_all.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,13 +44,65 @@ SPEEDUP_TARGET = 1.7
 MEMORY_TARGET = 1.10
 
 
+class Descendants:
+    """Polls /proc for this process's descendants (the pool's processes are the fork
+    server's children, which getrusage does not count): the largest peak resident
+    memory (VmHWM) among them and their CPU seconds, as last seen (0.2 s apart)."""
+
+    def __init__(self) -> None:
+        self.peak_kib = 0
+        self.cpu_ticks: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> Descendants:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(self.cpu_ticks.values()) / os.sysconf("SC_CLK_TCK")
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.2):
+            parents: dict[int, int] = {}
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    with contextlib.suppress(OSError, IndexError, ValueError):
+                        stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                        parents[int(entry.name)] = int(stat[1])
+                        if self._below(int(entry.name), parents):
+                            self.cpu_ticks[int(entry.name)] = int(stat[11]) + int(stat[12])
+                            for line in (entry / "status").read_text().splitlines():
+                                if line.startswith("VmHWM:"):
+                                    self.peak_kib = max(self.peak_kib, int(line.split()[1]))
+
+    @staticmethod
+    def _below(pid: int, parents: dict[int, int]) -> bool:
+        me = os.getpid()
+        for _ in range(8):
+            pid = parents.get(pid, 0)
+            if pid == me:
+                return True
+            if pid <= 1:
+                return False
+        return False
+
+
 def child(data: str, tokenizer: str, out: str, workers: int) -> dict[str, Any]:
     """One ingestion in this (fresh) process: what the parent records."""
     from hsx.ingest import ingest
 
     start = time.perf_counter()
-    result = ingest(data, tokenizer, 2048, out, workers=workers)
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    with Descendants() as pool:
+        result = ingest(data, tokenizer, 2048, out, workers=workers)
     seconds = time.perf_counter() - start
+    own_end = resource.getrusage(resource.RUSAGE_SELF)
     digest = hashlib.sha256()
     for path in sorted([*Path(out).glob("inputs/*.arrow"), *Path(out).glob("errors/*.arrow")]):
         digest.update(path.read_bytes())  # the tables' parts (their records name slices)
@@ -61,26 +115,38 @@ def child(data: str, tokenizer: str, out: str, workers: int) -> dict[str, Any]:
         "seconds": seconds,
         "rows_per_s": result.num_rows / seconds,
         "tables_sha256": digest.hexdigest(),
-        # Linux: KiB; RUSAGE_CHILDREN: the largest child that has ended (pool processes).
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "peak_rss_worker_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB
+        # The largest of the pool's processes (the fork server included: it holds the
+        # imports that they share).
+        "peak_rss_worker_mib": pool.peak_kib / 1024,
+        # CPU seconds of the ingesting process (its tokenizers' threads included) and of
+        # the pool's processes together: which side bounds it.
+        "cpu_s": round(own_end.ru_utime + own_end.ru_stime - own.ru_utime - own.ru_stime, 2),
+        "pool_cpu_s": round(pool.cpu_s, 2),
     }
 
 
-def measure(data: Path, tokenizer: Path, scratch: Path, workers: int) -> dict[str, Any]:
+def measure(data: Path, tokenizer: Path, scratch: Path, workers: int,
+            profile: Path | None = None) -> dict[str, Any]:
+    """One ingestion in a fresh process; with `profile`, under py-spy (every process of
+    the tree, collapsed stacks written there; not a timed run)."""
     out = Path(tempfile.mkdtemp(dir=scratch, prefix=f"out-{workers}-"))
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", str(data), str(tokenizer), str(out),
-         str(workers)], capture_output=True, text=True, check=False)
+    command = [sys.executable, __file__, "--child", str(data), str(tokenizer), str(out),
+               str(workers)]
+    if profile is not None:
+        command = ["py-spy", "record", "--subprocesses", "--format", "raw", "--rate", "50",
+                   "--output", str(profile), "--", *command]
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"ingestion with {workers} workers failed:\n{proc.stderr[-3000:]}")
     subprocess.run(["rm", "-rf", str(out)], check=True)
-    record: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]  # not py-spy's
+    record: dict[str, Any] = json.loads(lines[-1])
     return record
 
 
 def run(*, rows: int, small: int, reps: int, workers: int, out: Path, workdir: Path | None,
-        note: str | None) -> dict[str, Any]:
+        note: str | None, profile: bool = False) -> dict[str, Any]:
     from hsx_workers.tiny_models import build_tokenizer, make_chat_dataset
 
     machine = common.machine_info()
@@ -140,6 +206,10 @@ def run(*, rows: int, small: int, reps: int, workers: int, out: Path, workdir: P
                                          for g in growth.values()) else "MISS",
             },
         }
+        if profile:  # after the timed runs: py-spy's sampling slows what it watches
+            stacks = out.with_suffix(".prof.txt")
+            section["profile"] = {"file": stacks.name, **measure(
+                datasets[rows], tokenizer, scratch, workers, profile=stacks)}
         common.save_section(out, "ingest", section, {**machine,
                                                       "load_end": os.getloadavg()})
         print(common.table(common.RATIO_HEADERS,
@@ -171,12 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="results JSON (default results/ingest.json)")
     p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
     p.add_argument("--note", help="free text stored with the results")
+    p.add_argument("--profile", action="store_true",
+                   help="one more run of the workers under py-spy (needs py-spy), its "
+                        "collapsed stacks next to --out (.prof.txt)")
     args = p.parse_args(argv)
     rows = args.rows or (20_000 if args.quick else 1_000_000)
     run(rows=rows, small=args.small or rows // (4 if args.quick else 10),
         reps=args.reps or (1 if args.quick else 2), workers=args.workers,
         out=args.out or common.RESULTS_DIR / "ingest.json", workdir=args.workdir,
-        note=args.note)
+        note=args.note, profile=args.profile)
     return 0
 
 

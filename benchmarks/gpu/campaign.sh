@@ -123,9 +123,11 @@ for s in "$@"; do
       # Issue 25 on a node with many cores: ingestion with 2 and with 8 processes against
       # 1 (INGEST_ROWS rows, default 200k, memory baseline a tenth), then submit → first
       # committed shard on a million chats with vLLM's GPU build (the tiny model).
-      for w in 2 8; do
+      # INGEST_WORKERS: the pool sizes (default "2 8"); INGEST_FLAGS, e.g. --profile (one
+      # more run under py-spy, its stacks in ingest-N.prof.txt).
+      for w in ${INGEST_WORKERS:-2 8}; do
         timeout 900 python3 benchmarks/bench_ingest.py --rows ${INGEST_ROWS:-200000} --reps 1 \
-          --workers $w --out "$RES/ingest-$w.json" --workdir /tmp \
+          --workers $w --out "$RES/ingest-$w.json" --workdir /tmp ${INGEST_FLAGS:-} \
           --note "GPU node, $(nproc) cores" > "$RES/ingest-$w.log" 2>&1
         echo "ingest $w workers: rc=$? $(tail -1 "$RES/ingest-$w.log")"
       done ;;
