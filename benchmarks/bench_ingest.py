@@ -5,14 +5,19 @@ conversations, one bad row per thousand), tokenized with the tiny tokenizer's ch
 template into an output's inputs and errors tables, the way a job's preparation
 does (`hsx.ingest.ingest`). Each measurement runs in a fresh process:
 
-- `1 worker`   the sequential path: every row tokenized in the process that ingests.
+- `1 worker`   the sequential path: every row tokenized in the process that ingests
+               (tokenizers' Rust encode spreads over every core).
+- `1 worker, one core`  the same with tokenizers' threads off (TOKENIZERS_PARALLELISM=
+               false): one process on one core, as each pool process runs.
 - `2 workers`  the dataset read as slices (byte ranges of the JSONL), tokenized by a pool
                of 2 processes, written back in order by the ingesting process.
 
-Ratio: rows/s of 2 workers ÷ 1 worker, the two alternating, on the `--rows` dataset
-(target ≥ 1.7 on 2 cores). The wall time counts everything `ingest` does: the
-tokenizer's load, the pool's start (each spawned process imports transformers), the
-tables written. Both sides' tables are checked to be byte-identical.
+Ratios: rows/s of 2 workers ÷ 1 worker (target ≥ 1.7 on 2 cores), and ÷ 1 worker on one
+core (how the pool scales with processes), all alternating, on the `--rows` dataset.
+The wall time counts everything `ingest` does: the tokenizer's load, the pool's start
+(its processes fork from a server that imports transformers once), the tables written.
+Every run's tables are checked to be byte-identical. CPU seconds of the ingesting
+process and of the pool's processes are recorded with each run.
 
 Memory: peak resident memory of the ingesting process (the coordinator's share) and of
 the largest pool process, with the workers, on `--small` rows and on `--rows` rows: flat
@@ -41,6 +46,10 @@ from typing import Any
 import common
 
 SPEEDUP_TARGET = 1.7
+# The sequential path with tokenizers' threads off: one process on one core, as each of
+# the pool's processes runs. The pool's scaling is measured against it; the target
+# against the sequential path as it runs by default (its encode on every core).
+ONE_CORE = "1 worker, one core"
 MEMORY_TARGET = 1.10
 
 
@@ -127,7 +136,7 @@ def child(data: str, tokenizer: str, out: str, workers: int) -> dict[str, Any]:
 
 
 def measure(data: Path, tokenizer: Path, scratch: Path, workers: int,
-            profile: Path | None = None) -> dict[str, Any]:
+            profile: Path | None = None, one_core: bool = False) -> dict[str, Any]:
     """One ingestion in a fresh process; with `profile`, under py-spy (every process of
     the tree, collapsed stacks written there; not a timed run)."""
     out = Path(tempfile.mkdtemp(dir=scratch, prefix=f"out-{workers}-"))
@@ -136,7 +145,8 @@ def measure(data: Path, tokenizer: Path, scratch: Path, workers: int,
     if profile is not None:
         command = ["py-spy", "record", "--subprocesses", "--format", "raw", "--rate", "50",
                    "--output", str(profile), "--", *command]
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"} if one_core else None
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"ingestion with {workers} workers failed:\n{proc.stderr[-3000:]}")
     subprocess.run(["rm", "-rf", str(out)], check=True)
@@ -164,11 +174,12 @@ def run(*, rows: int, small: int, reps: int, workers: int, out: Path, workdir: P
                   f"({time.perf_counter() - started:.0f} s to make)", flush=True)
 
         many = f"{workers} workers"
-        variants = {"1 worker": 1, many: workers}
+        variants = {"1 worker": 1, ONE_CORE: 1, many: workers}
         raw: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
         for rep in range(reps):
             for name in common.alternating(list(variants), rep):
-                record = measure(datasets[rows], tokenizer, scratch, variants[name])
+                record = measure(datasets[rows], tokenizer, scratch, variants[name],
+                                 one_core=name == ONE_CORE)
                 raw[name].append(record)
                 print(f"rep {rep} {name}: {record['rows_per_s']:,.0f} rows/s "
                       f"({record['seconds']:.1f} s), peak {record['peak_rss_mib']:,.0f} MiB",
@@ -176,6 +187,7 @@ def run(*, rows: int, small: int, reps: int, workers: int, out: Path, workdir: P
         digests = {r["tables_sha256"] for records in raw.values() for r in records}
         speedup = common.compare(raw[many], raw["1 worker"], "rows_per_s",
                                  SPEEDUP_TARGET if workers == 2 else None)
+        scaling = common.compare(raw[many], raw[ONE_CORE], "rows_per_s")
 
         memory = {"large": raw[many][0]}
         if small != rows:
@@ -197,6 +209,7 @@ def run(*, rows: int, small: int, reps: int, workers: int, out: Path, workdir: P
             "raw": raw,
             "identical_tables": len(digests) == 1,
             "speedup": speedup,
+            "scaling": scaling,
             "memory": {
                 "small": memory["small"],
                 "large": memory["large"],
@@ -213,7 +226,8 @@ def run(*, rows: int, small: int, reps: int, workers: int, out: Path, workdir: P
         common.save_section(out, "ingest", section, {**machine,
                                                       "load_end": os.getloadavg()})
         print(common.table(common.RATIO_HEADERS,
-                           [common.ratio_row(f"rows/s, {many} ÷ 1", speedup)]))
+                           [common.ratio_row(f"rows/s, {many} ÷ 1", speedup),
+                            common.ratio_row(f"rows/s, {many} ÷ 1 on one core", scaling)]))
         print(common.table(
             ["peak memory (MiB)", f"{small:,} rows", f"{rows:,} rows", "large ÷ small"],
             [[label, memory["small"][key], memory["large"][key], growth[key]]
