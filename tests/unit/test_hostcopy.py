@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from hsx_workers.hostcopy import (  # noqa: E402
     gather,
     gather_to_host,
+    mark_stream,
     slots_of_blocks,
     slots_of_requests,
     split_rows,
@@ -85,3 +86,33 @@ def test_gather_reads_the_32_layout() -> None:
     states = gather(cache, torch.tensor([5, 6, 7, 8, 9]), 3)
     assert states.shape == (3, LAYERS, HIDDEN)
     assert torch.equal(states[2], cache[1, :, 3])
+
+
+def test_no_mark_on_a_cpu_cache() -> None:
+    assert mark_stream(None) is None
+    assert mark_stream(torch.zeros(BLOCKS, LAYERS, BLOCK, HIDDEN)) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gather_after_a_mark_sees_what_was_launched_before_it() -> None:
+    """The connector's gather waits for the mark of its step's start, not for the work
+    launched after it: states written before the mark (still queued behind a long
+    kernel when the gather is launched) are what it copies, and a write launched after
+    the mark to other blocks does not hold it back."""
+    cache = torch.zeros(BLOCKS, LAYERS, BLOCK, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    blocks, lengths = _requests(2)
+    values = torch.randn(BLOCKS, LAYERS, BLOCK, HIDDEN, device="cuda").to(torch.bfloat16)
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # keeps the stream busy well past the gather's launch
+        busy = busy @ busy / 64
+    used = sorted({b for bs in blocks for b in bs})
+    cache[used] = values[used]
+    mark = mark_stream(cache)
+    later = [b for b in range(BLOCKS) if b not in used]
+    cache[later] = 1.0  # the next step's forward, on blocks of other requests
+    event, tensors = gather_to_host(cache, slots_of_requests(blocks, lengths, BLOCK),
+                                    sum(lengths), after=mark)
+    event.synchronize()
+    for b, n, got in zip(blocks, lengths, split_rows(tensors, lengths), strict=True):
+        for t in range(n):
+            assert torch.equal(got["hidden_states"][t].cuda(), values[b[t // BLOCK], :, t % BLOCK])

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from hsx.output.shards import background_priority
-from hsx_workers.hostcopy import gather_to_host, slots_of_requests, split_rows
+from hsx_workers.hostcopy import gather_to_host, mark_stream, slots_of_requests, split_rows
 from hsx_workers.spool import publish_spool_file
 from hsx_workers.vllm_compat import extract_states, fix_cpu_sampling_constraints
 
@@ -73,6 +73,17 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         super().__init__(*args, **kwargs)
         self._taken: set[str] = set()  # requests this step's get_finished gathered
         self._made_dirs: set[str] = set()  # spool directories known to exist
+        self._step_start: Any = None  # the device's stream as this step began
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Called as a step begins, before its forward is launched. The saves this step
+        # carries are of requests an earlier step finished: every kernel that wrote
+        # their states (the target's forward, the drafter that writes the captured
+        # layers) was launched before now. Their gather waits for this mark, not for
+        # this step's forward, which it then overlaps: the states reach the spool a
+        # step sooner (~0.4 s of an 8B model's 16k-token batch on an H200).
+        self._step_start = mark_stream(self._kv_cache)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -121,7 +132,7 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         stream = self._get_copy_stream() if self._kv_cache.is_cuda else None
         event, tensors = gather_to_host(
             self._kv_cache, slot_mapping, sum(lengths), stream,
-            extract=extract_states, fp8=self._storage_fp8(),
+            extract=extract_states, fp8=self._storage_fp8(), after=self._step_start,
         )
         for p, rows in zip(pending, split_rows(tensors, lengths), strict=True):
             self._req_copy_events[p.req_id] = event

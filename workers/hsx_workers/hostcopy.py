@@ -91,6 +91,17 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def mark_stream(kv_cache: torch.Tensor | None) -> torch.cuda.Event | None:
+    """An event recorded now on the current stream of `kv_cache`'s device (None on CPU,
+    or before the cache exists): what a later gather may wait for instead of all the
+    work launched by then."""
+    if kv_cache is None or not kv_cache.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def gather_to_host(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -99,13 +110,16 @@ def gather_to_host(
     *,
     extract: Extract = gather,
     fp8: bool = False,
+    after: torch.cuda.Event | None = None,
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Start copying one request's states to host memory; return (event, host tensors).
 
     The tensors are `hidden_states` [T, L, H] (bf16 as cached, or float8_e4m3fn when
     `fp8`) and, with `fp8`, `scales` [T, L] (hsx.output.shards.quantize_fp8's per-row scales,
     NaN for a row that is not finite: checking here would wait for the device).
-    They are valid once `event.synchronize()` returns (at once on CPU).
+    They are valid once `event.synchronize()` returns (at once on CPU). On CUDA the copy
+    waits for `after` (`mark_stream`, recorded once the kernels that wrote these states
+    were launched), else for all the work on the current stream.
     """
     if not kv_cache.is_cuda:
         states = extract(kv_cache, slot_mapping, num_tokens)
@@ -114,9 +128,10 @@ def gather_to_host(
         q, scales = quantize_fp8(states, check=False)
         return DoneEvent(), {"hidden_states": q, "scales": scales}
     stream = stream or torch.cuda.Stream(device=kv_cache.device)
-    ready = torch.cuda.Event()
-    ready.record()
-    stream.wait_event(ready)
+    if after is None:
+        after = torch.cuda.Event()
+        after.record()
+    stream.wait_event(after)
     with torch.cuda.stream(stream):
         # From pinned memory, or the upload waits for the side stream, which waits for
         # the model's stream: the engine's thread would stop at every finished request
