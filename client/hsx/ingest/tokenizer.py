@@ -194,19 +194,22 @@ PREFIXES_CHECKED = 2
 """Chats of each batch whose turn prefixes are also tokenized whole, to check the cut."""
 
 
-def _split_points(tokenizer: PreTrainedTokenizerBase, ids: list[int],
+def _split_points(cuts: frozenset[int], ids: list[int],
                   offsets: list[tuple[int, int]] | None) -> list[tuple[int, int]]:
-    """(character end, token count) after each added token of a tokenized text, where
-    the tokenizer splits its input before normalizing and pre-tokenizing it: the text
-    before such a point tokenizes alone as the tokens before it. Added tokens that strip
-    the whitespace beside them are no such point."""
-    if offsets is None or id(tokenizer) in _WHOLE_PREFIXES:
+    """(character end, token count) after each token of `cuts` (_clean_added) in a
+    tokenized text: the text before such a point tokenizes alone as the tokens before
+    it."""
+    if offsets is None or not cuts:
         return []
-    cuts = _clean_added(tokenizer)
     return [(offsets[j][1], j + 1) for j, token in enumerate(ids) if token in cuts]
 
 
 def _clean_added(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The added tokens where the tokenizer splits its input before normalizing and
+    pre-tokenizing it (none for a tokenizer whose cut prefixes were found to differ).
+    Added tokens that strip the whitespace beside them are no such point."""
+    if id(tokenizer) in _WHOLE_PREFIXES:
+        return frozenset()
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     return frozenset(i for i, t in added.items()
                      if not getattr(t, "lstrip", False) and not getattr(t, "rstrip", False))
@@ -257,9 +260,10 @@ def chat_samples(tokenizer: PreTrainedTokenizerBase, chats: list[Chat],
     full = {id(r): (ids, all_offsets[i] if all_offsets is not None else None)
             for i, (r, ids) in enumerate(zip(ok, all_ids, strict=True))}
     prefixes: list[tuple[str, list[int], list[tuple[int, int]]]] = []
+    cuts = _clean_added(tokenizer)  # once a batch: some tokenizers add thousands
     for done in ok:
         ids, offsets = full[id(done)]
-        points = _split_points(tokenizer, ids, offsets)
+        points = _split_points(cuts, ids, offsets)
         prefixes.extend((text, ids, points) for pair in done.prefixes or () for text in pair)
     prefix_ids = iter(_prefix_ids(tokenizer, prefixes) if prefixes else [])
 
