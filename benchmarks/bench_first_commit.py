@@ -22,6 +22,9 @@ Ratio: streamed ÷ whole (how much of the old wait is left), and the target: the
 commit within 60 s of submit. Progress samples of the streamed run (rows tokenized,
 units planned and committed, as the CLI bar and the API show them) are kept.
 
+The streamed run marks each step of the job (prepared, Ray ready, units planned, the
+first engine running, the first tokens captured, the first commit).
+
 Run: `python benchmarks/bench_first_commit.py [--rows N] [--whole-rows N]`
 (results in `results/first_commit.json`; not part of `run_all.py`).
 """
@@ -58,21 +61,26 @@ def child_streamed(data: str, model: str, out: str) -> dict[str, Any]:
     seen: list[dict[str, Any]] = []
     start = time.perf_counter()
 
+    def mark(name: str) -> None:
+        marks.setdefault(name, time.perf_counter() - start)
+
     def on_progress(p: JobProgress) -> None:
+        if any(state in ("busy", "idle") for state in p.workers.values()):
+            mark("first_engine_running_s")
+        if p.tokens_done:
+            mark("first_tokens_captured_s")
         seen.append({"t": round(time.perf_counter() - start, 2),
                      "rows_tokenized": p.rows_tokenized, "rows_total": p.rows_total,
                      "ingesting": p.ingesting, "units_total": p.units_total,
                      "units_done": p.units_done})
 
-    def on_unit_done(_report: Any) -> None:
-        marks.setdefault("first_commit_s", time.perf_counter() - start)
-
     def on_planned(_job: Any, units: list[Any], _done: bool) -> None:
         if units:
-            marks.setdefault("first_units_planned_s", time.perf_counter() - start)
+            mark("first_units_planned_s")
 
-    hooks = DispatchHooks(on_progress=on_progress, on_unit_done=on_unit_done,
-                          on_planned=on_planned,
+    hooks = DispatchHooks(on_progress=on_progress, on_unit_done=lambda _: mark("first_commit_s"),
+                          on_planned=on_planned, on_prepared=lambda _: mark("prepared_s"),
+                          on_plan=lambda _: mark("ray_ready_s"),
                           cancelled=lambda: "first_commit_s" in marks)
     with contextlib.suppress(JobCancelled):
         run_job(spec, hooks=hooks)
