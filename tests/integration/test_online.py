@@ -31,8 +31,12 @@ from .test_service import Coordinator, start_coordinator
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 
-STEPS = 300
-TRAIN = {"steps": STEPS, "checkpoint_every": 60, "eval_prompts": 16, "seed": 0}
+# 200 steps: the draft of this target and data is as good as it gets at 300 (an offline
+# job's, measured with `hsx eval-draft` on 2026-12-03: 2.79 at step 200, 2.78 for the
+# best checkpoint of 300 steps), in two thirds of the steps and of the epochs captured.
+# A checkpoint every 40 steps leaves three before the end, one for each kill.
+STEPS = 200
+TRAIN = {"steps": STEPS, "checkpoint_every": 40, "eval_prompts": 16, "seed": 0}
 JOB = {"layers": [1, 2, 3, 4], "max_seq_len": 256, "unit_tokens": 8192}
 
 
@@ -192,7 +196,7 @@ def test_online_and_offline_drafts_are_accepted_alike(online: OnlineRun,
     for name, training in (("online", online.training), ("offline", offline)):
         assert training.eval is not None and training.eval.error is None, training.eval
         measured[name] = training.eval.mean_acceptance_length
-    # 300 steps are short of the 500 of the default plan: both drafts land near 2.8.
+    # 200 steps are short of the 500 of the default plan: both drafts land near 2.8.
     assert measured["online"] >= 2.5, measured
     assert abs(measured["online"] - measured["offline"]) <= 0.05 * measured["offline"], \
         measured
