@@ -415,7 +415,11 @@ class JobSpec(BaseModel):
     unit_tokens: int = Field(
         65536,
         gt=0,
-        description="Target tokens per work unit; one unit becomes one shard.",
+        description=(
+            "Target tokens per work unit; one unit becomes one shard. A new job's first "
+            "units ramp up to it from 8,192 tokens (8,192, 16,384, ...), so its first "
+            "shard is committed soon after its engines start."
+        ),
     )
     ray_address: str | None = Field(
         None,

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from hsx import __version__
 from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
 from hsx.output import (
+    IngestRecord,
     JobMismatch,
     Manifest,
     Output,
@@ -37,7 +38,7 @@ from hsx.output import (
     UnitPlan,
 )
 from hsx.output.layout import LAYER_CONVENTION
-from hsx.plan import UnitPlanner, WorkUnit
+from hsx.plan import UnitPlanner, WorkUnit, first_unit_tokens
 from hsx.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -422,9 +423,13 @@ class Ingestion:
     output, a cancel) is kept in `error` for the driver: the dispatcher stops handing
     out units, the units out end, the job fails with it.
 
+    The plan ramps up (hsx.plan: the first unit small, so the first commit comes soon
+    after an engine starts).
+
     A driver killed while ingesting left the parts it published; this one goes on after
     the last (ingest.json says it is the same job), tokenizing nothing twice, and plans
-    the same units again, so the units committed before the kill are recognised."""
+    the same units again by the rule ingest.json records, so the units committed before
+    the kill are recognised."""
 
     def __init__(self, spec: JobSpec, info: ModelInfo, layers: list[int], output: Output,
                  workers: int | None, on_ingest: Callable[[IngestProgress], None] | None,
@@ -441,7 +446,7 @@ class Ingestion:
         self.error: BaseException | None = None
         self.done = False
         self.manifest = self._manifest(units=[])  # the plan so far (not published)
-        self._planner = UnitPlanner(spec.unit_tokens)
+        self._planner = UnitPlanner(spec.unit_tokens)  # (the rule ingest.json holds: _start)
         self._new: list[WorkUnit] = []
         self._stop = False
         self._cv = threading.Condition()
@@ -504,7 +509,8 @@ class Ingestion:
                 keep_messages=spec.regenerate is not None, progress=self._progress,
                 workers=tasks.max_workers if tasks is not None else self.workers or 1,
                 executor=tasks, job_fingerprint=spec.data_fingerprint(),
-                on_part=self._part)
+                first_unit_tokens=first_unit_tokens(spec.unit_tokens),
+                on_start=self._start, on_part=self._part)
             # Another driver may have prepared the same output at the same moment: the
             # manifest published first is the one, and it must be this same job.
             manifest = self.output.publish_manifest(self._manifest(self.units, result))
@@ -537,6 +543,12 @@ class Ingestion:
         self.progress = progress
         if not self.dispatching and self.on_ingest is not None:
             self.on_ingest(progress)
+
+    def _start(self, record: IngestRecord) -> None:
+        """Plan by the rule of the ingestion the parts come from: a driver killed while
+        ingesting may have planned by another (an older driver: none), and the units
+        committed since must be recognised."""
+        self._planner = UnitPlanner(self.spec.unit_tokens, record.first_unit_tokens)
 
     def _part(self, record: PartRecord, lengths: Any) -> None:
         units = self._planner.add(lengths.tolist())

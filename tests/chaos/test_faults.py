@@ -29,6 +29,7 @@ from hsx.dataset import HiddenStatesDataset
 from hsx.output import Output, ShardCorrupt
 from hsx.output import faults as fault_points
 from hsx.output.layout import COMMITS_DIR, SHARDS_DIR, TMP_DIR, inputs_part_path
+from hsx.plan import first_unit_tokens, plan_units
 from hsx_workers.tiny_models import ChatDataset, make_chat_dataset
 from tests.unit.outputs import flip_sample_byte
 
@@ -271,11 +272,13 @@ def test_a_driver_killed_during_ingestion_keeps_its_parts_and_a_rerun_completes(
 _KILLED_AFTER_A_COMMIT_DURING_INGESTION = """
 import os, signal, sys, threading
 import hsx.ingest.pipeline as pipeline
+import hsx.plan
 from hsx.output import Output
 from hsx.spec import JobSpec
 from hsx_service.runner import DispatchHooks, run_job
 
 pipeline.ROWS_PER_PART = 4  # the small dataset in parts of 4 samples
+hsx.plan.FIRST_UNIT_TOKENS = 100  # units of 100, 200, then 300 tokens (the rerun: none)
 spec = JobSpec.model_validate_json(sys.argv[1])
 committed = threading.Event()
 publish = Output.publish_part
@@ -301,7 +304,9 @@ def test_a_driver_killed_after_a_commit_during_ingestion_resumes_without_gap_or_
     driver is SIGKILLed once one has committed, with 2 of its parts published and the
     rest not. The rerun goes on after those parts, plans the same units (so the
     committed one is recognised and not extracted again) and completes with every row
-    once, in a shard or in the errors table."""
+    once, in a shard or in the errors table. The killed driver's plan ramped up from
+    100 tokens; the rerun's own rule would not (as a newer driver's may differ from an
+    older one's): it plans by the rule ingest.json recorded."""
     import signal
     import sys
 
@@ -324,9 +329,15 @@ def test_a_driver_killed_after_a_commit_during_ingestion_resumes_without_gap_or_
     assert not out.has_manifest() and records
     assert len(parts) == 2 and not parts[-1].last  # the rest was never tokenized
 
+    record = out.read_ingest_record()
+    assert record is not None and record.first_unit_tokens == 100
+    assert first_unit_tokens(spec.unit_tokens) == 0  # this driver would not ramp
+
     summary = run_job(spec, pool=engine_pool)
     assert {r.unit: r.shard for r in Output(output).commits() if r.unit in records} == records
     assert summary.shards == len(Output(output).manifest().units) > len(records)
+    lengths = Output(output).inputs().column("length").to_pylist()
+    assert Output(output).manifest().work_units == plan_units(lengths, 300, 100)
     figures = audit(output, small_dataset)
     report("killed after a commit during ingestion",
            {"faults": 1, "parts_before_kill": len(parts), "units_committed_before_kill":

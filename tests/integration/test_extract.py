@@ -117,14 +117,16 @@ def test_units_start_while_the_dataset_is_tokenized(
     """The dataset in parts of 32 samples, and the ingestion held after its first part
     (before it publishes the second) until a unit is committed: the job's first units
     run while the rest of its rows are still tokenized, its progress shows both, and the
-    plan is the one `plan_units` makes of the whole table, so the samples are the
-    reference run's."""
+    plan is the one `plan_units` makes of the whole table (ramping up from the first
+    unit's tokens, as ingest.json records), so the samples are the reference run's."""
     import threading
 
+    import hsx.plan
     from hsx.ingest import pipeline
     from hsx.plan import plan_units
 
     monkeypatch.setattr(pipeline, "ROWS_PER_PART", 32)
+    monkeypatch.setattr(hsx.plan, "FIRST_UNIT_TOKENS", 256)
     committed = threading.Event()
     held: list[bool] = []
     publish = Output.publish_part
@@ -150,7 +152,10 @@ def test_units_start_while_the_dataset_is_tokenized(
     records = out.part_records()
     assert len(records) > 3 and records[-1].last
     lengths = out.inputs().column("length").to_pylist()
-    assert out.manifest().work_units == plan_units(lengths, 1024)
+    record = out.read_ingest_record()
+    assert record is not None and record.first_unit_tokens == 256
+    assert out.manifest().work_units == plan_units(lengths, 1024, 256)
+    assert plan_units(lengths, 1024, 256) != plan_units(lengths, 1024)  # it ramped
     assert summary.shards == len(out.manifest().units)
     _same_samples(by_sample(Path(spec.output)), vllm_samples)
 

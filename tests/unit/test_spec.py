@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hsx.modelinfo import ModelConfigError, default_layers, read_model_info
-from hsx.plan import UnitPlanner, plan_units
+from hsx.plan import FIRST_UNIT_TOKENS, UnitPlanner, first_unit_tokens, plan_units
 from hsx.spec import DatasetSpec, JobSpec, SpecError, load_job, parse_job
 
 BASE = {"model": "/m", "dataset": "/d.jsonl", "output": "/o"}
@@ -187,12 +187,29 @@ def test_units_planned_part_by_part_are_the_units_of_the_whole_table() -> None:
     for _ in range(200):
         lengths = [rng.randint(1, 900) for _ in range(rng.randint(0, 120))]
         unit_tokens = rng.choice([1, 300, 1000, 5000])
-        planner = UnitPlanner(unit_tokens)
+        first = rng.choice([0, 1, 100, 1000])
+        planner = UnitPlanner(unit_tokens, first)
         units, start = [], 0
         while start < len(lengths):
             step = rng.randint(0, 17)
             units += planner.add(lengths[start:start + step])
             start += step
         units += planner.finish()
-        assert units == plan_units(lengths, unit_tokens)
+        assert units == plan_units(lengths, unit_tokens, first)
         assert planner.finish() == []
+
+
+def test_the_first_units_ramp_up_to_unit_tokens() -> None:
+    """A new job's first unit is cut at first_unit_tokens, each next at twice the last,
+    up to unit_tokens; without the rule (0, as older drivers planned) every unit is cut
+    at unit_tokens."""
+    lengths = [100] * 400  # 40,000 tokens
+    ramped = plan_units(lengths, 16_000, 2_000)
+    assert [u.tokens for u in ramped] == [2_000, 4_000, 8_000, 16_000, 10_000]
+    assert [u.tokens for u in plan_units(lengths, 16_000)] == [16_000, 16_000, 8_000]
+    assert plan_units(lengths, 16_000, 16_000) == plan_units(lengths, 16_000)
+    assert plan_units([5_000, 10], 16_000, 2_000)[0].tokens == 5_000  # one sample at least
+    assert first_unit_tokens(65_536) == FIRST_UNIT_TOKENS < 65_536
+    assert first_unit_tokens(FIRST_UNIT_TOKENS) == 0  # no smaller unit to start with
+    with pytest.raises(ValueError, match="first_unit_tokens"):
+        UnitPlanner(16_000, -1)

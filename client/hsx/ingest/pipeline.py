@@ -148,7 +148,9 @@ def ingest(
     executor: Executor | None = None,
     rows_per_part: int | None = None,
     job_fingerprint: str = "",
+    first_unit_tokens: int = 0,
     on_part: Callable[[PartRecord, np.ndarray], None] | None = None,
+    on_start: Callable[[IngestRecord], None] | None = None,
 ) -> IngestResult:
     """Tokenize every row of `dataset` into the output's inputs and errors tables, in
     parts of `rows_per_part` good samples (docs/FORMAT.md, "Inputs in parts").
@@ -158,10 +160,12 @@ def ingest(
     it appears (the driver plans units from the lengths). An output that holds some
     parts of the same ingestion (ingest.json: the same dataset, tokenizer, settings and
     `job_fingerprint`; else JobMismatch) goes on after the last one: what was published
-    is not tokenized again, and `on_part` hears of those parts first. `progress`, if
-    given, is called as rows are tokenized. `keep_messages` (a job that regenerates)
-    keeps each row's parsed conversation in the inputs table's `messages` column, and
-    refuses rows that carry none.
+    is not tokenized again, and `on_part` hears of those parts first. `on_start` hears
+    the ingest.json that holds, before any part: the first ingestion's, if this goes
+    on with one (its `first_unit_tokens`, the job's plan rule, is then that one's).
+    `progress`, if given, is called as rows are tokenized. `keep_messages` (a job that
+    regenerates) keeps each row's parsed conversation in the inputs table's `messages`
+    column, and refuses rows that carry none.
 
     The dataset is read as independent slices (`DatasetSource.slices`: byte ranges of
     JSON lines, runs of Parquet row groups, Arrow files). With `workers` > 1 (or an
@@ -194,9 +198,12 @@ def ingest(
         job_fingerprint=job_fingerprint, dataset_fingerprint=data_fp,
         tokenizer_fingerprint=tok_fp, max_seq_len=max_seq_len, keep_messages=keep_messages,
         rows_per_part=rows_per_part or ROWS_PER_PART,
-        slice_bytes=_slice_bytes(source, parallel), created_at=time.time())
+        slice_bytes=_slice_bytes(source, parallel), first_unit_tokens=first_unit_tokens,
+        created_at=time.time())
     record = out.start_ingest(wanted)
     record.check_same(wanted, output=str(out))  # the first ingestion's settings hold
+    if on_start is not None:
+        on_start(record)
     slices = (source.slices(slice_bytes=record.slice_bytes) if record.slice_bytes
               else source.slices())
     total_weight = sum(s.weight for s in slices)

@@ -152,6 +152,11 @@ class IngestRecord(BaseModel):
                                "of part r // rows_per_part.")
     slice_bytes: int = Field(0, ge=0, description="How JSON lines were cut into slices "
                              "(0: the default); a resumed ingestion cuts the same way.")
+    first_unit_tokens: int = Field(0, ge=0, description="How the job's first units are "
+                                   "cut (hsx.plan): the first at this many tokens, each "
+                                   "next at twice the last, up to unit_tokens; 0 (records "
+                                   "older than the rule): every unit at unit_tokens. A "
+                                   "resumed ingestion plans by it.")
     created_at: float = Field(..., description="Unix time.")
 
     def check_same(self, other: IngestRecord, *, output: str) -> None:
