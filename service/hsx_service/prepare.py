@@ -375,9 +375,11 @@ def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None
     manifest = output.read_manifest()
     if manifest is None:
         check_estimated_output(spec, info, layers, output)
-        ingestion = Ingestion(spec, info, layers, output, workers, on_ingest, cancelled)
+        streamed = stream and spec.regenerate is None
+        ingestion = Ingestion(spec, info, layers, output, workers, on_ingest, cancelled,
+                              streamed=streamed)
         ingestion.start()
-        if stream and spec.regenerate is None:
+        if streamed:
             ingestion.wait_first_part()
         else:
             ingestion.join()
@@ -424,7 +426,9 @@ class Ingestion:
     out units, the units out end, the job fails with it.
 
     The plan ramps up (hsx.plan: the first unit small, so the first commit comes soon
-    after an engine starts).
+    after an engine starts). Once the first part is published (a `streamed` one: the
+    engines start then), this process tokenizes on the ingesting thread alone, behind
+    the engines (`tokenize_on_one_thread`).
 
     A driver killed while ingesting left the parts it published; this one goes on after
     the last (ingest.json says it is the same job), tokenizing nothing twice, and plans
@@ -433,9 +437,10 @@ class Ingestion:
 
     def __init__(self, spec: JobSpec, info: ModelInfo, layers: list[int], output: Output,
                  workers: int | None, on_ingest: Callable[[IngestProgress], None] | None,
-                 cancelled: Callable[[], bool] | None) -> None:
+                 cancelled: Callable[[], bool] | None, *, streamed: bool = True) -> None:
         self.spec, self.info, self.layers, self.output = spec, info, layers, output
         self.workers = workers
+        self.streamed = streamed  # the engines start after the first part
         self.on_ingest = on_ingest
         self.cancelled = cancelled
         self.dispatching = False  # the dispatcher shows the progress from now on
@@ -551,6 +556,10 @@ class Ingestion:
         self._planner = UnitPlanner(self.spec.unit_tokens, record.first_unit_tokens)
 
     def _part(self, record: PartRecord, lengths: Any) -> None:
+        if self.streamed and not self.parts:  # the engines start now: go behind them
+            from hsx.ingest.pipeline import tokenize_on_one_thread
+
+            tokenize_on_one_thread()
         units = self._planner.add(lengths.tolist())
         if record.last:
             units += self._planner.finish()

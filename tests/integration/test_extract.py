@@ -6,6 +6,7 @@ a rerun) are compared against; all share the session's engine pool.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,8 @@ def test_units_start_while_the_dataset_is_tokenized(
     (before it publishes the second) until a unit is committed: the job's first units
     run while the rest of its rows are still tokenized, its progress shows both, and the
     plan is the one `plan_units` makes of the whole table (ramping up from the first
-    unit's tokens, as ingest.json records), so the samples are the reference run's."""
+    unit's tokens, as ingest.json records), so the samples are the reference run's. Once
+    the engines start, this process tokenizes on one thread (behind them)."""
     import threading
 
     import hsx.plan
@@ -127,6 +129,8 @@ def test_units_start_while_the_dataset_is_tokenized(
 
     monkeypatch.setattr(pipeline, "ROWS_PER_PART", 32)
     monkeypatch.setattr(hsx.plan, "FIRST_UNIT_TOKENS", 256)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "")  # (restored as it was after)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
     committed = threading.Event()
     held: list[bool] = []
     publish = Output.publish_part
@@ -157,6 +161,7 @@ def test_units_start_while_the_dataset_is_tokenized(
     assert out.manifest().work_units == plan_units(lengths, 1024, 256)
     assert plan_units(lengths, 1024, 256) != plan_units(lengths, 1024)  # it ramped
     assert summary.shards == len(out.manifest().units)
+    assert os.environ.get("TOKENIZERS_PARALLELISM") == "false"
     _same_samples(by_sample(Path(spec.output)), vllm_samples)
 
 

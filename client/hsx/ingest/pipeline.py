@@ -490,8 +490,18 @@ def _one_core_behind_the_engines() -> None:
     for each slice: a priority is a thread's, and this one runs the slice."""
     from hsx.output.shards import background_priority
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before the tokenizer runs
+    tokenize_on_one_thread()  # before the tokenizer runs
     background_priority()
+
+
+def tokenize_on_one_thread() -> None:
+    """From now on this process's tokenizers tokenize a batch on the calling thread
+    only (TOKENIZERS_PARALLELISM=false, unless set: they read it at every call), not
+    on their pool of Rust threads. For a process that tokenizes beside engines: a batch
+    on the pool took ~1.2 of this machine's 2 cores, and even at the lowest priority
+    those threads slowed a starting CPU engine (Ray runs it at nice 15, not far above)
+    by ~12 s (benchmarks/README.md, "First commit")."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _slice_parts(slc: SourceSlice, settings: _Settings, tokenizer: PreTrainedTokenizerBase,
