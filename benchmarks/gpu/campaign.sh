@@ -136,7 +136,10 @@ for s in "$@"; do
       timeout 1200 python3 benchmarks/bench_first_commit.py --rows ${FIRST_COMMIT_ROWS:-1000000} \
         --whole-rows 200000 --out "$RES/first_commit.json" --workdir /tmp \
         --note "GPU node: vLLM's GPU build, $(nproc) cores" > "$RES/first_commit.log" 2>&1
-      echo "first-commit: rc=$? $(tail -1 "$RES/first_commit.log")" ;;
+      echo "first-commit: rc=$? $(tail -1 "$RES/first_commit.log")"
+      # The engine's own log (vLLM's steps, timestamped): where its start went.
+      mkdir -p "$RES/first_commit-ray-logs"
+      cp /tmp/ray/session_latest/logs/worker-*.err "$RES/first_commit-ray-logs/" 2>/dev/null ;;
     train)
       step train
       if [ -f benchmarks/gpu/bench_train_scaling.py ]; then
