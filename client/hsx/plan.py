@@ -59,7 +59,6 @@ class UnitPlanner:
         if first_unit_tokens < 0:
             raise ValueError("first_unit_tokens must not be negative")
         self.unit_tokens = unit_tokens
-        self.first_unit_tokens = first_unit_tokens
         self.rows = 0  # rows seen
         self.units = 0  # units closed
         self._start = 0  # first row of the open unit

@@ -451,7 +451,7 @@ class Ingestion:
         self.error: BaseException | None = None
         self.done = False
         self.manifest = self._manifest(units=[])  # the plan so far (not published)
-        self._planner = UnitPlanner(spec.unit_tokens)  # (the rule ingest.json holds: _start)
+        self._planner = UnitPlanner(spec.unit_tokens)  # `_start` sets ingest.json's rule
         self._new: list[WorkUnit] = []
         self._stop = False
         self._cv = threading.Condition()
