@@ -35,6 +35,7 @@ from hsx_workers.engines.base import (
     GenerateResult,
     RequestStream,
 )
+from hsx_workers.engines.compile_cache import raise_explained
 from hsx_workers.spool import ERROR_SUFFIX, SPOOL_SUFFIX, read_error, spool_root, take_spool_file
 from hsx_workers.vllm_compat import fix_kernel_override_scan
 
@@ -155,7 +156,11 @@ class VllmEngine:
         # which by now may have imported numba: its kernel-override scan must survive that.
         fix_kernel_override_scan()
         started = time.monotonic()
-        self.llm = LLM(**engine_args)
+        try:
+            self.llm = LLM(**engine_args)
+        except Exception as err:
+            raise_explained(err)  # a broken compile cache, named; otherwise vLLM's error
+            raise
         if self.hooks:
             self.llm.collective_rpc(
                 "hsx_install_hooks",
