@@ -31,12 +31,13 @@ from .test_service import Coordinator, start_coordinator
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 
-# 200 steps: the draft of this target and data is as good as it gets at 300 (an offline
-# job's, measured with `hsx eval-draft` on 2026-12-03: 2.79 at step 200, 2.78 for the
-# best checkpoint of 300 steps), in two thirds of the steps and of the epochs captured.
-# A checkpoint every 40 steps leaves three before the end, one for each kill.
-STEPS = 200
-TRAIN = {"steps": STEPS, "checkpoint_every": 40, "eval_prompts": 16, "seed": 0}
+# 120 steps (2 epochs): the draft of this target and data is as good as it gets there.
+# Measured with `hsx eval-draft` (16 held-out prompts, 2026-12-03): an offline job's draft
+# 2.71 at step 120, 2.76 at 160 and 2.79 at 200; the online draft 2.71 at 200. The held-out
+# validation levels off from step 80 (3.26, then 3.29 at 120 and 200).
+# A checkpoint every 30 steps leaves three before the end, one for each kill.
+STEPS = 120
+TRAIN = {"steps": STEPS, "checkpoint_every": 30, "eval_prompts": 16, "seed": 0}
 JOB = {"layers": [1, 2, 3, 4], "max_seq_len": 256, "unit_tokens": 8192}
 
 
@@ -142,8 +143,11 @@ def test_the_online_job_trains_and_stores_no_shard(online: OnlineRun) -> None:
     assert out.committed_units() == set() and not (online.output / "shards").exists()
     complete = json.loads((online.output / "complete.json").read_text())
     assert complete["shards"] == 0 and complete["online"]["trainer"] == "done"
-    # Every epoch's units were captured again: more captures than units.
-    assert complete["online"]["captures"] > len(out.manifest().units)
+    # `captures` counts the last driver's (FORMAT.md), the one started after the
+    # coordinator's kill: it captured what the trainer took after resuming. That every
+    # epoch was captured again, with no shard stored, is what the visits show
+    # (test_every_sample_once_per_epoch_through_three_kills).
+    assert complete["online"]["captures"] >= 1
     # The tables still say what was trained on; the stream is gone.
     assert out.manifest().num_samples > 0
     assert not Stream(out.location).path.exists()
@@ -196,7 +200,7 @@ def test_online_and_offline_drafts_are_accepted_alike(online: OnlineRun,
     for name, training in (("online", online.training), ("offline", offline)):
         assert training.eval is not None and training.eval.error is None, training.eval
         measured[name] = training.eval.mean_acceptance_length
-    # 200 steps are short of the 500 of the default plan: both drafts land near 2.8.
+    # 120 steps are short of the 500 of the default plan: both drafts land near 2.7.
     assert measured["online"] >= 2.5, measured
     assert abs(measured["online"] - measured["offline"]) <= 0.05 * measured["offline"], \
         measured
