@@ -154,9 +154,10 @@ def check_dataset(spec: JobSpec) -> None:
         raise JobRefused(f"dataset: {err}") from None
 
 
-# The estimate refuses only a job it finds clearly too big: a dataset's first rows are
-# not a random sample. Jobs below this margin get the exact check after ingestion.
-ESTIMATE_MARGIN = 2.0
+# The estimate refuses only a job it finds clearly too big: its rows are a sample (from
+# 16 places of the dataset: hsx.ingest.estimate_tokens), not all. Jobs below this margin
+# are checked as their plan grows (`Ingestion`) and exactly after ingestion.
+ESTIMATE_MARGIN = 1.25
 
 
 def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], output: Output,
@@ -196,8 +197,8 @@ def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], ou
     need = tokens * per_token
     if need > ESTIMATE_MARGIN * limit:
         raise JobRefused(
-            f"output: the job would write about {_human(need)} (estimated from the first "
-            f"{sampled} of {rows} rows: {tokens:,.0f} tokens x {per_token} bytes of "
+            f"output: the job would write about {_human(need)} (estimated from {sampled} "
+            f"of its {rows} rows: {tokens:,.0f} tokens x {per_token} bytes of "
             f"{len(layers)} layers in {spec.storage_dtype}), more than {what} "
             f"({_human(limit)}); use fewer layers, storage_dtype fp8, or a smaller dataset"
         )
@@ -453,6 +454,9 @@ class Ingestion:
         self.manifest = self._manifest(units=[])  # the plan so far (not published)
         self._planner = UnitPlanner(spec.unit_tokens)  # `_start` sets ingest.json's rule
         self._new: list[WorkUnit] = []
+        self._room: tuple[int, str] | None = None  # `_measure_room`
+        self._committed: set[int] = set()
+        self._planned_tokens = 0  # in planned units not committed
         self._stop = False
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="hsx-ingest", daemon=True)
@@ -506,6 +510,7 @@ class Ingestion:
         spec = self.spec
         tasks = None
         try:
+            self._measure_room()
             tasks = tokenizing_tasks(spec.dataset_spec, self.workers)
             result = ingest(
                 spec.dataset_spec, spec.tokenizer or spec.model, spec.max_seq_len,
@@ -563,6 +568,7 @@ class Ingestion:
         units = self._planner.add(lengths.tolist())
         if record.last:
             units += self._planner.finish()
+        self._check_room(units, record.rows_end)
         with self._cv:
             m = self.manifest
             self.manifest = m.model_copy(update={
@@ -575,6 +581,33 @@ class Ingestion:
             self.parts += 1
             self._last_part = record.last
             self._cv.notify_all()
+
+    def _measure_room(self) -> None:
+        """What the plan may take, as the ingestion starts: the quota or the output's
+        free space, less nothing for the units committed by then (a rerun's)."""
+        if self.spec.trains_online:
+            return  # no shard is stored
+        self._room = _size_limit(self.output, output_quota())
+        if self._room is not None:
+            self._committed = self.output.committed_units()
+
+    def _check_room(self, units: list[WorkUnit], rows: int) -> None:
+        """Refuse the job as soon as its plan outgrows the room, not after its last row
+        (the estimate at submit lets through what it is not sure of): its engines stop
+        before they fill the disk."""
+        if self._room is None:
+            return
+        self._planned_tokens += sum(u.tokens for u in units if u.unit not in self._committed)
+        dtype = self.spec.storage_dtype
+        per_token = self.info.bytes_per_token(len(self.layers))[dtype]
+        need, (limit, what) = self._planned_tokens * per_token, self._room
+        if need > limit:
+            raise JobRefused(
+                f"output: the job would write about {_human(need)} for the first {rows:,} "
+                f"rows of its dataset alone ({self._planned_tokens:,} tokens x {per_token} "
+                f"bytes of {len(self.layers)} layers in {dtype}), more than {what} "
+                f"({_human(limit)}) as its ingestion started; free space, choose another "
+                "output, or use fewer layers, storage_dtype fp8 or a smaller dataset")
 
     def _manifest(self, units: list[WorkUnit], result: IngestResult | None = None
                   ) -> Manifest:

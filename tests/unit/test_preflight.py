@@ -414,15 +414,75 @@ def test_submit_refuses_an_output_estimated_over_quota(
     monkeypatch.setenv("HSX_QUOTA_BYTES", "100000")
     with pytest.raises(JobRefused) as refused:
         check_estimated_output(spec, *preflight(spec))
-    assert "estimated from the first" in str(refused.value) and "quota" in str(refused.value)
-    # Under twice the quota the estimate lets it through: ingestion's exact count decides.
-    monkeypatch.setenv("HSX_QUOTA_BYTES", str(int(exact.num_tokens * 2 * 4 * 256 * 0.6)))
+    # A dataset of fewer rows than the sample is estimated from all of them.
+    assert f"estimated from {rows} of its {rows} rows" in str(refused.value)
+    assert "quota" in str(refused.value)
+    # Under ESTIMATE_MARGIN x the quota the estimate lets it through: the plan decides.
+    monkeypatch.setenv("HSX_QUOTA_BYTES", str(int(exact.num_tokens * 2 * 4 * 256 * 0.9)))
     check_estimated_output(spec, *preflight(spec))
     # An online job stores no shard: no estimate of shards refuses it (found on an
     # H200, where an 8B online job was refused for the 32 GiB its shards would take).
     monkeypatch.setenv("HSX_QUOTA_BYTES", "100000")
     online = spec.model_copy(update={"train": TrainSpec(online=True)})
     check_estimated_output(online, *preflight(online))
+
+
+def test_the_estimate_samples_the_whole_dataset_not_its_head(
+    configs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dataset sorted by length (short chats first) is estimated from rows spread
+    over it: its first rows alone would say a tenth of its size."""
+    from hsx.ingest import estimate_tokens, ingest, sources
+
+    path = tmp_path / "sorted.jsonl"
+    with path.open("w") as f:
+        for i in range(2000):
+            words = " ".join(["hello"] * (1 + i // 20))
+            f.write(json.dumps({"messages": [{"role": "user", "content": words},
+                                             {"role": "assistant", "content": "ok"}]}) + "\n")
+    monkeypatch.setattr(sources, "SLICE_BYTES", 16384)  # its slices: ~50 of them
+    tokens, rows, sampled = estimate_tokens(path, str(configs["llama"]), 1024)
+    exact = ingest(path, str(configs["llama"]), 1024, tmp_path / "exact").num_tokens
+    assert rows == 2000 and 200 < sampled <= 256  # (a short last slice gives fewer)
+    assert 0.8 * exact < tokens < 1.25 * exact, (tokens, exact)
+    monkeypatch.setattr(sources, "SLICE_BYTES", 1 << 30)  # one slice: its first rows
+    head, _, _ = estimate_tokens(path, str(configs["llama"]), 1024)
+    assert head < 0.3 * exact, (head, exact)
+
+
+def test_a_plan_that_outgrows_the_room_stops_its_ingestion(
+    configs: dict[str, Path], chat_dataset: ChatDataset, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the estimate lets through (under ESTIMATE_MARGIN x the room) is refused while
+    it is tokenized, as soon as its plan needs more than the room, not after its last
+    row: the engines of a streamed job stop before they fill the disk."""
+    from hsx.ingest import ingest, pipeline
+    from hsx_service.prepare import ESTIMATE_MARGIN
+
+    spec = _spec(configs["llama"], chat_dataset, tmp_path / "g", unit_tokens=1024)
+    info, layers, _ = preflight(spec)
+    exact = ingest(chat_dataset.path, str(configs["llama"]), 256, tmp_path / "exact")
+    need = exact.num_tokens * info.bytes_per_token(len(layers))[spec.storage_dtype]
+    quota = int(need / 1.15)
+    assert need < ESTIMATE_MARGIN * quota
+    monkeypatch.setenv("HSX_QUOTA_BYTES", str(quota))
+    monkeypatch.setattr(pipeline, "ROWS_PER_PART", 16)
+    job = prepare(spec)  # the estimate passes it: its ingestion runs
+    assert job.ingestion is not None
+    job.ingestion.join()
+    refused = job.ingestion.error
+    assert isinstance(refused, JobRefused), refused
+    message = str(refused)
+    assert "for the first" in message and "the quota" in message, message
+    rows = int(message.split("for the first ")[1].split()[0].replace(",", ""))
+    assert 0 < rows < chat_dataset.num_rows, message
+    assert job.output.read_manifest() is None  # never ingested whole
+    # With room for all of it, the same job is planned whole.
+    monkeypatch.setenv("HSX_QUOTA_BYTES", str(need + 1))
+    whole = prepare(_spec(configs["llama"], chat_dataset, tmp_path / "h", unit_tokens=1024),
+                    stream=False)
+    assert sum(u.tokens for u in whole.pending) == exact.num_tokens
 
 
 def test_refused_engine_args_vllm_lacks_or_hsx_sets(configs: dict[str, Path],

@@ -655,20 +655,55 @@ def tokenize_conversations(tokenizer: PreTrainedTokenizerBase,
     return out
 
 
+ESTIMATE_SLICES = 16  # the estimate's sample comes from this many places of a dataset
+
+
 def estimate_tokens(
     dataset: DatasetLike, tokenizer_path: str, max_seq_len: int, *, sample_rows: int = 256,
     chat_template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False,
 ) -> tuple[float, int, int]:
-    """(estimated tokens, rows, rows sampled): the first `sample_rows` rows tokenized as
-    ingestion would, their mean tokens per row times the dataset's row count. Quick
-    (seconds), for checks before ingestion; a prefix is not a random sample."""
+    """(estimated tokens, rows, rows sampled): about `sample_rows` rows tokenized as
+    ingestion would. Quick (seconds), for checks before ingestion.
+
+    The rows come in equal runs from the starts of up to ESTIMATE_SLICES of the source's
+    slices, spread from its first to its last, so that a dataset sorted by length, or
+    files of different lengths, are not judged by their first rows. Each run gives its
+    tokens per row (per byte of a JSON lines slice, whose slices are cut by bytes), and
+    their mean times the source's rows (bytes) is the estimate. A source of one slice
+    is judged by its first rows."""
     source = resolve_source(dataset)
     rows = source.count_rows()
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
-    head = list(itertools.islice(source.rows(), sample_rows))
-    results = _process_batch(head, tokenizer, len(tokenizer), max_seq_len,
-                             dict(chat_template_kwargs or {}))
-    lengths = [len(r.input_ids) for r in results if isinstance(r, Sample)]
-    if not lengths:
-        return 0.0, rows, len(head)
-    return float(np.mean(lengths)) * rows, rows, len(head)
+
+    def tokens_of(sample: list[Row]) -> int:
+        results = _process_batch(sample, tokenizer, len(tokenizer), max_seq_len,
+                                 dict(chat_template_kwargs or {}))
+        return sum(len(r.input_ids) for r in results if isinstance(r, Sample))
+
+    slices = source.slices()
+    if len(slices) < 2:
+        head = list(itertools.islice(source.rows(), sample_rows))
+        return (tokens_of(head) / len(head) * rows if head else 0.0), rows, len(head)
+    by_bytes = slices[0].kind == "jsonl"
+    k = min(ESTIMATE_SLICES, len(slices), sample_rows)
+    chosen = sorted({round(i * (len(slices) - 1) / max(k - 1, 1)) for i in range(k)})
+    per = -(-sample_rows // len(chosen))
+    densities: list[float] = []
+    sampled = 0
+    for index in chosen:
+        run = list(itertools.islice(slices[index].rows(batch_rows=per), per))
+        size = sum(_json_line_bytes(r) for r in run) if by_bytes else len(run)
+        if size:
+            densities.append(tokens_of(run) / size)
+        sampled += len(run)
+    total = sum(s.weight for s in slices) if by_bytes else rows
+    return (float(np.mean(densities)) * total if densities else 0.0), rows, sampled
+
+
+def _json_line_bytes(row: Row) -> int:
+    """About the bytes of a JSON line that parses to `row` (a bad row's: its reason's)."""
+    import json
+
+    if isinstance(row, dict):
+        return len(json.dumps(row, ensure_ascii=False).encode()) + 1
+    return len(str(row)) + 1
