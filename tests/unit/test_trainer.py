@@ -261,6 +261,25 @@ def test_draft_layer_config_is_one_vllm_serves() -> None:
     assert layer.num_hidden_layers == 1 and layer.num_aux_hidden_states == 3
 
 
+@pytest.mark.parametrize(("length", "window"), [(7, None), (64, None), (64, 5), (512, 16)])
+def test_the_dense_attention_mask_is_speculators_own(length: int, window: int | None) -> None:
+    """hsx builds the draft's CPU attention mask with tensor operations; it must be the
+    one speculators' mask functions give: packs of whole samples, padding at the end."""
+    from speculators.models.attention import create_float_mask
+    from speculators.models.eagle3.attention import create_combined_mask_mod
+
+    from hsx_workers.trainer.draft_model import dense_attention_mask
+
+    rng = np.random.default_rng(length)
+    sizes = rng.integers(1, 40, size=length)
+    doc = torch.from_numpy(np.repeat(np.arange(length), sizes)[:length])
+    doc[length - length // 10:] = -1
+    theirs = create_float_mask(create_combined_mask_mod(doc, length, sliding_window=window),
+                               B=None, H=None, Q_LEN=length, KV_LEN=length, device="cpu")
+    assert torch.equal(dense_attention_mask(doc, length, "cpu", sliding_window=window), theirs)
+    assert theirs.dtype == torch.bfloat16 and theirs.shape == (1, 1, length, length)
+
+
 # ---------------------------------------------------------------------- training
 
 
