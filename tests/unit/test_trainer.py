@@ -116,9 +116,11 @@ def test_specs() -> None:
 
 
 def test_plan_is_sized_from_the_data_and_the_device() -> None:
-    def plan(tokens: int, device: str = "cpu", workers: int = 1, **fields: Any) -> Any:
+    def plan(tokens: int, device: str = "cpu", workers: int = 1, longest: int = 0,
+             **fields: Any) -> Any:
         return plan_schedule(TrainSpec(**fields), device=device, train_samples=tokens // 20,
-                             train_tokens=tokens, val_samples=10, workers=workers)
+                             train_tokens=tokens, val_samples=10, workers=workers,
+                             longest=longest)
 
     small = plan(72_000)  # the 4,000 chats: not one epoch of 9 steps
     assert (small.steps, small.batch_tokens, small.pack_tokens, small.lr) == (500, 1024, 512,
@@ -136,6 +138,11 @@ def test_plan_is_sized_from_the_data_and_the_device() -> None:
     assert plan(72_000, epochs=2).steps == -(-2 * 72_000 // 1024)
     assert plan(72_000, steps=50, lr=3e-4, batch_tokens=2048).steps == 50
     assert plan(72_000, pack_tokens=4096).pack_tokens == 1024  # never above batch_tokens
+    # On CPU, packs as short as the longest sample allows (from 128 to 512 tokens).
+    packs = {n: plan(72_000, longest=n).pack_tokens for n in (1, 32, 128, 129, 300, 4000)}
+    assert packs == {1: 128, 32: 128, 128: 128, 129: 256, 300: 512, 4000: 512}
+    assert plan(72_000, longest=32, pack_tokens=64).pack_tokens == 64  # as asked
+    assert plan(10**9, "cuda", longest=32).pack_tokens == 8192
     with pytest.raises(TrainRefused, match="no training samples"):
         plan(0)
     cosine = plan(72_000, steps=100, warmup_steps=10)

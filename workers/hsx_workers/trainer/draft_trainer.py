@@ -180,6 +180,7 @@ class DraftTrainer:
             self.spec, device=device, train_samples=len(train),
             train_tokens=sum(max(0, n - 1) for _, n in train),
             val_samples=len(self.val_indices), workers=self.group.world,
+            longest=max((n - 1 for _, n in train), default=0),
         )
         if self.spec.online:
             width = NUMPY_DTYPES[HIDDEN_DTYPE[manifest.storage_dtype]].itemsize
