@@ -154,10 +154,12 @@ def check_dataset(spec: JobSpec) -> None:
         raise JobRefused(f"dataset: {err}") from None
 
 
-# The estimate refuses only a job it finds clearly too big: its rows are a sample (from
-# 16 places of the dataset: hsx.ingest.estimate_tokens), not all. Jobs below this margin
-# are checked as their plan grows (`Ingestion`) and exactly after ingestion.
+# The estimate refuses only a job it finds clearly too big: its rows are a sample, from
+# 16 places of a JSON lines dataset (hsx.ingest.estimate_tokens), or its first rows,
+# which may not be like the rest. Jobs below the margin are checked as their plan grows
+# (`Ingestion`) and exactly after ingestion.
 ESTIMATE_MARGIN = 1.25
+HEAD_ESTIMATE_MARGIN = 2.0
 
 
 def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], output: Output,
@@ -186,7 +188,7 @@ def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], ou
             logger.info("no output estimate for %s: counting its rows means reading it "
                         "whole; the exact check follows ingestion", source)
             return
-        tokens, rows, sampled = estimate_tokens(
+        tokens, rows, sampled, spread = estimate_tokens(
             source, spec.tokenizer or spec.model, spec.max_seq_len,
             chat_template_kwargs=spec.chat_template_kwargs,
             trust_remote_code=spec.trust_remote_code)
@@ -195,12 +197,13 @@ def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], ou
         return
     per_token = info.bytes_per_token(len(layers))[spec.storage_dtype]
     need = tokens * per_token
-    if need > ESTIMATE_MARGIN * limit:
+    if need > (ESTIMATE_MARGIN if spread else HEAD_ESTIMATE_MARGIN) * limit:
         raise JobRefused(
             f"output: the job would write about {_human(need)} (estimated from {sampled} "
-            f"of its {rows} rows: {tokens:,.0f} tokens x {per_token} bytes of "
-            f"{len(layers)} layers in {spec.storage_dtype}), more than {what} "
-            f"({_human(limit)}); use fewer layers, storage_dtype fp8, or a smaller dataset"
+            f"of its {rows} rows{' spread over it' if spread else ''}: {tokens:,.0f} tokens "
+            f"x {per_token} bytes of {len(layers)} layers in {spec.storage_dtype}), more than "
+            f"{what} ({_human(limit)}); use fewer layers, storage_dtype fp8, or a smaller "
+            "dataset"
         )
 
 

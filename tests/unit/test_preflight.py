@@ -406,8 +406,8 @@ def test_submit_refuses_an_output_estimated_over_quota(
 
     spec = _spec(configs["llama"], chat_dataset, tmp_path / "e")
     assert count_rows(chat_dataset.path) == chat_dataset.num_rows
-    tokens, rows, sampled = estimate_tokens(chat_dataset.path, str(configs["llama"]), 256,
-                                            sample_rows=64)
+    tokens, rows, sampled, _ = estimate_tokens(chat_dataset.path, str(configs["llama"]),
+                                               256, sample_rows=64)
     exact = ingest(chat_dataset.path, str(configs["llama"]), 256, tmp_path / "exact")
     assert rows == chat_dataset.num_rows and sampled == 64
     assert 0.5 * exact.num_tokens < tokens < 2 * exact.num_tokens
@@ -417,7 +417,7 @@ def test_submit_refuses_an_output_estimated_over_quota(
     # A dataset of fewer rows than the sample is estimated from all of them.
     assert f"estimated from {rows} of its {rows} rows" in str(refused.value)
     assert "quota" in str(refused.value)
-    # Under ESTIMATE_MARGIN x the quota the estimate lets it through: the plan decides.
+    # Under the margin x the quota the estimate lets it through: the plan decides.
     monkeypatch.setenv("HSX_QUOTA_BYTES", str(int(exact.num_tokens * 2 * 4 * 256 * 0.9)))
     check_estimated_output(spec, *preflight(spec))
     # An online job stores no shard: no estimate of shards refuses it (found on an
@@ -441,12 +441,13 @@ def test_the_estimate_samples_the_whole_dataset_not_its_head(
             f.write(json.dumps({"messages": [{"role": "user", "content": words},
                                              {"role": "assistant", "content": "ok"}]}) + "\n")
     monkeypatch.setattr(sources, "SLICE_BYTES", 16384)  # its slices: ~50 of them
-    tokens, rows, sampled = estimate_tokens(path, str(configs["llama"]), 1024)
+    tokens, rows, sampled, spread = estimate_tokens(path, str(configs["llama"]), 1024)
     exact = ingest(path, str(configs["llama"]), 1024, tmp_path / "exact").num_tokens
-    assert rows == 2000 and 200 < sampled <= 256  # (a short last slice gives fewer)
+    assert rows == 2000 and 200 < sampled <= 256 and spread  # (a short last slice: fewer)
     assert 0.8 * exact < tokens < 1.25 * exact, (tokens, exact)
     monkeypatch.setattr(sources, "SLICE_BYTES", 1 << 30)  # one slice: its first rows
-    head, _, _ = estimate_tokens(path, str(configs["llama"]), 1024)
+    head, _, _, spread = estimate_tokens(path, str(configs["llama"]), 1024)
+    assert not spread
     assert head < 0.3 * exact, (head, exact)
 
 

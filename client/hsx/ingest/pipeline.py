@@ -14,7 +14,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -658,19 +658,27 @@ def tokenize_conversations(tokenizer: PreTrainedTokenizerBase,
 ESTIMATE_SLICES = 16  # the estimate's sample comes from this many places of a dataset
 
 
+class TokenEstimate(NamedTuple):
+    tokens: float
+    rows: int
+    sampled: int  # rows tokenized
+    spread: bool  # sampled over the whole dataset (else its first rows)
+
+
 def estimate_tokens(
     dataset: DatasetLike, tokenizer_path: str, max_seq_len: int, *, sample_rows: int = 256,
     chat_template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False,
-) -> tuple[float, int, int]:
-    """(estimated tokens, rows, rows sampled): about `sample_rows` rows tokenized as
+) -> TokenEstimate:
+    """The dataset's tokens, estimated from about `sample_rows` rows tokenized as
     ingestion would. Quick (seconds), for checks before ingestion.
 
-    The rows come in equal runs from the starts of up to ESTIMATE_SLICES of the source's
-    slices, spread from its first to its last, so that a dataset sorted by length, or
-    files of different lengths, are not judged by their first rows. Each run gives its
-    tokens per row (per byte of a JSON lines slice, whose slices are cut by bytes), and
-    their mean times the source's rows (bytes) is the estimate. A source of one slice
-    is judged by its first rows."""
+    JSON lines: the rows come in equal runs from the starts of up to ESTIMATE_SLICES of
+    the source's slices (cut by bytes), spread from its first to its last, so that a
+    dataset sorted by length, or files of different lengths, are not judged by their
+    first rows; their mean tokens per byte times the source's bytes is the estimate.
+    Each run reads a few lines at an offset. Other sources (Parquet, whose slices are
+    row groups a read decompresses whole; a hub dataset) are judged by their first rows
+    times their row count."""
     source = resolve_source(dataset)
     rows = source.count_rows()
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
@@ -680,11 +688,12 @@ def estimate_tokens(
                                  dict(chat_template_kwargs or {}))
         return sum(len(r.input_ids) for r in results if isinstance(r, Sample))
 
-    slices = source.slices()
+    slices = source.slices() if isinstance(source, FilesSource) and source.kind == "jsonl" \
+        else []
     if len(slices) < 2:
         head = list(itertools.islice(source.rows(), sample_rows))
-        return (tokens_of(head) / len(head) * rows if head else 0.0), rows, len(head)
-    by_bytes = slices[0].kind == "jsonl"
+        tokens = tokens_of(head) / len(head) * rows if head else 0.0
+        return TokenEstimate(tokens, rows, len(head), spread=False)
     k = min(ESTIMATE_SLICES, len(slices), sample_rows)
     chosen = sorted({round(i * (len(slices) - 1) / max(k - 1, 1)) for i in range(k)})
     per = -(-sample_rows // len(chosen))
@@ -692,12 +701,13 @@ def estimate_tokens(
     sampled = 0
     for index in chosen:
         run = list(itertools.islice(slices[index].rows(batch_rows=per), per))
-        size = sum(_json_line_bytes(r) for r in run) if by_bytes else len(run)
+        size = sum(_json_line_bytes(r) for r in run)
         if size:
             densities.append(tokens_of(run) / size)
         sampled += len(run)
-    total = sum(s.weight for s in slices) if by_bytes else rows
-    return (float(np.mean(densities)) * total if densities else 0.0), rows, sampled
+    total = sum(s.weight for s in slices)  # the files' bytes
+    tokens = float(np.mean(densities)) * total if densities else 0.0
+    return TokenEstimate(tokens, rows, sampled, spread=True)
 
 
 def _json_line_bytes(row: Row) -> int:
