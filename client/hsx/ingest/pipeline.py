@@ -95,11 +95,19 @@ class IngestProgress:
 
     rows: int
     fraction: float
+    rows_in_fraction: int = -1  # the rows of the slices `fraction` covers (-1: `rows`)
 
     @property
     def rows_expected(self) -> int:
-        """The dataset's rows as estimated from the fraction read (0: unknown yet)."""
-        return round(self.rows / self.fraction) if self.fraction > 0 else 0
+        """The dataset's rows as estimated from the slices read whole: their rows over
+        their share (0: unknown yet), never fewer than the rows read. (`rows` over the
+        same share, with the rows of the slice being read counted but not its weight,
+        climbed through each slice and dropped at its end: 514k to 708k on one 500k
+        dataset.)"""
+        measured = self.rows if self.rows_in_fraction < 0 else self.rows_in_fraction
+        if self.fraction <= 0 or measured <= 0:
+            return 0
+        return max(self.rows, round(measured / self.fraction))
 
 
 @dataclass(frozen=True)
@@ -212,6 +220,7 @@ def ingest(
     parts.resume()
     start, skip = parts.next_slice, parts.next_slice_row
     weight_done = sum(s.weight for s in slices[:start])
+    rows_done = parts.rows_end  # the rows of the slices weight_done covers
     tokenized = _tokenized(slices[start:] if not parts.ended else [], settings, tokenizer,
                            workers, executor, skip)
     try:
@@ -222,11 +231,12 @@ def ingest(
                 parts.add(batch, first, index)
                 if progress is not None:
                     progress(IngestProgress(parts.rows_end,
-                                            _fraction(weight_done, total_weight)))
+                                            _fraction(weight_done, total_weight), rows_done))
             weight_done += slices[index].weight
+            rows_done = parts.rows_end
             if progress is not None:
                 progress(IngestProgress(parts.rows_end, _fraction(weight_done, total_weight)
-                                        if index + 1 < len(slices) else 1.0))
+                                        if index + 1 < len(slices) else 1.0, rows_done))
         if not parts.ended:
             parts.finish(len(slices))
     except BaseException:
