@@ -4,6 +4,7 @@ and errors.arrow (bad rows and why); and the same tokenization for other callers
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import multiprocessing
 import os
@@ -722,8 +723,6 @@ def estimate_tokens(
 
 def _json_line_bytes(row: Row) -> int:
     """About the bytes of a JSON line that parses to `row` (a bad row's: its reason's)."""
-    import json
-
     if isinstance(row, dict):
         return len(json.dumps(row, ensure_ascii=False).encode()) + 1
     return len(str(row)) + 1
