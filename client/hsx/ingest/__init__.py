@@ -39,8 +39,10 @@ imported inside the functions that load a tokenizer.
   why it is bad;
 - tokenizer.py: the tokenizer, its fingerprint, and chats rendered with its template
   into token ids and assistant masks;
-- pipeline.py: `ingest`, batch by batch into the output's tables, and the same
-  tokenization for other callers (`tokenize_conversations`, `estimate_tokens`).
+- samples.py: a batch of rows into samples (template, assistant mask, truncation) or
+  the reasons they are skipped, and the same for other callers
+  (`tokenize_conversations`, `estimate_tokens`);
+- pipeline.py: `ingest`, batch by batch into the output's tables.
 """
 
 from __future__ import annotations
@@ -50,10 +52,9 @@ from hsx.ingest.pipeline import (
     IngestProgress,
     IngestResult,
     LengthSummary,
-    estimate_tokens,
     ingest,
-    tokenize_conversations,
 )
+from hsx.ingest.samples import estimate_tokens, tokenize_conversations
 from hsx.ingest.sources import (
     DatasetAccessError,
     DatasetError,
