@@ -80,6 +80,22 @@ def test_one_gather_gives_each_request_what_its_own_gather_gives(fp8: bool) -> N
                for r in rows)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_states_computed_wider_reach_the_host_as_bf16(dtype: str) -> None:
+    """An engine computing in float32 (a CPU without native bf16, dtypes.py) hands over
+    what bf16 storage keeps, half the bytes: each row rounded as the shard would."""
+    cache = torch.randn(BLOCKS, LAYERS, BLOCK, HIDDEN).to(getattr(torch, dtype))
+    blocks, lengths = _requests(2)
+    event, tensors = gather_to_host(cache, slots_of_requests(blocks, lengths, BLOCK),
+                                    sum(lengths))
+    event.synchronize()
+    states = tensors["hidden_states"]
+    assert states.dtype == torch.bfloat16
+    block, offset = blocks[3][5 // BLOCK], 5 % BLOCK  # the 4th request's 6th token
+    row = split_rows(tensors, lengths)[3]["hidden_states"][5]
+    assert torch.equal(row, cache[block, :, offset].to(torch.bfloat16))
+
+
 def test_gather_reads_the_32_layout() -> None:
     cache = torch.arange(BLOCKS * LAYERS * BLOCK * HIDDEN, dtype=torch.float32).reshape(
         BLOCKS, LAYERS, BLOCK, HIDDEN)

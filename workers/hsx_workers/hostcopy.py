@@ -102,6 +102,14 @@ def mark_stream(kv_cache: torch.Tensor | None) -> torch.cuda.Event | None:
     return event
 
 
+def _stored(states: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """States computed in float32 or float16 (dtypes.py), as bf16 storage keeps them:
+    half the bytes of float32 cross to the host and the spool."""
+    if fp8 or states.dtype == torch.bfloat16:
+        return states
+    return states.to(torch.bfloat16)
+
+
 def gather_to_host(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -114,7 +122,7 @@ def gather_to_host(
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Start copying one request's states to host memory; return (event, host tensors).
 
-    The tensors are `hidden_states` [T, L, H] (bf16 as cached, or float8_e4m3fn when
+    The tensors are `hidden_states` [T, L, H] (bf16, or float8_e4m3fn when
     `fp8`) and, with `fp8`, `scales` [T, L] (hsx.output.shards.quantize_fp8's per-row scales,
     NaN for a row that is not finite: checking here would wait for the device).
     They are valid once `event.synchronize()` returns (at once on CPU). On CUDA the copy
@@ -122,7 +130,7 @@ def gather_to_host(
     were launched), else for all the work on the current stream.
     """
     if not kv_cache.is_cuda:
-        states = extract(kv_cache, slot_mapping, num_tokens)
+        states = _stored(extract(kv_cache, slot_mapping, num_tokens), fp8)
         if not fp8:
             return DoneEvent(), {"hidden_states": states}
         q, scales = quantize_fp8(states, check=False)
@@ -140,7 +148,7 @@ def gather_to_host(
         # copy is queued like the rest; torch's host allocator keeps the block until the
         # copy has run.
         slots = slot_mapping.pin_memory().to(kv_cache.device, non_blocking=True)
-        states = extract(kv_cache, slots, num_tokens)
+        states = _stored(extract(kv_cache, slots, num_tokens), fp8)
         if fp8:
             q, scales = quantize_fp8(states, check=False)
             host = {"hidden_states": _to_pinned(q), "scales": _to_pinned(scales)}

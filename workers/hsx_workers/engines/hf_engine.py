@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hsx_workers.dtypes import compute_dtype
 from hsx_workers.engines.base import (
     IDLE_SLEEP_S,
     WAIT,
@@ -66,7 +67,8 @@ class HfEngine:
         self.device = torch.device(
             config.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        dtype: Any = _DTYPES.get(config.dtype, "auto")
+        dtype: Any = _DTYPES.get(
+            compute_dtype(config.dtype, on_cpu=self.device.type == "cpu"), "auto")
         self.batch_tokens = int(config.options.get("batch_tokens", 16384))
         model: Any = AutoModelForCausalLM.from_pretrained(
             config.model, dtype=dtype, trust_remote_code=config.trust_remote_code
