@@ -53,15 +53,20 @@ from hsx.spec import JobSpec
 VARIANTS = ("hsx", "hsx-omp1", "drop", "files", "bare")
 # Diagnostics, run only when named with --variants: `hsx-capture` is hsx-omp1's engine
 # path (VllmEngine.capture: connector, spool file, load) without the shard writer.
-DIAGNOSTIC_VARIANTS = ("hsx-capture", "hsx-nice0", "hsx-direct")
+DIAGNOSTIC_VARIANTS = ("hsx-capture", "hsx-nice0", "hsx-direct", "hsx-bf16", "drop-bf16",
+                       "bare-bf16")
 # Environment of a diagnostic variant: hsx-nice0 is hsx with its background threads
 # (shard writer, committer, connector's spool writers) at normal priority; hsx-direct
 # writes shards with direct I/O (HSX_DIRECT_IO=1).
 VARIANT_ENV = {"hsx-nice0": {"HSX_BACKGROUND_NICE": "0"}, "hsx-direct": {"HSX_DIRECT_IO": "1"}}
+# The model's dtype of each variant (`vllm.dtype`): `auto` is float32 on a CPU without
+# native bf16 (hsx_workers/dtypes.py); the -bf16 variants are their base variant in bf16.
+VARIANT_DTYPE = {"hsx-bf16": "bfloat16", "drop-bf16": "bfloat16", "bare-bf16": "bfloat16"}
 TARGETS = {"hsx/drop": 0.95, "hsx/files": 1.15}
 REPORT_ONLY = ("hsx-omp1/drop", "hsx-omp1/files", "hsx/bare", "drop/bare", "files/drop",
                "hsx-capture/drop", "hsx-omp1/hsx-capture", "hsx-nice0/drop", "hsx/hsx-nice0",
-               "hsx-direct/drop", "hsx-direct/hsx")
+               "hsx-direct/drop", "hsx-direct/hsx", "hsx/hsx-bf16", "drop/drop-bf16",
+               "bare/bare-bf16", "hsx-bf16/drop-bf16")
 MAX_SEQ_LEN = 1024
 MIN_PROMPT, MAX_PROMPT = 64, 1024
 WARMUP_PROMPTS = 8
@@ -143,13 +148,22 @@ def _cpu_seconds() -> dict[str, float]:
     return {"front": t.user + t.system, "engine": engine}
 
 
+def _base(variant: str) -> str:
+    """The variant a -bf16 one runs as (in bf16)."""
+    return variant.removesuffix("-bf16")
+
+
 def _engine_args(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
     """The LLM(...) arguments of a baseline: those VllmEngine passes, minus hsx's connector."""
+    from vllm.platforms import current_platform
+
+    from hsx_workers.dtypes import compute_dtype
+
     args: dict[str, Any] = dict(
         model=cfg["model"],
         tensor_parallel_size=1,
         max_model_len=cfg["max_seq_len"] + 2,
-        dtype="auto",
+        dtype=compute_dtype(cfg.get("dtype", "auto"), on_cpu=current_platform.is_cpu()),
         trust_remote_code=False,
         enable_prefix_caching=False,
         disable_log_stats=True,
@@ -209,6 +223,7 @@ class HsxRunner:
             output=str(output),
             layers=self.cfg["layers"],
             max_seq_len=self.cfg["max_seq_len"],
+            vllm={"dtype": self.cfg.get("dtype", "auto")},
             **({"unit_tokens": self.cfg["unit_tokens"]} if self.cfg.get("unit_tokens") else {}),
         )
         return prepare(spec, stream=False)
@@ -368,7 +383,7 @@ def child_main(variant: str, config: Path, fd: int) -> int:
         if variant.startswith("hsx"):
             runner = HsxRunner(cfg, capture_only=variant == "hsx-capture")
         else:
-            runner = GenerateRunner(cfg, variant)
+            runner = GenerateRunner(cfg, _base(variant))
         started = time.perf_counter() - start
         runner.warmup()
         send(event="ready", engine_start_s=started,
@@ -520,7 +535,7 @@ def bench_model(shape: ModelShape, *, quick: bool, reps: int, work: Path, log: I
                 "dataset": str(work / f"dataset-{shape.name}.jsonl"),
                 "warmup_dataset": str(work / f"warmup-{shape.name}.jsonl"),
                 "num_prompts": n, "workdir": str(vwork), "spool": str(vwork / "spool"),
-                "unit_tokens": unit_tokens,
+                "unit_tokens": unit_tokens, "dtype": VARIANT_DTYPE.get(variant, "auto"),
             }
             cfg_path = vwork / "config.json"
             cfg_path.write_text(json.dumps(cfg))

@@ -54,13 +54,14 @@ class TrainedRun:
 def trained(coordinator: Coordinator, learnable: Learnable,
             tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
     output = tmp_path_factory.mktemp("train-out") / "tasks"
-    # Twice the shared rows (the same first ones): an extraction long enough that the
-    # trainer's two Ray Train workers, started with it on the same core under `make
+    # Three times the shared rows (the same first ones): an extraction long enough that
+    # the trainer's two Ray Train workers, started with it on the same core under `make
     # test`, take their first steps while it runs. With the shared rows alone the
-    # extraction once ended 23 s before the first step; with three times them
-    # (2026-12-03) the first step came 108 s after the submit and the extraction ended
-    # at 548 s, a margin that twice the rows keep with 3,000 fewer to capture.
-    rows = write_language_dataset(output.parent / "tasks.jsonl", 2 * LEARNABLE_SAMPLES,
+    # extraction once ended 23 s before the first step. Since CPU engines compute in
+    # float32 here (hsx_workers/dtypes.py, 2026-12-04), twice the rows were captured by
+    # 138 s after the submit, the first step at 82 s; three times them keep about twice
+    # the margin for ~30 s more.
+    rows = write_language_dataset(output.parent / "tasks.jsonl", 3 * LEARNABLE_SAMPLES,
                                   language=learnable.language)
     client = coordinator.client()
     job = client.submit({
