@@ -51,7 +51,8 @@ class VllmOptions(BaseModel):
     dtype: str = Field("auto", description=(
         "Model dtype for vLLM (auto, bfloat16, float16, float32). auto: the model's own, "
         "but float32 on a CPU without native bf16 (no AVX-512 BF16 or AMX), where it "
-        "computes ~4x faster; the shards store storage_dtype either way."))
+        "computes ~4x faster, for an unquantized model whose float32 weights take at most "
+        "a quarter of the host's memory; the shards store storage_dtype either way."))
     max_num_batched_tokens: int | None = Field(
         None, gt=0, description="vLLM scheduler token budget per step; None lets vLLM choose."
     )

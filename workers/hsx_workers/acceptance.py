@@ -119,7 +119,8 @@ def measure_acceptance(
     longest = max(len(p.token_ids) + p.max_tokens for p in prompts) + k + 1
     args: dict[str, Any] = {"enforce_eager": enforce_eager, **(engine or {})}
     # The dtype the job's engines computed its states in (dtypes.py).
-    args["dtype"] = compute_dtype(str(args.get("dtype", "auto")), on_cpu=current_platform.is_cpu())
+    args["dtype"] = compute_dtype(str(args.get("dtype", "auto")),
+                                  on_cpu=current_platform.is_cpu(), model=target)
     # As long as the prompts need, at most what the job's own arguments allow.
     args["max_model_len"] = min(longest, int(args.get("max_model_len") or longest))
     fix_kernel_override_scan()  # as VllmEngine: an engine core in this process must start

@@ -68,7 +68,8 @@ class HfEngine:
             config.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         )
         dtype: Any = _DTYPES.get(
-            compute_dtype(config.dtype, on_cpu=self.device.type == "cpu"), "auto")
+            compute_dtype(config.dtype, on_cpu=self.device.type == "cpu",
+                          model=config.model), "auto")
         self.batch_tokens = int(config.options.get("batch_tokens", 16384))
         model: Any = AutoModelForCausalLM.from_pretrained(
             config.model, dtype=dtype, trust_remote_code=config.trust_remote_code

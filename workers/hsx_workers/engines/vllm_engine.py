@@ -120,7 +120,8 @@ class VllmEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             # +1 for the one generated token, +1 for the speculative slot.
             max_model_len=config.max_seq_len + 2,
-            dtype=compute_dtype(config.dtype, on_cpu=current_platform.is_cpu()),
+            dtype=compute_dtype(config.dtype, on_cpu=current_platform.is_cpu(),
+                                model=config.model),
             trust_remote_code=config.trust_remote_code,
             enable_prefix_caching=False,
             disable_log_stats=True,
