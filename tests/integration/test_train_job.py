@@ -54,20 +54,22 @@ class TrainedRun:
 def trained(coordinator: Coordinator, learnable: Learnable,
             tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
     output = tmp_path_factory.mktemp("train-out") / "tasks"
-    # Three times the shared rows (the same first ones): an extraction long enough that
-    # the trainer's two Ray Train workers, started with it on the same core under `make
-    # test`, take their first steps while it runs. With the shared rows alone the
-    # extraction once ended 23 s before the first step. Since CPU engines compute in
-    # float32 here (hsx_workers/dtypes.py, 2026-12-04), twice the rows were captured by
-    # 138 s after the submit, the first step at 82 s; three times them keep about twice
-    # the margin for ~30 s more.
-    rows = write_language_dataset(output.parent / "tasks.jsonl", 3 * LEARNABLE_SAMPLES,
+    # An extraction long enough that the trainer's two Ray Train workers, started with it
+    # on the same core under `make test`, take their first steps while it runs: their
+    # start takes 80-120 s there. Since CPU engines compute in float32 (hsx_workers/
+    # dtypes.py, 2026-12-04) three times the shared rows were captured by 70 s after the
+    # submit, 48 s before the first step, so this job names bf16, which this CPU emulates
+    # ~4x slower (and which the job's evaluation then loads too): with one and a half
+    # times the rows the extraction ended at 286 s, the first step came at 103 s
+    # (2026-12-04). With the shared rows alone, in bf16, the extraction once ended 23 s
+    # before the first step.
+    rows = write_language_dataset(output.parent / "tasks.jsonl", 3 * LEARNABLE_SAMPLES // 2,
                                   language=learnable.language)
     client = coordinator.client()
     job = client.submit({
         "model": str(learnable.target), "dataset": str(rows),
         "output": str(output), "layers": [1, 2, 3, 4], "max_seq_len": 256,
-        "unit_tokens": 8192, "train": TRAIN,
+        "unit_tokens": 8192, "vllm": {"dtype": "bfloat16"}, "train": TRAIN,
     }, job_id="tasks")
     # Kill the trainer actor (the driver of the Ray Train run) once, after its first
     # checkpoint; its workers go with it.
