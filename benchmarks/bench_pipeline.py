@@ -155,16 +155,13 @@ def _base(variant: str) -> str:
 
 def _engine_args(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
     """The LLM(...) arguments of a baseline: those VllmEngine passes, minus hsx's connector."""
-    from vllm.platforms import current_platform
-
-    from hsx_workers.dtypes import compute_dtype
+    from hsx_workers.dtypes import vllm_dtype
 
     args: dict[str, Any] = dict(
         model=cfg["model"],
         tensor_parallel_size=1,
         max_model_len=cfg["max_seq_len"] + 2,
-        dtype=compute_dtype(cfg.get("dtype", "auto"), on_cpu=current_platform.is_cpu(),
-                            model=cfg["model"]),
+        dtype=vllm_dtype(cfg.get("dtype", "auto"), cfg["model"]),
         trust_remote_code=False,
         enable_prefix_caching=False,
         disable_log_stats=True,

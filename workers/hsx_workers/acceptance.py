@@ -108,9 +108,8 @@ def measure_acceptance(
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.platforms import current_platform
 
-    from hsx_workers.dtypes import compute_dtype
+    from hsx_workers.dtypes import vllm_dtype
     from hsx_workers.vllm_compat import fix_kernel_override_scan
 
     if not prompts:
@@ -119,8 +118,7 @@ def measure_acceptance(
     longest = max(len(p.token_ids) + p.max_tokens for p in prompts) + k + 1
     args: dict[str, Any] = {"enforce_eager": enforce_eager, **(engine or {})}
     # The dtype the job's engines computed its states in (dtypes.py).
-    args["dtype"] = compute_dtype(str(args.get("dtype", "auto")),
-                                  on_cpu=current_platform.is_cpu(), model=target)
+    args["dtype"] = vllm_dtype(str(args.get("dtype", "auto")), target)
     # As long as the prompts need, at most what the job's own arguments allow.
     args["max_model_len"] = min(longest, int(args.get("max_model_len") or longest))
     fix_kernel_override_scan()  # as VllmEngine: an engine core in this process must start

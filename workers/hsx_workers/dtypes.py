@@ -65,3 +65,10 @@ def compute_dtype(requested: str, *, on_cpu: bool, model: str) -> str:
                     f"{need / 2**30:.1f} GiB", round(100 * FLOAT32_MEMORY_SHARE))
         return requested
     return "float32"
+
+
+def vllm_dtype(requested: str, model: str) -> str:
+    """`compute_dtype` for a vLLM engine of `model` started by this process."""
+    from vllm.platforms import current_platform
+
+    return compute_dtype(requested, on_cpu=current_platform.is_cpu(), model=model)

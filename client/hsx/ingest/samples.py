@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def process_rows(rows: list[Row], tokenizer: PreTrainedTokenizerBase, vocab_size: int,
-                   max_seq_len: int, kwargs: dict[str, Any]) -> list[Sample | str]:
+                 max_seq_len: int, kwargs: dict[str, Any]) -> list[Sample | str]:
     """One result per row, in row order: a sample, or the reason the row is skipped."""
     work = [classify(row, vocab_size) for row in rows]
     results: list[Sample | str | None] = [w if isinstance(w, str | Sample) else None

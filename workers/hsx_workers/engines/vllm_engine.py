@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from hsx_workers.dtypes import compute_dtype
+from hsx_workers.dtypes import vllm_dtype
 from hsx_workers.engines.base import (
     IDLE_SLEEP_S,
     WAIT,
@@ -109,7 +109,6 @@ class VllmEngine:
 
         import torch
         from vllm import LLM
-        from vllm.platforms import current_platform
 
         # This process only moves bytes (vLLM computes in its own processes); torch
         # threads here would spin on the cores the model runs on.
@@ -120,8 +119,7 @@ class VllmEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             # +1 for the one generated token, +1 for the speculative slot.
             max_model_len=config.max_seq_len + 2,
-            dtype=compute_dtype(config.dtype, on_cpu=current_platform.is_cpu(),
-                                model=config.model),
+            dtype=vllm_dtype(config.dtype, config.model),
             trust_remote_code=config.trust_remote_code,
             enable_prefix_caching=False,
             disable_log_stats=True,
