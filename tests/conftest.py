@@ -143,7 +143,8 @@ def ray_local() -> Iterator[None]:
 
     from hsx_service.runner import ensure_ray
 
-    ensure_ray(None, cpus_needed=4)
+    # A private Ray: another test's cluster may be recorded on this machine (xdist).
+    ensure_ray("local", cpus_needed=4)
     yield
     ray.shutdown()
 

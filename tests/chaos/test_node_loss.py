@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +37,16 @@ def test_a_lost_node_moves_its_units_to_the_other_engine(make_job: Any, tmp_path
     spec = make_job(tmp_path / "out", dataset=str(dataset.path), unit_tokens=500, replicas=2)
     spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
     spec_path.write_text(spec.model_dump_json())
+    # Its cluster records itself in a temporary folder of its own (short: Ray's socket
+    # paths), so no other Ray client of this machine finds and joins it.
+    ray_tmp = tempfile.mkdtemp(prefix="hsxray", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run([sys.executable, "-m", "tests.chaos.node_loss", str(spec_path),
-                           str(result_path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=1200, check=False)
+    try:
+        done = subprocess.run([sys.executable, "-m", "tests.chaos.node_loss", str(spec_path),
+                               str(result_path)], cwd=ROOT, env={**env, "RAY_TMPDIR": ray_tmp},
+                              capture_output=True, text=True, timeout=1200, check=False)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(result_path.read_text())
     nodes = result["engine_nodes"]

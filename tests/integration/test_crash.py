@@ -41,6 +41,8 @@ def _job_file(tmp: Path, tiny_llama: Path, dataset: ChatDataset, output: Path) -
         "layers": [1, 2, 3, 4],
         "max_seq_len": 256,
         "unit_tokens": 1024,  # many small units, so a kill lands mid-job
+        # Another test's Ray may run on this machine (pytest-xdist); never join it.
+        "ray_address": "local",
     }))
     return job
 

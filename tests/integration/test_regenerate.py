@@ -197,6 +197,7 @@ def test_kill_mid_job_then_rerun_keeps_committed_regenerations(
         "model": str(tiny_llama), "dataset": str(chat_dataset.path), "output": str(output),
         "layers": [1, 2, 3, 4], "max_seq_len": 256, "unit_tokens": 512,
         "regenerate": REGEN,
+        "ray_address": "local",  # never join another test's Ray on this machine
     }))
     proc = _start(job)
     try:
