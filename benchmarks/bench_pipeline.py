@@ -54,11 +54,13 @@ VARIANTS = ("hsx", "hsx-omp1", "drop", "files", "bare")
 # Diagnostics, run only when named with --variants: `hsx-capture` is hsx-omp1's engine
 # path (VllmEngine.capture: connector, spool file, load) without the shard writer.
 DIAGNOSTIC_VARIANTS = ("hsx-capture", "hsx-nice0", "hsx-direct", "hsx-bf16", "drop-bf16",
-                       "bare-bf16")
+                       "bare-bf16", "hsx-aot")
 # Environment of a diagnostic variant: hsx-nice0 is hsx with its background threads
 # (shard writer, committer, connector's spool writers) at normal priority; hsx-direct
-# writes shards with direct I/O (HSX_DIRECT_IO=1).
-VARIANT_ENV = {"hsx-nice0": {"HSX_BACKGROUND_NICE": "0"}, "hsx-direct": {"HSX_DIRECT_IO": "1"}}
+# writes shards with direct I/O (HSX_DIRECT_IO=1); hsx-aot compiles through vLLM's AOT
+# artifact, which its CPU build saves and cannot load (vllm_compat.compile_through_loadable_cache).
+VARIANT_ENV = {"hsx-nice0": {"HSX_BACKGROUND_NICE": "0"}, "hsx-direct": {"HSX_DIRECT_IO": "1"},
+               "hsx-aot": {"VLLM_USE_AOT_COMPILE": "1"}}
 # The model's dtype of each variant (`vllm.dtype`): `auto` is float32 on a CPU without
 # native bf16 (hsx_workers/dtypes.py); the -bf16 variants are their base variant in bf16.
 VARIANT_DTYPE = {"hsx-bf16": "bfloat16", "drop-bf16": "bfloat16", "bare-bf16": "bfloat16"}
@@ -66,7 +68,7 @@ TARGETS = {"hsx/drop": 0.95, "hsx/files": 1.15}
 REPORT_ONLY = ("hsx-omp1/drop", "hsx-omp1/files", "hsx/bare", "drop/bare", "files/drop",
                "hsx-capture/drop", "hsx-omp1/hsx-capture", "hsx-nice0/drop", "hsx/hsx-nice0",
                "hsx-direct/drop", "hsx-direct/hsx", "hsx/hsx-bf16", "drop/drop-bf16",
-               "bare/bare-bf16", "hsx-bf16/drop-bf16")
+               "bare/bare-bf16", "hsx-bf16/drop-bf16", "hsx/hsx-aot")
 MAX_SEQ_LEN = 1024
 MIN_PROMPT, MAX_PROMPT = 64, 1024
 WARMUP_PROMPTS = 8

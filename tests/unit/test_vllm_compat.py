@@ -4,7 +4,9 @@
   tokens the way vLLM's kernel means to, where the CPU build's own returns uninitialized
   memory;
 - the kernel-override scan at engine start: it rebinds kernels in a process that holds an
-  object like llvmlite's library (imported with numba), where vLLM's own scan raises.
+  object like llvmlite's library (imported with numba), where vLLM's own scan raises;
+- the compile cache on the CPU platform: the AOT artifact its build cannot load is off,
+  unless the environment names it.
 """
 
 from __future__ import annotations
@@ -89,3 +91,25 @@ def test_kernel_overrides_register_beside_llvmlite(monkeypatch: pytest.MonkeyPat
     assert namespace(dispatcher.KernelOverride) == vars(dispatcher.KernelOverride)
     assert namespace(module.owner) is vars(module.owner)
     assert namespace(module.lib) == {}
+
+
+def test_the_cpu_platform_compiles_through_the_cache_it_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    from hsx_workers.vllm_compat import compile_through_loadable_cache
+
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: True)
+    assert envs.use_aot_compile()  # vLLM's default with this torch: the artifact
+    assert compile_through_loadable_cache()
+    assert not envs.use_aot_compile()
+    # What the environment says stays.
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert not compile_through_loadable_cache() and envs.use_aot_compile()
+    # Elsewhere (a GPU) vLLM loads its artifact: nothing changes.
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE")
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    assert not compile_through_loadable_cache() and envs.use_aot_compile()
