@@ -379,7 +379,10 @@ class EnginePool:
     def _stop(self, slots: list[EngineSlot]) -> None:
         """Shut the engines down (vLLM gives its GPU memory back), kill their actors,
         free their placement groups, and only then their GPUs in the arbiter's books: what
-        gets them next finds them empty."""
+        gets them next finds them empty. No slots, no call to Ray: a Ray call in a
+        process where Ray is not connected starts a local one (`ray.wait([])` too)."""
+        if not slots:
+            return
         import ray
         from ray.exceptions import ActorHandleNotFoundError
         from ray.util.placement_group import remove_placement_group

@@ -236,3 +236,19 @@ def test_a_runner_that_keeps_dying_fails_its_job(
     assert final.state == JobState.failed
     assert f"died {scheduler_module.MAX_RUNNER_RESTARTS + 1} times" in (final.last_error or "")
     assert len(runs) == scheduler_module.MAX_RUNNER_RESTARTS + 1
+
+
+def test_stopping_a_pool_without_engines_starts_no_ray() -> None:
+    # A run that lost Ray before its engines started resets an empty pool: that must not
+    # start a local Ray in the coordinator (any Ray call does when none is connected).
+    import ray
+
+    from hsx_service.engine_pool import EnginePool
+
+    if ray.is_initialized():
+        pytest.skip("Ray is connected in this process already")
+    try:
+        EnginePool().shutdown()
+        assert not ray.is_initialized()
+    finally:
+        ray.shutdown()
