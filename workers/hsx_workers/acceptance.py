@@ -110,7 +110,7 @@ def measure_acceptance(
     from vllm.inputs import TokensPrompt
 
     from hsx_workers.dtypes import vllm_dtype
-    from hsx_workers.vllm_compat import compile_through_loadable_cache, fix_kernel_override_scan
+    from hsx_workers.vllm_compat import before_engine_start
 
     if not prompts:
         raise ValueError("no prompts to generate from")
@@ -121,8 +121,7 @@ def measure_acceptance(
     args["dtype"] = vllm_dtype(str(args.get("dtype", "auto")), target)
     # As long as the prompts need, at most what the job's own arguments allow.
     args["max_model_len"] = min(longest, int(args.get("max_model_len") or longest))
-    fix_kernel_override_scan()  # as VllmEngine: an engine core in this process must start
-    compile_through_loadable_cache()
+    before_engine_start()  # as VllmEngine
     llm = LLM(
         model=target, disable_log_stats=False,
         speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k},

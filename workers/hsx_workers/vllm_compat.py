@@ -169,7 +169,7 @@ def fix_kernel_override_scan() -> bool:
     `VllmEngine` sets) after it. This gives the dispatcher module a `vars` of its own that
     reads an object whose `__dict__` is not a mapping as an empty namespace (it holds no
     kernel); every other object reads as before. True if it did (or had); False where the
-    installed vLLM has no such dispatcher. `VllmEngine` calls it before it builds vLLM.
+    installed vLLM has no such dispatcher. `before_engine_start` runs it before vLLM is built.
     """
     try:
         from vllm.triton_utils import dispatcher
@@ -203,6 +203,14 @@ def compile_through_loadable_cache() -> bool:
         return False
     os.environ["VLLM_USE_AOT_COMPILE"] = "0"
     return True
+
+
+def before_engine_start() -> None:
+    """What this process needs before it builds a vLLM engine (`LLM(...)`): the engine
+    core may start in it (`fix_kernel_override_scan`) and inherits its environment
+    (`compile_through_loadable_cache`). `VllmEngine` and the draft's evaluation call it."""
+    fix_kernel_override_scan()
+    compile_through_loadable_cache()
 
 
 def _instance_namespace(obj: Any) -> Mapping[str, Any]:
