@@ -1,8 +1,9 @@
 """Draft training through the coordinator: a job (the learnable target, layers
 [1, 2, 3, 4]: 3 auxiliary layers) with a `train` section of 2 Ray Train workers (gloo)
-follows the extraction, its trainer is killed once and resumes, the validation and the
-best checkpoint show in `GET /v1/jobs/{id}/train`, and vLLM measures the draft on
-held-out prompts as the job's last step (draft/eval.json, in the status too).
+starts its trainer while its engines extract, the trainer is killed once and resumes,
+the validation and the best checkpoint show in `GET /v1/jobs/{id}/train`, and vLLM
+measures the draft on held-out prompts as the job's last step (draft/eval.json, in the
+status too).
 
 `hsx train` on its own, with no options: test_train.py. The two modules share the
 learnable target (tests/integration/conftest.py) and run side by side under `make test`.
@@ -22,9 +23,8 @@ import pytest
 from hsx.client import JobRefusedError, NotFoundError
 from hsx.output.layout import DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_EVAL
 from hsx.wire import JobState, JobStatus, TrainState, TrainStatus
-from hsx_workers.learnable import write_language_dataset
 
-from .helpers import LEARNABLE_SAMPLES, Learnable, published_step, worker_processes
+from .helpers import Learnable, published_step, worker_processes
 from .test_service import Coordinator, serve_for_module
 
 # The limits below guard against a hang only: on a 2-core machine without AVX-512 (vLLM's
@@ -48,41 +48,36 @@ class TrainedRun:
     training: TrainStatus
     killed_at_checkpoint: int
     statuses: list[TrainStatus]
+    # The training's states seen while the job's engines had units left to commit.
+    during_extraction: set[TrainState]
 
 
 @pytest.fixture(scope="module")
 def trained(coordinator: Coordinator, learnable: Learnable,
             tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
     output = tmp_path_factory.mktemp("train-out") / "tasks"
-    # An extraction long enough that the trainer's two Ray Train workers, started with it
-    # on the same core under `make test`, take their first steps while it runs: their
-    # start takes 80-120 s there. Since CPU engines compute in float32 (hsx_workers/
-    # dtypes.py, 2026-12-04) three times the shared rows were captured by 70 s after the
-    # submit, 48 s before the first step, so this job names bf16, which this CPU emulates
-    # ~4x slower (and which the job's evaluation then loads too): with one and a half
-    # times the rows the extraction ended at 286 s, the first step came at 103 s
-    # (2026-12-04). With the shared rows alone, in bf16, the extraction once ended 23 s
-    # before the first step.
-    rows = write_language_dataset(output.parent / "tasks.jsonl", 3 * LEARNABLE_SAMPLES // 2,
-                                  language=learnable.language)
     client = coordinator.client()
     job = client.submit({
-        "model": str(learnable.target), "dataset": str(rows),
+        "model": str(learnable.target), "dataset": str(learnable.dataset),
         "output": str(output), "layers": [1, 2, 3, 4], "max_seq_len": 256,
-        "unit_tokens": 8192, "vllm": {"dtype": "bfloat16"}, "train": TRAIN,
+        "unit_tokens": 8192, "train": TRAIN,
     }, job_id="tasks")
     # Kill the trainer actor (the driver of the Ray Train run) once, after its first
     # checkpoint; its workers go with it.
     statuses: list[TrainStatus] = []
+    during_extraction: set[TrainState] = set()
     killed_at = 0
     deadline = time.monotonic() + 2400
     while time.monotonic() < deadline:
+        extracting = _extracting(client.get(job.id))
         try:
             status = client.train_status(job.id)
         except NotFoundError:  # until the job has started its training
             time.sleep(0.5)
             continue
         statuses.append(status)
+        if extracting:
+            during_extraction.add(status.state)
         if status.checkpoint_step and not killed_at:
             procs = worker_processes(coordinator.proc.pid, "TrainerActor")
             assert procs, "no TrainerActor process under the coordinator"
@@ -94,16 +89,27 @@ def trained(coordinator: Coordinator, learnable: Learnable,
         time.sleep(0.3)
     final_job = client.wait(job.id, timeout=2400)
     training = client.wait_train(job.id, timeout=2400)
-    return TrainedRun(output, final_job, training, killed_at, statuses)
+    return TrainedRun(output, final_job, training, killed_at, statuses, during_extraction)
+
+
+def _extracting(job: JobStatus) -> bool:
+    """The job runs and its engines have units left to commit."""
+    return job.state == JobState.running and (
+        job.units_total == 0 or job.units_done < job.units_total)
 
 
 def test_training_runs_alongside_extraction(trained: TrainedRun) -> None:
     assert trained.job.state == JobState.succeeded, trained.job.last_error
     assert trained.training.state == TrainState.done, trained.training.error
     assert trained.training.first_step_at is not None
-    # The first run's steps were logged before the extraction ended.
-    first_logged = min(p.time for p in trained.training.history)
-    assert trained.job.finished_at is not None and first_logged < trained.job.finished_at
+    # The coordinator starts the trainer once the job's plan is whole, while the engines
+    # extract, not once the extraction has ended; the trainer then trains on each shard
+    # as its commit lands (test_trainer.py's test_follows_shards_committed_while_it_trains).
+    # Whether its first step also comes before the last commit is a race between the
+    # extraction and the start of 2 Ray Train workers on one shared core (a minute or
+    # more), not hsx's doing: this test once asked for it, extracting 1.5x the rows in
+    # bf16 to lengthen the extraction, and lost the race by 8 s in CI on 2026-12-04.
+    assert trained.during_extraction, "the training started only after the extraction"
     seen = {s.state for s in trained.statuses}
     assert {TrainState.running, TrainState.evaluating} <= seen, seen
 
