@@ -3,8 +3,8 @@
 `SeaweedS3.start(dir)` runs `weed server` (master, volume, filer and S3 gateway in one
 process) on free loopback ports with S3 authentication on (one identity, random keys),
 waits until a bucket can be created and an object stored, and returns the endpoint and
-credentials. `stop()` always kills it: SeaweedFS ignores SIGTERM for a while, so SIGKILL
-follows a short grace.
+credentials. `stop()` kills it with SIGKILL at once: SeaweedFS ignores SIGTERM for a
+while, and its data is the tests', thrown away with it.
 """
 
 from __future__ import annotations
@@ -206,9 +206,8 @@ class SeaweedS3:
         return "\n".join(lines[-n:])
 
     def stop(self) -> None:
-        """Stop the server (SIGKILL: its data is the test's, thrown away with it; weed
-        took its whole 3 s grace after a SIGTERM at every session's end); remove its
-        sockets."""
+        """Kill the server (after a SIGTERM weed took the whole 3 s grace it was once
+        given, at every session's end); remove its sockets."""
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
