@@ -74,9 +74,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # machine) and the short ones fill in behind them.
 #
 # pytest-xdist keeps two modules queued on each worker, so the worker that takes
-# test_train.py (~13 minutes on its core) is busy with it while the other runs the next
-# modules. test_train_job.py comes fifth and test_online.py (~9 minutes) sixth: their
-# workers reach them after the first has built the learnable target they share
+# test_train.py (~10 minutes on its core) is busy with it while the other runs the next
+# modules. test_train_job.py and test_online.py come fourth: their worker reaches them
+# after the first has built the learnable target they share
 # (tests/integration/conftest.py), not waiting on it.
 LONGEST_FIRST = (
     "integration/test_train.py", "integration/test_regenerate.py", "chaos/test_faults.py",
@@ -87,6 +87,15 @@ LONGEST_FIRST = (
     "integration/test_demo.py", "integration/test_s3_faults.py", "integration/test_archs.py",
 )
 
+# Modules that share a session fixture too costly to make twice, and so run on one worker:
+# pytest-xdist's loadfile scheduling takes them as one unit. test_train_job.py and
+# test_online.py share the learnable target's coordinator and its offline job (the
+# online job's comparator; tests/integration/conftest.py).
+ONE_WORKER = {
+    "tests/integration/test_train_job.py": "learnable coordinator",
+    "tests/integration/test_online.py": "learnable coordinator",
+}
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
@@ -95,6 +104,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return hits[0] if hits else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """loadfile scheduling with the files of ONE_WORKER as one unit each (others: xdist's)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return ONE_WORKER.get(path, path)
+
+    return Scheduling(config, log)
 
 
 LAYERS = [1, 2, 3, 4]  # every id of the 4-layer tiny model but the embeddings, N included

@@ -11,9 +11,10 @@ SIGKILLs itself at its second checkpoint, at one of the checkpoint's fault point
   draft/.tmp never counts), drops what was staged, logs every step exactly once, and its
   final draft loads as speculators' Eagle3 draft.
 
-The coordinator killed -9 while its trainer runs (`hsx serve` processes, the session's
-warm engine extracts the output beforehand): a coordinator started again on the same
-ledger resumes the training from its last checkpoint and finishes it.
+The coordinator killed -9 while its trainer runs a Ray Train run of 2 workers (`hsx
+serve` processes, the session's warm engine extracts the output beforehand): a
+coordinator started again on the same ledger resumes the training on 2 workers from its
+last checkpoint and finishes it, each step once.
 """
 
 from __future__ import annotations
@@ -101,16 +102,18 @@ def test_trainer_killed_mid_checkpoint_resumes_from_the_last_whole_one(
 
 
 TRAIN = {"max_steps": 40, "batch_tokens": 48, "checkpoint_every": 4, "keep_checkpoints": 2,
-         "draft_vocab_size": 128, "val_fraction": 0.0, "eval_prompts": 0, "device": "cpu"}
+         "draft_vocab_size": 128, "val_fraction": 0.0, "eval_prompts": 0, "device": "cpu",
+         "workers": 2}
 
 
 @pytest.mark.integration
 def test_a_coordinator_killed_while_it_trains_resumes_the_training(
     make_job: Any, engine_pool: Any, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """kill -9 of `hsx serve` (and its Ray, trainer included) after the training's first
-    checkpoint; a coordinator started again on the ledger picks the training up from
-    that checkpoint and finishes it; the extraction's output passes the audit."""
+    """kill -9 of `hsx serve` after the first checkpoint of its training on 2 Ray Train
+    workers (gloo); the trainer it owns goes with it, and the workers with the trainer. A
+    coordinator started again on the ledger picks the training up from that checkpoint
+    and finishes it on 2 workers; the extraction's output passes the audit."""
     import ray
 
     from hsx.wire import JobState, TrainState
@@ -148,6 +151,7 @@ def test_a_coordinator_killed_while_it_trains_resumes_the_training(
     finally:
         second.kill()
     assert training.state == TrainState.done, training.error
+    assert training.plan is not None and training.plan.workers == 2
     assert training.resumed_from is not None and training.resumed_from >= killed_at
     assert training.step == TRAIN["max_steps"]
     steps = [int(m["step"]) for m in read_metrics(output)]

@@ -1,22 +1,29 @@
 """Integration fixtures: `ray_local`, `engine_pool` and `make_job` live in tests/conftest.py,
 shared with tests/chaos/ so that one session starts one Ray and one pool of warm engines.
 
-`learnable` (the learnable target and its language's dataset) serves test_train.py and
-test_train_job.py, which `make test` may run on different pytest-xdist workers: the
-first to ask builds it (~2.5 minutes on one core) under a lock in the run's shared temporary
-directory, the other finds it there.
+`learnable` (the learnable target and its language's dataset) serves test_train.py,
+test_train_job.py and test_online.py, which `make test` may run on different
+pytest-xdist workers: the first to ask builds it (~2.5 minutes on one core) under a lock
+in the run's shared temporary directory, the others find it there.
+
+`learnable_server` (the coordinator of the learnable target's jobs) and `offline_run`
+(its offline job with `train:`) serve test_train_job.py and test_online.py, which one
+worker runs (tests/conftest.py's ONE_WORKER): the offline job is checked by the one and
+is the comparator of the other's online job, made once.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Iterator
 
 import pytest
 
 from hsx_workers.learnable import TaskLanguage, make_learnable_model, write_language_dataset
 
 from .helpers import LEARNABLE_SAMPLES, Learnable
+from .learnable_jobs import OfflineRun, Server, run_offline_job
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +46,24 @@ def learnable(tmp_path_factory: pytest.TempPathFactory) -> Learnable:
                                              language=language)
             partial.rename(dataset)
     return Learnable(target, language, dataset)
+
+
+@pytest.fixture(scope="session")
+def learnable_server(tmp_path_factory: pytest.TempPathFactory,
+                     learnable: Learnable) -> Iterator[Server]:
+    """The coordinator of the learnable target's jobs (test_online.py restarts it)."""
+    ledger = tmp_path_factory.mktemp("learnable-ledger") / "ledger.sqlite"
+    # Under pytest-xdist the learnable target and its rows lie outside this worker's tmp.
+    server = Server(ledger, [tmp_path_factory.getbasetemp(), learnable.target.parent])
+    server.start()
+    yield server
+    if server.now is not None:
+        server.now.kill()
+
+
+@pytest.fixture(scope="session")
+def offline_run(learnable_server: Server, learnable: Learnable,
+                tmp_path_factory: pytest.TempPathFactory) -> OfflineRun:
+    """The offline job with `train:`, its trainer killed once (learnable_jobs.py)."""
+    output = tmp_path_factory.mktemp("offline-out") / "tasks"
+    return run_offline_job(learnable_server, learnable, output)

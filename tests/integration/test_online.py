@@ -4,7 +4,9 @@ takes each unit from there, and no shard is ever stored. Meanwhile the trainer i
 (after its first checkpoint), then an engine, then the coordinator itself (kill -9 and a
 new one on the same ledger); the draft the job ends with has trained on every sample
 exactly once per epoch along its line of checkpoints (draft/visits.jsonl), and vLLM
-accepts it as often as the draft of an offline job with the same data, steps and seed.
+accepts it as often as the draft of an offline job with the same data, steps and seed
+(`offline_run`, whose own checks are test_train_job.py's; the two modules share the
+coordinator: tests/integration/learnable_jobs.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import collections
 import json
 import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,36 +28,9 @@ from hsx.output import Output
 from hsx.wire import JobState, JobStatus, TrainState, TrainStatus
 
 from .helpers import Learnable, worker_processes
-from .test_service import Coordinator, start_coordinator
+from .learnable_jobs import JOB, STEPS, TRAIN, OfflineRun, Server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
-
-# 120 steps (2 epochs): the draft of this target and data is as good as it gets there.
-# Measured with `hsx eval-draft` (16 held-out prompts, 2026-12-03): an offline job's draft
-# 2.71 at step 120, 2.76 at 160 and 2.79 at 200; the online draft 2.71 at 200. The held-out
-# validation levels off from step 80 (3.26, then 3.29 at 120 and 200).
-# A checkpoint every 30 steps leaves three before the end, one for each kill.
-STEPS = 120
-TRAIN = {"steps": STEPS, "checkpoint_every": 30, "eval_prompts": 16, "seed": 0}
-JOB = {"layers": [1, 2, 3, 4], "max_seq_len": 256, "unit_tokens": 8192}
-
-
-@dataclass
-class Server:
-    """The module's coordinator, which the test kills and starts again."""
-
-    ledger: Path
-    roots: list[Path]
-    now: Coordinator | None = None
-
-    def start(self) -> Coordinator:
-        self.now = start_coordinator(self.ledger, self.roots, self.ledger.parent / "serve.log")
-        return self.now
-
-    def restart(self) -> Coordinator:
-        if self.now is not None:
-            self.now.kill()
-        return self.start()
 
 
 @dataclass
@@ -69,28 +43,19 @@ class OnlineRun:
     train_waits: set[str] = field(default_factory=set)  # and its training
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, learnable: Learnable) -> Iterator[Server]:
-    ledger = tmp_path_factory.mktemp("online-ledger") / "ledger.sqlite"
-    s = Server(ledger, [tmp_path_factory.getbasetemp(), learnable.target.parent])
-    s.start()
-    yield s
-    if s.now is not None:
-        s.now.kill()
-
-
 def _train_status(server: Server, job_id: str) -> TrainStatus | None:
     try:
-        return server.now.client().train_status(job_id)  # type: ignore[union-attr]
+        return server.coordinator().client().train_status(job_id)
     except NotFoundError:  # until the job has started its training
         return None
 
 
 @pytest.fixture(scope="module")
-def online(server: Server, learnable: Learnable,
+def online(learnable_server: Server, learnable: Learnable,
            tmp_path_factory: pytest.TempPathFactory) -> OnlineRun:
+    server = learnable_server
     output = tmp_path_factory.mktemp("online-out") / "tasks"
-    client = server.now.client()  # type: ignore[union-attr]
+    client = server.coordinator().client()
     # The buffer holds about one of its ~8k-token units' states (4 layers x 256 x bf16).
     job = client.submit({
         "model": str(learnable.target), "dataset": str(learnable.dataset),
@@ -101,7 +66,7 @@ def online(server: Server, learnable: Learnable,
     trainer_killed_at = engine_killed_at = 0
     deadline = time.monotonic() + 3000
     while time.monotonic() < deadline:
-        status = server.now.client().get(job.id)  # type: ignore[union-attr]
+        status = server.coordinator().client().get(job.id)
         if status.waiting_for:
             run.waits.add(status.waiting_for)
         training = _train_status(server, job.id)
@@ -112,12 +77,12 @@ def online(server: Server, learnable: Learnable,
             run.train_waits.add(training.waiting_for)
         step = training.checkpoint_step or 0
         if step and not trainer_killed_at:
-            for p in worker_processes(server.now.proc.pid, "TrainerActor"):  # type: ignore[union-attr]
+            for p in worker_processes(server.coordinator().proc.pid, "TrainerActor"):
                 p.send_signal(signal.SIGKILL)
             trainer_killed_at = step
             run.killed.append(f"trainer after checkpoint {step}")
         elif trainer_killed_at and step > trainer_killed_at and not engine_killed_at:
-            engines = worker_processes(server.now.proc.pid)  # type: ignore[union-attr]
+            engines = worker_processes(server.coordinator().proc.pid)
             if engines:
                 engines[0].send_signal(signal.SIGKILL)
                 engine_killed_at = step
@@ -129,7 +94,7 @@ def online(server: Server, learnable: Learnable,
         if training.state.finished:
             break
         time.sleep(0.3)
-    client = server.now.client()  # type: ignore[union-attr]
+    client = server.coordinator().client()
     run.job = client.wait(job.id, timeout=2400)
     run.training = client.wait_train(job.id, timeout=2400)
     return run
@@ -183,21 +148,10 @@ def test_who_waits_on_whom_shows_in_the_status(online: OnlineRun) -> None:
     assert any("the engines" in w for w in online.train_waits), online.train_waits
 
 
-@pytest.fixture(scope="module")
-def offline(server: Server, learnable: Learnable, online: OnlineRun,
-            tmp_path_factory: pytest.TempPathFactory) -> TrainStatus:
-    output = tmp_path_factory.mktemp("offline-out") / "tasks"
-    client = server.now.client()  # type: ignore[union-attr]
-    job = client.submit({"model": str(learnable.target), "dataset": str(learnable.dataset),
-                         "output": str(output), **JOB, "train": TRAIN}, job_id="offline")
-    assert client.wait(job.id, timeout=2400).state == JobState.succeeded
-    return client.wait_train(job.id, timeout=2400)
-
-
 def test_online_and_offline_drafts_are_accepted_alike(online: OnlineRun,
-                                                      offline: TrainStatus) -> None:
+                                                      offline_run: OfflineRun) -> None:
     measured: dict[str, Any] = {}
-    for name, training in (("online", online.training), ("offline", offline)):
+    for name, training in (("online", online.training), ("offline", offline_run.training)):
         assert training.eval is not None and training.eval.error is None, training.eval
         measured[name] = training.eval.mean_acceptance_length
     # 120 steps are short of the 500 of the default plan: both drafts land near 2.7.
