@@ -75,8 +75,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 #
 # pytest-xdist keeps two modules queued on each worker, so the worker that takes
 # test_train.py (~10 minutes on its core) is busy with it while the other runs the next
-# modules. test_train_job.py and test_online.py come fourth: their worker reaches them
-# after the first has built the learnable target they share
+# modules. test_train_job.py and test_online.py (one unit: ONE_WORKER below) come fifth:
+# their worker reaches them after the first has built the learnable target they share
 # (tests/integration/conftest.py), not waiting on it.
 LONGEST_FIRST = (
     "integration/test_train.py", "integration/test_regenerate.py", "chaos/test_faults.py",

@@ -56,9 +56,21 @@ def learnable_server(tmp_path_factory: pytest.TempPathFactory,
     # Under pytest-xdist the learnable target and its rows lie outside this worker's tmp.
     server = Server(ledger, [tmp_path_factory.getbasetemp(), learnable.target.parent])
     server.start()
+    _SERVERS.append(server)
     yield server
-    if server.now is not None:
-        server.now.kill()
+    server.stop()
+
+
+_SERVERS: list[Server] = []  # the learnable_server of this session, once made
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the learnable target's coordinator (its Ray and engines) when the next test
+    does not use it, instead of keeping it until the session ends: the worker's other
+    modules need the memory and the cores."""
+    if nextitem is None or "learnable_server" not in nextitem.fixturenames:
+        for server in _SERVERS:
+            server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -45,13 +45,17 @@ class Server:
         return self.now
 
     def restart(self) -> Coordinator:
-        if self.now is not None:
-            self.now.kill()
+        self.stop()
         return self.start()
 
+    def stop(self) -> None:
+        if self.now is not None:
+            self.now.kill()
+            self.now = None
+
     def coordinator(self) -> Coordinator:
-        assert self.now is not None, "the coordinator is not running"
-        return self.now
+        """The running coordinator (one is started again after `stop`)."""
+        return self.now if self.now is not None else self.start()
 
 
 @dataclass
