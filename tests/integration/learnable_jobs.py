@@ -57,6 +57,20 @@ class Server:
         """The running coordinator (one is started again after `stop`)."""
         return self.now if self.now is not None else self.start()
 
+    def train_status(self, job_id: str) -> TrainStatus | None:
+        """The job's training status; None until the job has started its training."""
+        try:
+            return self.coordinator().client().train_status(job_id)
+        except NotFoundError:
+            return None
+
+    def kill_trainer(self) -> None:
+        """kill -9 the trainer actor's process (its Ray Train workers go with it)."""
+        procs = worker_processes(self.coordinator().proc.pid, "TrainerActor")
+        assert procs, "no TrainerActor process under the coordinator"
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+
 
 @dataclass
 class OfflineRun:
@@ -83,19 +97,15 @@ def run_offline_job(server: Server, learnable: Learnable, output: Path) -> Offli
     deadline = time.monotonic() + 2400
     while time.monotonic() < deadline:
         extracting = _extracting(client.get(job.id))
-        try:
-            status = client.train_status(job.id)
-        except NotFoundError:  # until the job has started its training
+        status = server.train_status(job.id)
+        if status is None:
             time.sleep(0.5)
             continue
         statuses.append(status)
         started_while_extracting |= extracting
         if status.checkpoint_step and not killed_at:
-            procs = worker_processes(server.coordinator().proc.pid, "TrainerActor")
-            assert procs, "no TrainerActor process under the coordinator"
             killed_at = status.checkpoint_step
-            for p in procs:
-                p.send_signal(signal.SIGKILL)
+            server.kill_trainer()
         if status.state.finished:
             break
         time.sleep(0.3)

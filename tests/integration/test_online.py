@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from hsx.client import NotFoundError
 from hsx.draft import read_visits
 from hsx.online import Stream
 from hsx.output import Output
@@ -43,13 +42,6 @@ class OnlineRun:
     train_waits: set[str] = field(default_factory=set)  # and its training
 
 
-def _train_status(server: Server, job_id: str) -> TrainStatus | None:
-    try:
-        return server.coordinator().client().train_status(job_id)
-    except NotFoundError:  # until the job has started its training
-        return None
-
-
 @pytest.fixture(scope="module")
 def online(learnable_server: Server, learnable: Learnable,
            tmp_path_factory: pytest.TempPathFactory) -> OnlineRun:
@@ -69,7 +61,7 @@ def online(learnable_server: Server, learnable: Learnable,
         status = server.coordinator().client().get(job.id)
         if status.waiting_for:
             run.waits.add(status.waiting_for)
-        training = _train_status(server, job.id)
+        training = server.train_status(job.id)
         if training is None:
             time.sleep(0.5)
             continue
@@ -77,8 +69,7 @@ def online(learnable_server: Server, learnable: Learnable,
             run.train_waits.add(training.waiting_for)
         step = training.checkpoint_step or 0
         if step and not trainer_killed_at:
-            for p in worker_processes(server.coordinator().proc.pid, "TrainerActor"):
-                p.send_signal(signal.SIGKILL)
+            server.kill_trainer()
             trainer_killed_at = step
             run.killed.append(f"trainer after checkpoint {step}")
         elif trainer_killed_at and step > trainer_killed_at and not engine_killed_at:
