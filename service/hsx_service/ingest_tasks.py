@@ -6,7 +6,8 @@ says when the ingestion of a job uses it and where its tasks may run.
 Ray is connected in the process that ingests (a coordinator connects before its first
 job; `hsx extract` only after its ingestion has started, so it takes the local path: in
 its own process, or a pool of processes with HSX_INGEST_WORKERS) and more than one
-slice at a time is asked for. Each task takes one of Ray's CPUs, so Ray's accounting
+slice at a time is asked for, but beside a streamed job's CPU engines (a cluster without
+GPUs), which take every core. Each task takes one of Ray's CPUs, so Ray's accounting
 keeps them off the CPUs that the engines' placement groups hold. A slice of a local
 file can only be read where the file is: those tasks run on the driver's node; a
 dataset in a bucket is read from any node (its slices carry the credentials resolved
@@ -103,7 +104,8 @@ class RayTasks(Executor):
         self._threads.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
-def tokenizing_tasks(dataset: DatasetSpec, workers: int | None) -> RayTasks | None:
+def tokenizing_tasks(dataset: DatasetSpec, workers: int | None, *,
+                     beside_engines: bool = False) -> RayTasks | None:
     """The Ray tasks that tokenize the dataset's slices, or None for the local path.
 
     `workers` (HSX_INGEST_WORKERS, `prepare.ingest_workers`): None (unset) for as many
@@ -111,12 +113,24 @@ def tokenizing_tasks(dataset: DatasetSpec, workers: int | None) -> RayTasks | No
     path, in the process that ingests. None too when Ray is not connected here, and
     when the tasks would have fewer than 2 CPUs (or none on the driver's node for a
     local dataset: a task pinned there would never start).
+
+    `beside_engines`: the job's engines run while it is ingested (a streamed job). On a
+    cluster without GPUs they are vLLM's CPU build, which computes on every core of its
+    node: with `workers` unset the dataset is then tokenized on the local path, which
+    goes behind the engines on one thread once they start (prepare.Ingestion), as `hsx
+    extract` does. Tasks there took two cores beside a starting engine, and began
+    with their processes' imports: a ready coordinator committed first 67 s after the
+    submit with them, 58 s without (benchmarks/README.md, "First commit"). One thread
+    keeps ahead of a CPU engine: it tokenizes ~1,000 rows a second, the engine
+    captures a few thousand tokens.
     """
     if workers == 1 or "ray" not in sys.modules:  # not connected: not imported for this
         return None
     import ray
 
     if not ray.is_initialized():
+        return None
+    if workers is None and beside_engines and not ray.cluster_resources().get("GPU"):
         return None
     from hsx.ingest.pipeline import TOKENIZING_PROCESS_ENV
     from hsx.ingest.sources import is_bucket_uri

@@ -514,7 +514,8 @@ class Ingestion:
         tasks = None
         try:
             self._measure_room()
-            tasks = tokenizing_tasks(spec.dataset_spec, self.workers)
+            tasks = tokenizing_tasks(spec.dataset_spec, self.workers,
+                                     beside_engines=self.streamed)
             result = ingest(
                 spec.dataset_spec, spec.tokenizer or spec.model, spec.max_seq_len,
                 self.output, chat_template_kwargs=spec.chat_template_kwargs,

@@ -101,10 +101,20 @@ def test_ray_tasks_write_the_bytes_of_one_process(
 
 def test_one_at_a_time_or_no_ray_is_the_local_path(ray_local: None, tmp_path: Path) -> None:
     spec = DatasetSpec(path=str(tmp_path / "d.jsonl"))
+    import ray
+
     assert tokenizing_tasks(spec, 1) is None  # HSX_INGEST_WORKERS=1: in the driver
     explicit = tokenizing_tasks(spec, 3)
     assert explicit is not None and explicit.max_workers == 3
     explicit.shutdown()
+    # Beside a streamed job's engines on a cluster without GPUs (vLLM's CPU build, on
+    # every core): the local path, unless HSX_INGEST_WORKERS says how many.
+    # (An earlier test of this process may have connected a cluster that declares GPUs.)
+    if not ray.cluster_resources().get("GPU"):
+        assert tokenizing_tasks(spec, None, beside_engines=True) is None
+    asked = tokenizing_tasks(spec, 3, beside_engines=True)
+    assert asked is not None and asked.max_workers == 3
+    asked.shutdown()
 
 
 def test_a_slice_that_fails_raises_its_own_error(tiny_tokenizer: Path, tmp_path: Path,
