@@ -151,6 +151,11 @@ def ensure_ray(address: str | None, cpus_needed: int) -> None:
             int(resources.get("GPU", 0)))
 
 
+def connect_ray(spec: JobSpec) -> None:
+    """Ray as the job asks (`ray_address`), started sized for its engines if need be."""
+    ensure_ray(spec.ray_address, (spec.replicas or 1) * spec.tensor_parallel_size)
+
+
 def _cpu_binding(replica: int, replicas: int, tp: int) -> str | None:
     """VLLM_CPU_OMP_THREADS_BIND giving each engine rank its own cores, when there are enough.
 
@@ -328,7 +333,7 @@ class EnginePool:
         import ray
 
         info, layers, _ = preflight(spec)
-        ensure_ray(spec.ray_address, (spec.replicas or 1) * spec.tensor_parallel_size)
+        connect_ray(spec)
         plan = plan_job(spec, ClusterShape.of_ray())
         config = engine_config_for(spec, info, layers, plan.engine_memory)
         slots = self.slots(spec.engine, config, plan.replicas, spec, job="warm-up",

@@ -43,6 +43,7 @@ from hsx.spec import JobSpec
 
 if TYPE_CHECKING:
     from hsx.ingest import IngestProgress, IngestResult
+    from hsx_service.ingest_tasks import RayTasks
 
 logger = logging.getLogger(__name__)
 
@@ -362,8 +363,8 @@ def ingest_workers(workers: int | None = None) -> int | None:
 
 
 def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None = None,
-            cancelled: Callable[[], bool] | None = None, stream: bool = True
-            ) -> PreparedJob:
+            cancelled: Callable[[], bool] | None = None, stream: bool = True,
+            while_first_part: Callable[[], None] | None = None) -> PreparedJob:
     """Preflight, then find the output's manifest and plan, or start making them.
 
     A job whose output has a manifest is prepared from it. A new one (or one whose
@@ -373,7 +374,9 @@ def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None
     while its engines start. A dataset whole by then is prepared as any other. A
     regenerating job is ingested whole first (its workers read the manifest), and so is
     any with `stream=False`. `on_ingest` hears how far the
-    ingestion is (rows tokenized); `cancelled` stops it."""
+    ingestion is (rows tokenized); `cancelled` stops it. `while_first_part` is called
+    here while a streamed ingestion tokenizes its first part (after the preflight, and
+    after the ingestion chose where it tokenizes): `run_job` starts Ray then."""
     info, layers, output = preflight(spec)
     workers = ingest_workers()
     manifest = output.read_manifest()
@@ -384,7 +387,13 @@ def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None
                               streamed=streamed)
         ingestion.start()
         if streamed:
-            ingestion.wait_first_part()
+            try:
+                if while_first_part is not None:
+                    while_first_part()
+                ingestion.wait_first_part()
+            except BaseException:
+                ingestion.stop()
+                raise
         else:
             ingestion.join()
         if ingestion.done:  # a dataset small enough to be whole by now: as any other
@@ -461,10 +470,17 @@ class Ingestion:
         self._committed: set[int] = set()
         self._planned_tokens = 0  # in planned units not committed
         self._stop = False
+        self._tasks: RayTasks | None = None  # where it tokenizes, chosen by `start`
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="hsx-ingest", daemon=True)
 
     def start(self) -> None:
+        from hsx_service.ingest_tasks import tokenizing_tasks
+
+        # Chosen before the thread starts: Ray connected later (`prepare`'s
+        # `while_first_part`) does not move an ingestion that began without it.
+        self._tasks = tokenizing_tasks(self.spec.dataset_spec, self.workers,
+                                       beside_engines=self.streamed)
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> None:
@@ -504,18 +520,14 @@ class Ingestion:
     def _run(self) -> None:
         from hsx.ingest import DatasetError, ingest
         from hsx.output.shards import background_priority
-        from hsx_service.ingest_tasks import tokenizing_tasks
-
         # The engines go first on cores they share with ingestion (vLLM's CPU build, the
         # actors that feed GPUs): this thread and the pool processes it starts take
         # what they leave (Ray's tasks lower themselves: pipeline.py).
         background_priority()
         spec = self.spec
-        tasks = None
+        tasks = self._tasks
         try:
             self._measure_room()
-            tasks = tokenizing_tasks(spec.dataset_spec, self.workers,
-                                     beside_engines=self.streamed)
             result = ingest(
                 spec.dataset_spec, spec.tokenizer or spec.model, spec.max_seq_len,
                 self.output, chat_template_kwargs=spec.chat_template_kwargs,

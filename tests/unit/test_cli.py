@@ -57,7 +57,7 @@ def no_engines(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         raise AssertionError("an engine was started for a job that should be refused")
 
     monkeypatch.setattr(runner.EnginePool, "slots", refuse)
-    monkeypatch.setattr(runner, "ensure_ray", refuse)
+    monkeypatch.setattr(runner, "connect_ray", refuse)
     return started
 
 

@@ -246,12 +246,12 @@ def train_online(job: Any, extract: Callable[[], int]) -> int:
     from hsx.output import Output
     from hsx_service.placement import plan_for_cluster
     from hsx_service.prepare import JobRefused
-    from hsx_service.runner import ensure_ray
+    from hsx_service.runner import connect_ray
     from hsx_service.scheduler import check_draft_layers
 
     try:
         check_draft_layers(job)  # before any engine starts
-        ensure_ray(job.ray_address, (job.replicas or 1) * job.tensor_parallel_size)
+        connect_ray(job)
         # On a GPU the engines take, the trainer takes its plan's share of one of them.
         share = plan_for_cluster(job).train_share or None
     except JobRefused as err:
