@@ -90,7 +90,7 @@ class Settings(BaseSettings):
             "Slices of a job's dataset tokenized at once. None: as Ray tasks of one CPU, "
             "as many as Ray has CPUs for (beside one per GPU; on this node for a local "
             "dataset, anywhere for a bucket's; on a cluster without GPUs, beside its CPU "
-            "engines, none: the coordinator's process); 1: one after the other in the "
+            "engines, one at a time); 1: one after the other in the "
             "coordinator's process; N: N Ray tasks (0: one per core). The same variable "
             "(HSX_INGEST_WORKERS) sets it for `hsx extract`, whose ingestion starts before "
             "it connects Ray: unset, in its own process; N, a pool of N processes."

@@ -6,10 +6,11 @@ says when the ingestion of a job uses it and where its tasks may run.
 Ray is connected in the process that ingests (a coordinator connects before its first
 job; `hsx extract` only after its ingestion has started, so it takes the local path: in
 its own process, or a pool of processes with HSX_INGEST_WORKERS) and more than one
-slice at a time is asked for, but beside a streamed job's CPU engines (a cluster without
-GPUs), which take every core. Each task takes one of Ray's CPUs, so Ray's accounting
-keeps them off the CPUs that the engines' placement groups hold. A slice of a local
-file can only be read where the file is: those tasks run on the driver's node; a
+slice at a time is asked for (one at a time beside a streamed job's CPU engines, on a
+cluster without GPUs: they take every core). Each task takes one of Ray's CPUs, so
+Ray's accounting keeps them off the CPUs that the engines' placement groups hold. A
+slice of a local file can only be read where the file is: those tasks run on the
+driver's node; a
 dataset in a bucket is read from any node (its slices carry the credentials resolved
 here), so its tasks run anywhere in the cluster. The tokenizer is loaded by the task's
 process: a node that runs them must see `tokenizer` (or `model`) at its path, as the
@@ -116,13 +117,15 @@ def tokenizing_tasks(dataset: DatasetSpec, workers: int | None, *,
 
     `beside_engines`: the job's engines run while it is ingested (a streamed job). On a
     cluster without GPUs they are vLLM's CPU build, which computes on every core of its
-    node: with `workers` unset the dataset is then tokenized on the local path, which
-    goes behind the engines on one thread once they start (prepare.Ingestion), as `hsx
-    extract` does. Tasks there took two cores beside a starting engine, and began
-    with their processes' imports: a ready coordinator committed first 67 s after the
-    submit with them, 58 s without (benchmarks/README.md, "First commit"). One thread
-    keeps ahead of a CPU engine: it tokenizes ~1,000 rows a second, the engine
-    captures a few thousand tokens.
+    node: with `workers` unset one task at a time then, behind them. Two took two
+    cores beside a starting engine: a ready coordinator committed first 67 s after the
+    submit with them, 58 s tokenizing in its own process (benchmarks/README.md, "First
+    commit"); but a thread of the coordinator's own process behind the engines (at the
+    lowest priority, holding the GIL when the engines take its core) kept its API
+    waiting (p99 363 ms against 7.5 ms with tasks). One task keeps ahead of a CPU
+    engine: ~1,000 rows a second, where the engine captures a few thousand tokens. The
+    first part is tokenized in the coordinator's process either way, before the engines
+    start (`hsx.ingest.pipeline._tokenized`).
     """
     if workers == 1 or "ray" not in sys.modules:  # not connected: not imported for this
         return None
@@ -130,16 +133,19 @@ def tokenizing_tasks(dataset: DatasetSpec, workers: int | None, *,
 
     if not ray.is_initialized():
         return None
-    if workers is None and beside_engines and not ray.cluster_resources().get("GPU"):
-        return None
     from hsx.ingest.pipeline import TOKENIZING_PROCESS_ENV
     from hsx.ingest.sources import is_bucket_uri
 
     anywhere = is_bucket_uri(dataset.path)
     node = None if anywhere else ray.get_runtime_context().get_node_id()
     cpus = tokenizing_cpus(node)
-    count = workers or cpus
-    if count < 2 or cpus < 1:
+    if workers is None and beside_engines and not ray.cluster_resources().get("GPU"):
+        count = 1  # behind the CPU engines
+    else:
+        count = workers or cpus
+        if count < 2:
+            return None
+    if cpus < 1:
         return None
     logger.info("tokenizing %s as Ray tasks, %d at once, %s", dataset.path, count,
                 "anywhere in the cluster" if anywhere else "on this node (a local dataset)")

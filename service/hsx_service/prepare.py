@@ -440,8 +440,12 @@ class Ingestion:
 
     The plan ramps up (hsx.plan: the first unit small, so the first commit comes soon
     after an engine starts). Once the first part is published (a `streamed` one: the
-    engines start then), this process tokenizes on the ingesting thread alone, behind
-    the engines (`tokenize_on_one_thread`).
+    engines start then), an ingestion that tokenizes on this thread goes behind the
+    engines: on it alone (`tokenize_on_one_thread`), at the lowest priority. One whose
+    slices other processes tokenize (Ray tasks, a pool: they lower themselves) keeps
+    this thread's priority: it only writes their tables, and at the lowest priority it
+    held the GIL while the engines took its core, which kept a coordinator's API
+    waiting (p99 363 ms).
 
     A driver killed while ingesting left the parts it published; this one goes on after
     the last (ingest.json says it is the same job), tokenizing nothing twice, and plans
@@ -519,11 +523,7 @@ class Ingestion:
 
     def _run(self) -> None:
         from hsx.ingest import DatasetError, ingest
-        from hsx.output.shards import background_priority
-        # The engines go first on cores they share with ingestion (vLLM's CPU build, the
-        # actors that feed GPUs): this thread and the pool processes it starts take
-        # what they leave (Ray's tasks lower themselves: pipeline.py).
-        background_priority()
+
         spec = self.spec
         tasks = self._tasks
         try:
@@ -577,10 +577,14 @@ class Ingestion:
         self._planner = UnitPlanner(self.spec.unit_tokens, record.first_unit_tokens)
 
     def _part(self, record: PartRecord, lengths: Any) -> None:
-        if self.streamed and not self.parts:  # the engines start now: go behind them
+        if self.streamed and not self.parts and self._tokenizes_here():
+            # The engines start now (on cores they may share with this thread's
+            # tokenizing: vLLM's CPU build, the actors that feed GPUs): behind them.
             from hsx.ingest.pipeline import tokenize_on_one_thread
+            from hsx.output.shards import background_priority
 
             tokenize_on_one_thread()
+            background_priority()
         units = self._planner.add(lengths.tolist())
         if record.last:
             units += self._planner.finish()
@@ -597,6 +601,10 @@ class Ingestion:
             self.parts += 1
             self._last_part = record.last
             self._cv.notify_all()
+
+    def _tokenizes_here(self) -> bool:
+        """The slices are tokenized on the ingesting thread (no Ray tasks, no pool)."""
+        return self._tasks is None and (self.workers or 1) <= 1
 
     def _measure_room(self) -> None:
         """What the plan may take, as the ingestion starts: the quota or the output's

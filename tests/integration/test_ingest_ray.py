@@ -108,10 +108,12 @@ def test_one_at_a_time_or_no_ray_is_the_local_path(ray_local: None, tmp_path: Pa
     assert explicit is not None and explicit.max_workers == 3
     explicit.shutdown()
     # Beside a streamed job's engines on a cluster without GPUs (vLLM's CPU build, on
-    # every core): the local path, unless HSX_INGEST_WORKERS says how many.
+    # every core): one task at a time, unless HSX_INGEST_WORKERS says how many.
     # (An earlier test of this process may have connected a cluster that declares GPUs.)
     if not ray.cluster_resources().get("GPU"):
-        assert tokenizing_tasks(spec, None, beside_engines=True) is None
+        behind = tokenizing_tasks(spec, None, beside_engines=True)
+        assert behind is not None and behind.max_workers == 1
+        behind.shutdown()
     asked = tokenizing_tasks(spec, 3, beside_engines=True)
     assert asked is not None and asked.max_workers == 3
     asked.shutdown()

@@ -123,6 +123,38 @@ def test_parallel_ingestion_writes_the_same_bytes(tiny_tokenizer: Path,
     assert 0 < fractions[len(fractions) // 2] < 1
 
 
+def test_the_first_part_is_tokenized_here_while_the_processes_start(
+        tiny_tokenizer: Path, mixed_dataset: ChatDataset, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engines wait for the first part, and other processes begin with their
+    imports: the slices up to the one that closes the first part are tokenized in the
+    ingesting process while each process loads its tokenizer, and the processes take
+    every slice after them, none before. The bytes are those of one process."""
+    data = str(mixed_dataset.path)
+    per = {"rows_per_part": 64}
+    one = ingest(data, str(tiny_tokenizer), 128, tmp_path / "one", **per)
+    monkeypatch.setattr(pipeline_module, "PARALLEL_SLICE_BYTES", 4096)
+    slices = pipeline_module._slices(resolve_source(data), 2)
+    calls: list[tuple[str, Any]] = []
+
+    class Recording(ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            calls.append((fn.__name__, args[0]))
+            return super().submit(fn, *args, **kwargs)
+
+    with Recording(2) as pool:
+        two = ingest(data, str(tiny_tokenizer), 128, tmp_path / "two", executor=pool,
+                     workers=2, **per)
+    assert [name for name, _ in calls[:2]] == ["warm_tokenizer"] * 2
+    sent = [(slc.start, slc.stop) for name, slc in calls if name == "tokenize_slice"]
+    first = Output(tmp_path / "two").part_records()[0]
+    head = first.next_slice + 1  # the slice whose rows closed the first part, and before
+    assert 1 <= head < len(slices)
+    assert sent == [(slc.start, slc.stop) for slc in slices[head:]]
+    assert _tables(tmp_path / "two") == _tables(tmp_path / "one")
+    assert two.num_rows == one.num_rows == 400
+
+
 def test_parallel_parquet_and_kept_messages(tiny_tokenizer: Path, mixed_dataset: ChatDataset,
                                             tmp_path: Path) -> None:
     rows = [r for r in mixed_dataset.rows if isinstance(r, dict)]

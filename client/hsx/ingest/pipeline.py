@@ -223,7 +223,7 @@ def ingest(
     weight_done = sum(s.weight for s in slices[:start])
     rows_done = parts.rows_end  # the rows of the slices weight_done covers
     tokenized = _tokenized(slices[start:] if not parts.ended else [], settings, tokenizer,
-                           workers, executor, skip)
+                           workers, executor, skip, head=parts.before_first)
     try:
         for index, batches in tokenized:
             index += start
@@ -285,6 +285,7 @@ class _PartBuilder:
         self.keep_messages = record.keep_messages
         self.on_part = on_part
         self.part = 0  # the part being written
+        self._resumed_at = 0  # the first part this ingestion writes (`resume`)
         self.rows_end = 0  # source rows read into published parts and the open one
         self.next_slice = self.next_slice_row = 0  # where the open part's rows go on
         self.ended = False  # the last part is published
@@ -299,6 +300,11 @@ class _PartBuilder:
         for rec in self.out.part_records():
             lengths = self.out.part_inputs(rec.part).column("length").to_numpy()
             self._published(rec, lengths)
+        self._resumed_at = self.part
+
+    def before_first(self) -> bool:
+        """This ingestion has published no part yet (a resumed one: none of its own)."""
+        return self.part == self._resumed_at
 
     def _published(self, rec: PartRecord, lengths: np.ndarray) -> None:
         self.part = rec.part + 1
@@ -407,11 +413,19 @@ def _fraction(done: int, total: int) -> float:
 
 def _tokenized(slices: list[SourceSlice], settings: _Settings,
                tokenizer: PreTrainedTokenizerBase, workers: int, executor: Executor | None,
-               skip: int = 0) -> Generator[tuple[int, Iterable[_Part]], None, None]:
+               skip: int = 0, head: Callable[[], bool] = lambda: False,
+               ) -> Generator[tuple[int, Iterable[_Part]], None, None]:
     """(slice number, its parts) in slice order: tokenized here, one batch at a time,
     or by `executor` (else a pool of `workers` processes), a window of them at once.
     The first slice's first `skip` rows are read but not tokenized (a resumed
-    ingestion published them)."""
+    ingestion published them).
+
+    With other processes, the first slices are tokenized here while `head()` holds
+    (`ingest`: until its first part is published, which the caller does as it takes a
+    slice's parts), and the processes start meanwhile, each loading its tokenizer
+    (`warm_tokenizer`): this process has its tokenizer loaded, theirs begin with their
+    imports (seconds; ~14 s for a coordinator's Ray tasks on a GPU node), and the
+    engines wait for the first part. Then they take the slices after the head."""
     if len(slices) < 2 or (executor is None and workers <= 1):
         for index, slc in enumerate(slices):
             yield index, _slice_parts(slc, settings, tokenizer, skip if index == 0 else 0)
@@ -421,15 +435,23 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
         max_workers=workers, mp_context=_pool_context(), initializer=_pool_process)
     window = 2 * max(workers, 1)
     pending: deque[Future[list[_Part]]] = deque()
+    warming = [pool.submit(warm_tokenizer, settings) for _ in range(max(workers, 1))]
     try:
-        submitted = 0
-        for index in range(len(slices)):
+        here = 0
+        while here < len(slices) and head():
+            yield here, _slice_parts(slices[here], settings, tokenizer,
+                                     skip if here == 0 else 0)
+            here += 1
+        submitted = here
+        for index in range(here, len(slices)):
             while submitted < len(slices) and len(pending) < window:
                 pending.append(pool.submit(tokenize_slice, slices[submitted], settings,
                                            skip if submitted == 0 else 0))
                 submitted += 1
             yield index, pending.popleft().result()
     finally:
+        for warm in warming:
+            warm.cancel()
         for future in pending:
             future.cancel()
         if owned:
@@ -482,6 +504,15 @@ _WORKER_TOKENIZER: dict[tuple[str, str, bool], PreTrainedTokenizerBase] = {}
 
 def tokenize_slice(slc: SourceSlice, settings: _Settings, skip: int = 0) -> list[_Part]:
     """A slice's rows tokenized, in another process (a pool's, a Ray task's)."""
+    return list(_slice_parts(slc, settings, _worker_tokenizer(settings), skip))
+
+
+def warm_tokenizer(settings: _Settings) -> None:
+    """In a process that tokenizes slices: load the tokenizer before the first slice."""
+    _worker_tokenizer(settings)
+
+
+def _worker_tokenizer(settings: _Settings) -> PreTrainedTokenizerBase:
     key = (settings.tokenizer_path, settings.tokenizer_fingerprint,
            settings.trust_remote_code)
     if os.environ.get(TOKENIZING_PROCESS_ENV) == "1":
@@ -490,7 +521,7 @@ def tokenize_slice(slc: SourceSlice, settings: _Settings, skip: int = 0) -> list
         _WORKER_TOKENIZER.clear()
         _WORKER_TOKENIZER[key] = load_tokenizer(
             settings.tokenizer_path, trust_remote_code=settings.trust_remote_code)
-    return list(_slice_parts(slc, settings, _WORKER_TOKENIZER[key], skip))
+    return _WORKER_TOKENIZER[key]
 
 
 def _one_core_behind_the_engines() -> None:
