@@ -10,12 +10,11 @@ slice at a time is asked for (one at a time beside a streamed job's CPU engines,
 cluster without GPUs: they take every core). Each task takes one of Ray's CPUs, so
 Ray's accounting keeps them off the CPUs that the engines' placement groups hold. A
 slice of a local file can only be read where the file is: those tasks run on the
-driver's node; a
-dataset in a bucket is read from any node (its slices carry the credentials resolved
-here), so its tasks run anywhere in the cluster. The tokenizer is loaded by the task's
-process: a node that runs them must see `tokenizer` (or `model`) at its path, as the
-engines' nodes see the model. The tables are byte for byte those of one process
-whatever runs the slices (`ingest` writes the results in slice order).
+driver's node; a dataset in a bucket is read from any node (its slices carry the
+credentials resolved here), so its tasks run anywhere in the cluster. The tokenizer is
+loaded by the task's process: a node that runs them must see `tokenizer` (or `model`)
+at its path, as the engines' nodes see the model. The tables are byte for byte those
+of one process whatever runs the slices (`ingest` writes the results in slice order).
 """
 
 from __future__ import annotations
