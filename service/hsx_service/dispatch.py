@@ -313,6 +313,8 @@ class Dispatch:
         self.emit(False)
         while self.working():
             self.take_planned()
+            if not self.working():  # the ingestion ended, and every unit was done by then
+                break
             self.open_gate()
             if self.cancel_asked():
                 continue

@@ -387,3 +387,16 @@ def test_an_ingestion_that_fails_stops_dispatch_and_lets_the_units_out_end() -> 
     assert run.working()  # the units out end first
     run.slots[0].inflight.clear()
     assert not run.working()
+
+
+def test_an_ingestion_that_ends_with_every_unit_done_ends_the_loop() -> None:
+    """The last units commit before the ingestion says it ended, and its end brings no
+    new unit (a rerun whose units were committed, a resumed ingestion's last part):
+    the loop ends there, not on "no engine is running" with idle engines."""
+    feed = _Feed(manifest=SimpleNamespace(num_samples=8, num_errors=0, tokens_total=80))
+    run = _dispatch(0, ingestion=feed)
+    assert run.working()  # units may still come
+    feed.done = True  # between the loop's check and its take: nothing came
+    result = run.run()
+    assert result.fatal is None and not result.failed_units and not run.queue
+    assert run.slots[0].state == "idle"
