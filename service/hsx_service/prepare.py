@@ -440,12 +440,12 @@ class Ingestion:
 
     The plan ramps up (hsx.plan: the first unit small, so the first commit comes soon
     after an engine starts). Once the first part is published (a `streamed` one: the
-    engines start then), an ingestion that tokenizes on this thread goes behind the
-    engines: on it alone (`tokenize_on_one_thread`), at the lowest priority. One whose
-    slices other processes tokenize (Ray tasks, a pool: they lower themselves) keeps
-    this thread's priority: it only writes their tables, and at the lowest priority it
-    held the GIL while the engines took its core, which kept a coordinator's API
-    waiting (p99 363 ms).
+    engines start then), this process tokenizes on one thread (`tokenize_on_one_thread`),
+    and an ingestion that tokenizes on this thread goes behind the engines at the
+    lowest priority. One whose slices other processes tokenize (Ray tasks, a pool: they
+    lower themselves) keeps this thread's priority: it only writes their tables, and at
+    the lowest priority it held the GIL while the engines took its core, which kept a
+    coordinator's API waiting (p99 363 ms).
 
     A driver killed while ingesting left the parts it published; this one goes on after
     the last (ingest.json says it is the same job), tokenizing nothing twice, and plans
@@ -577,14 +577,16 @@ class Ingestion:
         self._planner = UnitPlanner(self.spec.unit_tokens, record.first_unit_tokens)
 
     def _part(self, record: PartRecord, lengths: Any) -> None:
-        if self.streamed and not self.parts and self._tokenizes_here():
-            # The engines start now (on cores they may share with this thread's
-            # tokenizing: vLLM's CPU build, the actors that feed GPUs): behind them.
+        if self.streamed and not self.parts:
+            # The engines start now (on cores they may share with what this process
+            # still tokenizes: vLLM's CPU build, the actors that feed GPUs): behind them.
             from hsx.ingest.pipeline import tokenize_on_one_thread
-            from hsx.output.shards import background_priority
 
             tokenize_on_one_thread()
-            background_priority()
+            if self._tokenizes_here():
+                from hsx.output.shards import background_priority
+
+                background_priority()
         units = self._planner.add(lengths.tolist())
         if record.last:
             units += self._planner.finish()
