@@ -36,6 +36,7 @@ from hsx.output.layout import (
     DRAFT_VISITS,
     checkpoint_name,
 )
+from hsx.output.local_storage import make_output_dirs, open_output_file, replace_output_file
 from hsx.output.storage import ObjectExistsError, Storage, StorageError
 
 if TYPE_CHECKING:
@@ -229,16 +230,12 @@ def last_record(path: Path, window: int = 1 << 16) -> dict[str, Any] | None:
 
 def write_json(path: Path, body: dict[str, Any]) -> None:
     """Replace a JSON file atomically (readers see the old or the new content)."""
-    import os
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(body, indent=2))
-    os.replace(tmp, path)
+    replace_output_file(path, json.dumps(body, indent=2))
 
 
 # ---------------------------------------------------------------------- in a bucket
 
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_=+@,-][A-Za-z0-9._=+@,-]*")  # no /, not hidden
 _CHUNK = 64 * 2**20  # bytes per streamed write or ranged read of a draft file
 _PULL_TRIES = 20  # reads of draft/ that found it being replaced, before giving up
 _PULL_WAIT_S = 0.5
@@ -313,6 +310,12 @@ class BucketDraft:
             marker = None
         if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
             raise StorageError(f"{self.storage.url(key)} is not an upload marker")
+        # The names become local paths: whoever can write the bucket must not reach
+        # outside the draft folder (`../`) or write the hidden files it keeps.
+        for name in marker["files"]:
+            if not _PLAIN_NAME.fullmatch(name):
+                raise StorageError(f"{self.storage.url(key)} names {name!r}, not a file of a "
+                                   "draft folder")
         return marker
 
     @staticmethod
@@ -387,8 +390,8 @@ class BucketDraft:
     def _download(self, key: str, dest: Path, size: int, mtime_ns: int | None = None) -> None:
         """`key` into `dest` (replaced atomically), checked against the marker's size."""
         tmp = dest.with_name(f".{dest.name}.tmp")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with tmp.open("wb") as f:
+        make_output_dirs(dest.parent)
+        with open_output_file(tmp, "wb") as f:
             done = 0
             while done < size:
                 n = min(_CHUNK, size - done)
@@ -426,12 +429,12 @@ class BucketDraft:
         name = checkpoint_name(step)
         tmp = self.draft / ".tmp" / f"{name}.pull"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        make_output_dirs(tmp)
         base = self._ckpt_key(step)
         for file, size in marker["files"].items():
             self._download(f"{base}/{file}", tmp / file, int(size))
         final = self.root / DRAFT_CHECKPOINTS / name
-        final.parent.mkdir(parents=True, exist_ok=True)
+        make_output_dirs(final.parent)
         os.rename(tmp, final)  # whole or not at all, as the trainer publishes its own
 
     def pull_draft(self, tries: int = _PULL_TRIES) -> bool:

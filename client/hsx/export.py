@@ -232,6 +232,7 @@ def export_speculators(
 
     started = time.monotonic()
     from hsx.output import OutputCorrupt, StorageError
+    from hsx.output.local_storage import make_output_dirs
 
     try:
         # One shard mapped at a time: the export reads each shard once, in order, and
@@ -250,7 +251,9 @@ def export_speculators(
     staging.mkdir()
     try:
         out = staging / "export"
-        (out / HIDDEN_STATES_DIR).mkdir(parents=True)
+        # dest is this folder, renamed: its mode keeps the exported states as private as
+        # an output's (HSX_OUTPUT_MODE), whatever modes datasets gives the files inside.
+        make_output_dirs(out / HIDDEN_STATES_DIR)
         written, tokens, nbytes = _write(ds, out, staging / "inputs.arrow", layers, on_progress)
         if written != total:
             raise RuntimeError(f"expected {total} samples, wrote {written}")

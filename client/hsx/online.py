@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.output.layout import COMMITS_DIR, SHARDS_DIR, commit_path, unit_of_key
+from hsx.output.local_storage import replace_output_file
 
 EPOCH_STRIDE = 1_000_000_000  # stream unit = epoch * EPOCH_STRIDE + the job's unit
 RESUME = "resume.json"  # the trainer's run: where it resumed
@@ -99,10 +100,7 @@ class Stream:
         against it)."""
         from hsx.output.layout import MANIFEST
 
-        self.path.mkdir(parents=True, exist_ok=True)
-        tmp = self.path / f".{MANIFEST}.tmp"
-        tmp.write_text(manifest_json)
-        os.replace(tmp, self.path / MANIFEST)
+        replace_output_file(self.path / MANIFEST, manifest_json)
 
     def committed(self) -> set[int]:
         """Stream units committed and not yet taken by the trainer."""
@@ -162,10 +160,7 @@ class Stream:
         shutil.rmtree(self.path, ignore_errors=True)
 
     def _write(self, name: str, body: dict[str, Any]) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        tmp = self.path / f".{name}.{uuid.uuid4().hex[:8]}"
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, self.path / name)
+        replace_output_file(self.path / name, json.dumps(body))
 
     def _read(self, name: str) -> dict[str, Any] | None:
         try:

@@ -1,6 +1,12 @@
 """deploy/ and docker/: the manifests validate offline, name only settings hsx reads, and
 the Grafana board queries only metrics the coordinator exports.
 
+What the manifests promise a team sharing the service is checked too: Ray's ports take
+connections only from the cluster's own pods and the coordinator's port only from the
+sources named, every container runs as the same non-root user without privilege
+escalation on a read-only root, the bucket Secret reaches only the containers that use
+it, and the coordinator cannot start without its token.
+
 Kubernetes objects are checked with kubernetes-validate (Kubernetes' own JSON schemas,
 shipped in its wheel: no network) in strict mode, which refuses unknown fields as
 `kubectl apply` with strict field validation does. The RayCluster is checked against
@@ -22,6 +28,7 @@ import jsonschema
 import pytest
 import yaml
 
+from hsx.output.local_storage import OUTPUT_MODE_ENV
 from hsx.spec import JobSpec
 from hsx_service.config import Settings
 from hsx_service.errors import JobRefused
@@ -40,6 +47,15 @@ OBJECT_STORE_ENV = {
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
     "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ALLOW_HTTP",
 }
+
+# Read by the processes themselves: where a user without an entry in the image's passwd
+# keeps its caches, and the name getpass gives it.
+PROCESS_ENV = {"HOME", "USER"}
+# Ray's own ports on the head (the container's named ports) and the component labels of
+# the pods that make up the service.
+RAY_COMPONENTS = {"ray-head", "ray-worker"}
+SERVICE_COMPONENTS = RAY_COMPONENTS | {"coordinator"}
+COMPONENT = "app.kubernetes.io/component"
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -80,7 +96,8 @@ def validate(doc: dict[str, Any], version: str) -> None:
 def test_manifests_validate(version: str) -> None:
     docs = documents()
     assert {doc["kind"] for _, doc in docs} >= {
-        "RayCluster", "Deployment", "Service", "PersistentVolumeClaim", "Secret"}
+        "RayCluster", "Deployment", "Service", "PersistentVolumeClaim", "Secret",
+        "NetworkPolicy"}
     for name, doc in docs:
         try:
             validate(doc, version)
@@ -160,13 +177,14 @@ def _env_names(container: dict[str, Any]) -> set[str]:
 
 
 def test_env_names_are_settings_hsx_reads() -> None:
-    settings = {f"HSX_{name.upper()}" for name in Settings.model_fields}
+    # The coordinator's settings, and what the output layer reads in every process.
+    settings = {f"HSX_{name.upper()}" for name in Settings.model_fields} | {OUTPUT_MODE_ENV}
     for _, doc in documents():
         for container in _containers(doc):
             for name in _env_names(container):
                 if name.startswith("HSX_"):
                     assert name in settings, f"{container['name']}: {name} is no setting"
-                else:
+                elif name not in PROCESS_ENV:
                     assert name in OBJECT_STORE_ENV, f"{container['name']}: nobody reads {name}"
     # The coordinator's literal values parse as its settings do.
     (deployment,) = by_kind("Deployment")
@@ -246,6 +264,216 @@ def test_the_shipped_roots_take_the_volume_and_the_bucket() -> None:
     for outside in ("s3://another-bucket/x", "/etc/x"):
         with pytest.raises(JobRefused, match="output"):
             check_job_paths(job(outside), roots)
+
+
+# ----------------------------------------------------------------------- a shared service
+
+
+def _pods(docs: list[dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Each pod template of the service by its component label."""
+    docs = docs if docs is not None else [doc for _, doc in documents()]
+    out = {}
+    for doc in docs:
+        if doc["kind"] == "RayCluster":
+            groups = [doc["spec"]["headGroupSpec"], *doc["spec"].get("workerGroupSpecs", [])]
+            templates = [g["template"] for g in groups]
+        elif doc["kind"] == "Deployment":
+            templates = [doc["spec"]["template"]]
+        else:
+            continue
+        for template in templates:
+            out[template["metadata"]["labels"][COMPONENT]] = template
+    return out
+
+
+def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector selects a pod with these labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {"In": key in labels and labels[key] in values,
+              "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def _peer_components(peer: dict[str, Any]) -> set[str] | None:
+    """The service's components a `from` peer admits, or None when it admits pods that
+    are none of them (another namespace, an address range, any pod)."""
+    selector = peer.get("podSelector")
+    if set(peer) != {"podSelector"} or selector is None:
+        return None
+    for stranger in ({}, {"app.kubernetes.io/name": "other"},
+                     {"app.kubernetes.io/name": "hsx"},
+                     {"app.kubernetes.io/name": "hsx", COMPONENT: "other"}):
+        if _matches(selector, stranger):
+            return None
+    return {c for c in SERVICE_COMPONENTS
+            if _matches(selector, {"app.kubernetes.io/name": "hsx", COMPONENT: c})}
+
+
+def _ingress(docs: list[dict[str, Any]], component: str) -> list[dict[str, Any]] | None:
+    """The ingress rules of the policies that select the component's pods; None when no
+    policy isolates them (every connection allowed)."""
+    labels = _pods(docs)[component]["metadata"]["labels"]
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"
+                and "Ingress" in d["spec"].get("policyTypes", ["Ingress"])
+                and _matches(d["spec"]["podSelector"], labels)]
+    if not policies:
+        return None
+    return [rule for p in policies for rule in p["spec"].get("ingress", [])]
+
+
+def ray_exposure(docs: list[dict[str, Any]]) -> list[str]:
+    """Who besides the service's own pods may connect to a Ray pod (empty: nobody)."""
+    problems = []
+    for component in sorted(RAY_COMPONENTS):
+        rules = _ingress(docs, component)
+        if rules is None:
+            problems.append(f"{component}: no NetworkPolicy selects it")
+            continue
+        for rule in rules:
+            peers = rule.get("from") or [{}]  # no `from`: from everywhere
+            for peer in peers:
+                admitted = _peer_components(peer)
+                if admitted is None or not admitted:
+                    problems.append(f"{component}: a rule admits {peer or 'anyone'}")
+    return problems
+
+
+def _reaches(docs: list[dict[str, Any]], source: str, target: str, port: int) -> bool:
+    rules = _ingress(docs, target) or []
+    for rule in rules:
+        ports = [p["port"] for p in rule.get("ports", [])]
+        if ports and port not in ports:
+            continue
+        if any(source in (_peer_components(peer) or set()) for peer in rule.get("from", [])):
+            return True
+    return False
+
+
+def _head_ports() -> dict[str, int]:
+    (cluster,) = by_kind("RayCluster")
+    (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    return {p["name"]: p["containerPort"] for p in head["ports"]}
+
+
+def test_rays_ports_take_only_the_services_own_pods() -> None:
+    docs = [doc for _, doc in documents()]
+    assert ray_exposure(docs) == []
+    ports = _head_ports()
+    assert set(ports) == {"gcs", "dashboard", "client"}
+    for port in ports.values():  # GCS, dashboard and job API, client
+        assert _reaches(docs, "ray-worker", "ray-head", port)
+    assert _reaches(docs, "ray-head", "ray-worker", 6379)
+    # The coordinator joins through the client port, and reaches no other.
+    assert _reaches(docs, "coordinator", "ray-head", ports["client"])
+    assert not _reaches(docs, "coordinator", "ray-head", ports["dashboard"])
+    assert not _reaches(docs, "coordinator", "ray-head", ports["gcs"])
+
+
+@pytest.mark.parametrize("change", [
+    lambda p: p.clear(),  # no policy at all
+    lambda p: p[0]["spec"]["ingress"][0].pop("from"),  # from everywhere
+    lambda p: p[0]["spec"]["ingress"][0]["from"].append({"namespaceSelector": {}}),
+    lambda p: p[0]["spec"]["ingress"][0]["from"][0]["podSelector"].pop("matchExpressions"),
+    lambda p: p[0]["spec"]["ingress"].append({"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}),
+], ids=["no-policy", "no-from", "any-namespace", "any-hsx-pod", "any-address"])
+def test_an_exposed_ray_port_is_caught(change: Any) -> None:
+    docs = json.loads(json.dumps([doc for _, doc in documents()]))
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"
+                and d["metadata"]["name"] == "hsx-ray"]
+    change(policies)
+    if not policies:
+        docs = [d for d in docs if d["kind"] != "NetworkPolicy"]
+    assert ray_exposure(docs)
+
+
+def test_the_coordinators_port_takes_only_the_sources_named() -> None:
+    docs = [doc for _, doc in documents()]
+    rules = _ingress(docs, "coordinator")
+    assert rules, "no NetworkPolicy selects the coordinator"
+    (deployment,) = by_kind("Deployment")
+    (coordinator,) = _containers(deployment)
+    port = int(next(e["value"] for e in coordinator["env"] if e["name"] == "HSX_PORT"))
+    for rule in rules:
+        assert [p["port"] for p in rule.get("ports", [])] == [port], rule
+        assert rule.get("from"), "a rule without `from` admits anyone"
+    for component in RAY_COMPONENTS:  # the jobs' code runs there
+        assert not _reaches(docs, component, "coordinator", port)
+
+
+def test_every_container_runs_as_the_same_user_without_privileges() -> None:
+    users = set()
+    for component, template in _pods().items():
+        pod = template["spec"]
+        assert pod.get("automountServiceAccountToken") is False, component
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for container in pod["containers"]:
+            where = f"{component}/{container['name']}"
+            context = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+            assert context.get("runAsNonRoot") is True, where
+            assert context.get("runAsUser", 0) != 0, where
+            assert context.get("allowPrivilegeEscalation") is False, where
+            assert context.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert not context.get("privileged"), where
+            assert context.get("readOnlyRootFilesystem") is True, where
+            users.add((context["runAsUser"], context.get("runAsGroup")))
+            # What Ray, vLLM and the caches write, on a read-only root: emptyDirs.
+            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+            home = next(e["value"] for e in container["env"] if e["name"] == "HOME")
+            for path in ("/tmp", home):
+                assert "emptyDir" in volumes[mounts[path]], f"{where}: {path} is not writable"
+    # One user everywhere: outputs are owner-only (HSX_OUTPUT_MODE), and the coordinator
+    # and the trainer read what the engines wrote.
+    assert len(users) == 1, users
+
+
+def _secret_users() -> dict[str, set[str]]:
+    """Each Secret by the containers that get it (env, envFrom or a mounted volume)."""
+    out: dict[str, set[str]] = {}
+    for component, template in _pods().items():
+        pod = template["spec"]
+        secret_volumes = {v["name"]: v["secret"]["secretName"]
+                          for v in pod.get("volumes", []) if "secret" in v}
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            where = f"{component}/{container['name']}"
+            names = {s["secretRef"]["name"] for s in container.get("envFrom", [])
+                     if "secretRef" in s}
+            names |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
+                      if "secretKeyRef" in e.get("valueFrom", {})}
+            names |= {secret_volumes[m["name"]] for m in container.get("volumeMounts", [])
+                      if m["name"] in secret_volumes}
+            for name in names:
+                out.setdefault(name, set()).add(where)
+    return out
+
+
+def test_secrets_reach_only_the_containers_that_use_them() -> None:
+    users = _secret_users()
+    # The coordinator writes and reads bucket outputs and resolves the credentials it
+    # hands to a job's actors; the workers' engines and trainer write shards and drafts.
+    # The head runs Ray's control plane: no bucket keys there.
+    assert users["hsx-bucket"] == {"coordinator/coordinator", "ray-worker/ray-worker"}
+    assert users["hsx-api-token"] == {"coordinator/coordinator"}
+    assert set(users) <= set(_secrets())
+
+
+def test_the_coordinator_never_serves_open() -> None:
+    (deployment,) = by_kind("Deployment")
+    (coordinator,) = _containers(deployment)
+    env = {e["name"]: e for e in coordinator["env"]}
+    assert "HSX_ALLOW_OPEN" not in env
+    token = env["HSX_API_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert token.get("optional", False) is False  # no Secret, no pod
+    literal = {k.removeprefix("HSX_").lower(): e["value"] for k, e in env.items()
+               if k.startswith("HSX_") and "value" in e}
+    assert Settings(**literal, api_token="t").refusal_to_start() is None
+    # Were the token missing after all, the exposed coordinator would not start.
+    assert Settings(**literal).refusal_to_start() is not None
 
 
 # ----------------------------------------------------------------------- the Grafana board

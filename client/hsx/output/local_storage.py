@@ -5,11 +5,18 @@ Every object is staged in `<root>/.tmp/`, fsynced, and published by one atomic s
 name exists, which is the create-if-absent). The folder is fsynced after each publish so
 the name survives a power cut. A crash leaves only staging files, which are never listed
 and which `abort_incomplete_writes()` removes.
+
+What hsx writes on local disk (an output's files and folders, a draft, the coordinator's
+ledger) is created owner-only unless HSX_OUTPUT_MODE says otherwise (`output_file_mode`):
+hidden states and the prompts beside them are often private data. Each file gets its
+mode when it is created (`open_output_file`), never by a chmod once it has a name others
+could open.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import os
 import secrets
@@ -17,7 +24,7 @@ import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
@@ -51,6 +58,116 @@ off by default: each direct write waits for the disk, and in the CPU pipeline be
 on a shared disk, extraction ran at 0.855 of the page-cache path (docs/ARCHITECTURE.md).
 Where the file system refuses O_DIRECT, or a buffer is not aligned, the write goes
 through the page cache."""
+
+
+OUTPUT_MODE_ENV = "HSX_OUTPUT_MODE"
+DEFAULT_OUTPUT_MODE = 0o600
+"""The mode of the files hsx creates on local disk: owner-only unless HSX_OUTPUT_MODE
+(an octal string such as `0640`, to share an output with the owner's group) says
+otherwise. Folders get the same bits plus x where r is set (0600 -> 0700, 0640 -> 0750).
+Read by `hsx extract` and the coordinator alike; bucket outputs are not affected (the
+bucket's own policy governs them)."""
+
+
+def output_file_mode() -> int:
+    """The mode of a file hsx creates on local disk (HSX_OUTPUT_MODE, default 0600)."""
+    raw = os.environ.get(OUTPUT_MODE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_OUTPUT_MODE
+    try:
+        mode = int(raw, 8)
+    except ValueError:
+        mode = -1
+    # hsx must read and rewrite its own files; nothing it writes is a program.
+    if mode < 0 or mode & ~0o666 or mode & 0o600 != 0o600:
+        raise ValueError(f"{OUTPUT_MODE_ENV}={raw!r} is not a file mode hsx can use: give "
+                         "octal read/write bits with the owner's both set, e.g. 0600 or 0640")
+    return mode
+
+
+def output_dir_mode() -> int:
+    """The mode of a folder hsx creates: the file mode plus x wherever r is set."""
+    mode = output_file_mode()
+    return mode | (mode & 0o444) >> 2
+
+
+def _give_mode(fd: int, mode: int) -> None:
+    """Make a file hsx just created have `mode` exactly."""
+    # The creating call already gave `mode` less the umask, never more; a umask stricter
+    # than the setting (077 with HSX_OUTPUT_MODE=0640) would take bits the operator asked
+    # for. A file system without modes (some mounts) refuses: it keeps what it has.
+    if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, mode)
+
+
+def make_output_dirs(path: str | os.PathLike[str]) -> Path:
+    """`mkdir -p path`, each folder it creates given `output_dir_mode()` (Path.mkdir
+    gives the parents it creates the umask's mode); folders already there are left as
+    they are. Returns the path."""
+    path = Path(path)
+    mode = output_dir_mode()
+    missing: list[Path] = []
+    at = path
+    while not os.path.isdir(at) and at.parent != at:
+        missing.append(at)
+        at = at.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, mode)
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+            continue  # made meanwhile by another writer: theirs
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            _give_mode(fd, mode)
+        finally:
+            os.close(fd)
+    return path
+
+
+def output_opener(path: str | os.PathLike[str], flags: int) -> int:
+    """An `opener` for `open()` whose new files get `output_file_mode()`; a file that
+    exists already keeps its mode."""
+    mode = output_file_mode()
+    if not flags & os.O_CREAT:
+        return os.open(path, flags)
+    if flags & os.O_EXCL:
+        fd = os.open(path, flags, mode)
+        _give_mode(fd, mode)
+        return fd
+    while True:
+        try:
+            fd = os.open(path, flags | os.O_EXCL, mode)
+        except FileExistsError:
+            try:
+                return os.open(path, flags & ~os.O_CREAT)
+            except FileNotFoundError:
+                continue  # removed in between: create it after all
+        _give_mode(fd, mode)
+        return fd
+
+
+def open_output_file(path: str | os.PathLike[str], mode: str = "w") -> IO[Any]:
+    """`open(path, mode)` for a file hsx writes on local disk: a new file gets
+    `output_file_mode()` as it is created."""
+    return open(path, mode, opener=output_opener)
+
+
+def replace_output_file(path: str | os.PathLike[str], data: bytes | str) -> None:
+    """Replace a small file atomically (readers see the old or the new content), the
+    new one created with `output_file_mode()` and its folder made if missing."""
+    path = Path(path)
+    make_output_dirs(path.parent)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open_output_file(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _address(data: memoryview) -> int:
@@ -111,9 +228,9 @@ class LocalStorage(Storage):
         """A new staging file for `key` (opened for writing) and its descriptor."""
         staging = self.root / STAGING_DIR
         try:
-            staging.mkdir(parents=True, exist_ok=True)
+            make_output_dirs(staging)
             path = staging / f"{key.replace('/', '--')}.{secrets.token_hex(6)}.part"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = output_opener(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         except OSError as err:
             raise StorageError(f"cannot write to {self.uri}: {err.strerror or err}") from err
         return path, fd
@@ -132,7 +249,7 @@ class LocalStorage(Storage):
 
     def _publish_dir(self, key: str) -> Path:
         final = self.local_path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        make_output_dirs(final.parent)
         return final
 
     def create(self, key: str, data: bytes) -> None:
@@ -224,7 +341,7 @@ class LocalStorage(Storage):
     def check_writable(self) -> None:
         probe = f".hsx-probe-{secrets.token_hex(6)}"
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_output_dirs(self.root)
             self.create(probe, b"hsx")
             if self.read(probe) != b"hsx":
                 raise StorageError(f"{self.uri}: a probe object read back different bytes")

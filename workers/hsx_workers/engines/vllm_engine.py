@@ -105,7 +105,9 @@ class VllmEngine:
         self.spool = spool_root(2 * self.max_inflight_tokens * bytes_per_token) / (
             f"hsx-spool-{uuid.uuid4().hex[:12]}"
         )
-        self.spool.mkdir(parents=True)
+        # The states of requests in flight pass through here: this user's processes
+        # only, whatever the host's umask.
+        self.spool.mkdir(parents=True, mode=0o700)
 
         import torch
         from vllm import LLM

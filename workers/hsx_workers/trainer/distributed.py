@@ -15,6 +15,7 @@ import torch
 from hsx.draft import draft_folder
 from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_STATE, DRAFT_STOP
+from hsx.output.local_storage import make_output_dirs
 from hsx.spec import TrainSpec
 from hsx_workers.trainer.draft_trainer import DraftTrainer
 from hsx_workers.trainer.plan import TrainRefused
@@ -67,7 +68,7 @@ def train_distributed(
     if spec.device == "cuda" and not use_gpu:
         raise TrainRefused("device cuda was asked for but the Ray cluster has no GPU")
     (root / DRAFT_STOP).unlink(missing_ok=True)
-    (root / DRAFT_DIR).mkdir(parents=True, exist_ok=True)
+    make_output_dirs(root / DRAFT_DIR)
     trainer = TorchTrainer(
         _train_worker,
         # The Output itself: it carries the storage settings resolved here.

@@ -42,7 +42,13 @@ from hsx.output.layout import (
     DRAFT_VISITS,
     checkpoint_name,
 )
-from hsx.output.local_storage import fsync_dir
+from hsx.output.local_storage import (
+    fsync_dir,
+    make_output_dirs,
+    open_output_file,
+    output_file_mode,
+    replace_output_file,
+)
 from hsx.output.shards.encoding import HIDDEN_DTYPE, NUMPY_DTYPES
 from hsx.spec import TrainSpec
 from hsx_workers.trainer.data import EpochEnd, StepBatch, TrainingData, to_speculators_sample
@@ -98,6 +104,35 @@ def resolve_device(choice: str) -> torch.device:
             raise TrainRefused("device cuda was asked for but torch sees no GPU")
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def read_trainer_state(path: Path, device: torch.device | None = None) -> dict[str, Any]:
+    """A checkpoint's trainer state (optimizer, scheduler, each worker's `TrainState`),
+    read without running anything it holds, or TrainRefused naming the file.
+
+    The checkpoint lies in the output, which whoever can write there controls (a shared
+    folder, a bucket): unpickling it as a whole would run any code a crafted file names.
+    torch's weights-only loader rebuilds tensors and plain containers only, which is all
+    `DraftTrainer._checkpoint` writes."""
+    # torch before 2.6 let a crafted file run code through its weights-only loader
+    # (CVE-2025-32434).
+    if torch.__version__ < "2.6":
+        raise TrainRefused(f"{path}: torch {torch.__version__} cannot read a checkpoint "
+                           "safely; resuming needs torch 2.6 or newer")
+    advice = (f"start the training afresh (remove {path.parent.parent}, the checkpoints "
+              "folder) or restore the checkpoint from a copy you trust")
+    try:
+        saved = torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise TrainRefused(f"{path} is missing: the checkpoint is incomplete; {advice}") from None
+    except Exception as err:  # anything torch's refusing loader raises, for any bad file
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise TrainRefused(f"{path} is not a checkpoint hsx can read safely ({reason}); "
+                           f"{advice}") from None
+    if not isinstance(saved, dict) or not {"optimizer", "scheduler", "state"} <= saved.keys():
+        raise TrainRefused(f"{path} is not a checkpoint hsx can read safely (not a trainer "
+                           f"state); {advice}")
+    return saved
 
 
 class ShareTooSmall(RuntimeError):
@@ -210,7 +245,7 @@ class DraftTrainer:
         _missing, unexpected = model.load_state_dict(weights, strict=False)
         if unexpected:
             raise TrainRefused(f"{ckpt}: weights the draft does not have: {unexpected[:5]}")
-        saved = torch.load(ckpt / TRAINER_STATE, map_location=self.device, weights_only=False)
+        saved = read_trainer_state(ckpt / TRAINER_STATE, self.device)
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
         # The spec in effect now decides the learning rate and its schedule.
@@ -528,16 +563,12 @@ class DraftTrainer:
 
     def _append(self, name: str, row: dict[str, Any]) -> None:
         path = self.root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
+        make_output_dirs(path.parent)
+        with open_output_file(path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
     def _rewrite(self, name: str, rows: list[dict[str, Any]]) -> None:
-        path = self.root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, path)
+        replace_output_file(self.root / name, "".join(json.dumps(r) + "\n" for r in rows))
 
     def _write_state(self, state: str, error: str | None = None) -> None:
         body = {"state": state, "step": self.state.step, "epoch": self.state.epoch,
@@ -571,24 +602,28 @@ class DraftTrainer:
             self._append(DRAFT_VALIDATION, validation)
         tmp = self.draft / ".tmp" / name
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        make_output_dirs(tmp)
         model.save_pretrained(str(tmp))
-        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    "state": dict(states[0]), "ranks": states, "world": self.group.world},
-                   tmp / TRAINER_STATE)
-        (tmp / CHECKPOINT_METRICS).write_text(json.dumps({
-            "step": self.state.step, "validation": validation,
-            "train": asdict(self.last) if self.last else None}, indent=2))
-        # transformers writes the weights through a private temp file (mode 0600); a
-        # draft in a shared bucket must be readable like the files beside it, so each
-        # file gets the mode train.json got from the umask.
-        mode = (self.root / DRAFT_STATE).stat().st_mode & 0o777
+        # Only what read_trainer_state's weights-only loader rebuilds: tensors, numbers,
+        # strings, lists, tuples and dicts of them.
+        with open_output_file(tmp / TRAINER_STATE, "wb") as fh:
+            torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                        "state": dict(states[0]), "ranks": states, "world": self.group.world},
+                       fh)
+        with open_output_file(tmp / CHECKPOINT_METRICS) as fh:
+            fh.write(json.dumps({
+                "step": self.state.step, "validation": validation,
+                "train": asdict(self.last) if self.last else None}, indent=2))
+        # transformers picks its files' modes (the umask's, or 0600 for the weights); the
+        # staging folder admits only whom the output's mode admits meanwhile, and each
+        # file gets that mode before the folder is published.
+        mode = output_file_mode()
         for f in tmp.iterdir():
             f.chmod(mode)
             with f.open("rb") as fh:
                 os.fsync(fh.fileno())
         faults.reached("after_checkpoint_write", str(tmp))
-        final.parent.mkdir(parents=True, exist_ok=True)
+        make_output_dirs(final.parent)
         os.rename(tmp, final)  # a checkpoint is there whole or not at all
         fsync_dir(final.parent)
         faults.reached("after_checkpoint_rename", str(final))
@@ -620,6 +655,7 @@ class DraftTrainer:
             try:
                 os.link(src, tmp)
             except OSError:
-                shutil.copyfile(src, tmp)
+                with src.open("rb") as fsrc, open_output_file(tmp, "xb") as fdst:
+                    shutil.copyfileobj(fsrc, fdst)
             os.replace(tmp, self.draft / name)
 
