@@ -90,10 +90,14 @@ LONGEST_FIRST = (
 # Modules that share a session fixture too costly to make twice, and so run on one worker:
 # pytest-xdist's loadfile scheduling takes them as one unit. test_train_job.py and
 # test_online.py share the learnable target's coordinator and its offline job (the
-# online job's comparator; tests/integration/conftest.py).
+# online job's comparator; tests/integration/conftest.py); tests/security's modules share
+# one coordinator with users.
 ONE_WORKER = {
     "tests/integration/test_train_job.py": "learnable coordinator",
     "tests/integration/test_online.py": "learnable coordinator",
+    # The hostile suite's coordinator (tests/security/conftest.py).
+    **{f"tests/security/{module.name}": "secured coordinator"
+       for module in (Path(__file__).parent / "security").glob("test_*.py")},
 }
 
 

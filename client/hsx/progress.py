@@ -82,6 +82,15 @@ class JobProgress:
         }
 
 
+def human_bytes(n: float) -> str:
+    """`n` bytes in the largest binary unit below it: `1.5 GiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def ingestion_text(p: JobProgress) -> str:
     """`tokenizing 120,000/~1,000,000 rows`: ingestion as the bar shows it."""
     total = f"/~{p.rows_total:,}" if p.rows_total else ""

@@ -97,6 +97,8 @@ class ResourcePlan(BaseModel):
 class JobStatus(BaseModel):
     id: str = Field(..., description="Job id.")
     name: str | None = Field(None, description="The spec's name.")
+    owner: str | None = Field(
+        None, description="The user who submitted it (null: submitted before users).")
     state: JobState = Field(..., description="queued, running, succeeded, failed, cancelled.")
     output: str = Field(..., description="Output location.")
     created_at: float = Field(..., description="Unix time of submission.")
@@ -153,7 +155,8 @@ class JobStatus(BaseModel):
             "trainer of job X`); None when it waits for nothing."
         ),
     )
-    spec: JobSpec | None = Field(None, description="The job as submitted.")
+    spec: JobSpec | None = Field(
+        None, description="The job as submitted, with values that look secret redacted.")
     updated_at: float | None = Field(
         None,
         description=(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hsx.wire import JobState, JobStatus
@@ -79,15 +80,19 @@ class StatusBoard:
         with self._lock:
             return self._posts.get(job_id)
 
-    def list(self, state: JobState | None = None) -> list[Post]:
-        """Posts in submission order (the order jobs were first posted)."""
+    def list(self, state: JobState | None = None,
+             visible: Callable[[str | None], bool] | None = None) -> list[Post]:
+        """Posts in submission order (the order jobs were first posted); with `visible`,
+        those whose owner it accepts."""
         with self._lock:
             posts = list(self._posts.values())
-        return [p for p in posts if state is None or p.status.state == state]
+        return [p for p in posts if (state is None or p.status.state == state)
+                and (visible is None or visible(p.status.owner))]
 
-    def list_json(self, state: JobState | None = None) -> bytes:
+    def list_json(self, state: JobState | None = None,
+                  visible: Callable[[str | None], bool] | None = None) -> bytes:
         """The body of `GET /v1/jobs` (a `JobList`), joined from the posts' encodings."""
-        return b'{"jobs":[' + b",".join(p.json for p in self.list(state)) + b"]}"
+        return b'{"jobs":[' + b",".join(p.json for p in self.list(state, visible)) + b"]}"
 
     async def next(self, job_id: str, after: int, timeout: float) -> Post | None:
         """The job's post once its version is above `after`; None after `timeout` s."""

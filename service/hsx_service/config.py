@@ -10,6 +10,12 @@ it already owns the files). A server that is exposed — a non-loopback host, or
 token, which means it is meant to be shared — restricts paths to the directory it was
 started in, so forgetting the setting never opens the whole file system. Set
 `HSX_ALLOWED_ROOTS` (a JSON list, or paths separated by `:` or `,`) to choose.
+
+Who may call: no token (the laptop case, loopback only), one token (`HSX_API_TOKEN`, one
+user named `token`), a tokens file (`HSX_TOKENS_FILE`: each token with its user name and
+whether that user is an admin), or a header set by an authenticating proxy in front
+(`HSX_USER_HEADER`). A server on a non-loopback address with none of these refuses to
+start unless `HSX_ALLOW_OPEN=1` says so (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -35,6 +41,16 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
+
+
+def _host_name(host_header: str) -> str:
+    """`example.org:8642` -> `example.org`, `[::1]:8642` -> `[::1]`."""
+    if host_header.startswith("["):
+        return host_header.partition("]")[0] + "]"
+    return host_header.rpartition(":")[0] if host_header.count(":") == 1 else host_header
 
 
 class Settings(BaseSettings):
@@ -79,8 +95,9 @@ class Settings(BaseSettings):
         None,
         ge=0,
         description=(
-            "Most bytes of shards one job may write; None for no limit. The same variable "
-            "(HSX_QUOTA_BYTES) limits `hsx extract`."
+            "Most bytes one job's output may hold: its shards, and its draft's checkpoints "
+            "(the trainer refuses one past it); None for no limit. The same variable "
+            "(HSX_QUOTA_BYTES) limits `hsx extract` and `hsx train`."
         ),
     )
     ingest_workers: int | None = Field(
@@ -111,6 +128,73 @@ class Settings(BaseSettings):
             "Seconds a coordinator's lease on the ledger lasts without a heartbeat (one "
             "every quarter of it); a coordinator that stalls longer is taken over by a "
             "standby and fenced: its ledger writes fail."
+        ),
+    )
+    engine_options: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "vLLM engine options a job may set beyond hsx's list (hsx_service.policy."
+            "ENGINE_OPTIONS), passed as the job gives them: an option added here may load "
+            "code or files (docs/SECURITY.md). Names separated by `,`, or a JSON list."
+        ),
+    )
+    allow_hub: bool | None = Field(
+        None,
+        description=(
+            "Accept models, tokenizers and datasets named by hub id (downloaded by the "
+            "engines). Unset: only where paths are unrestricted (a loopback server "
+            "without a token)."
+        ),
+    )
+    allow_open: bool = Field(
+        False,
+        description=(
+            "Serve a non-loopback address with no token, tokens file or user header: "
+            "anyone who reaches it may submit jobs. Without it such a server refuses to "
+            "start; with it the dashboard says the server is open."
+        ),
+    )
+    allowed_hosts: Annotated[list[str] | None, NoDecode] = Field(
+        None,
+        description=(
+            "Host header values (names, optionally with :port) the API answers. Unset: on "
+            "a loopback bind only localhost, 127.0.0.1 and [::1] (a web page that points "
+            "a DNS name at this machine cannot reach it), anything elsewhere."
+        ),
+    )
+    tokens_file: Path | None = Field(
+        None,
+        description=(
+            "YAML or JSON file of API tokens, one entry per user: `{token: ..., user: ..., "
+            "admin: false}` in a list under `tokens:`. Each user sees and changes only "
+            "their own jobs; admins all. Read at start."
+        ),
+    )
+    user_header: str | None = Field(
+        None,
+        description=(
+            "Header that names the caller, set by an authenticating proxy in front of the "
+            "coordinator (e.g. X-Forwarded-User). Trusted as it comes: the coordinator "
+            "must be reachable only through that proxy."
+        ),
+    )
+    admins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="User names (from HSX_USER_HEADER) who see and change every job.",
+    )
+    public_metrics: bool = Field(
+        False,
+        description="Serve /metrics without a token (a scraper then sends none).",
+    )
+    max_active_jobs: int = Field(
+        100, ge=1,
+        description="Queued and running jobs one user may have at once; more are refused.",
+    )
+    user_quota_bytes: int | None = Field(
+        None, ge=0,
+        description=(
+            "Most bytes the outputs of one user's jobs may hold together (shards and "
+            "drafts); None for no limit. A job that would pass it is refused at submit."
         ),
     )
     max_body_bytes: int = Field(
@@ -148,6 +232,21 @@ class Settings(BaseSettings):
 
         return [normalize_root(root) for root in roots]
 
+    @field_validator("engine_options", "allowed_hosts", "admins", mode="before")
+    @classmethod
+    def _split_names(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+
+    @field_validator("user_header")
+    @classmethod
+    def _empty_header_is_none(cls, header: str | None) -> str | None:
+        return header or None
+
     @field_validator("api_token")
     @classmethod
     def _empty_token_is_none(cls, token: str | None) -> str | None:
@@ -155,9 +254,47 @@ class Settings(BaseSettings):
         return token or None
 
     @property
+    def authenticates(self) -> bool:
+        """Callers are told apart: a token, a tokens file or a proxy's user header."""
+        return (self.api_token is not None or self.tokens_file is not None
+                or self.user_header is not None)
+
+    @property
     def exposed(self) -> bool:
-        """Meant to be reached by others: a non-loopback bind, or a token to share."""
-        return self.api_token is not None or not is_loopback(self.host)
+        """Meant to be reached by others: a non-loopback bind, or callers to tell apart."""
+        return self.authenticates or not is_loopback(self.host)
+
+    @property
+    def open_to_all(self) -> bool:
+        """A non-loopback server that lets anyone in (only with `allow_open`)."""
+        return not is_loopback(self.host) and not self.authenticates
+
+    def refusal_to_start(self) -> str | None:
+        """Why this server must not start as configured; None if it may."""
+        if self.open_to_all and not self.allow_open:
+            return (f"refusing to serve {self.host} without an API token: anyone who "
+                    "reaches it could submit jobs. Set HSX_API_TOKEN (or --token, "
+                    "HSX_TOKENS_FILE, HSX_USER_HEADER), bind 127.0.0.1, or run it open on "
+                    "purpose with HSX_ALLOW_OPEN=1 (--allow-open)")
+        return None
+
+    @property
+    def hub_allowed(self) -> bool:
+        """Whether jobs may name hub ids (see `allow_hub`)."""
+        if self.allow_hub is not None:
+            return self.allow_hub
+        return self.effective_roots() is None
+
+    def host_allowed(self, host_header: str | None) -> bool:
+        """Whether the API answers a request with this Host header (DNS rebinding)."""
+        if self.allowed_hosts is None and not is_loopback(self.host):
+            return True
+        if host_header is None:
+            return False
+        allowed = self.allowed_hosts if self.allowed_hosts is not None else list(
+            LOOPBACK_NAMES)
+        name = _host_name(host_header)
+        return host_header in allowed or name in allowed
 
     @property
     def address(self) -> str:

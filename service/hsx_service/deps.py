@@ -1,4 +1,4 @@
-"""Route dependencies: the settings, the scheduler, and the API token check.
+"""Route dependencies: the settings, the scheduler, and the caller (users.py).
 
 `create_app` puts the settings and the scheduler on `app.state`; routes reach them only
 through `get_settings` and `get_scheduler`, so a test can hand the app its own (or use
@@ -15,7 +15,6 @@ The dependencies here are `async def`: they only read memory, and FastAPI runs a
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterable
 from typing import Annotated, Protocol
 
@@ -28,6 +27,7 @@ from hsx.wire import ErrorPage, JobStatus, Throughput, TrainStatus
 from hsx_service.board import StatusBoard
 from hsx_service.config import Settings
 from hsx_service.errors import NotReady
+from hsx_service.users import EVERYONE, Caller, TokenTable, Unauthorized, check_name
 
 
 class SchedulerAPI(Protocol):
@@ -47,7 +47,8 @@ class SchedulerAPI(Protocol):
 
     def stop(self) -> None: ...
 
-    def submit(self, spec: JobSpec, job_id: str | None) -> tuple[JobStatus, bool]: ...
+    def submit(self, spec: JobSpec, job_id: str | None,
+               owner: str | None = None) -> tuple[JobStatus, bool]: ...
 
     def cancel(self, job_id: str) -> JobStatus: ...
 
@@ -60,10 +61,6 @@ class SchedulerAPI(Protocol):
     def train_status(self, job_id: str) -> TrainStatus: ...
 
     def collect_metrics(self) -> Iterable[Metric]: ...
-
-
-class Unauthorized(Exception):
-    """A /v1 call without the right API token (401; main.py maps it)."""
 
 
 async def get_settings(request: Request) -> Settings:
@@ -80,36 +77,44 @@ async def get_scheduler(request: Request) -> SchedulerAPI:
 
 
 # auto_error=False: a missing header is our 401 with an ErrorBody, not FastAPI's 403.
-_bearer = HTTPBearer(auto_error=False, description="The server's HSX_API_TOKEN.")
+bearer = HTTPBearer(auto_error=False, description="An API token of the server's.")
 
 
-def _same(given: str, expected: str) -> bool:
-    # Bytes, so a non-ASCII token compares in constant time instead of raising.
-    return hmac.compare_digest(given.encode(), expected.encode())
-
-
-async def require_token(
+async def authenticate(
     request: Request,
     settings: Annotated[Settings, Depends(get_settings)],
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> None:
-    """Let the call through when no token is configured or it carries the right one.
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> Caller:
+    """The caller of a /v1 request (users.py), or Unauthorized.
 
     GET calls may pass the token as `?access_token=`: the dashboard's EventSource cannot
     set headers. Other methods must use the header, so a token never rides in the URL
     of a call that changes something.
     """
-    expected = settings.api_token
-    if expected is None:
-        return
+    if settings.user_header is not None:
+        name = request.headers.get(settings.user_header)
+        if not name:
+            raise Unauthorized(f"this server needs the {settings.user_header} header, set by "
+                               "its authenticating proxy")
+        try:
+            user = check_name(name, settings.user_header)
+        except ValueError as err:
+            raise Unauthorized(str(err)) from None
+        return Caller(user, admin=user in settings.admins)
+    tokens: TokenTable = request.app.state.tokens
+    if not tokens:
+        return EVERYONE
     given: str | None = credentials.credentials if credentials is not None else None
     if given is None and request.method == "GET":
         given = request.query_params.get("access_token")
     if given is None:
         raise Unauthorized("this server needs an API token: send Authorization: Bearer <token>")
-    if not _same(given, expected):
+    caller = tokens.caller(given)
+    if caller is None:
         raise Unauthorized("wrong API token")
+    return caller
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SchedulerDep = Annotated[SchedulerAPI, Depends(get_scheduler)]
+CallerDep = Annotated[Caller, Depends(authenticate)]

@@ -46,6 +46,7 @@ import logging
 import os
 import socket
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -55,8 +56,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hsx.output.local_storage import (
+    OUTPUT_MODE_ENV,
+    make_output_dirs,
+    output_file_mode,
+    output_opener,
+)
 from hsx.spec import JobSpec, TrainSpec
 from hsx.wire import JobState, TrainState
+from hsx_service.processes import process_alive, process_start
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +80,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     finished_at REAL,
     last_error TEXT,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
-    restarts INTEGER NOT NULL DEFAULT 0
+    restarts INTEGER NOT NULL DEFAULT 0,
+    owner TEXT                       -- the submitting user (users.py); NULL before users
 );
 CREATE TABLE IF NOT EXISTS units (
     job_id TEXT NOT NULL,
@@ -162,6 +171,7 @@ class JobRow:
     last_error: str | None
     cancel_requested: bool
     restarts: int
+    owner: str | None = None
 
 
 Statement = tuple[str, tuple[Any, ...]]
@@ -216,43 +226,18 @@ class LeaseHolder:
                 "ago)")
 
 
-def _proc_stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat from its third field on (state, ppid, ...); None: no such process.
-
-    Raises OSError where there is no /proc."""
+def _create_ledger_file(path: Path) -> None:
+    """Create the ledger's file with the outputs' mode (HSX_OUTPUT_MODE, owner-only by
+    default) before SQLite opens it: SQLite would make it 0644 less the umask, and it
+    gives the -wal and -shm files the database's own mode. The ledger holds every job's
+    spec (paths, models, datasets) and its lease."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after it.
-    return stat[stat.rindex(")") + 2 :].split()
-
-
-def process_start(pid: int) -> str | None:
-    """When process `pid` started (Linux: clock ticks since boot), or None if unknown."""
-    try:
-        fields = _proc_stat(pid)
-    except OSError:
-        return None
-    return fields[19] if fields is not None and len(fields) > 19 else None
-
-
-def process_alive(pid: int, started: str | None) -> bool:
-    """Whether process `pid` of this host still runs (and is the one that started at
-    `started`, when known: pids are reused)."""
-    try:
-        fields = _proc_stat(pid)
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    if fields is None or (fields and fields[0] in ("Z", "X")):  # gone, or not yet reaped
-        return False
-    return started is None or len(fields) <= 19 or fields[19] == started
+        os.close(output_opener(path, os.O_RDWR | os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        mode, wanted = stat.S_IMODE(path.stat().st_mode), output_file_mode()
+        if mode & ~wanted:  # made by an older hsx, or by hand: the operator decides
+            logger.warning("%s has mode %o, more open than the %o %s gives new files",
+                           path, mode, wanted, OUTPUT_MODE_ENV)
 
 
 def _lease_row(row: sqlite3.Row) -> LeaseHolder:
@@ -266,7 +251,8 @@ def _lease_row(row: sqlite3.Row) -> LeaseHolder:
 class Ledger:
     def __init__(self, path: str | Path, write_interval: float = 0.5):
         self.path = Path(path).expanduser()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_output_dirs(self.path.parent)
+        _create_ledger_file(self.path)
         self.write_interval = write_interval
         self._local = threading.local()
         self._pending: list[Statement] = []
@@ -281,6 +267,9 @@ class Ledger:
         self._lost_reported = False
         # executescript manages its own transaction.
         self._conn().executescript(SCHEMA)
+        columns = {row["name"] for row in self._conn().execute("PRAGMA table_info(jobs)")}
+        if "owner" not in columns:  # a ledger from before jobs had owners: theirs are NULL
+            self._conn().execute("ALTER TABLE jobs ADD COLUMN owner TEXT")
 
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
@@ -473,15 +462,18 @@ class Ledger:
 
     # ---------------------------------------------------------------- jobs
 
-    def insert_job(self, job_id: str, spec: JobSpec, output: str) -> JobRow | None:
+    def insert_job(self, job_id: str, spec: JobSpec, output: str,
+                   owner: str | None = None) -> JobRow | None:
         """Add a queued job; None if the id exists (the caller compares specs)."""
         with self._tx() as db:
             exists = db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if exists:
                 return None
             db.execute(
-                "INSERT INTO jobs (id, spec, output, state, created_at) VALUES (?, ?, ?, ?, ?)",
-                (job_id, spec.model_dump_json(), output, JobState.queued.value, time.time()),
+                "INSERT INTO jobs (id, spec, output, state, created_at, owner) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, spec.model_dump_json(), output, JobState.queued.value, time.time(),
+                 owner),
             )
         row = self.job(job_id)
         if row is None:
@@ -692,4 +684,5 @@ def _job_row(row: sqlite3.Row) -> JobRow:
         last_error=row["last_error"],
         cancel_requested=bool(row["cancel_requested"]),
         restarts=row["restarts"],
+        owner=row["owner"],
     )

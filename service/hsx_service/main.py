@@ -13,12 +13,13 @@ Every non-2xx response carries an `ErrorBody` (hsx.wire):
 | `JobRefused` (policy here, preflight in the scheduler) | 422 | JobRefused |
 | a query or path parameter fails validation | 422 | InvalidRequest |
 | a body that cannot be read as JSON | 400 | InvalidRequest |
-| `Unauthorized` (deps.require_token) | 401 | Unauthorized |
+| `Unauthorized` (deps.authenticate) | 401 | Unauthorized |
+| a Host header the server does not answer (`Settings.host_allowed`) | 421 | MisdirectedRequest |
 | `JobNotFound` / an unknown route | 404 | NotFound |
 | `JobConflict` | 409 | Conflict |
 | `NotReady`, `LeaseLost` (a standby, or a coordinator fenced off its ledger) | 503 | NotReady |
 | a body over `max_body_bytes` (`BodyTooLarge`) | 413 | PayloadTooLarge |
-| anything else | 500 | InternalError |
+| anything else | 500 | InternalError (its text only in the log, under the answer's `error id`) |
 
 `field` is the dotted location of the culprit as the client sent it (`spec.layers`).
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -47,11 +49,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hsx import __version__
 from hsx.wire import ErrorBody
 from hsx_service.config import Settings
-from hsx_service.deps import Unauthorized
 from hsx_service.errors import JobConflict, JobNotFound, JobRefused, NotReady, refused_field
 from hsx_service.ledger import LeaseLost
 from hsx_service.routes import jobs, models, ops
 from hsx_service.routes.ops import SchedulerCollector
+from hsx_service.users import TokenTable, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +70,17 @@ _FALLBACK_INDEX = """<!doctype html>
 
 
 def create_app(settings: Settings | None = None, scheduler: Any | None = None) -> FastAPI:
-    """The app for `settings` (default: from the environment), driving `scheduler`."""
+    """The app for `settings` (default: from the environment), driving `scheduler`.
+
+    ValueError when the tokens file cannot be used."""
     settings = settings if settings is not None else Settings()
+    tokens = TokenTable.load(settings.api_token, settings.tokens_file)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        refusal = settings.refusal_to_start()
+        if refusal is not None:
+            raise RuntimeError(refusal)
         _log_exposure(settings)
         if app.state.scheduler is None:
             app.state.scheduler = await anyio.to_thread.run_sync(_build_scheduler, settings)
@@ -94,8 +102,10 @@ def create_app(settings: Settings | None = None, scheduler: Any | None = None) -
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.tokens = tokens
     app.state.scheduler = scheduler
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(HostCheck, settings=settings)
     app.state.registry = CollectorRegistry(auto_describe=False)
     app.state.registry.register(SchedulerCollector(lambda: app.state.scheduler))
     _redact_access_logs()
@@ -170,11 +180,34 @@ class BodyLimit:
                 f"{self.limit} bytes (HSX_MAX_BODY_BYTES)")
 
 
-class _RedactAccessToken(logging.Filter):
-    """Blanks `access_token=` in uvicorn's access log (the dashboard's EventSource puts
-    the token in the URL; a log file is no place for it)."""
+class HostCheck:
+    """Answer only requests whose Host header this server serves (Settings.host_allowed):
+    a loopback server is otherwise reachable from any web page whose DNS name points at
+    127.0.0.1 (DNS rebinding), the browser sending that page's name as the Host."""
 
-    _TOKEN = re.compile(r"(access_token=)[^&\s]*")
+    def __init__(self, app: Any, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            host = dict(scope["headers"]).get(b"host")
+            name = host.decode("latin-1") if host is not None else None
+            if not self.settings.host_allowed(name):
+                response = _error(421, "MisdirectedRequest", (
+                    f"this server does not answer for host {name!r}; its operator can "
+                    "add the name to HSX_ALLOWED_HOSTS"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _RedactAccessToken(logging.Filter):
+    """Blanks `access_token=` and `token=` in uvicorn's access log (the dashboard is
+    opened at `/?token=`, and its EventSource puts the token in the URL; a log file is
+    no place for it)."""
+
+    _TOKEN = re.compile(r"([?&](?:access_)?token=)[^&\s]*")
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
@@ -203,10 +236,10 @@ def _log_exposure(settings: Settings) -> None:
         log.info("datasets and outputs may be anywhere (loopback server without a token)")
     else:
         log.info("datasets and outputs must lie in: %s", ", ".join(map(str, roots)))
-    if settings.api_token is None and settings.exposed:
+    if settings.open_to_all:
         log.warning(
-            "listening on %s without an API token: anyone who reaches it can submit jobs "
-            "(set HSX_API_TOKEN)",
+            "listening on %s without an API token (HSX_ALLOW_OPEN): anyone who reaches it "
+            "can submit jobs",
             settings.host,
         )
 
@@ -300,5 +333,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
-        return _error(500, "InternalError", f"{type(exc).__name__}: {exc}")
+        # The error's text may name paths, hosts or a job's data: it goes to the log,
+        # and the answer names only where to find it there.
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("%s %s failed (error id %s)", request.method, request.url.path,
+                      error_id)
+        return _error(500, "InternalError",
+                      f"internal error (error id {error_id}; the coordinator's log has it)")

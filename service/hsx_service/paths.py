@@ -11,10 +11,16 @@ A `file://` URI is checked as the local path it names. A bucket URI (`s3://`, `g
 `az://`) is checked against the bucket roots (`s3://bucket/prefix`): same scheme and
 bucket, and the prefix's segments first in the URI's key, so `s3://b/data-evil` is not
 inside `s3://b/data`; `.`, `..` and empty segments are refused (storage keys have none).
-Any other scheme is refused while roots are set. A dataset is judged the same way, by
-its path (a bucket dataset as a bucket output); a hub id (a dataset path that names no
-local file, read with `datasets.load_dataset`: `hsx.ingest.is_hub_id`) reads nothing
-below the roots and is not checked, as a model's hub id is not.
+Any other scheme is refused while roots are set. Bucket names are checked for their
+form (lowercase letters, digits, `.` and `-`, 3 to 63 characters) whatever the roots.
+
+Every path a job names is judged: the dataset (and each file a folder dataset will be
+read from, symlinks resolved, so a link inside an allowed folder cannot reach
+`/etc/shadow`), the output, the model, the tokenizer, and the vLLM options that name
+paths (`ENGINE_PATH_OPTIONS`, when the operator allows them). A hub id (a model or
+dataset that names no local path: `is_model_hub_id`, `hsx.ingest.is_hub_id`) reads
+nothing below the roots; it is accepted only where the operator allows the hub
+(`Settings.hub_allowed`): a hub dataset's card may name local files of its own.
 
 What this cannot do: a path that is swapped for a symlink after the check (a race with
 someone who can already write inside an allowed root) is not caught here.
@@ -23,6 +29,7 @@ someone who can already write inside an allowed root) is not caught here.
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +62,12 @@ def local_candidates(field: str, value: str) -> list[str] | None:
 
 
 OBJECT_SCHEMES = ("s3", "gs", "az")
+# S3's rule for bucket names (GCS and Azure containers are stricter or the same): what
+# a key or an endpoint could be confused with (`..`, `/`, upper case, `@`) never passes.
+_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+# vLLM engine options that name local paths: checked against the roots when the
+# operator lets jobs set them (hsx's own list of engine options has none).
+ENGINE_PATH_OPTIONS = ("download_dir", "hf_config_path", "quantization_param_path")
 
 
 def bucket_location(field: str, value: str) -> tuple[str, str, tuple[str, ...]] | None:
@@ -68,6 +81,11 @@ def bucket_location(field: str, value: str) -> tuple[str, str, tuple[str, ...]] 
         raise JobRefused(
             f"{field}: {value}: a bucket URI is s3://bucket/prefix with no empty, '.' or "
             "'..' segments"
+        )
+    if not _BUCKET_NAME.fullmatch(bucket) or ".." in bucket:
+        raise JobRefused(
+            f"{field}: {value}: {bucket!r} is not a bucket name (3 to 63 lowercase "
+            "letters, digits, '.' and '-', starting and ending with a letter or digit)"
         )
     return scheme.lower(), bucket, segments
 
@@ -132,19 +150,84 @@ def check_path(field: str, value: str, roots: Sequence[str | Path]) -> None:
         )
 
 
+def is_model_hub_id(value: str) -> bool:
+    """Whether a job's model (or tokenizer) names a hub repository rather than a local
+    path: no URI, not spelt as a path, and nothing of that name here."""
+    if "://" in value or value.startswith(("/", ".", "~")):
+        return False
+    return not Path(value).expanduser().exists()
+
+
+def _hub_refused(field: str, value: str) -> JobRefused:
+    return JobRefused(
+        f"{field}: {value} names a hub repository, and this server reads only from its "
+        "allowed roots (its operator can allow the hub with HSX_ALLOW_HUB=1)")
+
+
+def check_model_path(field: str, value: str, roots: Sequence[str | Path] | None, *,
+                     hub_allowed: bool) -> None:
+    """A model or tokenizer: a hub id only where the hub is allowed, else a local path
+    inside the roots."""
+    if is_model_hub_id(value):
+        if not hub_allowed:
+            raise _hub_refused(field, value)
+        return
+    if roots is not None:
+        check_path(field, value, roots)
+
+
 def check_dataset_path(field: str, dataset: str | DatasetSpec,
-                       roots: Sequence[str | Path]) -> None:
-    """`check_path` for a dataset (a path, or path and split), unless it is a hub id."""
+                       roots: Sequence[str | Path] | None, *, hub_allowed: bool = True) -> None:
+    """`check_path` for a dataset (a path, or path and split) and for every local file
+    it will be read from; a hub id only where the hub is allowed."""
     from hsx.ingest import is_hub_id
 
     path = dataset.path if isinstance(dataset, DatasetSpec) else dataset
-    if not is_hub_id(path):
-        check_path(field, path, roots)
-
-
-def check_job_paths(spec: JobSpec, roots: Sequence[str | Path] | None) -> None:
-    """Refuse a job whose dataset or output lies outside `roots` (None: no restriction)."""
+    if is_hub_id(path):
+        if not hub_allowed:
+            raise _hub_refused(field, path)
+        return
     if roots is None:
         return
-    check_dataset_path("dataset", spec.dataset, roots)
+    check_path(field, path, roots)
+    for file in _local_files(dataset):
+        check_path(field, str(file), roots)
+
+
+def _local_files(dataset: str | DatasetSpec) -> list[Path]:
+    """The local files a dataset is read from (a folder's, after choosing its split);
+    none for a bucket or a dataset that cannot be resolved (the preflight says why)."""
+    from hsx.ingest import DatasetError, resolve_source
+    from hsx.ingest.sources import FilesSource
+
+    try:
+        source = resolve_source(dataset)
+    except (DatasetError, OSError, ValueError):
+        return []
+    if not isinstance(source, FilesSource):
+        return []
+    read = {*source.files, *source.fingerprinted}
+    return sorted(file.path for file in read if file.path is not None)
+
+
+def check_job_paths(spec: JobSpec, roots: Sequence[str | Path] | None, *,
+                    hub_allowed: bool = True) -> None:
+    """Refuse a job that names a path outside `roots` (None: no restriction) or a hub id
+    where the hub is not allowed. Covers the model, the tokenizer, the dataset and its
+    files, the output and the vLLM options that name paths."""
+    bucket_location("dataset", spec.dataset_spec.path)  # a bucket's name, whatever the roots
+    bucket_location("output", spec.output)
+    if roots is None and hub_allowed:
+        return
+    check_dataset_path("dataset", spec.dataset, roots, hub_allowed=hub_allowed)
+    check_model_path("model", spec.model, roots, hub_allowed=hub_allowed)
+    if spec.tokenizer:
+        check_model_path("tokenizer", spec.tokenizer, roots, hub_allowed=hub_allowed)
+    if roots is None:
+        return
     check_path("output", spec.output, roots)
+    options = spec.vllm.engine_args()
+    for name in ENGINE_PATH_OPTIONS:
+        value = options.get(name)
+        if isinstance(value, str):
+            check_path(f"vllm.{name}", value, roots)

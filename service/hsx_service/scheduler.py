@@ -66,6 +66,7 @@ from hsx.wire import (
     TrainState,
     TrainStatus,
 )
+from hsx_service.admission import Admission
 from hsx_service.board import StatusBoard
 from hsx_service.errors import JobConflict, JobNotFound, NotReady
 from hsx_service.ledger import JobRow, LeaseLost, Ledger, LedgerHeld
@@ -287,20 +288,23 @@ class Scheduler:
 
     # ------------------------------------------------------------ routes' API
 
-    def submit(self, spec: JobSpec, job_id: str | None) -> tuple[JobStatus, bool]:
+    def submit(self, spec: JobSpec, job_id: str | None,
+               owner: str | None = None) -> tuple[JobStatus, bool]:
         if not self._ready:
             raise self.not_ready()
         job_id = job_id or f"job-{uuid.uuid4().hex[:10]}"
         existing = self.ledger.job(job_id)
         if existing is not None:
             return self._same_or_conflict(existing, spec), False
-        check_estimated_output(spec, *preflight(spec))
+        admission = Admission(self.settings, self.board, self.ledger, owner)
+        admission.check_active_jobs()
+        admission.check_output_place(spec)
+        admission.check_quota(None)
+        estimate = check_estimated_output(spec, *preflight(spec),
+                                          quota_bytes=admission.job_quota())
+        admission.check_quota(estimate)
         plan_for_cluster(spec)  # what this cluster can never provide is refused now
-        location = open_output(spec.output).location
-        for other in self.ledger.jobs():
-            if not other.state.finished and open_output(other.output).location == location:
-                raise JobConflict(f"output {spec.output} is in use by job {other.id}")
-        row = self.ledger.insert_job(job_id, spec, spec.output)
+        row = self.ledger.insert_job(job_id, spec, spec.output, owner)
         if row is None:  # another request inserted the same id just now
             raced = self.ledger.job(job_id)
             if raced is None:
@@ -362,6 +366,7 @@ class Scheduler:
     def _start_training(self, row: JobRow, spec: TrainSpec) -> None:
         """Train the job's draft; on a cluster whose GPUs the engines take, only once the
         extraction has ended (its plan says `after`)."""
+        check_manifest_is_the_jobs(row)
         after, share = None, 0.0
         if not row.state.finished:
             plan = self.statuses.plans.get(row.id) or plan_for_cluster(row.spec)
@@ -607,6 +612,26 @@ def _ray_lost(err: BaseException) -> bool:
     from ray.exceptions import RaySystemError, RpcError
 
     return isinstance(err, RaySystemError | RpcError)
+
+
+def check_manifest_is_the_jobs(row: JobRow) -> None:
+    """Refuse to train on an output whose manifest names another model, tokenizer or
+    `trust_remote_code` than the job that was submitted: the trainer loads the model's
+    config from the manifest, and whoever can write the output could otherwise point it
+    at code of theirs (policy.py checked the job, not the file)."""
+    manifest = open_output(row.output).read_manifest()
+    if manifest is None:
+        return
+    spec = row.spec
+    differs = [name for name, theirs, ours in (
+        ("model", manifest.model, spec.model),
+        ("tokenizer", manifest.spec.get("tokenizer"), spec.tokenizer),
+        ("trust_remote_code", manifest.trust_remote_code, spec.trust_remote_code))
+        if theirs != ours]
+    if differs:
+        raise JobRefused(f"{row.output}: its manifest's {', '.join(differs)} differ from job "
+                         f"{row.id}'s (another job wrote it, or it was changed since); the "
+                         "coordinator trains only on what the job itself names")
 
 
 def thin_curve(points: builtins.list[tuple[float, float, int]],

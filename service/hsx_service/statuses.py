@@ -29,6 +29,7 @@ from hsx.progress import JobProgress
 from hsx.wire import JobState, JobStatus, ResourcePlan, WorkerStatus, WorkerTotals
 from hsx_service.board import StatusBoard
 from hsx_service.ledger import JobRow, Ledger
+from hsx_service.policy import redacted
 from hsx_service.prepare import JobRefused, open_output
 
 PUBLISH_INTERVAL_S = 0.25  # at most this often per job, for progress (not state) changes
@@ -193,9 +194,10 @@ class JobStatuses:
         if live is None and numbers is None:
             numbers = self._totals_from_output(row)
         status = JobStatus(
-            id=row.id, name=row.spec.name, state=row.state, output=row.output,
+            id=row.id, name=row.spec.name, owner=row.owner, state=row.state,
+            output=row.output,
             created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
-            restarts=row.restarts, last_error=row.last_error, spec=row.spec,
+            restarts=row.restarts, last_error=row.last_error, spec=redacted(row.spec),
             updated_at=time.time(), plan=self.plans.get(row.id),
             waiting_for=self._waiting_for(row),
         )

@@ -2,8 +2,8 @@
 engines, driven over HTTP with the SDK.
 
 - submit with 2 replicas, follow the SSE stream to the end, every sample exactly once;
-- idempotent submit, 409, 422 naming the field, 401 without the token, path escapes,
-  cancel, the paged error table;
+- idempotent submit, 409, 422 naming the field, 401 without the token, cancel, the
+  paged error table (the attacks are tests/security's);
 - a worker actor killed mid-job: the job completes, exactly once, the restart counted;
 - a second `hsx serve` on the same ledger refuses to start, naming the holder;
 - load and a coordinator killed -9 under it: 200 jobs queued at once, tiny jobs running
@@ -309,60 +309,9 @@ def test_the_api_survives_fuzzing_from_its_schema(
     operations = {op for _, op, _ in report.statuses}
     # Every operation was called; each mode tries up to `examples` cases of each (fewer
     # where schemathesis finds nothing to vary or to violate).
-    assert len(operations) == 13 and report.calls > 13 * examples
+    assert len(operations) == 14 and report.calls > 14 * examples
     assert {j.id for j in coordinator.client().list()} == before  # nothing was queued
     assert coordinator.client().ready()
-
-
-def test_hostile_requests_are_refused(
-    coordinator: Coordinator, tiny_llama: Path, chat_dataset: ChatDataset, roots: list[Path],
-    tmp_path: Path,
-) -> None:
-    client = coordinator.client()
-    base = _spec(tiny_llama, chat_dataset, tmp_path / "hostile")
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    # Symlinks inside an allowed root that lead out of it, and `..` hidden in a file URI.
-    (tmp_path / "passwd.jsonl").symlink_to("/etc/passwd")
-    (tmp_path / "elsewhere").symlink_to("/var/tmp", target_is_directory=True)
-    escapes = [("dataset", str(tmp_path / "passwd.jsonl")),
-               ("output", str(tmp_path / "elsewhere" / "out")),
-               ("dataset", f"file://{tmp_path}/%2e%2e/%2e%2e/%2e%2e/etc/passwd")]
-    for name, value in escapes:
-        with pytest.raises(JobRefusedError) as refused:
-            client.submit({**base, name: value})
-        assert refused.value.field == f"spec.{name}" and "allowed roots" in str(refused.value)
-    inspect = httpx.post(f"{coordinator.url}/v1/models/inspect", headers=headers,
-                         json={"model": str(tmp_path / "elsewhere")}, timeout=30)
-    assert inspect.status_code == 422 and "allowed roots" in inspect.json()["message"]
-    # Models' own code: trust_remote_code, and engine arguments that name code to load.
-    for spec in ({**base, "trust_remote_code": True},
-                 {**base, "vllm": {"worker_cls": "os.system"}},
-                 {**base, "vllm": {"logits_processors": ["builtins.exec"]}}):
-        with pytest.raises(JobRefusedError, match="HSX_ALLOW_TRUST_REMOTE_CODE"):
-            client.submit(spec)
-    inspect = httpx.post(f"{coordinator.url}/v1/models/inspect", headers=headers,
-                         json={"model": str(tiny_llama), "trust_remote_code": True}, timeout=30)
-    assert inspect.status_code == 422 and "trust_remote_code" in inspect.json()["message"]
-    # Oversized bodies, declared or streamed without a length: 413 before any parsing.
-    huge = {"spec": {**base, "name": "x" * (2 << 20)}}
-    too_big = httpx.post(f"{coordinator.url}/v1/jobs", headers=headers, json=huge, timeout=30)
-    assert too_big.status_code == 413 and too_big.json()["type"] == "PayloadTooLarge"
-
-    def chunks() -> Iterator[bytes]:
-        yield b'{"spec": {"name": "'
-        for _ in range(64):
-            yield b"y" * 65536
-        yield b'"}}'
-
-    streamed = httpx.post(f"{coordinator.url}/v1/jobs", headers=headers, content=chunks(),
-                          timeout=30)
-    assert streamed.status_code == 413
-    # A token that is wrong, of another length, or not ASCII: 401, never a 500.
-    for wrong in ("x", TOKEN + "x", "s3cret-tokeN", "\u00e9" * 12):
-        answer = httpx.get(f"{coordinator.url}/v1/jobs", timeout=10,
-                           headers={"Authorization": f"Bearer {wrong}".encode()})
-        assert answer.status_code == 401, wrong
-    assert client.ready()
 
 
 def test_a_second_coordinator_on_a_held_ledger_refuses_to_start(

@@ -144,6 +144,26 @@ def test_a_resumed_training_ends_where_an_uninterrupted_one_does(
     assert all(torch.equal(ours[k], theirs[k]) for k in ours), "the resumed run drifted"
 
 
+def test_a_draft_within_the_outputs_quota(tmp_path: Path, tiny_llama: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """HSX_QUOTA_BYTES covers the draft's checkpoints too: a checkpoint that would take
+    the output past it is refused naming the quota, and the one before it stays."""
+    pytest.importorskip("speculators.models.eagle3")
+    from hsx_workers.trainer import DraftTrainer
+    from hsx_workers.trainer.draft_trainer import TrainRefused
+    from tests.unit.test_trainer import make_output, spec
+
+    root = make_output(tmp_path / "out", tiny_llama)
+    DraftTrainer(root, spec(max_steps=2, checkpoint_every=2)).run()
+    used = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    monkeypatch.setenv("HSX_QUOTA_BYTES", str(used + 1024))  # room for no more checkpoint
+    with pytest.raises(TrainRefused, match=r"over its quota of .* bytes \(HSX_QUOTA_BYTES\)"):
+        DraftTrainer(root, spec(max_steps=4, checkpoint_every=2, keep_checkpoints=3)).run()
+    kept = sorted(p.name for p in (root / DRAFT_CHECKPOINTS).iterdir())
+    assert kept == ["step-00000002"]
+    assert not list((root / DRAFT_DIR / ".tmp").iterdir())
+
+
 @pytest.mark.parametrize("name", ["../../escaped", ".hidden", "sub/../../escaped"])
 def test_a_bucket_drafts_marker_cannot_name_files_outside_the_folder(
         tmp_path: Path, name: str) -> None:

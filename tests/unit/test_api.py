@@ -80,7 +80,8 @@ class FakeScheduler:
         self.calls.append("stop")
 
     # the job API
-    def submit(self, spec: JobSpec, job_id: str | None) -> tuple[JobStatus, bool]:
+    def submit(self, spec: JobSpec, job_id: str | None,
+               owner: str | None = None) -> tuple[JobStatus, bool]:
         self.calls.append("submit")
         if spec.layers and 99 in spec.layers:
             raise JobRefused("layers: ids [99] are outside 0..4")
@@ -91,8 +92,9 @@ class FakeScheduler:
                 raise JobConflict(f"job {job_id!r} exists with a different spec")
             job_id = job_id or f"job-{len(self.specs) + 1}"
             job = JobStatus(
-                id=job_id, name=spec.name, state=JobState.queued, output=spec.output,
-                created_at=time.time(), samples_total=100, tokens_total=10_000, spec=spec,
+                id=job_id, name=spec.name, owner=owner, state=JobState.queued,
+                output=spec.output, created_at=time.time(), samples_total=100,
+                tokens_total=10_000, spec=spec,
             )
             self.specs[job_id] = spec
             self.board.post(job)
@@ -192,12 +194,18 @@ def serving(app: FastAPI) -> Iterator[str]:
         sock.close()
 
 
+def local_client(app: Any, **options: Any) -> TestClient:
+    """A test client that calls as a local browser does: Host `localhost` (the loopback
+    server answers no other name: main.HostCheck)."""
+    return TestClient(app, base_url="http://localhost", **options)
+
+
 def job_fields(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
     dataset = tmp_path / "data" / "chats.jsonl"
     dataset.parent.mkdir(parents=True, exist_ok=True)
     dataset.touch()
-    return {"model": "tiny", "dataset": str(dataset), "output": str(tmp_path / "out"),
-            **overrides}
+    return {"model": str(tmp_path / "tiny"), "dataset": str(dataset),
+            "output": str(tmp_path / "out"), **overrides}
 
 
 @pytest.fixture
@@ -207,7 +215,7 @@ def fake() -> FakeScheduler:
 
 @pytest.fixture
 def client(fake: FakeScheduler) -> Iterator[TestClient]:
-    with TestClient(create_app(Settings(), fake)) as c:
+    with local_client(create_app(Settings(), fake)) as c:
         yield c
 
 
@@ -309,12 +317,12 @@ def test_trust_remote_code_needs_the_server_to_allow_it(
     fake: FakeScheduler, tmp_path: Path
 ) -> None:
     body = {"spec": job_fields(tmp_path, trust_remote_code=True)}
-    with TestClient(create_app(Settings(), fake)) as c:
+    with local_client(create_app(Settings(), fake)) as c:
         response = c.post("/v1/jobs", json=body)
         assert response.status_code == 422
         assert response.json()["field"] == "spec.trust_remote_code"
         assert "submit" not in fake.calls
-    with TestClient(create_app(Settings(allow_trust_remote_code=True), fake)) as c:
+    with local_client(create_app(Settings(allow_trust_remote_code=True), fake)) as c:
         assert c.post("/v1/jobs", json=body).status_code == 201
 
 
@@ -327,13 +335,14 @@ def test_paths_outside_allowed_roots_are_refused(
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     (root / "escape").symlink_to(outside)
-    fields = {"model": "tiny", "dataset": str(root / "d.jsonl"), "output": str(root / "out")}
-    settings = Settings(allowed_roots=[root, "s3://b/team"])
-    with TestClient(create_app(settings, fake)) as c:
+    fields = {"model": str(root / "tiny"), "dataset": str(root / "d.jsonl"),
+              "output": str(root / "out")}
+    settings = Settings(allowed_roots=[root, "s3://bkt/team"])
+    with local_client(create_app(settings, fake)) as c:
         assert c.post("/v1/jobs", json={"spec": fields}).status_code == 201
         for bad in (str(root / ".." / "elsewhere" / "x"), str(root / "escape" / "x"),
                     f"file://{outside}/x", str(tmp_path / "root-evil" / "x"),
-                    "s3://b/x", "s3://b/team-evil/x"):
+                    "s3://bkt/x", "s3://bkt/team-evil/x"):
             response = c.post("/v1/jobs", json={"spec": {**fields, field: bad}})
             assert response.status_code == 422, bad
             error = response.json()
@@ -341,7 +350,7 @@ def test_paths_outside_allowed_roots_are_refused(
             assert "outside the server's allowed roots" in error["message"]
         # A bucket prefix among the roots: what lies under it is allowed.
         if field == "output":
-            other = c.post("/v1/jobs", json={"spec": {**fields, "output": "s3://b/team/x"}})
+            other = c.post("/v1/jobs", json={"spec": {**fields, "output": "s3://bkt/team/x"}})
             assert other.status_code == 201
     assert fake.calls.count("submit") == (2 if field == "output" else 1)
 
@@ -353,7 +362,7 @@ def test_exposed_server_without_roots_keeps_jobs_in_its_directory(
     inside = job_fields(tmp_path)
     settings = Settings(api_token=TOKEN)
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    with TestClient(create_app(settings, fake)) as c:
+    with local_client(create_app(settings, fake)) as c:
         assert c.post("/v1/jobs", json={"spec": inside}, headers=headers).status_code == 201
         outside = {**inside, "output": "/var/tmp/hsx-somewhere"}
         response = c.post("/v1/jobs", json={"spec": outside}, headers=headers)
@@ -409,7 +418,7 @@ def test_errors_are_paged(client: TestClient, tmp_path: Path) -> None:
 
 
 def test_token_is_required_on_v1_only(fake: FakeScheduler, tmp_path: Path) -> None:
-    with TestClient(create_app(Settings(api_token=TOKEN, allowed_roots=[tmp_path]), fake)) as c:
+    with local_client(create_app(Settings(api_token=TOKEN, allowed_roots=[tmp_path]), fake)) as c:
         missing = c.get("/v1/jobs")
         assert missing.status_code == 401
         assert missing.headers["www-authenticate"] == "Bearer"
@@ -424,8 +433,11 @@ def test_token_is_required_on_v1_only(fake: FakeScheduler, tmp_path: Path) -> No
         assert post.status_code == 401
         assert c.delete(f"/v1/jobs/x?access_token={TOKEN}").status_code == 401
         assert "submit" not in fake.calls
-        for open_path in ("/healthz", "/readyz", "/metrics", "/", "/docs", "/openapi.json"):
+        for open_path in ("/healthz", "/readyz", "/", "/docs", "/openapi.json"):
             assert c.get(open_path).status_code == 200, open_path
+        # Metrics cover every user's jobs: an admin's token (the one token is one).
+        assert c.get("/metrics").status_code == 401
+        assert c.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
 
 
 def test_the_token_is_compared_in_constant_time(
@@ -433,17 +445,17 @@ def test_the_token_is_compared_in_constant_time(
 ) -> None:
     """Every comparison of a presented token goes through hmac.compare_digest (its time
     does not depend on where the first difference is), header or query alike."""
-    from hsx_service import deps
+    from hsx_service import users
 
     compared: list[tuple[bytes, bytes]] = []
-    real = deps.hmac.compare_digest
+    real = users.hmac.compare_digest
 
     def spy(given: bytes, expected: bytes) -> bool:
         compared.append((given, expected))
         return real(given, expected)
 
-    monkeypatch.setattr(deps.hmac, "compare_digest", spy)
-    with TestClient(create_app(Settings(api_token=TOKEN, allowed_roots=[tmp_path]), fake)) as c:
+    monkeypatch.setattr(users.hmac, "compare_digest", spy)
+    with local_client(create_app(Settings(api_token=TOKEN, allowed_roots=[tmp_path]), fake)) as c:
         for given in ("s3cret-tokeX", TOKEN[:-1], "\u00e9" * 4):
             header = f"Bearer {given}".encode()
             assert c.get("/v1/jobs", headers={"Authorization": header}).status_code == 401
@@ -454,7 +466,7 @@ def test_the_token_is_compared_in_constant_time(
 
 
 def test_oversized_bodies_are_refused_before_parsing(fake: FakeScheduler, tmp_path: Path) -> None:
-    with TestClient(create_app(Settings(max_body_bytes=4096), fake)) as c:
+    with local_client(create_app(Settings(max_body_bytes=4096), fake)) as c:
         big = c.post("/v1/jobs", json={"spec": {**job_fields(tmp_path), "name": "x" * 5000}})
         assert big.status_code == 413 and big.json()["type"] == "PayloadTooLarge"
         assert "4096" in big.json()["message"]
@@ -472,7 +484,7 @@ def test_oversized_bodies_are_refused_before_parsing(fake: FakeScheduler, tmp_pa
 
 def test_health_ready_metrics(fake: FakeScheduler, tmp_path: Path) -> None:
     fake.set_ready(False)
-    with TestClient(create_app(Settings(), fake)) as c:
+    with local_client(create_app(Settings(), fake)) as c:
         assert fake.calls == ["start"]
         assert c.get("/healthz").json() == {"status": "ok"}
         not_ready = c.get("/readyz")
@@ -501,8 +513,8 @@ def test_each_app_has_its_own_registry(tmp_path: Path) -> None:
     from prometheus_client import REGISTRY
 
     first, second = FakeScheduler(), FakeScheduler()
-    with TestClient(create_app(Settings(), first)) as a, \
-            TestClient(create_app(Settings(), second)) as b:
+    with local_client(create_app(Settings(), first)) as a, \
+            local_client(create_app(Settings(), second)) as b:
         a.post("/v1/jobs", json={"id": "only-in-a", "spec": job_fields(tmp_path)})
         assert 'job="only-in-a"' in a.get("/metrics").text
         assert 'job="only-in-a"' not in b.get("/metrics").text
@@ -636,9 +648,9 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert settings.effective_roots() == settings.allowed_roots
     monkeypatch.setenv("HSX_ALLOWED_ROOTS", '["/a", "/b"]')
     assert Settings().allowed_roots == [Path("/a"), Path("/b")]
-    monkeypatch.setenv("HSX_ALLOWED_ROOTS", f"s3://team/hs/,{tmp_path}:S3://b")
+    monkeypatch.setenv("HSX_ALLOWED_ROOTS", f"s3://team/hs/,{tmp_path}:S3://bkt")
     assert Settings().allowed_roots == ["s3://team/hs", Path(os.path.realpath(tmp_path)),
-                                        "s3://b"]
+                                        "s3://bkt"]
     monkeypatch.setenv("HSX_ALLOWED_ROOTS", "s3://team/../x")
     with pytest.raises(ValueError, match=r"no empty, '\.' or '\.\.' segments"):
         Settings()
@@ -662,3 +674,9 @@ def test_access_log_hides_the_token(fake: FakeScheduler) -> None:
     assert all(f.filter(record) for f in access.filters)  # type: ignore[union-attr]
     assert TOKEN not in record.getMessage()
     assert "access_token=***&x=1" in record.getMessage()
+    page = logging.LogRecord(
+        "uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+        ("127.0.0.1:5", "GET", f"/?token={TOKEN}", "1.1", 200), None,
+    )
+    assert all(f.filter(page) for f in access.filters)  # type: ignore[union-attr]
+    assert TOKEN not in page.getMessage() and "/?token=***" in page.getMessage()

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 
 from hsx.progress import JobProgress
 from hsx.spec import JobSpec, TrainSpec
@@ -35,6 +34,7 @@ from hsx_service.runner import DispatchResult
 from hsx_service.scheduler import Scheduler, thin_curve
 from hsx_workers.tiny_models import ChatDataset
 from hsx_workers.worker import UnitReport
+from tests.unit.test_api import local_client
 from tests.unit.test_deploy import board_metric_names
 
 
@@ -124,7 +124,7 @@ def _report(unit: int, tokens: int, worker: str, **extra: Any) -> UnitReport:
 
 def _scrape(scheduler: Scheduler) -> str:
     """/metrics of an app around `scheduler` (its lifespan, which would start Ray, not run)."""
-    client = TestClient(create_app(Settings(), scheduler))
+    client = local_client(create_app(Settings(), scheduler))
     response = client.get("/metrics")
     assert response.status_code == 200
     return response.text
@@ -338,7 +338,7 @@ def test_throughput_route(tmp_path: Path) -> None:
     from tests.unit.test_api import FakeScheduler, job_fields
 
     fake = FakeScheduler()
-    with TestClient(create_app(Settings(), fake)) as client:
+    with local_client(create_app(Settings(), fake)) as client:
         client.post("/v1/jobs", json={"id": "a", "spec": job_fields(tmp_path)})
         curve = Throughput.model_validate(client.get("/v1/jobs/a/throughput").json())
         assert [p.tokens_per_s for p in curve.points] == [5001.0, 5002.0, 5003.0]

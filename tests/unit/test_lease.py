@@ -18,13 +18,8 @@ import pytest
 
 from hsx.spec import JobSpec
 from hsx.wire import JobState
-from hsx_service.ledger import (
-    LeaseLost,
-    Ledger,
-    LedgerHeld,
-    process_alive,
-    process_start,
-)
+from hsx_service.ledger import LeaseLost, Ledger, LedgerHeld
+from hsx_service.processes import process_alive, process_start
 
 
 def _spec(tmp_path: Path, name: str) -> JobSpec:

@@ -569,18 +569,17 @@ def test_cli_doctor(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_rest_inspect(configs: dict[str, Path], tmp_path: Path) -> None:
-    from fastapi.testclient import TestClient
 
     from hsx_service.config import Settings
     from hsx_service.main import create_app
     from hsx_service.routes import models
 
-    from .test_api import FakeScheduler
+    from .test_api import FakeScheduler, local_client
 
     app = create_app(Settings(), FakeScheduler())
     if not any(getattr(r, "path", "") == "/v1/models/inspect" for r in app.routes):
         app.include_router(models.router)
-    with TestClient(app) as client:
+    with local_client(app) as client:
         ok = client.post("/v1/models/inspect", json={"model": str(configs["kimi_k25"])})
         assert ok.status_code == 200, ok.text
         assert ok.json()["language_model_architecture"] == "DeepseekV3ForCausalLM"
@@ -590,7 +589,7 @@ def test_rest_inspect(configs: dict[str, Path], tmp_path: Path) -> None:
         assert typo.status_code == 422
     restricted = create_app(Settings(allowed_roots=[tmp_path]), FakeScheduler())
     restricted.include_router(models.router)
-    with TestClient(restricted) as client:
+    with local_client(restricted) as client:
         outside = client.post("/v1/models/inspect", json={"model": str(configs["llama"])})
         assert outside.status_code == 422 and "allowed roots" in outside.text
 

@@ -170,15 +170,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     overrides: dict[str, Any] = {
         key: value
-        for key, value in (("host", args.host), ("port", args.port), ("ledger_path", args.ledger))
+        for key, value in (("host", args.host), ("port", args.port), ("ledger_path", args.ledger),
+                           ("api_token", args.token), ("tokens_file", args.tokens_file))
         if value is not None
     }
     if args.standby:
         overrides["standby"] = True
+    if args.allow_open:
+        overrides["allow_open"] = True
     try:
         settings = Settings(**overrides)
     except ValidationError as err:
         return error(f"bad server settings: {err}", EXIT_REFUSED)
+    refusal = settings.refusal_to_start()
+    if refusal is not None:
+        return error(refusal, EXIT_REFUSED)
+    try:
+        app = create_app(settings)
+    except ValueError as err:  # a tokens file that cannot be used
+        return error(str(err), EXIT_REFUSED)
     if not settings.standby:  # refused here with a plain message, before uvicorn starts
         from hsx_service.ledger import Ledger, LedgerHeld
 
@@ -192,7 +202,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         f"ledger {settings.ledger_path})"
     )
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level="info" if args.verbose else "warning",
@@ -230,4 +240,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--standby", action="store_true", default=None,
                    help="if another coordinator holds the ledger, wait and take over when "
                         "it stops, instead of refusing to start (env HSX_STANDBY)")
+    p.add_argument("--tokens-file",
+                   help="YAML file of users' API tokens (env HSX_TOKENS_FILE; "
+                        "docs/SECURITY.md); `hsx --token T serve` sets one token")
+    p.add_argument("--allow-open", action="store_true",
+                   help="serve a non-loopback address with no token: anyone who reaches it "
+                        "may submit jobs (env HSX_ALLOW_OPEN)")
     p.set_defaults(func=_cmd_serve)

@@ -1,10 +1,12 @@
 """`/v1/jobs`: submit, list, inspect, cancel, follow and page through errors.
 
 Routes only validate and enqueue: the request body is parsed by pydantic (`SubmitRequest`,
-`extra="forbid"`), the server's policy (allowed roots, trust_remote_code) is checked
-here, and everything else — preflight, planning, running — is the scheduler's. Plain
-`def` routes run in FastAPI's thread pool, so a scheduler call that touches SQLite never
-stalls the event loop that serves the other clients.
+`extra="forbid"`), the server's policy (policy.py: engine options, allowed roots, hub
+access, trust_remote_code) is checked here, and everything else — preflight, planning,
+running — is the scheduler's. Each route that names a job answers only the job's owner
+(or an admin): another user's job is a 404 (users.py). Plain `def` routes run in
+FastAPI's thread pool, so a scheduler call that touches SQLite never stalls the event
+loop that serves the other clients.
 
 Statuses are the exception, as the routes clients poll: `GET /v1/jobs`, `GET
 /v1/jobs/{id}` and the event streams are `async` and answer from the scheduler's board
@@ -24,7 +26,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Response, status
 from fastapi.responses import StreamingResponse
 
-from hsx.spec import JobSpec, TrainSpec
+from hsx.spec import TrainSpec
 from hsx.wire import (
     API_PREFIX,
     ErrorBody,
@@ -36,11 +38,11 @@ from hsx.wire import (
     Throughput,
     TrainStatus,
 )
-from hsx_service.board import StatusBoard
-from hsx_service.config import Settings
-from hsx_service.deps import SchedulerDep, SettingsDep, require_token
-from hsx_service.errors import JobNotFound, JobRefused
-from hsx_service.paths import check_job_paths
+from hsx_service.board import Post, StatusBoard
+from hsx_service.deps import CallerDep, SchedulerAPI, SchedulerDep, SettingsDep, authenticate
+from hsx_service.errors import JobConflict, JobNotFound
+from hsx_service.policy import vet_spec
+from hsx_service.users import Caller
 
 log = logging.getLogger(__name__)
 
@@ -65,39 +67,9 @@ BODY_ERRORS: dict[int | str, dict[str, Any]] = {k: _ERRORS[k] for k in (400, 413
 router = APIRouter(
     prefix=f"{API_PREFIX}/jobs",
     tags=["jobs"],
-    dependencies=[Depends(require_token)],
+    dependencies=[Depends(authenticate)],
     responses={k: _ERRORS[k] for k in (401, 503)},
 )
-
-
-# vLLM engine arguments that name Python code for vLLM to import and run (a class or
-# function by qualified name, a plugin file): what trust_remote_code guards, by another door.
-CODE_LOADING_ENGINE_ARGS = frozenset({
-    "worker_cls", "scheduler_cls", "logits_processors", "reasoning_parser_plugin",
-    "io_processor_plugin",
-})
-
-
-def vet_spec(spec: JobSpec, settings: Settings) -> None:
-    """The server's policy on a job, checked before the scheduler sees it."""
-    if not settings.allow_trust_remote_code:
-        if spec.trust_remote_code:
-            raise JobRefused(
-                "trust_remote_code: this server does not run models' own code "
-                "(its operator can allow it with HSX_ALLOW_TRUST_REMOTE_CODE=1)"
-            )
-        args = spec.vllm.engine_args()
-        loading = sorted(CODE_LOADING_ENGINE_ARGS & set(args))
-        backend = args.get("distributed_executor_backend")
-        if isinstance(backend, str) and "." in backend:  # a class by qualified name
-            loading.append("distributed_executor_backend")
-        if loading:
-            raise JobRefused(
-                f"vllm: {', '.join(loading)} name Python code for vLLM to load; this server "
-                "runs only its own code (its operator can allow it with "
-                "HSX_ALLOW_TRUST_REMOTE_CODE=1)"
-            )
-    check_job_paths(spec, settings.effective_roots())
 
 
 @router.post(
@@ -111,11 +83,15 @@ def vet_spec(spec: JobSpec, settings: Settings) -> None:
     },
 )
 def submit_job(
-    body: SubmitRequest, response: Response, settings: SettingsDep, scheduler: SchedulerDep
+    body: SubmitRequest, response: Response, settings: SettingsDep, scheduler: SchedulerDep,
+    caller: CallerDep,
 ) -> JobStatus:
     """Queue a job; 201 with its status, or 200 when the same id already holds it."""
     vet_spec(body.spec, settings)
-    job, created = scheduler.submit(body.spec, body.id)
+    post = scheduler.board.get(body.id) if body.id else None
+    if post is not None and not caller.may_see(post.status.owner):
+        raise JobConflict(f"job id {body.id} is taken; choose another")
+    job, created = scheduler.submit(body.spec, body.id, caller.user)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     response.headers["Location"] = f"{API_PREFIX}/jobs/{job.id}"
     if created:
@@ -126,23 +102,31 @@ def submit_job(
 @router.get("", response_model=JobList, responses={422: _ERRORS[422]})
 async def list_jobs(
     scheduler: SchedulerDep,
+    caller: CallerDep,
     state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
 ) -> Response:
-    """Jobs in submission order."""
-    return Response(scheduler.board.list_json(state), media_type=JSON)
+    """Jobs in submission order: the caller's own (an admin's: every job)."""
+    return Response(scheduler.board.list_json(state, caller.may_see), media_type=JSON)
+
+
+def owned(scheduler: SchedulerAPI, job_id: str, caller: Caller) -> Post:
+    """The job's post if the caller may see the job; else 404, as for a job that does
+    not exist (another user's job ids are not confirmed)."""
+    post = scheduler.board.get(job_id)
+    if post is None or not caller.may_see(post.status.owner):
+        raise JobNotFound(job_id)
+    return post
 
 
 @router.get("/{job_id}", response_model=JobStatus, responses={404: _ERRORS[404]})
-async def get_job(job_id: str, scheduler: SchedulerDep) -> Response:
-    post = scheduler.board.get(job_id)
-    if post is None:
-        raise JobNotFound(job_id)
-    return Response(post.json, media_type=JSON)
+async def get_job(job_id: str, scheduler: SchedulerDep, caller: CallerDep) -> Response:
+    return Response(owned(scheduler, job_id, caller).json, media_type=JSON)
 
 
 @router.delete("/{job_id}", response_model=JobStatus, responses={404: _ERRORS[404]})
-def cancel_job(job_id: str, scheduler: SchedulerDep) -> JobStatus:
+def cancel_job(job_id: str, scheduler: SchedulerDep, caller: CallerDep) -> JobStatus:
     """Cancel: dispatch stops, running units end cleanly; a finished job stays as it is."""
+    owned(scheduler, job_id, caller)
     job = scheduler.cancel(job_id)
     log.info("job %s: cancel requested (now %s)", job_id, job.state.value)
     return job
@@ -154,18 +138,21 @@ def cancel_job(job_id: str, scheduler: SchedulerDep) -> JobStatus:
 def job_errors(
     job_id: str,
     scheduler: SchedulerDep,
+    caller: CallerDep,
     offset: Annotated[int, Query(ge=0, description="First record to return.")] = 0,
     limit: Annotated[
         int, Query(ge=1, le=MAX_ERRORS_PAGE, description="Most records to return.")
     ] = 100,
 ) -> ErrorPage:
     """The job's per-row error records (rows skipped with a reason), a page at a time."""
+    owned(scheduler, job_id, caller)
     return scheduler.errors(job_id, offset, limit)
 
 
 @router.get("/{job_id}/throughput", response_model=Throughput, responses={404: _ERRORS[404]})
-def job_throughput(job_id: str, scheduler: SchedulerDep) -> Throughput:
+def job_throughput(job_id: str, scheduler: SchedulerDep, caller: CallerDep) -> Throughput:
     """The job's tokens/s over time and its average, kept after the job has ended."""
+    owned(scheduler, job_id, caller)
     return scheduler.throughput(job_id)
 
 
@@ -176,17 +163,20 @@ def job_throughput(job_id: str, scheduler: SchedulerDep) -> Throughput:
     responses={404: _ERRORS[404], 409: {"model": ErrorBody, "description": "Already training."},
                **BODY_ERRORS},
 )
-def start_training(job_id: str, spec: TrainSpec, scheduler: SchedulerDep) -> TrainStatus:
+def start_training(job_id: str, spec: TrainSpec, scheduler: SchedulerDep,
+                   caller: CallerDep) -> TrainStatus:
     """Train an EAGLE-3 draft on the job's output (while it runs, or after); a second
     call after the first ended resumes from its newest checkpoint."""
+    owned(scheduler, job_id, caller)
     started = scheduler.train(job_id, spec)
     log.info("job %s: training started", job_id)
     return started
 
 
 @router.get("/{job_id}/train", response_model=TrainStatus, responses={404: _ERRORS[404]})
-def training_status(job_id: str, scheduler: SchedulerDep) -> TrainStatus:
+def training_status(job_id: str, scheduler: SchedulerDep, caller: CallerDep) -> TrainStatus:
     """State, step, loss, per-step accuracy, tokens/s and the loss curve of the training."""
+    owned(scheduler, job_id, caller)
     return scheduler.train_status(job_id)
 
 
@@ -218,10 +208,10 @@ async def _status_stream(board: StatusBoard, job_id: str) -> AsyncIterator[bytes
         404: _ERRORS[404],
     },
 )
-async def job_events(job_id: str, scheduler: SchedulerDep) -> StreamingResponse:
+async def job_events(job_id: str, scheduler: SchedulerDep,
+                     caller: CallerDep) -> StreamingResponse:
     """Server-sent events: the current status first, then one per change, until finished."""
-    if scheduler.board.get(job_id) is None:
-        raise JobNotFound(job_id)  # before any byte is sent: a 404
+    owned(scheduler, job_id, caller)  # before any byte is sent: a 404
     return StreamingResponse(
         _status_stream(scheduler.board, job_id),
         media_type="text/event-stream",

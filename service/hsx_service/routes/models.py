@@ -8,7 +8,6 @@ it does to jobs; a refusal is a JobRefused, turned into 422 in main.py.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends
@@ -17,15 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from hsx.modelinfo import ModelConfigError
 from hsx.spec import DatasetSpec
 from hsx.wire import API_PREFIX, ErrorBody
-from hsx_service.deps import SettingsDep, require_token
+from hsx_service.deps import SettingsDep, authenticate
 from hsx_service.errors import JobRefused
-from hsx_service.paths import check_dataset_path, check_path
+from hsx_service.paths import check_dataset_path, check_model_path
 from hsx_service.routes.jobs import BODY_ERRORS
 
 router = APIRouter(
     prefix=f"{API_PREFIX}/models",
     tags=["models"],
-    dependencies=[Depends(require_token)],
+    dependencies=[Depends(authenticate)],
     responses={401: {"model": ErrorBody, "description": "Missing or wrong API token."}},
 )
 
@@ -56,12 +55,10 @@ def inspect_model_route(body: InspectRequest, settings: SettingsDep) -> dict[str
             "trust_remote_code: this server does not run models' own code "
             "(its operator can allow it with HSX_ALLOW_TRUST_REMOTE_CODE=1)"
         )
-    roots = settings.effective_roots()
-    if roots is not None:
-        if body.model.startswith(("/", ".", "~", "file://")) or Path(body.model).exists():
-            check_path("model", body.model, roots)  # a hub id names no local path
-        if body.dataset is not None:
-            check_dataset_path("dataset", body.dataset, roots)
+    roots, hub = settings.effective_roots(), settings.hub_allowed
+    check_model_path("model", body.model, roots, hub_allowed=hub)
+    if body.dataset is not None:
+        check_dataset_path("dataset", body.dataset, roots, hub_allowed=hub)
     from hsx_workers.preflight import inspect_model
 
     try:

@@ -1,4 +1,6 @@
-"""Operator endpoints: `/healthz`, `/readyz`, `/metrics`. Open without a token.
+"""Operator endpoints: `/healthz`, `/readyz` (open without a token), `/metrics` (with the
+server's token, unless `HSX_PUBLIC_METRICS`), and `/v1/whoami` (who the caller is and
+whether the server is open, for the dashboard).
 
 `/healthz` answers as long as the process serves HTTP (liveness); `/readyz` only once the
 scheduler has reconciled the ledger and accepts work (readiness, 503 before);
@@ -12,13 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from hsx.wire import ErrorBody
-from hsx_service.deps import SchedulerDep
+from hsx.wire import API_PREFIX, ErrorBody
+from hsx_service.deps import CallerDep, SchedulerDep, SettingsDep, authenticate, bearer
 from hsx_service.metrics import METRICS
+from hsx_service.users import Unauthorized
 
 router = APIRouter(tags=["ops"])
 
@@ -37,15 +40,33 @@ def readyz(scheduler: SchedulerDep) -> dict[str, str]:
     return {"status": "ready"}
 
 
+async def metrics_caller(request: Request, settings: SettingsDep) -> None:
+    """/metrics needs an admin (its families cover every user's jobs), unless the
+    operator made it public."""
+    if settings.public_metrics:
+        return
+    caller = await authenticate(request, settings, await bearer(request))
+    if not caller.admin:
+        raise Unauthorized(f"{caller.user} may not read /metrics: it needs an admin's token")
+
+
 @router.get(
     "/metrics",
     response_class=Response,
     responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text."}},
 )
-def metrics(request: Request) -> Response:
-    """Prometheus metrics (text format; OpenMetrics when the Accept header asks for it)."""
+def metrics(request: Request, _: None = Depends(metrics_caller)) -> Response:
+    """Prometheus metrics (text format; OpenMetrics when the Accept header asks for it).
+    Needs the server's token unless HSX_PUBLIC_METRICS is set."""
     encoder, content_type = choose_encoder(request.headers.get("accept", ""))
     return Response(encoder(request.app.state.registry), media_type=content_type)
+
+
+@router.get(f"{API_PREFIX}/whoami", dependencies=[Depends(authenticate)])
+def whoami(caller: CallerDep, settings: SettingsDep) -> dict[str, Any]:
+    """The caller's user name, whether they are an admin, and whether this server lets
+    anyone in (`open`: a non-loopback server run with HSX_ALLOW_OPEN)."""
+    return {"user": caller.user, "admin": caller.admin, "open": settings.open_to_all}
 
 
 class SchedulerCollector:

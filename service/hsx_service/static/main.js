@@ -3,6 +3,7 @@
 // contract is client/hsx/wire.py; live updates come from GET /v1/jobs/<id>/events (SSE).
 // This module routes between the two views.
 
+import { api } from "./api.js";
 import { drawLossChart, drawRateChart } from "./charts.js";
 import { $, clearBanner } from "./dom.js";
 import { closeJob, openJob } from "./job.js";
@@ -37,5 +38,18 @@ function decodedId(text) {
   }
 }
 
+// Who this dashboard calls as (a user sees their own jobs), and whether the server lets
+// anyone in (a non-loopback coordinator started with HSX_ALLOW_OPEN).
+async function showCaller() {
+  try {
+    const me = await api("v1/whoami");
+    $("#whoami").textContent = me.admin ? `${me.user} (admin)` : me.user;
+    $("#open-server").hidden = !me.open;
+  } catch (err) {
+    $("#whoami").textContent = "";
+  }
+}
+
 window.addEventListener("hashchange", route);
 route();
+showCaller();

@@ -49,6 +49,7 @@ from hsx.output.local_storage import (
     output_file_mode,
     replace_output_file,
 )
+from hsx.output.quota import QUOTA_ENV, folder_bytes, output_quota
 from hsx.output.shards.encoding import HIDDEN_DTYPE, NUMPY_DTYPES
 from hsx.spec import TrainSpec
 from hsx_workers.trainer.data import EpochEnd, StepBatch, TrainingData, to_speculators_sample
@@ -623,6 +624,7 @@ class DraftTrainer:
             with f.open("rb") as fh:
                 os.fsync(fh.fileno())
         faults.reached("after_checkpoint_write", str(tmp))
+        self._check_quota(tmp)
         make_output_dirs(final.parent)
         os.rename(tmp, final)  # a checkpoint is there whole or not at all
         fsync_dir(final.parent)
@@ -643,6 +645,23 @@ class DraftTrainer:
                 shutil.rmtree(old, ignore_errors=True)
         self._write_state("running")
         return final
+
+    def _check_quota(self, staged: Path) -> None:
+        """Refuse a checkpoint that takes the output past its quota (HSX_QUOTA_BYTES):
+        the committed shards, the draft folder (its checkpoints, the one staged
+        included) together. The staged one is removed; the newest checkpoint stays."""
+        quota = output_quota()
+        if quota is None:
+            return
+        shards = self.output.totals().bytes if self.output.has_manifest() else 0
+        draft = folder_bytes(self.root)
+        if shards + draft > quota:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise TrainRefused(
+                f"{self.draft}: the checkpoint of step {self.state.step} would take the "
+                f"output to {shards + draft:,} bytes ({shards:,} of shards, {draft:,} of "
+                f"the draft's folder), over its quota of {quota:,} bytes ({QUOTA_ENV}); "
+                "keep fewer checkpoints (keep_checkpoints) or ask for a larger quota")
 
     def _publish(self, ckpt: Path) -> None:
         """Hard-link the checkpoint's files into draft/, each replaced atomically."""

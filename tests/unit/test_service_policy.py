@@ -1,0 +1,205 @@
+"""The server's policy without a cluster: engine options by allow-list, hub access,
+redaction, who may start open, the Host check, users from a tokens file or a proxy's
+header, ownership through the routes (a fake scheduler), and 500s that keep their text
+in the log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hsx.spec import JobSpec
+from hsx_service.config import Settings
+from hsx_service.errors import JobRefused
+from hsx_service.main import create_app
+from hsx_service.paths import check_job_paths
+from hsx_service.policy import ENGINE_OPTIONS, engine_options_problem, redacted, vet_spec
+from hsx_service.users import TokenTable
+
+from .test_api import FakeScheduler, job_fields, local_client
+
+ALICE, BOB, ROOT = "alice-token-0123456789", "bob-token-0123456789", "root-token-0123456789"
+
+
+def _tokens(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens.yaml"
+    path.write_text("tokens:\n"
+                    f"  - {{token: {ALICE}, user: alice}}\n"
+                    f"  - {{token: {BOB}, user: bob}}\n"
+                    f"  - {{token: {ROOT}, user: root, admin: true}}\n")
+    return path
+
+
+def _as(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_engine_options_are_an_allow_list() -> None:
+    assert engine_options_problem({"max_num_seqs": 8, "load_format": "dummy"}) is None
+    problem = engine_options_problem({"log_config_file": "/x", "max_num_seqs": 8})
+    assert problem is not None and problem.startswith("log_config_file is not among")
+    assert all(name in problem for name in ENGINE_OPTIONS)
+    assert "takes one plain value" in (engine_options_problem({"seed": [1]}) or "")
+    assert "tensorizer" in (engine_options_problem({"load_format": "tensorizer"}) or "")
+    # The operator's additions pass as the job gives them.
+    assert engine_options_problem({"hf_overrides": {"a": 1}}, ["hf_overrides"]) is None
+
+
+def test_vet_spec_names_the_field(tmp_path: Path) -> None:
+    spec = JobSpec(model=str(tmp_path / "m"), dataset=str(tmp_path / "d.jsonl"),
+                   output=str(tmp_path / "o"), vllm={"model_class_overrides": {"A": "os.x"}})
+    with pytest.raises(JobRefused, match=r"^vllm: model_class_overrides is not among"):
+        vet_spec(spec, Settings(allowed_roots=[tmp_path]))
+    vet_spec(spec, Settings(allowed_roots=[tmp_path], engine_options=["model_class_overrides"]))
+    assert Settings.model_validate({"engine_options": "a, b"}).engine_options == ["a", "b"]
+
+
+def test_hub_ids_need_the_operator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").touch()
+    hub = JobSpec(model="org/model", dataset=str(tmp_path / "d.jsonl"), output=str(tmp_path / "o"))
+    restricted = Settings(allowed_roots=[tmp_path])
+    assert not restricted.hub_allowed and Settings().hub_allowed
+    with pytest.raises(JobRefused, match=r"^model: org/model names a hub repository"):
+        check_job_paths(hub, restricted.effective_roots(), hub_allowed=False)
+    check_job_paths(hub, restricted.effective_roots(), hub_allowed=True)
+    with pytest.raises(JobRefused, match=r"^dataset: org/data names a hub repository"):
+        check_job_paths(hub.model_copy(update={"dataset": "org/data", "model": "m"}), None,
+                        hub_allowed=False)
+    # A folder inside the roots whose file leads out of them.
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.jsonl").symlink_to("/etc/hostname")
+    with pytest.raises(JobRefused, match="resolves to /etc/hostname"):
+        check_job_paths(hub.model_copy(update={"dataset": str(tmp_path / "folder")}),
+                        restricted.effective_roots(), hub_allowed=True)
+
+
+def test_secrets_are_redacted() -> None:
+    spec = JobSpec(model="m", dataset="s3://user:pw@bucket/x", output="o",
+                   vllm={"max_num_seqs": 4, "hf_token": "hf_abc"},
+                   chat_template_kwargs={"tools": [{"api_key": "k"}], "tokenize": False})
+    shown = redacted(spec)
+    assert shown.vllm.engine_args() == {"max_num_seqs": 4, "hf_token": "***"}
+    assert shown.chat_template_kwargs == {"tools": [{"api_key": "***"}], "tokenize": False}
+    assert shown.dataset == "s3://***@bucket/x"
+    assert spec.vllm.engine_args()["hf_token"] == "hf_abc"  # the job itself is unchanged
+
+
+def test_who_may_start_and_which_hosts_are_answered(tmp_path: Path) -> None:
+    assert Settings().refusal_to_start() is None
+    refusal = Settings(host="0.0.0.0").refusal_to_start()
+    assert refusal is not None and "HSX_ALLOW_OPEN" in refusal
+    assert Settings(host="0.0.0.0", allow_open=True).refusal_to_start() is None
+    assert Settings(host="0.0.0.0", allow_open=True).open_to_all
+    assert Settings(host="0.0.0.0", api_token="t" * 20).refusal_to_start() is None
+    assert Settings(host="0.0.0.0", tokens_file=_tokens(tmp_path)).refusal_to_start() is None
+    local = Settings()
+    for host in ("localhost:8642", "127.0.0.1:8642", "[::1]:8642", "localhost"):
+        assert local.host_allowed(host), host
+    for host in ("attacker.example", "attacker.example:8642", None):
+        assert not local.host_allowed(host), host
+    assert Settings(host="10.0.0.5", api_token="t" * 20).host_allowed("hsx.internal:8642")
+    named = Settings(allowed_hosts="hsx.internal")
+    assert named.host_allowed("hsx.internal:8642") and not named.host_allowed("localhost")
+
+
+def test_tokens_file_errors_name_the_entry(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    for text, message in (("tokens: {}", "expected `tokens:`"),
+                          ("tokens:\n  - {token: short, user: a}", "entry 1: `token`"),
+                          (f"tokens:\n  - {{token: {ALICE}, user: 'a b'}}", "not a user name"),
+                          (f"tokens:\n  - {{token: {ALICE}, user: a, role: x}}", "the keys"),
+                          (f"tokens:\n  - {{token: {ALICE}, user: a}}\n"
+                           f"  - {{token: {ALICE}, user: b}}", "given twice")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            TokenTable.load(None, path)
+    table = TokenTable.load("operator-token-123", _tokens(tmp_path))
+    caller = table.caller(BOB)
+    assert caller is not None and (caller.user, caller.admin) == ("bob", False)
+    assert table.caller("nope") is None
+
+
+def test_users_see_only_their_own_jobs(tmp_path: Path) -> None:
+    fake = FakeScheduler()
+    settings = Settings(tokens_file=_tokens(tmp_path), allowed_roots=[tmp_path])
+    with local_client(create_app(settings, fake)) as c:
+        made = c.post("/v1/jobs", json={"id": "a1", "spec": job_fields(tmp_path)},
+                      headers=_as(ALICE))
+        assert made.status_code == 201 and made.json()["owner"] == "alice"
+        for method, path in (("GET", "/v1/jobs/a1"), ("DELETE", "/v1/jobs/a1"),
+                             ("GET", "/v1/jobs/a1/errors"), ("GET", "/v1/jobs/a1/events"),
+                             ("GET", "/v1/jobs/a1/throughput"), ("GET", "/v1/jobs/a1/train")):
+            answer = c.request(method, path, headers=_as(BOB))
+            assert answer.status_code == 404, path
+            assert answer.json()["message"] == "no job 'a1'"
+        post = c.post("/v1/jobs/a1/train", json={}, headers=_as(BOB))
+        assert post.status_code == 404
+        taken = c.post("/v1/jobs", json={"id": "a1", "spec": job_fields(tmp_path)},
+                       headers=_as(BOB))
+        assert taken.status_code == 409
+        assert c.get("/v1/jobs", headers=_as(BOB)).json()["jobs"] == []
+        assert [j["id"] for j in c.get("/v1/jobs", headers=_as(ROOT)).json()["jobs"]] == ["a1"]
+        assert c.get("/v1/jobs/a1", headers=_as(ROOT)).status_code == 200
+        assert c.get("/v1/whoami", headers=_as(BOB)).json() == {
+            "user": "bob", "admin": False, "open": False}
+        assert c.get("/metrics", headers=_as(BOB)).status_code == 401
+        assert c.get("/metrics", headers=_as(ROOT)).status_code == 200
+    assert fake.calls.count("cancel") == 0
+
+
+def test_a_proxys_user_header(tmp_path: Path) -> None:
+    settings = Settings(user_header="X-Forwarded-User", admins="root",
+                        allowed_roots=[tmp_path])
+    with local_client(create_app(settings, FakeScheduler())) as c:
+        assert c.get("/v1/jobs").status_code == 401
+        assert c.get("/v1/jobs", headers={"X-Forwarded-User": "a b"}).status_code == 401
+        me = c.get("/v1/whoami", headers={"X-Forwarded-User": "root"}).json()
+        assert me == {"user": "root", "admin": True, "open": False}
+
+
+class _Broken(FakeScheduler):
+    def errors(self, job_id: str, offset: int, limit: int) -> Any:
+        raise RuntimeError("secret path /srv/private/key.pem")
+
+
+def test_internal_errors_keep_their_text_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = _Broken()
+    with local_client(create_app(Settings(), fake), raise_server_exceptions=False) as c:
+        c.post("/v1/jobs", json={"id": "j", "spec": job_fields(tmp_path)})
+        answer = c.get("/v1/jobs/j/errors")
+    assert answer.status_code == 500
+    body = answer.json()
+    assert body["type"] == "InternalError" and "/srv/private" not in answer.text
+    error_id = body["message"].split("error id ")[1].split(";")[0]
+    assert any(error_id in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_training_refuses_a_manifest_changed_under_the_job(tmp_path: Path) -> None:
+    """Whoever can write an output could turn `trust_remote_code` on in its manifest and
+    point the model at code of theirs; the trainer loads the model from the manifest."""
+    from hsx.wire import JobState
+    from hsx_service.ledger import JobRow
+    from hsx_service.scheduler import check_manifest_is_the_jobs
+
+    from .outputs import make_manifest, write_manifest
+
+    spec = JobSpec(model=str(tmp_path / "model"), dataset=str(tmp_path / "d.jsonl"),
+                   output=str(tmp_path / "out"))
+    row = JobRow(seq=1, id="j", spec=spec, output=spec.output, state=JobState.succeeded,
+                 created_at=0.0, started_at=None, finished_at=None, last_error=None,
+                 cancel_requested=False, restarts=0, owner="alice")
+    manifest = make_manifest(layers=[1, 4], hidden_size=8, num_layers=4, units=[(0, 1)],
+                             model=spec.model, spec=spec.model_dump(mode="json"))
+    write_manifest(spec.output, manifest)
+    check_manifest_is_the_jobs(row)  # as the job wrote it
+    changed = manifest.model_copy(update={
+        "model": str(tmp_path / "evil"),
+        "spec": {**manifest.spec, "trust_remote_code": True}})
+    (Path(spec.output) / "manifest.json").write_text(changed.model_dump_json())
+    with pytest.raises(JobRefused, match="model, trust_remote_code differ from job j's"):
+        check_manifest_is_the_jobs(row)
