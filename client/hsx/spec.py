@@ -54,23 +54,28 @@ class VllmOptions(BaseModel):
         "computes ~4x faster, for an unquantized model whose float32 weights take at most "
         "a quarter of the host's memory; the shards store storage_dtype either way."))
     max_num_batched_tokens: int | None = Field(
-        None, gt=0, description="vLLM scheduler token budget per step; None lets vLLM choose."
-    )
+        None, gt=0, le=2**20, description=(
+            "vLLM scheduler token budget per step; None lets vLLM choose. At most "
+            "1,048,576 (the longest max_seq_len: a larger step only holds more prompts' "
+            "activations at once)."))
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may take (GPU only)."
     )
     cpu_kvcache_gib: int = Field(
-        1, ge=1, description="KV cache size in GiB for vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE)."
-    )
+        1, ge=1, le=4096, description=(
+            "KV cache size in GiB for vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE), allocated "
+            "when the engine starts. At most 4096 (4 TiB, more than a CPU node's memory)."))
     enforce_eager: bool = Field(False, description="Disable CUDA graphs / torch.compile.")
     max_inflight_tokens: int = Field(
         65536,
         gt=0,
+        le=2**24,
         description=(
             "Prompt tokens hsx keeps inside one engine at once (queued, computing, or "
             "waiting in its spool). It bounds the spool in /dev/shm to this many tokens' "
             "states; it must stay well above vLLM's per-step token budget to keep the "
-            "engine's batches full."
+            "engine's batches full. At most 16,777,216 (a spool of that many tokens' "
+            "states would outgrow a large node's memory)."
         ),
     )
 
@@ -101,14 +106,20 @@ class TrainSpec(BaseModel):
     draft_vocab_size: int = Field(
         32000,
         gt=0,
+        le=2**20,
         description=(
             "Tokens the draft predicts: the most frequent loss-masked tokens of the inputs. "
-            "At or above the target's vocabulary size the draft uses the whole vocabulary."
+            "At or above the target's vocabulary size the draft uses the whole vocabulary. "
+            "At most 1,048,576 (four times the largest vocabularies, 262,144)."
         ),
     )
-    num_layers: int = Field(1, ge=1, description="Decoder layers of the draft.")
+    num_layers: int = Field(1, ge=1, le=32, description=(
+        "Decoder layers of the draft, each of the target's layer size. At most 32 (an "
+        "EAGLE-3 draft has one; 32 of a large target's take hundreds of GB)."))
     ttt_steps: int = Field(
-        3, ge=1, description="Training-time-test steps: draft tokens trained per position."
+        3, ge=1, le=32, description=(
+            "Training-time-test steps: draft tokens trained per position. At most 32 "
+            "(EAGLE-3 trains 3 to 8; each step holds its own activations).")
     )
     ttt_step_loss_decay: float = Field(
         1.0, gt=0, description="Weight of step k's loss is decay**k."
@@ -155,19 +166,23 @@ class TrainSpec(BaseModel):
     batch_tokens: int | None = Field(
         None,
         gt=1,
+        le=2**24,
         description=(
             "Tokens per optimizer step and worker: whole samples, packed into sequences of "
-            "`pack_tokens`. None: 1024 on CPU, 8192 on GPU."
+            "`pack_tokens`. None: 1024 on CPU, 8192 on GPU. At most 16,777,216 (a step's "
+            "samples are read at once)."
         ),
     )
     pack_tokens: int | None = Field(
         None,
         gt=1,
+        le=2**20,
         description=(
             "Tokens per forward pass (one packed sequence; a longer sample is cut to it). "
             "The draft's attention over a packed sequence costs its length squared on CPU, "
             "so steps of `batch_tokens` are split into packs and their gradients summed. "
-            "None: 512 on CPU, 8192 on GPU (block-sparse flex attention)."
+            "None: 512 on CPU, 8192 on GPU (block-sparse flex attention). At most "
+            "1,048,576, the longest max_seq_len."
         ),
     )
     checkpoint_every: int | None = Field(
@@ -193,7 +208,9 @@ class TrainSpec(BaseModel):
         ),
     )
     val_max_samples: int = Field(
-        256, ge=1, description="At most this many samples are held out."
+        256, ge=1, le=2**20, description=(
+            "At most this many samples are held out (validated at each checkpoint); at "
+            "most 1,048,576.")
     )
     workers: int = Field(
         1,
@@ -206,13 +223,17 @@ class TrainSpec(BaseModel):
     eval_prompts: int = Field(
         32,
         ge=0,
+        le=65536,
         description=(
             "After a training run by the coordinator: held-out prompts that vLLM answers "
-            "with the draft, to measure its acceptance (draft/eval.json); 0: no evaluation."
+            "with the draft, to measure its acceptance (draft/eval.json); 0: no evaluation. "
+            "At most 65,536."
         ),
     )
     eval_max_tokens: int = Field(
-        256, ge=1, description="At most this many tokens generated per evaluation prompt."
+        256, ge=1, le=2**17, description=(
+            "At most this many tokens generated per evaluation prompt; at most 131,072 (a "
+            "long-context model's window).")
     )
     seed: int = Field(0, description="Seed of the initial weights and the sample order.")
     device: TrainDevice = Field("auto", description="`cuda` when a GPU is present under auto.")
@@ -238,9 +259,11 @@ class TrainSpec(BaseModel):
     buffer_bytes: int | None = Field(
         None,
         gt=0,
+        le=2**40,
         description=(
             "Online: captured states the trainer has not taken yet, at most (the engines "
-            "wait beyond it). None: 1 GiB, or three of the job's largest units when more."
+            "wait beyond it). None: 1 GiB, or three of the job's largest units when more. "
+            "At most 1 TiB."
         ),
     )
     gpu_share: float = Field(
@@ -287,8 +310,9 @@ class RegenerateSpec(BaseModel):
         "whose probability reaches top_p."
     )
     max_tokens: int = Field(
-        512, ge=1, description="At most this many tokens per regenerated turn; a turn that "
-        "reaches it is kept and flagged `truncated` (not an error)."
+        512, ge=1, le=2**20, description="At most this many tokens per regenerated turn; a "
+        "turn that reaches it is kept and flagged `truncated` (not an error). Below "
+        "max_seq_len, so at most 1,048,575."
     )
     seed: int = Field(
         0, ge=0, description="Job seed: each sample's sampling seed is derived from it, the "
@@ -392,19 +416,26 @@ class JobSpec(BaseModel):
     )
     engine: EngineName = Field("vllm", description="Capture engine: `vllm` (default) or `hf`.")
     max_seq_len: int = Field(
-        4096, gt=1, description="Samples are truncated to this many tokens."
+        4096, gt=1, le=2**20, description=(
+            "Samples are truncated to this many tokens. At most 1,048,576, the longest "
+            "context of today's models (one sample's states at that length are gigabytes "
+            "per layer).")
     )
     replicas: int | None = Field(
         None,
         ge=1,
+        le=4096,
         description=(
             "Number of engines (Ray actors) running at once. None: as many as fit — on a "
             "GPU cluster its GPUs ÷ tensor_parallel_size, less the trainer's GPUs when "
-            "`train:` can run beside the engines; 1 on a CPU cluster."
+            "`train:` can run beside the engines; 1 on a CPU cluster. At most 4096 (512 "
+            "nodes of 8 GPUs)."
         ),
     )
     tensor_parallel_size: int = Field(
-        1, ge=1, description="GPUs (or CPU ranks) per engine for tensor parallelism."
+        1, ge=1, le=128, description=(
+            "GPUs (or CPU ranks) per engine for tensor parallelism. At most 128 (wider than "
+            "an NVLink domain: 72 GPUs of a GB200 NVL72).")
     )
     storage_dtype: StorageDtype = Field(
         "bf16", description="How states are stored: `bf16`, or `fp8` (e4m3, per-token scales)."
@@ -419,10 +450,13 @@ class JobSpec(BaseModel):
     unit_tokens: int = Field(
         65536,
         gt=0,
+        le=2**24,
         description=(
             "Target tokens per work unit; one unit becomes one shard. A new job's first "
             "units ramp up to it from 8,192 tokens (8,192, 16,384, ...), so its first "
-            "shard is committed soon after its engines start."
+            "shard is committed soon after its engines start. At most 16,777,216 (a unit's "
+            "inputs are held by its engine until it commits, and a shard of that many "
+            "tokens is hundreds of GB)."
         ),
     )
     ray_address: str | None = Field(

@@ -39,6 +39,7 @@ from hsx.output import (
 )
 from hsx.output.layout import LAYER_CONVENTION
 from hsx.plan import UnitPlanner, WorkUnit, first_unit_tokens
+from hsx.progress import human_bytes
 from hsx.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -164,55 +165,83 @@ HEAD_ESTIMATE_MARGIN = 2.0
 
 
 def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], output: Output,
-                           quota_bytes: int | None = None) -> None:
-    """Refuse, before ingestion, a new job whose output is estimated (from its first rows
-    and its row count) at more than ESTIMATE_MARGIN x the quota or the free space.
+                           quota_bytes: int | None = None, *, in_child: bool = True
+                           ) -> int | None:
+    """Refuse, before ingestion, a new job whose chat template passes a limit on its
+    dataset's sample rows (hsx.ingest.limits: the CPU time of a row's rendering, the size
+    of what it renders), or whose output is estimated (from those rows and its row count)
+    at more than ESTIMATE_MARGIN x the quota or the free space; the estimate in bytes, or
+    None when none was made (a rerun, an online job, a dataset too slow to count).
 
     For the coordinator's submit, so that such a job gets a 422 instead of failing after
     ingestion; `prepare` checks the exact size once the dataset is tokenized. Takes what
     `preflight` returned. An object store has no free space to check, only the quota.
+    The sample is tokenized in a child process bounded in CPU time and memory
+    (hsx.ingest.bounded_estimate), never on the calling thread: a template that loops
+    for ever is refused after `HSX_TEMPLATE_SECONDS`, and the API answers meanwhile.
+    `in_child=False` tokenizes it here, each row's rendering within the same CPU time
+    (`prepare`: a coordinator's submit checked the job apart already, and `hsx extract`
+    runs its user's own job, with no child process to start).
     """
-    if output.has_manifest() or spec.trains_online:
-        # A rerun: ingested already, prepare checks the exact size. An online job stores
-        # no shard (its stream's room is checked before its engines start: runner.py).
-        return
-    quota = output_quota(quota_bytes)
-    limit_what = _size_limit(output, quota)
-    if limit_what is None:
-        return
-    limit, what = limit_what
-    from hsx.ingest import estimate_tokens, resolve_source
+    if output.has_manifest():
+        # A rerun: ingested already, its template with it; prepare checks the exact size.
+        return None
+    from hsx.ingest import TemplateLimitError, bounded_estimate, estimate_tokens, resolve_source
 
     try:
         source = resolve_source(spec.dataset_spec)
         if not source.counts_quickly:  # a hub dataset, a bucket's JSON lines
             logger.info("no output estimate for %s: counting its rows means reading it "
                         "whole; the exact check follows ingestion", source)
-            return
-        tokens, rows, sampled, spread = estimate_tokens(
+            return None
+        tokens, rows, sampled, spread = (bounded_estimate if in_child else estimate_tokens)(
             source, spec.tokenizer or spec.model, spec.max_seq_len,
             chat_template_kwargs=spec.chat_template_kwargs,
             trust_remote_code=spec.trust_remote_code)
-    except Exception as err:
+    except TemplateLimitError as err:
+        raise JobRefused(f"{_template_field(spec)}: {err}") from None
+    except Exception as err:  # EstimateUnavailable, a dataset that cannot be read
         logger.info("no output estimate for %s: %s", spec.dataset, err)
-        return
+        return None
+    if spec.trains_online:
+        # No shard is stored (its stream's room is checked before its engines start:
+        # runner.py); the sample checked its template.
+        return None
     per_token = info.bytes_per_token(len(layers))[spec.storage_dtype]
     need = tokens * per_token
+    limit_what = _size_limit(output, output_quota(quota_bytes))
+    if limit_what is None:
+        return int(need)
+    limit, what = limit_what
     if need > (ESTIMATE_MARGIN if spread else HEAD_ESTIMATE_MARGIN) * limit:
         raise JobRefused(
-            f"output: the job would write about {_human(need)} (estimated from {sampled} "
+            f"output: the job would write about {human_bytes(need)} (estimated from {sampled} "
             f"of its {rows} rows{' spread over it' if spread else ''}: {tokens:,.0f} tokens "
             f"x {per_token} bytes of {len(layers)} layers in {spec.storage_dtype}), more than "
-            f"{what} ({_human(limit)}); use fewer layers, storage_dtype fp8, or a smaller "
+            f"{what} ({human_bytes(limit)}); use fewer layers, storage_dtype fp8, or a smaller "
             "dataset"
         )
+    return int(need)
+
+
+def _template_field(spec: JobSpec) -> str:
+    """The job field a refusal for its chat template names: `chat_template_kwargs` when
+    the job passes any (its own `chat_template`, or what the template loops on), else
+    where the tokenizer, and so the template, comes from."""
+    if spec.chat_template_kwargs:
+        return "chat_template_kwargs"
+    return "tokenizer" if spec.tokenizer else "model"
 
 
 def warm_preflight() -> None:
     """Import what a submit's preflight imports (vLLM's model registry, transformers'
     tokenizers), so the first submit answers as fast as the next ones instead of paying
     tens of seconds of imports inside its request. The coordinator calls it before it
-    says it is ready."""
+    says it is ready. The fork server that the estimate's child processes come from
+    (hsx.ingest.bounded_estimate) starts now too: it imports transformers meanwhile."""
+    from hsx.ingest.pipeline import pool_context
+
+    pool_context()
     try:
         from hsx_workers.preflight import warm_imports
     except ImportError:  # the workers' package is not installed here
@@ -319,28 +348,20 @@ def check_output_size(job: PreparedJob, quota_bytes: int | None = None) -> int:
     quota = output_quota(quota_bytes)
     if quota is not None and need > quota:
         raise JobRefused(
-            f"output: the job would write about {_human(need)} ({pending_tokens} tokens x "
+            f"output: the job would write about {human_bytes(need)} ({pending_tokens} tokens x "
             f"{per_token} bytes of {len(job.layers)} layers in {job.spec.storage_dtype}), "
-            f"more than the quota of {_human(quota)}; use fewer layers, storage_dtype fp8, "
+            f"more than the quota of {human_bytes(quota)}; use fewer layers, storage_dtype fp8, "
             "or a smaller dataset"
         )
     root = job.output.local_root  # an object store has no free space to check
     free = shutil.disk_usage(root).free if root is not None else None
     if free is not None and need > free:
         raise JobRefused(
-            f"output: the job would write about {_human(need)} but {job.output} has only "
-            f"{_human(free)} free; free space, choose another output, or use fewer layers "
+            f"output: the job would write about {human_bytes(need)} but {job.output} has only "
+            f"{human_bytes(free)} free; free space, choose another output, or use fewer layers "
             "or storage_dtype fp8"
         )
     return need
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def ingest_workers(workers: int | None = None) -> int | None:
@@ -381,7 +402,7 @@ def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None
     workers = ingest_workers()
     manifest = output.read_manifest()
     if manifest is None:
-        check_estimated_output(spec, info, layers, output)
+        check_estimated_output(spec, info, layers, output, in_child=False)
         streamed = stream and spec.regenerate is None
         ingestion = Ingestion(spec, info, layers, output, workers, on_ingest, cancelled,
                               streamed=streamed)
@@ -522,7 +543,7 @@ class Ingestion:
             raise self.error
 
     def _run(self) -> None:
-        from hsx.ingest import DatasetError, ingest
+        from hsx.ingest import DatasetError, TemplateLimitError, ingest
 
         spec = self.spec
         tasks = self._tasks
@@ -546,6 +567,8 @@ class Ingestion:
             self._check_size()
         except DatasetError as err:  # found while reading it
             self.error = JobRefused(f"dataset: {err}")
+        except TemplateLimitError as err:  # on row after row (hsx.ingest.limits)
+            self.error = JobRefused(f"{_template_field(spec)}: {err}; the ingestion stopped")
         except JobMismatch as err:
             self.error = JobRefused(str(err))
         except (StorageError, OutputCorrupt) as err:
@@ -629,10 +652,10 @@ class Ingestion:
         need, (limit, what) = self._planned_tokens * per_token, self._room
         if need > limit:
             raise JobRefused(
-                f"output: the job would write about {_human(need)} for the first {rows:,} "
+                f"output: the job would write about {human_bytes(need)} for the first {rows:,} "
                 f"rows of its dataset alone ({self._planned_tokens:,} tokens x {per_token} "
                 f"bytes of {len(self.layers)} layers in {dtype}), more than {what} "
-                f"({_human(limit)}) as its ingestion started; free space, choose another "
+                f"({human_bytes(limit)}) as its ingestion started; free space, choose another "
                 "output, or use fewer layers, storage_dtype fp8 or a smaller dataset")
 
     def _manifest(self, units: list[WorkUnit], result: IngestResult | None = None

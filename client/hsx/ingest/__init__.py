@@ -21,7 +21,11 @@ A row carries one of these fields, tried in this order:
 
 `sample_index` is a row's 0-based position in the source (across files, in sorted
 order), so an error names the line a person can look up. Rows that cannot be used are
-recorded with a plain-sentence reason and skipped; the ingestion goes on.
+recorded with a plain-sentence reason and skipped; the ingestion goes on. So are rows
+over the limits of limits.py, which bound what one row may cost whoever wrote the
+dataset and the chat template: a line or row over `HSX_MAX_ROW_BYTES` (never read
+whole), a chat whose template renders more than that, or takes more than
+`HSX_TEMPLATE_SECONDS` of CPU (interrupted).
 
 Memory stays constant in the number of rows: rows are read, tokenized and written
 `batch_rows` at a time. A dataset is read as independent slices (byte ranges of JSON
@@ -37,16 +41,22 @@ imported inside the functions that load a tokenizer.
   read from each kind of file readers.py's;
 - rows.py: what a row asks for (pre-tokenized ids, a conversation, plain text), or
   why it is bad;
+- limits.py: what one row may cost (bytes, rendered bytes, template CPU time), from
+  the environment, and the time limit on a thread's rendering;
 - tokenizer.py: the tokenizer, its fingerprint, and chats rendered with its template
   into token ids and assistant masks;
 - samples.py: a batch of rows into samples (template, assistant mask, truncation) or
   the reasons they are skipped, and the same for other callers
   (`tokenize_conversations`, `estimate_tokens`);
+- estimate.py: `bounded_estimate`, the estimate in a child process bounded in time and
+  memory (a coordinator's submit);
 - pipeline.py: `ingest`, batch by batch into the output's tables.
 """
 
 from __future__ import annotations
 
+from hsx.ingest.estimate import EstimateUnavailable, bounded_estimate
+from hsx.ingest.limits import IngestLimits
 from hsx.ingest.pipeline import (
     NOT_A_CHAT,
     IngestProgress,
@@ -69,7 +79,12 @@ from hsx.ingest.sources import (
     iter_rows,
     resolve_source,
 )
-from hsx.ingest.tokenizer import generation_prompt, load_tokenizer, tokenizer_fingerprint
+from hsx.ingest.tokenizer import (
+    TemplateLimitError,
+    generation_prompt,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
 
 __all__ = [
     "NOT_A_CHAT",
@@ -79,9 +94,13 @@ __all__ = [
     "DatasetLike",
     "DatasetNotFoundError",
     "DatasetSource",
+    "EstimateUnavailable",
+    "IngestLimits",
     "IngestProgress",
     "IngestResult",
     "LengthSummary",
+    "TemplateLimitError",
+    "bounded_estimate",
     "check_dataset",
     "count_rows",
     "dataset_fingerprint",

@@ -51,6 +51,9 @@ DATASET_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
 OBJECT_SCHEMES = ("s3", "gs", "az")
 READ_BUFFER = 8 * 2**20  # bytes per ranged GET when a bucket's JSON lines stream
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors write at the start
+# A folder's metadata files (`state.json`, `dataset_info.json`) are a few KiB; one
+# larger than this is refused, not read whole.
+METADATA_BYTES = 16 * 2**20
 
 
 # ------------------------------------------------------------------------ files
@@ -129,7 +132,14 @@ class Folder(abc.ABC):
 
     @abc.abstractmethod
     def read_text(self, name: str) -> str | None:
-        """A small file's text, or None if it does not exist."""
+        """A small file's text, or None if it does not exist; DatasetFormatError for
+        one over METADATA_BYTES."""
+
+    def _small(self, name: str, size: int) -> None:
+        if size > METADATA_BYTES:
+            raise DatasetFormatError(
+                f"{self.location}: {name} is {size:,} bytes, too large for a dataset's "
+                f"metadata file (at most {METADATA_BYTES:,})")
 
 
 class LocalFolder(Folder):
@@ -147,7 +157,10 @@ class LocalFolder(Folder):
 
     def read_text(self, name: str) -> str | None:
         path = self.root / name
-        return path.read_text() if path.is_file() else None
+        if not path.is_file():
+            return None
+        self._small(name, path.stat().st_size)
+        return path.read_text()
 
 
 class BucketFolder(Folder):
@@ -163,8 +176,10 @@ class BucketFolder(Folder):
         return self._files
 
     def read_text(self, name: str) -> str | None:
-        if not any(f.name == name for f in self.files()):
+        found = [f for f in self.files() if f.name == name]
+        if not found:
             return None
+        self._small(name, found[0].size)
         return self.storage.read(name).decode("utf-8")
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from hsx.ingest.limits import IngestLimits
 from hsx.ingest.rows import Sample
 from hsx.ingest.samples import process_rows
 from hsx.ingest.sources import (
@@ -193,7 +194,7 @@ def ingest(
     source = resolve_source(dataset)  # fail on a bad path before loading a tokenizer
     data_fp = source.fingerprint()
     if executor is None and workers > 1:
-        _pool_context()  # its server imports while this process loads the tokenizer
+        pool_context()  # its server imports while this process loads the tokenizer
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
     tok_fp = tokenizer_fingerprint(tokenizer_path, tokenizer=tokenizer)
     if not getattr(tokenizer, "chat_template", None):
@@ -432,7 +433,7 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
         return
     owned = executor is None
     pool = executor or ProcessPoolExecutor(
-        max_workers=workers, mp_context=_pool_context(), initializer=_pool_process)
+        max_workers=workers, mp_context=pool_context(), initializer=_pool_process)
     window = 2 * max(workers, 1)
     pending: deque[Future[list[_Part]]] = deque()
     warming = [pool.submit(warm_tokenizer, settings) for _ in range(max(workers, 1))]
@@ -458,12 +459,13 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _pool_context() -> Any:
-    """How the pool's processes start: forked from multiprocessing's fork server, which
-    imports what they need once (pool_preload.py), and is started here, so that it
-    imports while the ingesting process loads its own tokenizer. Not forked from the
-    ingesting process itself: a coordinator's threads (Ray's, the API's) would be
-    forked in the middle of what they hold."""
+def pool_context() -> Any:
+    """How the pool's processes (and the estimate's at submit: estimate.py) start:
+    forked from multiprocessing's fork server, which imports what they need once
+    (pool_preload.py), and is started here, so that it imports while the ingesting
+    process loads its own tokenizer. Not forked from the ingesting process itself: a
+    coordinator's threads (Ray's, the API's) would be forked in the middle of what
+    they hold."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["hsx.ingest.pool_preload"])
     from multiprocessing import forkserver
@@ -480,13 +482,13 @@ TOKENIZING_PROCESS_ENV = "HSX_TOKENIZING_PROCESS"
 def _pool_process() -> None:
     """A pool's process: it tokenizes for the one that ingests, and exits with it."""
     os.environ[TOKENIZING_PROCESS_ENV] = "1"
-    _exit_with_parent()
+    exit_with_parent()
 
 
-def _exit_with_parent() -> None:
-    """In a pool's process: exit when the process that ingests is gone. A killed driver
-    (SIGKILL, OOM) closes no queue, and its pool's processes would wait on theirs
-    forever, each holding a tokenizer."""
+def exit_with_parent() -> None:
+    """In a pool's process (or the estimate's): exit when the process that ingests (or
+    asks) is gone. A killed driver (SIGKILL, OOM) closes no queue, and its pool's
+    processes would wait on theirs forever, each holding a tokenizer."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -552,15 +554,16 @@ def _slice_parts(slc: SourceSlice, settings: _Settings, tokenizer: PreTrainedTok
     first = skip
     rows = itertools.islice(slc.rows(settings.batch_rows), skip, None)
     for batch in _batched(rows, settings.batch_rows):
-        yield _tokenize_batch(batch, first, tokenizer, vocab_size, settings)
+        yield _tokenize_batch(batch, first, tokenizer, vocab_size, settings, slc.limits)
         first += len(batch)
 
 
 def _tokenize_batch(batch: list[Row], first: int, tokenizer: PreTrainedTokenizerBase,
-                    vocab_size: int, settings: _Settings) -> _Part:
-    """One batch of rows, the first numbered `first`."""
+                    vocab_size: int, settings: _Settings, limits: IngestLimits) -> _Part:
+    """One batch of rows, the first numbered `first`, within `limits` (the slice's:
+    those of the process that cut the source, wherever this runs)."""
     results = process_rows(batch, tokenizer, vocab_size, settings.max_seq_len,
-                             settings.chat_template_kwargs)
+                           settings.chat_template_kwargs, limits)
     if settings.keep_messages:
         results = [NOT_A_CHAT if isinstance(r, Sample) and r.messages is None
                    else r for r in results]

@@ -1,5 +1,5 @@
 """Imported once by the fork server that ingestion's pool processes are forked from
-(pipeline.py, `_pool_context`): what every pool process needs to load a tokenizer.
+(pipeline.py, `pool_context`): what every pool process needs to load a tokenizer.
 
 transformers' AutoTokenizer imports torch. Each spawned pool process imported both
 itself (~4 s of CPU on a 2-core machine, ~8 s on a 16-core GPU node, and ~900 MiB

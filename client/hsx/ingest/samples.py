@@ -1,27 +1,33 @@
 """Rows into samples, one batch at a time, exactly as ingestion makes them (`process_rows`:
 template, assistant mask, truncation, or the reason a row is skipped), and what other
 callers need of it: `tokenize_conversations` (regenerated answers, benchmarks) and
-`estimate_tokens` (the checks before ingestion)."""
+`estimate_tokens` (the checks before ingestion; in a child process of its own at a
+coordinator's submit: estimate.py)."""
 
 from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from hsx.ingest.limits import IngestLimits
 from hsx.ingest.rows import Chat, Sample, Text, classify
-from hsx.ingest.sources import DatasetLike, FilesSource, Row, resolve_source
-from hsx.ingest.tokenizer import chat_samples, encode, load_tokenizer
+from hsx.ingest.sources import DatasetLike, DatasetSource, FilesSource, Row, resolve_source
+from hsx.ingest.tokenizer import TemplateLimitError, chat_samples, encode, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
 def process_rows(rows: list[Row], tokenizer: PreTrainedTokenizerBase, vocab_size: int,
-                 max_seq_len: int, kwargs: dict[str, Any]) -> list[Sample | str]:
-    """One result per row, in row order: a sample, or the reason the row is skipped."""
+                 max_seq_len: int, kwargs: dict[str, Any], limits: IngestLimits | None = None,
+                 *, raise_over_limit: bool = False) -> list[Sample | str]:
+    """One result per row, in row order: a sample, or the reason the row is skipped. A
+    chat whose template passes a limit (`limits`, else this process's: limits.py) is
+    skipped too, or with `raise_over_limit` raises TemplateLimitError."""
     work = [classify(row, vocab_size) for row in rows]
     results: list[Sample | str | None] = [w if isinstance(w, str | Sample) else None
                                            for w in work]
@@ -34,8 +40,9 @@ def process_rows(rows: list[Row], tokenizer: PreTrainedTokenizerBase, vocab_size
 
     chats = {i: w for i, w in enumerate(work) if isinstance(w, Chat)}
     chat_at = list(chats)
-    for i, sample in zip(chat_at, chat_samples(tokenizer, list(chats.values()), kwargs),
-                         strict=True):
+    samples = chat_samples(tokenizer, list(chats.values()), kwargs, limits,
+                           raise_over_limit=raise_over_limit)
+    for i, sample in zip(chat_at, samples, strict=True):
         if isinstance(sample, Sample) and not sample.loss_mask.any():
             sample = "the chat template renders no tokens for the assistant messages"
         if isinstance(sample, Sample):
@@ -80,12 +87,31 @@ class TokenEstimate(NamedTuple):
     spread: bool  # sampled over the whole dataset (else its first rows)
 
 
+@dataclass
+class EstimateSample:
+    """The rows an estimate tokenizes, read (`read_estimate_sample`), and what their
+    tokens are scaled by: runs of rows with their bytes from places spread over a
+    JSON lines dataset (`total_bytes` is the files'), else one run of its first rows."""
+
+    runs: list[tuple[list[Row], int]]
+    rows: int  # the dataset's
+    total_bytes: int
+    spread: bool
+
+    @property
+    def sampled(self) -> int:
+        return sum(len(run) for run, _ in self.runs)
+
+
 def estimate_tokens(
     dataset: DatasetLike, tokenizer_path: str, max_seq_len: int, *, sample_rows: int = 256,
     chat_template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False,
+    limits: IngestLimits | None = None,
 ) -> TokenEstimate:
     """The dataset's tokens, estimated from about `sample_rows` rows tokenized as
-    ingestion would. Quick (seconds), for checks before ingestion.
+    ingestion would. Quick (seconds), for checks before ingestion. A sample row whose
+    chat template passes a limit (limits.py: `limits`, else this process's) raises
+    TemplateLimitError: the dataset's rows are like it, and ingestion would drop them.
 
     JSON lines: the rows come in equal runs from the starts of up to ESTIMATE_SLICES of
     the source's slices (cut by bytes), spread from its first to its last, so that a
@@ -94,35 +120,54 @@ def estimate_tokens(
     Each run reads a few lines at an offset. Other sources (Parquet, whose slices are
     row groups a read decompresses whole; a hub dataset) are judged by their first rows
     times their row count."""
-    source = resolve_source(dataset)
-    rows = source.count_rows()
+    limits = limits or IngestLimits.from_env()
+    sample = read_estimate_sample(resolve_source(dataset), sample_rows, limits)
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
+    return estimate_from_sample(sample, tokenizer, max_seq_len, chat_template_kwargs, limits)
 
-    def tokens_of(sample: list[Row]) -> int:
-        results = process_rows(sample, tokenizer, len(tokenizer), max_seq_len,
-                                 dict(chat_template_kwargs or {}))
-        return sum(len(r.input_ids) for r in results if isinstance(r, Sample))
 
-    slices = source.slices() if isinstance(source, FilesSource) and source.kind == "jsonl" \
-        else []
+def read_estimate_sample(source: DatasetSource, sample_rows: int, limits: IngestLimits
+                         ) -> EstimateSample:
+    """The rows `estimate_tokens` tokenizes (see there), read within `limits`, and the
+    dataset's row count."""
+    rows = source.count_rows()
+    slices = [replace(s, limits=limits) for s in source.slices()] if (
+        isinstance(source, FilesSource) and source.kind == "jsonl") else []
     if len(slices) < 2:
-        head = list(itertools.islice(source.rows(), sample_rows))
-        tokens = tokens_of(head) / len(head) * rows if head else 0.0
-        return TokenEstimate(tokens, rows, len(head), spread=False)
+        head = list(itertools.islice(source.rows(limits=limits), sample_rows))
+        return EstimateSample([(head, 0)], rows, 0, spread=False)
     k = min(ESTIMATE_SLICES, len(slices), sample_rows)
     chosen = sorted({round(i * (len(slices) - 1) / max(k - 1, 1)) for i in range(k)})
     per = -(-sample_rows // len(chosen))
-    densities: list[float] = []
-    sampled = 0
+    runs = []
     for index in chosen:
         run = list(itertools.islice(slices[index].rows(batch_rows=per), per))
-        size = sum(_json_line_bytes(r) for r in run)
-        if size:
-            densities.append(tokens_of(run) / size)
-        sampled += len(run)
+        runs.append((run, sum(_json_line_bytes(r) for r in run)))
     total = sum(s.weight for s in slices)  # the files' bytes
-    tokens = float(np.mean(densities)) * total if densities else 0.0
-    return TokenEstimate(tokens, rows, sampled, spread=True)
+    return EstimateSample(runs, rows, total, spread=True)
+
+
+def estimate_from_sample(sample: EstimateSample, tokenizer: PreTrainedTokenizerBase,
+                         max_seq_len: int, chat_template_kwargs: dict[str, Any] | None = None,
+                         limits: IngestLimits | None = None) -> TokenEstimate:
+    """The sample's rows tokenized, scaled to the dataset (see `estimate_tokens`)."""
+    kwargs = dict(chat_template_kwargs or {})
+
+    def tokens_of(run: list[Row]) -> int:
+        try:
+            results = process_rows(run, tokenizer, len(tokenizer), max_seq_len, kwargs,
+                                   limits, raise_over_limit=True)
+        except TemplateLimitError as err:
+            raise err.of("one row of the dataset") from None
+        return sum(len(r.input_ids) for r in results if isinstance(r, Sample))
+
+    if not sample.spread:
+        head = sample.runs[0][0] if sample.runs else []
+        tokens = tokens_of(head) / len(head) * sample.rows if head else 0.0
+        return TokenEstimate(tokens, sample.rows, len(head), spread=False)
+    densities = [tokens_of(run) / size for run, size in sample.runs if size]
+    tokens = float(np.mean(densities)) * sample.total_bytes if densities else 0.0
+    return TokenEstimate(tokens, sample.rows, sample.sampled, spread=True)
 
 
 def _json_line_bytes(row: Row) -> int:

@@ -24,11 +24,13 @@ what to write. Files of one split are read in name order; where a split holds Pa
 and JSON lines files, the Parquet ones (as a folder always was).
 
 **Streaming.** JSON lines stream line by line (from a bucket through a buffer of
-`READ_BUFFER` bytes, one ranged GET per refill). Parquet from a bucket is read through
-a file object whose every read is one ranged GET (pyarrow asks for the footer, then each
-row group's column chunks, coalesced): nothing is downloaded whole, nothing needs
-scratch disk, and memory is one row group, as on local disk. A JSON array file is read
-whole (it cannot be streamed).
+`READ_BUFFER` bytes, one ranged GET per refill), a line in chunks of at most the row
+limit (`HSX_MAX_ROW_BYTES`, limits.py: a longer one is a bad row, skipped to its end).
+Parquet from a bucket is read through a file object whose every read is one ranged GET
+(pyarrow asks for the footer, then each row group's column chunks, coalesced): nothing
+is downloaded whole, nothing needs scratch disk, and memory is one row group, as on
+local disk. A JSON array file is read whole (it cannot be streamed), and refused by
+`check` above `HSX_MAX_JSON_ARRAY_BYTES`.
 
 **Slices.** `slices()` cuts a source into independent parts (`SourceSlice`: lines of a
 JSON lines file starting in a byte range, a run of Parquet row groups, one Arrow file),
@@ -49,7 +51,7 @@ import os
 import re
 import urllib.parse
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -71,8 +73,11 @@ from hsx.ingest.datafiles import (
     Row,
     object_file,
 )
+from hsx.ingest.limits import IngestLimits
 from hsx.ingest.readers import (
     batches_rows,
+    bounded_lines,
+    check_json_array,
     iter_arrow_stream,
     iter_jsonl,
     iter_parquet,
@@ -104,8 +109,10 @@ class DatasetSource(abc.ABC):
     counts_quickly: bool = True  # count_rows reads metadata, not every row
 
     @abc.abstractmethod
-    def rows(self, batch_rows: int = 1024) -> Iterator[Row]:
-        """Every row in source order; a row that cannot be parsed is a BadRow."""
+    def rows(self, batch_rows: int = 1024, limits: IngestLimits | None = None
+             ) -> Iterator[Row]:
+        """Every row in source order; a row that cannot be parsed, or is over the row
+        limit (`limits`, else this process's: limits.py), is a BadRow."""
 
     @abc.abstractmethod
     def count_rows(self) -> int:
@@ -148,12 +155,15 @@ class FilesSource(DatasetSource):
         split = f", split {self.split}" if self.split is not None else ""
         return f"{self.location} ({self.kind}, {len(self.files)} files{split})"
 
-    def rows(self, batch_rows: int = 1024) -> Iterator[Row]:
+    def rows(self, batch_rows: int = 1024, limits: IngestLimits | None = None
+             ) -> Iterator[Row]:
+        limits = limits or IngestLimits.from_env()
         try:
             if self.kind == "jsonl":
-                yield from iter_jsonl(self.files)
+                yield from iter_jsonl(self.files, limits)
                 return
-            yield from batches_rows(iter_record_batches(self.kind, self.files, batch_rows))
+            yield from batches_rows(iter_record_batches(self.kind, self.files, batch_rows),
+                                    limits)
         except StorageError as err:  # a bucket that failed mid-read (after its retries)
             raise DatasetAccessError(str(err)) from err
 
@@ -164,6 +174,7 @@ class FilesSource(DatasetSource):
         per cut, not the rows."""
         slice_bytes = slice_bytes or SLICE_BYTES
         slice_rows = slice_rows or SLICE_ROWS
+        limits = IngestLimits.from_env()  # this process's, wherever the slices are read
         out: list[SourceSlice] = []
         try:
             for file in self.files:
@@ -171,7 +182,8 @@ class FilesSource(DatasetSource):
                     cuts = jsonl_cuts(file, slice_bytes)
                     ends = [*cuts[1:], file.size]
                     out += [SourceSlice("jsonl", file, a, b if b < file.size else None,
-                                        weight=b - a) for a, b in zip(cuts, ends, strict=True)]
+                                        weight=b - a, limits=limits)
+                            for a, b in zip(cuts, ends, strict=True)]
                 elif self.kind == "parquet":
                     meta = parquet_file(file).metadata
                     start = rows = 0
@@ -179,10 +191,11 @@ class FilesSource(DatasetSource):
                         rows += meta.row_group(group).num_rows
                         if rows >= slice_rows or group == meta.num_row_groups - 1:
                             out.append(SourceSlice("parquet", file, start, group + 1,
-                                                   weight=rows))
+                                                   weight=rows, limits=limits))
                             start, rows = group + 1, 0
                 else:
-                    out.append(SourceSlice(self.kind, file, weight=file.size))
+                    out.append(SourceSlice(self.kind, file, weight=file.size,
+                                           limits=limits))
         except StorageError as err:
             raise DatasetAccessError(str(err)) from err
         return out
@@ -195,10 +208,11 @@ class FilesSource(DatasetSource):
                 return sum(batch.num_rows for batch in iter_record_batches(
                     self.kind, self.files, 1 << 30) if isinstance(batch, pa.RecordBatch))
             rows = 0
+            chunk = IngestLimits.from_env().row_bytes
             for f in self.files:
                 with f.open() as stream:
-                    for line in stream:
-                        rows += bool(line.strip())
+                    for line in bounded_lines(stream, chunk):  # a line over it: a row
+                        rows += isinstance(line, int) or bool(line.strip())
             return rows
         except StorageError as err:
             raise DatasetAccessError(str(err)) from err
@@ -210,6 +224,8 @@ class FilesSource(DatasetSource):
         return digest.hexdigest()[:16]
 
     def check(self) -> None:
+        """Its first file's first byte can be read, and no JSON array file of it is
+        over the limit on those (a look at the first bytes of a large `.json` file)."""
         first = self.files[0]
         try:
             if first.path is not None:
@@ -217,6 +233,10 @@ class FilesSource(DatasetSource):
                     stream.read(1)
             elif first.size and first.storage is not None:
                 first.storage.read_range(first.key, 0, 1)
+            if self.kind == "jsonl":
+                limits = IngestLimits.from_env()
+                for file in self.files:
+                    check_json_array(file, limits)
         except StorageError as err:
             raise DatasetAccessError(str(err)) from err
         except OSError as err:
@@ -234,7 +254,8 @@ class SourceSlice:
     other, give exactly its rows in order (`DatasetSource.slices`).
 
     `weight` is its size in the unit of its kind (bytes of a JSON lines or Arrow file,
-    rows of Parquet), for estimating how much of a source is read.
+    rows of Parquet), for estimating how much of a source is read. `limits` are those
+    of the process that cut it, and hold in the one that reads it.
     """
 
     kind: str  # "jsonl" | "parquet" | "save_to_disk" | "whole"
@@ -243,24 +264,26 @@ class SourceSlice:
     stop: int | None = None
     weight: int = 0
     source: DatasetSource | None = None  # kind "whole"
+    limits: IngestLimits = field(default_factory=IngestLimits.from_env)
 
     def rows(self, batch_rows: int = 1024) -> Iterator[Row]:
-        """The slice's rows in source order; a row that cannot be parsed is a BadRow."""
+        """The slice's rows in source order; a row that cannot be parsed, or is over
+        the row limit, is a BadRow."""
         if self.kind == "whole":
             if self.source is None:
                 raise RuntimeError("a whole-source slice without its source")
-            yield from self.source.rows(batch_rows)
+            yield from self.source.rows(batch_rows, self.limits)
             return
         if self.file is None:
             raise RuntimeError(f"a {self.kind} slice without its file")
         try:
             if self.kind == "jsonl":
-                yield from jsonl_lines(self.file, self.start, self.stop)
+                yield from jsonl_lines(self.file, self.start, self.stop, self.limits)
                 return
             batches: Iterator[pa.RecordBatch | BadRow] = (
                 iter_parquet(self.file, batch_rows, range(self.start, self.stop or 0))
                 if self.kind == "parquet" else iter_arrow_stream(self.file, batch_rows))
-            yield from batches_rows(batches)
+            yield from batches_rows(batches, self.limits)
         except StorageError as err:  # a bucket that failed mid-read (after its retries)
             raise DatasetAccessError(str(err)) from err
 
@@ -317,10 +340,12 @@ class HubSource(DatasetSource):
                 raise _hub_error(self.location, err) from err
         return self._dataset
 
-    def rows(self, batch_rows: int = 1024) -> Iterator[Row]:
+    def rows(self, batch_rows: int = 1024, limits: IngestLimits | None = None
+             ) -> Iterator[Row]:
+        limits = limits or IngestLimits.from_env()
         for table in self.dataset().with_format("arrow").iter(batch_size=batch_rows):
             for batch in table.to_batches():
-                yield from record_batch_rows(batch)
+                yield from record_batch_rows(batch, limits)
 
     def count_rows(self) -> int:
         return int(self.dataset().num_rows)

@@ -1,5 +1,9 @@
 """The tokenizer ingestion uses, its fingerprint, and chats rendered with its chat
-template into token ids and a loss mask on what each assistant turn produces."""
+template into token ids and a loss mask on what each assistant turn produces.
+
+A chat's renderings (the chat and its turn prefixes) are bounded by limits.py: their
+CPU time together (`HSX_TEMPLATE_SECONDS`) and each one's size (`HSX_MAX_ROW_BYTES`).
+A row past either is a bad row (`TemplateLimitError`'s message is its reason)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hsx.ingest.limits import (
+    MAX_ROW_BYTES_ENV,
+    TEMPLATE_SECONDS_ENV,
+    TIMED_OUT_ROWS,
+    IngestLimits,
+    RenderTimeout,
+    text_bytes,
+    time_limit,
+)
 from hsx.ingest.rows import Chat, Sample, not_unicode
+from hsx.progress import human_bytes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -71,14 +85,50 @@ class TemplateFailure(Exception):
     pass
 
 
+class TemplateLimitError(TemplateFailure):
+    """The chat template passed a limit of limits.py on a row: it took more than
+    `HSX_TEMPLATE_SECONDS` of CPU, rendered more than `HSX_MAX_ROW_BYTES`, or ran out of
+    memory. The message says which, of "the row" (a bad row's reason) or of the rows
+    `of` names."""
+
+    def __init__(self, problem: str, row: str = "the row") -> None:
+        super().__init__(problem, row)
+        self.problem, self.row = problem, row
+
+    def __str__(self) -> str:
+        return f"the chat template {self.problem.format(row=self.row)}"
+
+    def of(self, row: str) -> TemplateLimitError:
+        """The same limit, said of `row` ("one row of the dataset")."""
+        return type(self)(self.problem, row)
+
+
+class TemplateTimeout(TemplateLimitError):
+    """The chat template took more than `HSX_TEMPLATE_SECONDS` of CPU on a row."""
+
+
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
-            generation_prompt: bool, kwargs: dict[str, Any]) -> str:
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
-    )
+            generation_prompt: bool, kwargs: dict[str, Any], max_bytes: int) -> str:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+        )
+    except MemoryError:
+        raise TemplateLimitError("ran out of memory rendering {row}") from None
     if not isinstance(text, str):
         raise TemplateFailure(f"the chat template returned {type(text).__name__}, not text")
+    size = text_bytes(text, max_bytes)
+    if size > max_bytes:
+        raise TemplateLimitError(
+            f"rendered {{row}} as {human_bytes(size)} of text, over the "
+            f"{human_bytes(max_bytes)} limit ({MAX_ROW_BYTES_ENV})")
     return text
+
+
+def timed_out(seconds: float, row: str = "the row") -> TemplateTimeout:
+    """The chat template took more than `seconds` of CPU to render `row`."""
+    return TemplateTimeout(
+        f"took more than {seconds:g} s to render {{row}} ({TEMPLATE_SECONDS_ENV})", row)
 
 
 @dataclass
@@ -92,8 +142,20 @@ class _Rendered:
     spans: list[tuple[int, int]] = field(default_factory=list)
 
 
-def _render_chat(tokenizer: PreTrainedTokenizerBase, chat: Chat,
-                 kwargs: dict[str, Any]) -> _Rendered:
+def _render_chat(tokenizer: PreTrainedTokenizerBase, chat: Chat, kwargs: dict[str, Any],
+                 limits: IngestLimits | None = None) -> _Rendered:
+    """`_render_turns` within the limits on a row's renderings (`limits`, else this
+    process's)."""
+    limits = limits or IngestLimits.from_env()
+    try:
+        with time_limit(limits.template_seconds):
+            return _render_turns(tokenizer, chat, kwargs, limits.row_bytes)
+    except RenderTimeout:
+        raise timed_out(limits.template_seconds) from None
+
+
+def _render_turns(tokenizer: PreTrainedTokenizerBase, chat: Chat, kwargs: dict[str, Any],
+                  max_bytes: int) -> _Rendered:
     """Render a chat and locate what each assistant turn produces, in characters.
 
     Preferred: the turn starts where `render(messages[:i], add_generation_prompt=True)`
@@ -104,30 +166,34 @@ def _render_chat(tokenizer: PreTrainedTokenizerBase, chat: Chat,
     assistant content found in the rendered text.
     """
     try:
-        full = _render(tokenizer, chat.messages, False, kwargs)
+        full = _render(tokenizer, chat.messages, False, kwargs, max_bytes)
+    except TemplateFailure:
+        raise
     except Exception as err:  # a template raises anything (jinja errors, raise_exception)
         raise TemplateFailure(f"the chat template failed: {type(err).__name__}: {err}"
                                ) from err
     problem = not_unicode(full)
     if problem:
         raise TemplateFailure(f"the rendered chat {problem}")
-    prefixes = _turn_prefixes(tokenizer, chat, full, kwargs)
+    prefixes = _turn_prefixes(tokenizer, chat, full, kwargs, max_bytes)
     if prefixes is None:
         return _Rendered(full, None, _find_contents(full, chat))
     return _Rendered(full, prefixes, [(len(start), len(end)) for start, end in prefixes])
 
 
 def _turn_prefixes(tokenizer: PreTrainedTokenizerBase, chat: Chat, full: str,
-                   kwargs: dict[str, Any]) -> list[tuple[str, str]] | None:
+                   kwargs: dict[str, Any], max_bytes: int) -> list[tuple[str, str]] | None:
     """Per assistant turn, the renderings that end where it starts and where it ends;
     None when they are not prefixes of the full rendering."""
     prefixes = []
     for i in chat.assistant:
         try:
-            start = _render(tokenizer, chat.messages[:i], True, kwargs)
+            start = _render(tokenizer, chat.messages[:i], True, kwargs, max_bytes)
             # A chat's last turn ends it: that rendering is the full one.
             end = (full if i + 1 == len(chat.messages)
-                   else _render(tokenizer, chat.messages[: i + 1], False, kwargs))
+                   else _render(tokenizer, chat.messages[: i + 1], False, kwargs, max_bytes))
+        except TemplateLimitError:
+            raise
         except Exception:  # e.g. a template that refuses a conversation without a user turn
             return None
         if not (len(start) <= len(end) and full.startswith(start) and full.startswith(end)):
@@ -244,15 +310,28 @@ def _prefix_ids(tokenizer: PreTrainedTokenizerBase, prefixes: list[tuple[str, li
 
 
 def chat_samples(tokenizer: PreTrainedTokenizerBase, chats: list[Chat],
-                  kwargs: dict[str, Any]) -> list[Sample | str]:
+                  kwargs: dict[str, Any], limits: IngestLimits | None = None, *,
+                  raise_over_limit: bool = False) -> list[Sample | str]:
     """Tokenize a batch of chats: one batched tokenizer call for their texts (with each
-    token's characters), one for what their turn prefixes add (_prefix_ids)."""
+    token's characters), one for what their turn prefixes add (_prefix_ids). A chat
+    whose template passes a limit is a reason like any other, or, with
+    `raise_over_limit`, a TemplateLimitError raised (`limits`: else this process's);
+    TIMED_OUT_ROWS chats past the time limit raise TemplateTimeout whatever it says."""
     if not getattr(tokenizer, "chat_template", None):
         return [NO_TEMPLATE] * len(chats)
+    limits = limits or IngestLimits.from_env()
     rendered: list[_Rendered | str] = []
+    timeouts = 0
     for chat in chats:
         try:
-            rendered.append(_render_chat(tokenizer, chat, kwargs))
+            rendered.append(_render_chat(tokenizer, chat, kwargs, limits))
+        except TemplateLimitError as err:
+            timeouts += isinstance(err, TemplateTimeout)
+            if raise_over_limit:
+                raise
+            if timeouts >= TIMED_OUT_ROWS:
+                raise err.of(f"{timeouts} rows of one batch") from None
+            rendered.append(str(err))
         except TemplateFailure as err:
             rendered.append(str(err))
     ok = [r for r in rendered if isinstance(r, _Rendered)]
@@ -293,11 +372,20 @@ def chat_samples(tokenizer: PreTrainedTokenizerBase, chats: list[Chat],
 
 
 def generation_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
-                      chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                      chat_template_kwargs: dict[str, Any] | None = None,
+                      limits: IngestLimits | None = None) -> list[int]:
     """The token ids a model answers `messages` from: the chat template with the
-    generation prompt, tokenized as ingestion tokenizes chats."""
+    generation prompt, tokenized as ingestion tokenizes chats (within the same limits:
+    `limits`, else this process's)."""
+    limits = limits or IngestLimits.from_env()
     try:
-        text = _render(tokenizer, messages, True, dict(chat_template_kwargs or {}))
+        with time_limit(limits.template_seconds):
+            text = _render(tokenizer, messages, True, dict(chat_template_kwargs or {}),
+                           limits.row_bytes)
+    except RenderTimeout:
+        raise ValueError(str(timed_out(limits.template_seconds))) from None
+    except TemplateFailure as err:
+        raise ValueError(str(err)) from err
     except Exception as err:  # a template raises anything (jinja errors, raise_exception)
         raise ValueError(f"the chat template failed: {type(err).__name__}: {err}") from err
     return encode(tokenizer, [text], special=False)[0]
