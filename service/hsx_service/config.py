@@ -187,7 +187,7 @@ class Settings(BaseSettings):
         description="Serve /metrics without a token (a scraper then sends none).",
     )
     max_active_jobs: int = Field(
-        100, ge=1,
+        1000, ge=1,
         description="Queued and running jobs one user may have at once; more are refused.",
     )
     user_quota_bytes: int | None = Field(

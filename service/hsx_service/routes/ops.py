@@ -24,6 +24,7 @@ from hsx_service.metrics import METRICS
 from hsx_service.users import Unauthorized
 
 router = APIRouter(tags=["ops"])
+UNAUTHORIZED = {"model": ErrorBody, "description": "Missing or wrong API token."}
 
 
 @router.get("/healthz")
@@ -53,7 +54,8 @@ async def metrics_caller(request: Request, settings: SettingsDep) -> None:
 @router.get(
     "/metrics",
     response_class=Response,
-    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text."}},
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text."},
+               401: UNAUTHORIZED},
 )
 def metrics(request: Request, _: None = Depends(metrics_caller)) -> Response:
     """Prometheus metrics (text format; OpenMetrics when the Accept header asks for it).
@@ -62,7 +64,8 @@ def metrics(request: Request, _: None = Depends(metrics_caller)) -> Response:
     return Response(encoder(request.app.state.registry), media_type=content_type)
 
 
-@router.get(f"{API_PREFIX}/whoami", dependencies=[Depends(authenticate)])
+@router.get(f"{API_PREFIX}/whoami", dependencies=[Depends(authenticate)],
+            responses={401: UNAUTHORIZED})
 def whoami(caller: CallerDep, settings: SettingsDep) -> dict[str, Any]:
     """The caller's user name, whether they are an admin, and whether this server lets
     anyone in (`open`: a non-loopback server run with HSX_ALLOW_OPEN)."""
