@@ -104,6 +104,7 @@ class ExportSummary:
     seconds: float
     model: str = ""  # the target the states came from (the manifest's)
     trust_remote_code: bool = False
+    method: str | None = None  # the draft method whose layers were exported (None: all)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "train_command": self.train_command(),
@@ -118,7 +119,7 @@ class ExportSummary:
         dest = shlex.quote(self.dest)
         draft_vocab_size = min(DRAFT_VOCAB, _vocab_size(self.model) or DRAFT_VOCAB)
         parts = [
-            "speculators train --speculator-type eagle3",
+            f"speculators train --speculator-type {self.method or 'eagle3'}",
             f"--verifier-name-or-path {shlex.quote(self.model)}",
             *(["--trust-remote-code"] if self.trust_remote_code else []),
             f"--data-path {dest}",
@@ -216,6 +217,7 @@ def export_speculators(
     force: bool = False,
     allow_incomplete: bool = False,
     on_progress: Callable[[int, int], None] | None = None,
+    method: str | None = None,
 ) -> ExportSummary:
     """Write the hsx output at `uri` into `dest` in speculators' offline-data layout.
 
@@ -225,8 +227,10 @@ def export_speculators(
     `force=True` it may also be an earlier hsx export (it has hsx_export.json), which is
     replaced. A job that is still running (no complete.json) is refused unless
     `allow_incomplete`, since the export would silently miss its later shards.
-    `on_progress(done, total)` is called after each sample. Raises ExportError when
-    refused before writing.
+    `on_progress(done, total)` is called after each sample. `method` (hsx.methods):
+    only the layers a draft of that method reads, and N (an output captured for several
+    methods holds more); None: every stored layer. Raises ExportError when refused
+    before writing.
     """
     from hsx.dataset import HiddenStatesDataset
 
@@ -240,7 +244,16 @@ def export_speculators(
         ds = HiddenStatesDataset(uri, backend="torch", max_open_shards=1)
     except (FileNotFoundError, ValueError, StorageError, OutputCorrupt) as err:
         raise ExportError(str(err)) from None
-    layers, num_layers = _check_source(ds, allow_incomplete=allow_incomplete)
+    stored, num_layers = _check_source(ds, allow_incomplete=allow_incomplete)
+    layers = stored
+    if method is not None:
+        from hsx.methods import draft_aux_layers
+
+        try:
+            layers = [*draft_aux_layers(stored, num_layers, method), num_layers]
+        except ValueError as err:
+            raise ExportError(f"{ds.uri}: {err}") from None
+    picks = [stored.index(k) for k in layers]
     dest_path = Path(dest).expanduser().resolve()
     source_root = ds.output.local_root
     _check_dest(dest_path, source_root.resolve() if source_root else None, force=force)
@@ -254,7 +267,8 @@ def export_speculators(
         # dest is this folder, renamed: its mode keeps the exported states as private as
         # an output's (HSX_OUTPUT_MODE), whatever modes datasets gives the files inside.
         make_output_dirs(out / HIDDEN_STATES_DIR)
-        written, tokens, nbytes = _write(ds, out, staging / "inputs.arrow", layers, on_progress)
+        written, tokens, nbytes = _write(ds, out, staging / "inputs.arrow", layers, picks,
+                                         on_progress)
         if written != total:
             raise RuntimeError(f"expected {total} samples, wrote {written}")
         record = {
@@ -269,6 +283,7 @@ def export_speculators(
             "hidden_size": ds.manifest.hidden_size,
             "layers": layers,
             "target_layer_ids": layers[:-1],
+            "method": method,
             "source_storage_dtype": ds.manifest.storage_dtype,
             "hidden_states_dtype": "bf16",
             "source_complete": ds.complete,
@@ -295,7 +310,7 @@ def export_speculators(
         source_storage_dtype=ds.manifest.storage_dtype,
         source_complete=ds.complete, not_exported=len(ds.errors()),
         seconds=time.monotonic() - started, model=ds.manifest.model,
-        trust_remote_code=ds.manifest.trust_remote_code,
+        trust_remote_code=ds.manifest.trust_remote_code, method=method,
     )
 
 
@@ -354,10 +369,12 @@ def _write(
     out: Path,
     inputs_tmp: Path,
     layers: list[int],
+    picks: list[int],
     on_progress: Callable[[int, int], None] | None,
 ) -> tuple[int, int, int]:
-    """Stream every sample into hs_{i}.safetensors and the inputs dataset; returns
-    (samples, tokens, bytes of hidden-state files)."""
+    """Stream every sample (the stored layers at `picks`: `layers`) into
+    hs_{i}.safetensors and the inputs dataset; returns (samples, tokens, bytes of
+    hidden-state files)."""
     import datasets
     import torch
     from datasets.arrow_writer import ArrowWriter
@@ -376,11 +393,13 @@ def _write(
     with ArrowWriter(features=features, path=str(inputs_tmp)) as writer:
         for i, sample in enumerate(ds):
             hidden = sample["hidden_states"]  # [T, L, H] bf16; fp8 already dequantized
-            if hidden.dim() != 3 or hidden.shape[1] != len(layers):
+            if hidden.dim() != 3 or hidden.shape[1] <= max(picks):
                 raise RuntimeError(
                     f"sample {sample['sample_index']}: hidden_states shape "
-                    f"{tuple(hidden.shape)} does not match layers {layers}"
+                    f"{tuple(hidden.shape)} does not hold layers {layers}"
                 )
+            if len(picks) != hidden.shape[1]:
+                hidden = hidden[:, picks]
             ids = sample["input_ids"].to(torch.int64)
             mask = sample["loss_mask"].to(torch.int64)
             data = save(

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hsx.methods import resolve_layers
 
 
 class ModelConfigError(ValueError):
@@ -76,9 +79,17 @@ class ModelInfo:
     def valid_layers(self, engine: str | None = None) -> list[int]:
         return list(range(self.min_layer_id(engine), self.num_layers + 1))
 
-    def default_layers(self, engine: str | None = None) -> list[int]:
+    def default_layers(self, engine: str | None = None, method: str = "eagle3") -> list[int]:
+        """The ids a capture for `method` holds (hsx.methods) that `engine` can capture."""
         low = self.min_layer_id(engine)
-        return [k for k in default_layers(self.num_layers) if k >= low] or [self.num_layers]
+        return resolve_layers([method], self.num_layers, low) or [self.num_layers]
+
+    def job_layers(self, asked: Sequence[int | str] | None, engine: str | None = None,
+                   method: str = "eagle3") -> list[int]:
+        """A job's `layers:` as ids (method names stand for their ids); unset: `method`'s."""
+        if asked is None:
+            return self.default_layers(engine, method)
+        return resolve_layers(asked, self.num_layers, self.min_layer_id(engine))
 
     def check_layers(self, layers: list[int], engine: str | None = None) -> None:
         """Raise ModelConfigError naming the ids outside 0..N (1..N where 0 cannot be had)."""
@@ -166,36 +177,6 @@ def _compressed_bits(quant: dict[str, Any]) -> int | None:
     bits = [g.get("weights", {}).get("num_bits") for g in groups.values() if isinstance(g, dict)]
     found = [b for b in bits if isinstance(b, int) and b > 0]
     return min(found) if found else None
-
-
-def draft_aux_layers(layers: list[int], num_layers: int) -> list[int]:
-    """The auxiliary layer ids an EAGLE-3 draft reads from an output holding `layers`.
-
-    The last id must be N (the target's last layer before the final norm: the draft's
-    training target), with at least one id before it; ValueError says what is missing.
-    """
-    n = num_layers
-    if not layers or layers[-1] != n:
-        raise ValueError(
-            f"an EAGLE-3 draft is trained against the target's last layer (id {n}, before "
-            f"the final norm); this output holds layers {layers}. Extract with layers "
-            f"that end in {n}, e.g. {default_layers(n)}"
-        )
-    if len(layers) < 2:
-        raise ValueError(
-            f"an EAGLE-3 draft reads at least one auxiliary layer besides id {n}; this "
-            f"output holds only {layers}"
-        )
-    return list(layers[:-1])
-
-
-def default_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default: three auxiliary layers and the last one, as speculators reads them.
-
-    Tiny models make some of these coincide; duplicates are dropped, order is ascending.
-    """
-    n = num_layers
-    return sorted({k for k in (2, n // 2, n - 3, n) if 0 <= k <= n})
 
 
 def _config_path(model: str) -> Path:

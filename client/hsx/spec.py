@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from hsx.methods import METHODS, DraftMethod, MethodName
+
 EngineName = Literal["vllm", "hf"]
 StorageDtype = Literal["bf16", "fp8"]
 
@@ -89,11 +91,12 @@ TrainLoss = Literal["kl_div", "ce", "rkl", "jsd", "tv"]
 
 
 class TrainSpec(BaseModel):
-    """How to train an EAGLE-3 draft on a job's output (speculators' Eagle3 model).
+    """How to train a draft on a job's output (speculators' model of its `method`).
 
     The draft's shape comes from the target's (text) config and the output's layer ids:
     the last id must be N (the final layer before the norm: the draft's training target);
-    the ids before it are the auxiliary states the draft reads.
+    the ids before it are the auxiliary states the draft reads (its method's own, when
+    the output holds several methods' ids: hsx.methods).
 
     Fields left unset (None) are chosen when training starts, from the data and the
     device (docs/TRAINING.md, "Defaults"): the number of steps from the training tokens,
@@ -113,9 +116,18 @@ class TrainSpec(BaseModel):
             "At most 1,048,576 (four times the largest vocabularies, 262,144)."
         ),
     )
-    num_layers: int = Field(1, ge=1, le=32, description=(
-        "Decoder layers of the draft, each of the target's layer size. At most 32 (an "
-        "EAGLE-3 draft has one; 32 of a large target's take hundreds of GB)."))
+    method: MethodName = Field("eagle3", description=(
+        "Draft method: `eagle3` (autoregressive, `ttt_steps` tokens a step), `dflash` "
+        "(a block of `block_size` - 1 tokens in one forward pass) or `dspark` (DFlash's "
+        "blocks of `block_size` tokens with a Markov and a confidence head)."))
+    num_layers: int | None = Field(None, ge=1, le=32, description=(
+        "Decoder layers of the draft, each of the target's layer size. None: 1 for "
+        "EAGLE-3; for DFlash one per target layer it reads (5 on all but tiny targets). "
+        "At most 32 (32 of a large target's layers take hundreds of GB)."))
+    block_size: int = Field(8, ge=2, le=64, description=(
+        "DFlash, DSpark: tokens of a block, from the anchor (the target's own token)."))
+    max_anchors: int = Field(512, ge=1, le=2**16, description=(
+        "DFlash, DSpark: blocks trained per packed sequence, at positions drawn at random."))
     ttt_steps: int = Field(
         3, ge=1, le=32, description=(
             "Training-time-test steps: draft tokens trained per position. At most 32 "
@@ -124,7 +136,9 @@ class TrainSpec(BaseModel):
     ttt_step_loss_decay: float = Field(
         1.0, gt=0, description="Weight of step k's loss is decay**k."
     )
-    loss: TrainLoss = Field("kl_div", description="Loss against the target's distribution.")
+    loss: TrainLoss | None = Field(None, description=(
+        "Loss against the target's distribution. None: the method's in speculators: "
+        "`kl_div`, `ce` for DFlash (with per-position D-PACE weights)."))
     loss_implementation: Literal["auto", "fused", "eager"] = Field(
         "auto",
         description=(
@@ -278,6 +292,23 @@ class TrainSpec(BaseModel):
         ),
     )
 
+    @property
+    def draft(self) -> DraftMethod:
+        """The draft method (hsx.methods)."""
+        return METHODS[self.method]
+
+    @property
+    def loss_fn(self) -> str:
+        """`loss`, or the method's own when unset."""
+        return self.loss or self.draft.loss
+
+    @property
+    def proposed_tokens(self) -> int:
+        """Tokens the draft proposes per verification step (vLLM's num_speculative_tokens)."""
+        if self.draft.block:
+            return self.block_size if self.draft.from_anchor else self.block_size - 1
+        return self.ttt_steps
+
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainSpec:
         if self.steps is not None and self.epochs is not None:
@@ -406,12 +437,14 @@ class JobSpec(BaseModel):
             "(s3://bucket/prefix; credentials and endpoint from the AWS_* variables)."
         ),
     )
-    layers: list[int] | None = Field(
+    layers: list[int | MethodName] | None = Field(
         None,
         description=(
             "Layer ids to capture (see docs/FORMAT.md: id k < N is the input of decoder "
-            "layer k, id N the last layer's output before the final norm). Default for "
-            "EAGLE-3: [2, N//2, N-3, N]."
+            "layer k, id N the last layer's output before the final norm), or draft "
+            "methods standing for their ids (`[eagle3, dflash]`: the union, one capture "
+            "for both). None: the ids of `train.method` (EAGLE-3's, [2, N//2, N-3, N], "
+            "without `train:`)."
         ),
     )
     engine: EngineName = Field("vllm", description="Capture engine: `vllm` (default) or `hf`.")
@@ -506,19 +539,25 @@ class JobSpec(BaseModel):
 
     @field_validator("layers")
     @classmethod
-    def _layers_unique(cls, layers: list[int] | None) -> list[int] | None:
+    def _layers_unique(cls, layers: list[int | str] | None) -> list[int | str] | None:
         if layers is None:
             return None
         if not layers:
             raise ValueError("layers must not be empty (omit it for the default)")
-        negative = [k for k in layers if k < 0]
+        negative = [k for k in layers if isinstance(k, int) and k < 0]
         if negative:
             raise ValueError(f"layer ids must be >= 0, got {negative}")
-        dupes = sorted({k for k in layers if layers.count(k) > 1})
+        dupes = sorted({str(k) for k in layers if layers.count(k) > 1})
         if dupes:
             raise ValueError(f"duplicate layer ids {dupes}")
-        # Stored in ascending order whatever order is asked: vLLM emits them sorted.
-        return sorted(layers)
+        # Stored in ascending order whatever order is asked (vLLM emits them sorted),
+        # the method names after the ids.
+        return sorted(layers, key=lambda k: (isinstance(k, str), str(k).zfill(9)))
+
+    @property
+    def layers_method(self) -> str:
+        """The method whose ids a job without `layers:` captures."""
+        return self.train.method if self.train is not None else "eagle3"
 
     @property
     def trains_online(self) -> bool:

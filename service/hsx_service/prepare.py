@@ -124,7 +124,7 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Output]:
         info = read_model_info(spec.model)
     except ModelConfigError as err:
         raise JobRefused(str(err)) from None
-    layers = spec.layers if spec.layers is not None else info.default_layers(spec.engine)
+    layers = info.job_layers(spec.layers, spec.engine, spec.layers_method)
     try:
         info.check_layers(layers, spec.engine)
     except ModelConfigError as err:

@@ -359,7 +359,7 @@ class Scheduler:
         if row.state in (JobState.failed, JobState.cancelled) and not (
                 open_output(row.output).has_manifest()):
             raise JobRefused(f"job {job_id} is {row.state.value} and left no output to train on")
-        check_draft_layers(row.spec)
+        check_draft_layers(row.spec, spec)
         self._start_training(row, spec)
         return self.train_status(job_id)
 
@@ -648,17 +648,21 @@ def thin_curve(points: builtins.list[tuple[float, float, int]],
     return out
 
 
-def check_draft_layers(spec: JobSpec) -> None:
-    """Refuse training a job whose layers cannot feed an EAGLE-3 draft (JobRefused)."""
-    from hsx.modelinfo import draft_aux_layers, read_model_info
+def check_draft_layers(spec: JobSpec, train: TrainSpec | None = None) -> None:
+    """Refuse training a job whose layers cannot feed a draft of the training's method
+    (`train`, else the job's own `train:`): JobRefused naming what is missing."""
+    from hsx.methods import draft_aux_layers
+    from hsx.modelinfo import read_model_info
 
+    method = (train or spec.train or TrainSpec()).method
     manifest = open_output(spec.output).read_manifest()
     if manifest is not None:
         layers, n = manifest.layers, manifest.num_layers
     else:
         info = read_model_info(spec.model)
-        layers, n = spec.layers or info.default_layers(spec.engine), info.num_layers
+        layers = info.job_layers(spec.layers, spec.engine, spec.layers_method)
+        n = info.num_layers
     try:
-        draft_aux_layers(layers, n)
+        draft_aux_layers(layers, n, method)
     except ValueError as err:
         raise JobRefused(f"train: {err}") from None

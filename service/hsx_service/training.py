@@ -339,7 +339,7 @@ class Trainings:
             task: Any = ray.remote(max_calls=1)(evaluate_draft)
             ref = task.options(**options).remote(
                 Output(output), prompts=spec.eval_prompts, max_tokens=spec.eval_max_tokens,
-                k=spec.ttt_steps, engine=engine)
+                k=spec.proposed_tokens, engine=engine)
             while True:
                 ready, _ = ray.wait([ref], timeout=POLL_S)
                 if ready:

@@ -282,3 +282,28 @@ def test_fix_draft_gives_vllm_the_auxiliary_layer_count(tmp_path: Path, tiny_lla
     assert vllm_aux_count() == 2
     assert main(["fix-draft", str(draft)]) == 0  # idempotent
     assert capsys.readouterr().out == ""
+
+
+def test_one_capture_exports_each_methods_layers(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An output captured for EAGLE-3 and DFlash (`layers: [eagle3, dflash]`, N = 8:
+    [2, 3, 4, 5, 6, 8]) exports, per method, only the layers that method's draft reads,
+    and the printed command trains that method."""
+    both = [2, 3, 4, 5, 6, 8]
+    monkeypatch.setattr(sys.modules[__name__], "LAYERS", both)
+    src = make_output(tmp_path / "hsx")
+    for method, aux in (("eagle3", [2, 4, 5]), ("dflash", [2, 3, 4, 5, 6])):
+        dest = tmp_path / method
+        summary = export_speculators(src, dest, method=method)
+        assert summary.layers == [*aux, 8] and summary.target_layer_ids == aux
+        assert f"--speculator-type {method}" in summary.train_command()
+        picks = [both.index(k) for k in aux]
+        spec_ds = ArrowDataset(max_len=64, datapath=dest, on_missing="raise")
+        hs = HiddenStatesDataset(src, backend="torch")[0]["hidden_states"]
+        got = spec_ds[0]
+        assert isinstance(got, dict)
+        assert torch.equal(got["hidden_states"], hs[:, picks].reshape(hs.shape[0], -1))
+        assert torch.equal(got["verifier_last_hidden_states"], hs[:, -1])
+    monkeypatch.setattr(sys.modules[__name__], "LAYERS", [2, 3])
+    with pytest.raises(ExportError, match="id 8"):
+        export_speculators(make_output(tmp_path / "short"), tmp_path / "x", method="dflash")

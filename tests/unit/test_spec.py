@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hsx.modelinfo import ModelConfigError, default_layers, read_model_info
+from hsx.methods import default_layers
+from hsx.modelinfo import ModelConfigError, read_model_info
 from hsx.plan import FIRST_UNIT_TOKENS, UnitPlanner, first_unit_tokens, plan_units
 from hsx.spec import DatasetSpec, JobSpec, SpecError, load_job, parse_job
 
@@ -141,6 +142,33 @@ def test_default_layers() -> None:
     assert default_layers(32) == [2, 16, 29, 32]
     assert default_layers(61) == [2, 30, 58, 61]
     assert default_layers(4) == [1, 2, 4]
+    # DFlash's: five ids evenly from 2 to N-2 (its reference code's 1 .. N-3, one less:
+    # it counts a layer's output where hsx counts the next layer's input), and N.
+    assert default_layers(36, "dflash") == [2, 10, 18, 26, 34, 36]
+    assert default_layers(4, "dflash") == [2, 4]
+
+
+def test_layers_by_method_name(tmp_path: Path) -> None:
+    """`layers:` may name methods (the union of their ids); without `layers:` a job
+    captures its training's method's ids."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "num_hidden_layers": 36, "hidden_size": 64, "vocab_size": 100}))
+    info = read_model_info(str(tmp_path))
+    base = {"model": str(tmp_path), "dataset": "d.jsonl", "output": "o"}
+    both = parse_job({**base, "layers": ["dflash", "eagle3"]})
+    assert both.layers == ["dflash", "eagle3"]
+    assert info.job_layers(both.layers) == [2, 10, 18, 26, 33, 34, 36]
+    mixed = parse_job({**base, "layers": [7, "eagle3"]})
+    assert info.job_layers(mixed.layers) == [2, 7, 18, 33, 36]
+    dflash = parse_job({**base, "train": {"method": "dflash"}})
+    assert dflash.layers is None and dflash.layers_method == "dflash"
+    assert info.job_layers(dflash.layers, method=dflash.layers_method) == [2, 10, 18, 26, 34, 36]
+    assert info.job_layers(None) == [2, 18, 33, 36]
+    with pytest.raises(SpecError, match="layers"):
+        parse_job({**base, "layers": ["medusa"]})
+    with pytest.raises(SpecError, match="duplicate"):
+        parse_job({**base, "layers": ["eagle3", "eagle3"]})
 
 
 def test_model_info_reads_text_config_of_wrappers(tmp_path: Path) -> None:

@@ -165,13 +165,40 @@ def test_held_out_is_a_stable_fraction_of_sample_indices() -> None:
 
 
 def test_expected_acceptance_length_from_conditional_accuracies() -> None:
-    scores = Scores(3, loss_sum=2.0, tokens=4, right=[90, 72, 54], total=[100, 100, 100])
+    names = ["full_acc_0", "full_acc_1", "full_acc_2"]
+    scores = Scores(names, loss_sum=2.0, tokens=4, right=[90, 72, 54], total=[100, 100, 100])
     assert scores.acc == [0.9, 0.72, 0.54] and scores.loss == 0.5
     assert scores.cond_acc == pytest.approx([0.9, 0.8, 0.75])
     assert scores.expected_acceptance_length == pytest.approx(1 + 0.9 + 0.72 + 0.54)
-    back = Scores.from_tensor(scores.as_tensor(), 3)
+    back = scores.from_tensor(scores.as_tensor())
     assert back.expected_acceptance_length == pytest.approx(scores.expected_acceptance_length)
-    assert Scores(2).expected_acceptance_length == 1.0
+    assert Scores.of(TrainSpec(ttt_steps=2)).expected_acceptance_length == 1.0
+    assert Scores.of(TrainSpec(ttt_steps=2)).names == names[:2]
+
+
+def test_block_drafter_scores_from_speculators_metrics() -> None:
+    """A DFlash draft's scores: each block position's accuracy, and the accepted run of
+    each block plus the bonus token (not a product of the positions' accuracies)."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.dflash.metrics import compute_metrics
+
+    spec = TrainSpec(method="dflash", block_size=4)
+    scores = Scores.of(spec)
+    assert scores.names == ["position_1_acc", "position_2_acc", "position_3_acc"]
+    # Two blocks of 4 (slot 0 the anchor): the first right at slots 1 and 3 (run 1), the
+    # second right at 1, 2, 3 (run 3).
+    target = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    pred = torch.tensor([[9, 1, 9, 3, 9, 1, 2, 3]])
+    logits = torch.nn.functional.one_hot(pred, 10).float() * 10
+    targets = torch.nn.functional.one_hot(target, 10).float() * 10
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1]])
+    loss, metrics = compute_metrics(logits, targets, mask, block_size=4,
+                                    loss_config=resolve_loss_config("kl_div", "eager"))
+    scores.add(float(loss), 8, metrics)
+    assert scores.acc == pytest.approx([1.0, 0.5, 1.0])
+    assert scores.expected_acceptance_length == pytest.approx(((1 + 1) + (3 + 1)) / 2)
+    back = scores.from_tensor(scores.as_tensor() * 2)  # two workers' sums
+    assert back.block and back.expected_acceptance_length == pytest.approx(3.0)
 
 
 def test_task_language_answers_follow_the_prompt() -> None:
@@ -252,6 +279,14 @@ def test_refusals() -> None:
     with pytest.raises(TrainRefused, match="at least one auxiliary"):
         draft_layout(manifest([4], 4))
     assert draft_layout(manifest([2, 4, 5, 8], 8)) == ([2, 4, 5], 8)
+    # One capture for both methods: each reads its own ids.
+    both = manifest([2, 3, 4, 5, 6, 8], 8)
+    assert draft_layout(both, "eagle3") == ([2, 4, 5], 8)
+    assert draft_layout(both, "dflash") == ([2, 3, 4, 5, 6], 8)
+    # Ids of the capture's own choosing: every one before N.
+    assert draft_layout(manifest([1, 3, 7, 8], 8), "dflash") == ([1, 3, 7], 8)
+    with pytest.raises(TrainRefused, match=r"dflash draft .* \[2, 3, 4, 5, 6, 8\]"):
+        draft_layout(manifest([2, 4, 5], 8), "dflash")
 
 
 def test_draft_layer_config_is_one_vllm_serves() -> None:
@@ -326,6 +361,41 @@ def test_train_checkpoints_and_resume(tmp_path: Path, tiny_llama: Path) -> None:
     lines = [json.loads(x) for x in (root / DRAFT_METRICS).read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 9))
     assert saved["fc.weight"].shape == (HIDDEN, 2 * HIDDEN)
+
+
+@pytest.mark.parametrize(("method", "proposed"), [("dflash", 3), ("dspark", 4)])
+def test_a_block_draft_trains_validates_and_resumes(tmp_path: Path, tiny_llama: Path,
+                                                    method: str, proposed: int) -> None:
+    """`method: dflash` (or dspark) on an output captured for both methods ([1, 2, 4] of
+    N=4): the draft reads its own id (2), unshifted states, a block per anchor; its
+    config is the one vLLM's `method: dflash` loads (speculators' aux ids, a mask token,
+    full attention), its validation scores blocks, and it resumes like EAGLE-3's. A
+    DSpark block proposes its anchor's slot too."""
+    root = make_output(tmp_path / "out", tiny_llama)
+    seen: list[StepMetrics] = []
+    dflash = spec(method=method, block_size=4, max_anchors=8, max_steps=3,
+                  val_fraction=0.25)
+    trainer = DraftTrainer(root, dflash, on_metrics=seen.append)
+    assert trainer.run().step == 3
+    assert all(np.isfinite(m.loss) and len(m.acc) == proposed for m in seen)
+    config = json.loads((root / DRAFT_DIR / "config.json").read_text())
+    assert config["speculators_model_type"] == method
+    assert config["aux_hidden_state_layer_ids"] == [2]
+    assert config["block_size"] == 4 and config["mask_token_id"] is not None
+    layer = config["transformer_layer_config"]
+    assert layer["num_hidden_layers"] == 1  # one per target layer read
+    assert set(layer["layer_types"]) == {"full_attention"}
+    proposal = config["speculators_config"]["proposal_methods"][0]
+    assert proposal["speculative_tokens"] == dflash.proposed_tokens == proposed
+    rows = [json.loads(x) for x in (root / "draft/validation.jsonl").read_text().splitlines()]
+    assert rows and all(1.0 <= r["expected_acceptance_length"] <= 1 + proposed for r in rows)
+    # Unshifted: every token of a held-out sample counts (EAGLE-3's lose their first).
+    held_tokens = sum(len(sample(i)["input_ids"]) for i in trainer.val_indices)
+    assert rows[-1]["tokens"] == held_tokens
+    state = json.loads((root / DRAFT_DIR / "train.json").read_text())
+    assert state["plan"]["lr"] == 1e-3  # the spec's own; unset, a block drafter's default
+    second = DraftTrainer(root, dflash.model_copy(update={"max_steps": 5}))
+    assert second.run().step == 5 and second.resumed_from == 3
 
 
 def test_resume_drops_metrics_past_the_checkpoint(tmp_path: Path, tiny_llama: Path) -> None:
@@ -595,7 +665,8 @@ def test_later_worse_checkpoint_does_not_replace_the_best(tmp_path: Path,
 
     def validate(model: Any) -> Scores:
         value = next(scripted)  # 1 + one TTT step's accuracy (value - 1)
-        return Scores(1, loss_sum=1.0, tokens=10, right=[value - 1.0], total=[1.0])
+        return Scores(["full_acc_0"], loss_sum=1.0, tokens=10, right=[value - 1.0],
+                      total=[1.0])
 
     def published_step() -> int:
         ino = os.stat(root / DRAFT_DIR / "model.safetensors").st_ino

@@ -1,18 +1,21 @@
 """How well a trained draft does in vLLM: mean acceptance length on real generation.
 
 `measure_acceptance(target, draft, prompts)` runs vLLM with
-`speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k}`,
-greedy, and reads vLLM's own counters (`llm.get_metrics()`, `disable_log_stats=False`):
-mean acceptance length = 1 + accepted / drafts, and the acceptance rate at each draft
-position. `evaluate_draft(output)` does it on the output's held-out prompts (the samples
-the trainer held out for validation: the prompt part of each, answered with as many
-tokens as its answer had) and records the result in `draft/eval.json`. `hsx eval-draft`
-and the coordinator (after a training) call it; run it in a process of its own (vLLM's
-engine core is spawned, and its settings are per process).
+`speculative_config={"method": M, "model": draft, "num_speculative_tokens": k}` (M the
+draft's method, from its config.json; k its proposed tokens: EAGLE-3's TTT steps, a
+DFlash block less its anchor), greedy, and reads vLLM's own counters
+(`llm.get_metrics()`, `disable_log_stats=False`): mean acceptance length = 1 + accepted
+/ drafts, and the acceptance rate at each draft position. `evaluate_draft(output)` does
+it on the output's held-out prompts (the samples the trainer held out for validation:
+the prompt part of each, answered with as many tokens as its answer had) and records the
+result in `draft/eval.json`. `hsx eval-draft` and the coordinator (after a training)
+call it; run it in a process of its own (vLLM's engine core is spawned, and its
+settings are per process).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -98,12 +101,22 @@ def _counter(metrics: dict[str, Any], name: str) -> Any:
     return metric
 
 
+def draft_method_of(draft: str | Path) -> str:
+    """The method a saved draft was trained with (speculators' `speculators_model_type`
+    in its config.json): vLLM's `method` for it."""
+    try:
+        config = json.loads((Path(draft) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "eagle3"
+    return str(config.get("speculators_model_type") or "eagle3")
+
+
 def measure_acceptance(
     target: str, draft: str, prompts: list[EvalPrompt], *, k: int = 3,
     enforce_eager: bool = True, engine: dict[str, Any] | None = None,
 ) -> Acceptance:
-    """vLLM with the draft (eagle3, k tokens) answers the prompts greedily; its counters
-    give the acceptance. `engine`: more arguments of `LLM(...)`, the target as the job
+    """vLLM with the draft (its method, k tokens) answers the prompts greedily; its
+    counters give the acceptance. `engine`: more arguments of `LLM(...)`, the target as the job
     runs it (tensor_parallel_size, dtype, gpu_memory_utilization, its `vllm:` ones)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -124,7 +137,7 @@ def measure_acceptance(
     with starting_engine():  # as VllmEngine
         llm = LLM(
             model=target, disable_log_stats=False,
-            speculative_config={"method": "eagle3", "model": draft,
+            speculative_config={"method": draft_method_of(draft), "model": draft,
                                 "num_speculative_tokens": k},
             **args,
         )
@@ -178,7 +191,8 @@ def evaluate_draft(
     chosen, source = held_out_prompts(out, spec, prompts, prefix=prefix,
                                       max_tokens=max_tokens)
     model = target or out.manifest().model
-    result = measure_acceptance(model, draft, chosen, k=k or spec.ttt_steps, engine=engine)
+    result = measure_acceptance(model, draft, chosen, k=k or spec.proposed_tokens,
+                                engine=engine)
     best = state.get("best") or {}
     body = {**result.as_dict(), "prompt_source": source,
             "draft_step": best.get("step", state.get("step")) if own else None,

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, error
+from hsx.methods import METHOD_NAMES
 from hsx.progress import console
 
 
@@ -20,6 +21,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     try:
         summary = export_speculators(
             args.uri, args.dest, force=args.force, allow_incomplete=args.allow_incomplete,
+            method=args.method,
         )
     except ExportError as err:
         return error(str(err), EXIT_REFUSED)
@@ -104,6 +106,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("dest", help="directory to create (must be absent or empty)")
     p.add_argument("--format", choices=["speculators"], default="speculators",
                    help="target layout (default speculators)")
+    p.add_argument("--method", choices=METHOD_NAMES,
+                   help="only the layers a draft of this method reads (and N), for an output "
+                        "captured for several methods (default: every stored layer)")
     p.add_argument("--force", action="store_true", help="replace an earlier hsx export at DEST")
     p.add_argument("--allow-incomplete", action="store_true",
                    help="export what a still-running job has committed so far")

@@ -12,6 +12,7 @@ from typing import Any
 
 from hsx.cli.jobs import client_for, remote
 from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, error
+from hsx.methods import METHOD_NAMES
 from hsx.progress import console
 
 
@@ -35,6 +36,8 @@ def _train_spec(args: argparse.Namespace) -> Any:
         if not sep:
             raise SpecError(f"--set {item!r}: expected key=value")
         fields[key.strip()] = yaml.safe_load(value)
+    if args.method:
+        fields["method"] = args.method
     if fields.get("online"):
         raise SpecError("online: an online training is a job's `train:` section (hsx "
                         "extract job.yaml, hsx submit): its engines feed the trainer; `hsx "
@@ -57,7 +60,7 @@ def _train_line(step: int, epoch: int, loss: float | None, acc: list[float], rat
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    """Train an EAGLE-3 draft on an output (here) or on a job's output (on the coordinator)."""
+    """Train a draft on an output (here) or on a job's output (on the coordinator)."""
     from hsx.spec import SpecError
 
     try:
@@ -294,7 +297,7 @@ def _measure_draft(job: Any, output: str) -> int:
     trained = Output(output)
     try:
         result = evaluate_draft(trained, prompts=spec.eval_prompts,
-                                max_tokens=spec.eval_max_tokens, k=spec.ttt_steps,
+                                max_tokens=spec.eval_max_tokens, k=spec.proposed_tokens,
                                 engine=target_engine_args(job))
     except (StorageError, ValueError, FileNotFoundError) as err:
         return error(f"the draft was trained but could not be measured: {err}; "
@@ -369,11 +372,13 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
-        "train", help="train an EAGLE-3 draft on an output (a path) or a job (an id)")
+        "train", help="train a draft (EAGLE-3, DFlash) on an output (a path) or a job (an id)")
     p.add_argument("target", help="an output path or URI (file://, s3://: trains here), or a "
                                   "job id (the coordinator trains it)")
     p.add_argument("--follow", action="store_true",
                    help="start on the shards committed so far and keep up with the extraction")
+    p.add_argument("--method", choices=METHOD_NAMES,
+                   help="draft method (default eagle3; the spec's when it names one)")
     p.add_argument("--spec", help="TrainSpec file (YAML or JSON)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override one TrainSpec field, e.g. --set epochs=3 (repeatable)")
@@ -385,7 +390,8 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(
-        "eval-draft", help="acceptance of an output's trained draft in vLLM (greedy, eagle3)")
+        "eval-draft", help="acceptance of an output's trained draft in vLLM (greedy, the "
+                           "draft's method)")
     p.add_argument("output", help="the output the draft was trained on (prompts come from it)")
     p.add_argument("--draft-dir", help="the local folder the draft was trained in (as "
                                        "`hsx train --draft-dir`; default the output's; for "
@@ -400,7 +406,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="GPUs the target spans (default: the job's, else 1)")
     p.add_argument("--k", type=int, default=None,
-                   help="num_speculative_tokens (default: the training's ttt_steps, 3)")
+                   help="num_speculative_tokens (default: what the training's draft proposes: "
+                        "EAGLE-3's ttt_steps, 3; a DFlash block less its anchor, 7)")
     p.add_argument("--prompts", type=int, default=32,
                    help="held-out samples whose prompts vLLM answers (default 32)")
     p.add_argument("--prefix", type=int, default=8,

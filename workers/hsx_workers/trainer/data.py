@@ -4,9 +4,10 @@ epoch, read ahead on a thread; and its share of the held-out samples.
 Worker r of N reads the units u with u % N == r. The first epoch follows the extraction
 (`spec.follow`): a shard is trained on as soon as its commit lands; later epochs shuffle
 units. Held-out samples (`held_out`: by sample index, the same on every run) are
-skipped. Each sample becomes speculators' sample dict, shifted with speculators'
-`shift_batch` and packed, whole samples only, by its `CollateFn` into sequences of
-`pack_tokens`; a step is packs worth `batch_tokens`.
+skipped. Each sample becomes speculators' sample dict (the layers its method's draft
+reads), shifted with speculators' `shift_batch` for EAGLE-3 (a block drafter reads
+states and tokens as they are), and packed, whole samples only, by its `CollateFn` into
+sequences of `pack_tokens`; a step is packs worth `batch_tokens`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 
 from hsx.dataset import HiddenStatesDataset
 from hsx.online import Stream, split_unit
-from hsx.output import CommitRecord, Output, ShardReader
+from hsx.output import CommitRecord, Manifest, Output, ShardReader
 from hsx.spec import TrainSpec
+from hsx_workers.trainer.draft_model import layer_picks
 from hsx_workers.trainer.group import WorkerGroup
 from hsx_workers.trainer.plan import Plan, held_out
 
@@ -48,12 +50,16 @@ class EpochEnd:
     epoch: int
 
 
-def to_speculators_sample(sample: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """An hsx sample ([T, L, H] states) as speculators' dict, before `shift_batch`."""
+def to_speculators_sample(sample: dict[str, Any], dtype: torch.dtype,
+                          picks: Sequence[int] | None = None) -> dict[str, Any]:
+    """An hsx sample ([T, L, H] states) as speculators' dict, before `shift_batch`: the
+    layers at `picks` (default: all but the last) the draft reads, the last (id N) its
+    target."""
     hidden = sample["hidden_states"]
     seq_len = hidden.shape[0]
+    aux = hidden[:, :-1] if picks is None else hidden[:, list(picks)]
     return {
-        "hidden_states": hidden[:, :-1].flatten(1).to(dtype),
+        "hidden_states": aux.flatten(1).to(dtype),
         "input_ids": sample["input_ids"].to(torch.long),
         "verifier_last_hidden_states": hidden[:, -1].to(dtype),
         "loss_mask": sample["loss_mask"].to(torch.bool),
@@ -188,22 +194,33 @@ class TrainingData:
         while not self.output.is_complete() and not halted():
             time.sleep(self.poll_interval)
 
-    def collate(self, dtype: torch.dtype, hidden: int, aux: int, plan: Plan, *, pad: bool
+    def collate(self, dtype: torch.dtype, manifest: Manifest, plan: Plan, *, pad: bool
                 ) -> Callable[..., Any]:
-        """What turns samples into one pack (speculators' CollateFn after shift_batch),
-        padded to `plan.pack_tokens` when `pad` (on GPU)."""
+        """What turns samples into one pack (speculators' CollateFn, after shift_batch
+        for EAGLE-3), padded to `plan.pack_tokens` when `pad` (on GPU)."""
         from speculators.models.eagle3.data import shift_batch
         from speculators.train.data import CollateFn
+
+        aux = len(layer_picks(manifest, self.spec.method))
+        shift = None if self.spec.draft.block else shift_batch
 
         def collate(samples: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
             # Padded to pack_tokens on GPU (one shape for the compiled model); exactly
             # as long as its samples on CPU, where padding is compute thrown away.
             length = plan.pack_tokens if pad else max(1, tokens)
-            fn = CollateFn(length, hidden, num_target_layers=aux, dtype=dtype,
-                           preprocess=shift_batch)
+            fn = CollateFn(length, manifest.hidden_size, num_target_layers=aux, dtype=dtype,
+                           preprocess=shift)
             return fn(samples)
 
         return collate
+
+    def trained(self, raw: dict[str, Any], dtype: torch.dtype, manifest: Manifest,
+                pack_tokens: int) -> tuple[dict[str, Any], int]:
+        """A read sample as the draft trains on it, and its tokens in a pack (EAGLE-3's
+        shifted states are one shorter; at most `pack_tokens`)."""
+        sample = to_speculators_sample(raw, dtype, layer_picks(manifest, self.spec.method))
+        shifted = 0 if self.spec.draft.block else 1
+        return sample, min(int(sample["lengths"][0]) - shifted, pack_tokens)
 
     def batches(self, epoch: int, dtype: torch.dtype, plan: Plan, *, pad: bool,
                 done: Sequence[int] = (), partial: Mapping[int, Sequence[int]] | None = None,
@@ -218,8 +235,7 @@ class TrainingData:
             self._wait_for_complete(halted)
         ds = HiddenStatesDataset(self.output, follow=True, backend="torch",
                                  poll_interval=self.poll_interval)
-        collate = self.collate(dtype, ds.manifest.hidden_size, len(ds.manifest.layers) - 1,
-                               plan, pad=pad)
+        collate = self.collate(dtype, ds.manifest, plan, pad=pad)
         packs: list[dict[str, Any]] = []
         pack: list[dict[str, Any]] = []
         pack_tokens = step_tokens = 0
@@ -235,8 +251,8 @@ class TrainingData:
                      if indices[j] not in self._val_set and indices[j] not in skip]
             _seeded(self.spec.seed, epoch, unit, 2).shuffle(order)
             for j in order:
-                sample = to_speculators_sample(reader.sample(j, backend="torch"), dtype)
-                length = min(int(sample["lengths"][0]) - 1, plan.pack_tokens)  # shifted
+                sample, length = self.trained(reader.sample(j, backend="torch"), dtype,
+                                              ds.manifest, plan.pack_tokens)
                 if length <= 0:
                     continue
                 if (pack or packs) and step_tokens + pack_tokens + length > plan.batch_tokens:

@@ -1,5 +1,6 @@
-"""The draft model: speculators' Eagle3DraftModel for an output's target, its decoder
-layer's config, and its vocabulary mapped from the training samples' token counts.
+"""The draft model: speculators' model of the training's method (Eagle3DraftModel,
+DFlashDraftModel) for an output's target, its decoder layer's config, and its vocabulary
+mapped from the training samples' token counts.
 
 The draft's decoder layer is the target's (text) config with `num_layers` layers (a
 Llama layer for targets vLLM cannot serve a draft of); embeddings and lm_head come from
@@ -16,19 +17,42 @@ from typing import Any
 
 import torch
 
-from hsx.modelinfo import draft_aux_layers
+from hsx.methods import draft_aux_layers
 from hsx.output import Manifest, Output
 from hsx.spec import TrainSpec
 from hsx_workers.trainer.plan import TrainRefused
 
 
-def draft_layout(manifest: Manifest) -> tuple[list[int], int]:
-    """(aux layer ids, num_layers N) for a draft trained on this output, or TrainRefused."""
+def draft_layout(manifest: Manifest, method: str = "eagle3") -> tuple[list[int], int]:
+    """(aux layer ids, num_layers N) for a `method` draft trained on this output, or
+    TrainRefused naming what the output lacks."""
     n = manifest.num_layers
     try:
-        return draft_aux_layers(manifest.layers, n), n
+        return draft_aux_layers(manifest.layers, n, method), n
     except ValueError as err:
         raise TrainRefused(str(err)) from None
+
+
+def layer_picks(manifest: Manifest, method: str = "eagle3") -> list[int]:
+    """Where the draft's auxiliary ids sit on a sample's layer axis (N is the last)."""
+    aux, _ = draft_layout(manifest, method)
+    return [manifest.layers.index(k) for k in aux]
+
+
+def forward_kwargs(spec: TrainSpec, kernels: str) -> dict[str, Any]:
+    """The method's own arguments of the draft's forward (besides the pack's tensors):
+    its loss with speculators' `kernels` (`fused` or `eager`) among them."""
+    from speculators.losses import resolve_loss_config
+
+    loss_config = resolve_loss_config(spec.loss_fn, kernels)
+    if not spec.draft.block:
+        return {"ttt_steps": spec.ttt_steps, "loss_config": loss_config,
+                "ttt_step_loss_decay": spec.ttt_step_loss_decay}
+    out = {"loss_config": loss_config, "max_anchors": spec.max_anchors,
+           "per_position_loss_weight": "dpace" if spec.loss_fn == "ce" else "fixed-exp-decay"}
+    if spec.method == "dspark":  # its total-variation term, with the same kernels
+        out["tv_loss_fn"] = resolve_loss_config("tv", kernels)["tv"][0]
+    return out
 
 
 DRAFT_LAYER_TYPES = ("llama", "qwen3")  # vLLM's Eagle3 heads: Eagle3{Llama,Qwen3}ForCausalLM
@@ -108,18 +132,17 @@ def build_draft_model(output: Output, manifest: Manifest, spec: TrainSpec,
     from speculators.models.eagle3 import Eagle3DraftModel
     from transformers import AutoConfig
 
-    aux, _ = draft_layout(manifest)
+    aux, _ = draft_layout(manifest, spec.method)
     model_path = manifest.model
     trust = manifest.trust_remote_code
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
-    text = draft_layer_config(getattr(config, "text_config", None) or config,
-                              spec.num_layers, len(aux))
+    text_config = getattr(config, "text_config", None) or config
+    layers = spec.num_layers or spec.draft.draft_layers(aux)
     freqs = token_frequencies(output, exclude=exclude)
     if not freqs:
         raise TrainRefused(f"{output}: no loss-masked token in inputs.arrow")
-    d2t, t2d, draft_vocab = vocab_mappings(
-        freqs, spec.draft_vocab_size, int(text.vocab_size)
-    )
+    vocab = int(text_config.vocab_size)
+    d2t, t2d, draft_vocab = vocab_mappings(freqs, spec.draft_vocab_size, vocab)
     torch.manual_seed(spec.seed)
     # speculators' own choice on GPU (flex attention, compiled); eager on CPU, where
     # flex attention has no fast kernel.
@@ -132,14 +155,19 @@ def build_draft_model(output: Output, manifest: Manifest, spec: TrainSpec,
         from torch._dynamo import config as dynamo_config
 
         dynamo_config.suppress_errors = True
-    model = Eagle3DraftModel.from_training_args(
-        text, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab,
-        norm_before_residual=spec.norm_before_residual,
-        ttt_steps=spec.ttt_steps, verifier_name_or_path=model_path,
-        target_layer_ids=aux, draft_attn_impl=attn, trust_remote_code=trust,
-    )
-    if attn == "eager" and hasattr(model, "_build_attn_mask"):
-        model._build_attn_mask = dense_attention_mask
+    if spec.draft.block:
+        model = _block_drafter(text_config, spec, layers, aux, t2d, d2t, draft_vocab,
+                               model_path, trust, attn)
+    else:
+        text = draft_layer_config(text_config, layers, len(aux))
+        model = Eagle3DraftModel.from_training_args(
+            text, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab,
+            norm_before_residual=spec.norm_before_residual,
+            ttt_steps=spec.ttt_steps, verifier_name_or_path=model_path,
+            target_layer_ids=aux, draft_attn_impl=attn, trust_remote_code=trust,
+        )
+        if attn == "eager" and hasattr(model, "_build_attn_mask"):
+            model._build_attn_mask = dense_attention_mask
     # speculators starts the draft's lm_head as the target's but its final norm at
     # ones: a head that is neither. Starting the norm as the target's too makes the
     # draft's head the target's own (what it predicts), which matters where the
@@ -147,6 +175,42 @@ def build_draft_model(output: Output, manifest: Manifest, spec: TrainSpec,
     with torch.no_grad():
         model.norm.weight.copy_(model.verifier_norm.weight)
     return model
+
+
+def _block_drafter(text: Any, spec: TrainSpec, layers: int, aux: list[int], t2d: Any,
+                   d2t: Any, draft_vocab: int, model_path: str, trust: bool,
+                   attn: str) -> Any:
+    """A new DFlash or DSpark draft: Qwen3 decoder layers of the target's sizes, all full
+    attention (vLLM's drafting kernel refuses sliding attention without a window), with
+    the mask token vLLM fills a block with (without one its kernel fails)."""
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dspark import DSparkDraftModel
+    from speculators.train.utils import resolve_mask_token_id
+    from transformers import Qwen3Config
+
+    heads = int(text.num_attention_heads)
+    rope = getattr(text, "rope_parameters", None) or {}
+    layer = Qwen3Config(
+        vocab_size=int(text.vocab_size), hidden_size=int(text.hidden_size),
+        intermediate_size=int(getattr(text, "intermediate_size", 4 * text.hidden_size)),
+        num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads),
+        rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096)),
+        rope_parameters={"rope_type": "default",
+                         "rope_theta": float(rope.get("rope_theta", 10000.0))},
+        layer_types=["full_attention"] * layers, tie_word_embeddings=False,
+    )
+    layer.architectures = ["Qwen3ForCausalLM"]
+    mask_token = resolve_mask_token_id(model_path, int(text.vocab_size),
+                                       trust_remote_code=trust)
+    cls = DSparkDraftModel if spec.method == "dspark" else DFlashDraftModel
+    return cls.from_training_args(
+        layer, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab, block_size=spec.block_size,
+        verifier_name_or_path=model_path, target_layer_ids=aux, draft_attn_impl=attn,
+        mask_token_id=mask_token, trust_remote_code=trust,
+    )
 
 
 def dense_attention_mask(doc_ids: torch.Tensor, seq_len: int, device: Any,

@@ -52,8 +52,8 @@ from hsx.output.local_storage import (
 from hsx.output.quota import QUOTA_ENV, folder_bytes, output_quota
 from hsx.output.shards.encoding import HIDDEN_DTYPE, NUMPY_DTYPES
 from hsx.spec import TrainSpec
-from hsx_workers.trainer.data import EpochEnd, StepBatch, TrainingData, to_speculators_sample
-from hsx_workers.trainer.draft_model import build_draft_model, draft_layout
+from hsx_workers.trainer.data import EpochEnd, StepBatch, TrainingData
+from hsx_workers.trainer.draft_model import build_draft_model, draft_layout, forward_kwargs
 from hsx_workers.trainer.group import WorkerGroup
 from hsx_workers.trainer.plan import (
     Plan,
@@ -226,7 +226,11 @@ class DraftTrainer:
 
     def _optimizer(self, model: Any, plan: Plan) -> tuple[torch.optim.Optimizer, Any]:
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=plan.lr, weight_decay=self.spec.weight_decay)
+        # A block drafter's loss moves more from step to step (its anchors are drawn at
+        # random): the second moment follows it faster, as DFlash's own recipe does.
+        betas = (0.9, 0.95) if self.spec.draft.block else (0.9, 0.999)
+        opt = torch.optim.AdamW(params, lr=plan.lr, betas=betas,
+                                weight_decay=self.spec.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: plan.lr_factor(s))
         return opt, sched
 
@@ -301,7 +305,7 @@ class DraftTrainer:
     def prepare(self) -> Plan:
         """Wait for the manifest, check the layers, pick the device, make the plan."""
         self.manifest = manifest = self._manifest()
-        draft_layout(manifest)  # refuse before any weight is loaded
+        draft_layout(manifest, self.spec.method)  # refuse before any weight is loaded
         if self.device is None:
             self.device = resolve_device(self.spec.device)
         if self.memory_share and self.device.type == "cuda":
@@ -361,12 +365,10 @@ class DraftTrainer:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             trained = DistributedDataParallel(model, device_ids=ids)
-        from speculators.losses import resolve_loss_config
-
         kernels = self.spec.loss_implementation
         if kernels == "auto":
             kernels = "fused" if self.device.type == "cuda" else "eager"
-        loss_config = resolve_loss_config(self.spec.loss, kernels)
+        forward = forward_kwargs(self.spec, kernels)
         model.train()
         end = min(plan.steps, self.spec.max_steps or plan.steps)
         stopped = False
@@ -391,7 +393,7 @@ class DraftTrainer:
                         if self._stop_requested():
                             stopped = True
                             break
-                        self._step(trained, opt, sched, batch, loss_config)
+                        self._step(trained, opt, sched, batch, forward)
                         stepped = True
                     self._units_trained(batch)
                     if batch.packs and self.state.step % plan.checkpoint_every == 0:
@@ -436,13 +438,13 @@ class DraftTrainer:
         return stop
 
     def _step(self, model: Any, opt: torch.optim.Optimizer, sched: Any,
-              batch: StepBatch, loss_config: Any) -> None:
+              batch: StepBatch, forward: dict[str, Any]) -> None:
         if self.device is None:
             raise RuntimeError("prepare() picks the device")
         t0 = time.perf_counter()
         waited = self.data.take_wait()
         self._wait_s += waited
-        scores = Scores(self.spec.ttt_steps)
+        scores = Scores.of(self.spec)
         opt.zero_grad(set_to_none=True)
         last = len(batch.packs) - 1
         for i, pack in enumerate(batch.packs):
@@ -456,15 +458,13 @@ class DraftTrainer:
             with sync:
                 with torch.autocast(self.device.type, dtype=torch.bfloat16,
                                     enabled=self.device.type == "cuda"):
-                    _, loss, metrics = model(**inputs, ttt_steps=self.spec.ttt_steps,
-                                             ttt_step_loss_decay=self.spec.ttt_step_loss_decay,
-                                             loss_config=loss_config)
+                    _, loss, metrics = model(**inputs, **forward)
                 (loss * (tokens / max(1, batch.tokens))).backward()
             scores.add(float(loss.detach()), tokens, metrics)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        scores = Scores.from_tensor(self.group.sum(scores.as_tensor()), self.spec.ttt_steps)
+        scores = scores.from_tensor(self.group.sum(scores.as_tensor()))
         loss_value = scores.loss
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"loss is {loss_value} at step {self.state.step + 1}")
@@ -515,16 +515,13 @@ class DraftTrainer:
 
     @torch.no_grad()
     def _held_out_scores(self, model: Any) -> Scores:
-        from speculators.losses import resolve_loss_config
-
         plan = self._plan()
         dtype = torch.bfloat16 if self.device is not None and self.device.type == "cuda" \
             else torch.float32
         ds = HiddenStatesDataset(self.output, backend="torch")
-        collate = self.data.collate(dtype, ds.manifest.hidden_size,
-                                    len(ds.manifest.layers) - 1, plan, pad=self._pad)
-        loss_config = resolve_loss_config(self.spec.loss, "eager")
-        scores = Scores(self.spec.ttt_steps)
+        collate = self.data.collate(dtype, ds.manifest, plan, pad=self._pad)
+        forward = forward_kwargs(self.spec, "eager")
+        scores = Scores.of(self.spec)
         was_training = model.training
         model.eval()
 
@@ -536,17 +533,14 @@ class DraftTrainer:
             with torch.autocast(self.device.type if self.device else "cpu",
                                 dtype=torch.bfloat16,
                                 enabled=self.device is not None and self.device.type == "cuda"):
-                _, loss, metrics = model(**inputs, ttt_steps=self.spec.ttt_steps,
-                                         ttt_step_loss_decay=self.spec.ttt_step_loss_decay,
-                                         loss_config=loss_config)
+                _, loss, metrics = model(**inputs, **forward)
             scores.add(float(loss), int((batch["document_ids"] >= 0).sum()), metrics)
 
         pack: list[dict[str, Any]] = []
         pack_tokens = 0
         try:
             for raw in self.data.held_out_samples(ds):
-                sample = to_speculators_sample(raw, dtype)
-                length = min(int(sample["lengths"][0]) - 1, plan.pack_tokens)
+                sample, length = self.data.trained(raw, dtype, ds.manifest, plan.pack_tokens)
                 if length <= 0:
                     continue
                 if pack and pack_tokens + length > plan.pack_tokens:
@@ -558,7 +552,7 @@ class DraftTrainer:
                 run(pack, pack_tokens)
         finally:
             model.train(was_training)
-        return Scores.from_tensor(self.group.sum(scores.as_tensor()), self.spec.ttt_steps)
+        return scores.from_tensor(self.group.sum(scores.as_tensor()))
 
     # -- files
 

@@ -24,6 +24,7 @@ class DeviceDefaults:
     lr: float
     min_steps: int
     min_pack_tokens: int | None = None  # packs as short as the samples allow, from this
+    block_lr: float | None = None  # a block drafter's (DFlash), where it differs
 
 
 # CPU: small drafts and short runs; packs short enough that dense attention stays cheap:
@@ -32,8 +33,9 @@ class DeviceDefaults:
 # and the learning rate of common EAGLE-3 recipes.
 DEVICE_DEFAULTS = {
     "cpu": DeviceDefaults(batch_tokens=1024, pack_tokens=512, lr=1e-3, min_steps=500,
-                          min_pack_tokens=128),
-    "cuda": DeviceDefaults(batch_tokens=8192, pack_tokens=8192, lr=1e-4, min_steps=2000),
+                          min_pack_tokens=128, block_lr=5e-3),
+    "cuda": DeviceDefaults(batch_tokens=8192, pack_tokens=8192, lr=1e-4, min_steps=2000,
+                           block_lr=3e-4),
 }
 DEFAULT_PASSES = 3  # passes over the training tokens when nothing says otherwise
 WARN_PASSES = 10  # more than this many passes: the data is too small for the schedule
@@ -105,7 +107,8 @@ def plan_schedule(
     every = spec.checkpoint_every or max(1, min(MAX_CHECKPOINT_EVERY, steps // 10))
     return Plan(
         device=device, workers=workers, steps=steps, batch_tokens=batch, pack_tokens=pack,
-        lr=spec.lr or defaults.lr, lr_schedule=spec.lr_schedule, warmup_steps=warmup,
+        lr=spec.lr or (spec.draft.block and defaults.block_lr) or defaults.lr,
+        lr_schedule=spec.lr_schedule, warmup_steps=warmup,
         checkpoint_every=every, train_samples=train_samples, train_tokens=train_tokens,
         val_samples=val_samples, passes=passes, warning=warning,
     )

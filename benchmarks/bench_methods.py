@@ -1,0 +1,152 @@
+"""Draft methods compared on one capture: EAGLE-3 and DFlash on the learnable target.
+
+One extraction with `layers: [eagle3, dflash]` (the union of both methods' ids) of the
+learnable target's 3,000 samples; then, for each method, `hsx train OUTPUT --method M`
+with no other option (each in a draft folder of its own), `hsx eval-draft` (vLLM loads
+the draft with its method and answers the held-out prompts greedily), and vLLM without a
+draft on the same prompts. Reported per method: the best held-out validation (expected
+acceptance length), vLLM's mean acceptance length and per-position acceptance,
+generation tokens/s with the draft over the target alone (the speedup; on CPU vLLM's
+drafting costs more than on a GPU), training seconds, and the bytes the capture stores
+per token for that method's layers.
+
+Run: `python benchmarks/bench_methods.py [--methods eagle3,dflash] [--work DIR]`
+(~25 minutes on 2 cores). Results: benchmarks/results/<date>-methods/methods.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+
+SAMPLES = 3000  # the learnable language's samples, as the integration tests use
+CPU_ENV = {  # vLLM's CPU CI switches, as tests/conftest.py sets them
+    "VLLM_CPU_CI_ENV": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+def _hsx(*args: str) -> tuple[float, subprocess.CompletedProcess[str]]:
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "hsx.cli", *args], capture_output=True,
+                          text=True, env={**os.environ, **CPU_ENV}, check=False)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"hsx {' '.join(args)}: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return seconds, done
+
+
+def capture(work: Path) -> tuple[Path, float]:
+    """The learnable target and one extraction for both methods."""
+    from hsx_workers.learnable import TaskLanguage, make_learnable_model, write_language_dataset
+
+    language = TaskLanguage(seed=0)
+    target = make_learnable_model(work / "target", language=language, steps=500)
+    dataset = work / "tasks.jsonl"
+    if not dataset.exists():
+        write_language_dataset(dataset, SAMPLES, language=language)
+    output = work / "out"
+    job = work / "job.json"
+    job.write_text(json.dumps({
+        "model": str(target), "dataset": str(dataset), "output": str(output),
+        "layers": ["eagle3", "dflash"], "max_seq_len": 256, "unit_tokens": 8192,
+        "ray_address": "local",
+    }))
+    seconds, _ = _hsx("extract", str(job))
+    return output, seconds
+
+
+def target_alone(output: Path, work: Path) -> dict[str, Any]:
+    """vLLM without a draft on the held-out prompts of a default training (in a process
+    of its own, as eval-draft runs)."""
+    code = f"""
+import json, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from hsx.output import Output
+from hsx.spec import TrainSpec
+from hsx_workers.acceptance import held_out_prompts
+out = Output({str(output)!r})
+prompts, _ = held_out_prompts(out, TrainSpec(), 32, prefix=8, max_tokens=256)
+llm = LLM(model=out.manifest().model, enforce_eager=True, dtype="float32",
+          max_model_len=max(len(p.token_ids) + p.max_tokens for p in prompts) + 9)
+t0 = time.perf_counter()
+res = llm.generate([TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts],
+                   [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True)
+                    for p in prompts], use_tqdm=False)
+s = time.perf_counter() - t0
+print(json.dumps({{"seconds": s, "generated_tokens": sum(len(o.outputs[0].token_ids)
+                                                         for o in res)}}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **CPU_ENV}, check=True, cwd=work)
+    return json.loads([x for x in done.stdout.splitlines() if x.startswith("{")][-1])
+
+
+def run_method(output: Path, method: str, work: Path, alone: dict[str, Any]) -> dict[str, Any]:
+    from hsx.methods import draft_aux_layers
+    from hsx.output import Output
+
+    draft_dir = work / f"draft-{method}"
+    train_s, _ = _hsx("train", str(output), "--method", method, "--draft-dir", str(draft_dir))
+    _, done = _hsx("eval-draft", str(output), "--draft-dir", str(draft_dir), "--json")
+    acc = json.loads([x for x in done.stdout.splitlines() if x.startswith('{"k"')][-1])
+    rows = [json.loads(x) for x in
+            (draft_dir / "draft" / "validation.jsonl").read_text().splitlines()]
+    best = max(rows, key=lambda r: r["expected_acceptance_length"])
+    manifest = Output(output).manifest()
+    layers = len(draft_aux_layers(manifest.layers, manifest.num_layers, method)) + 1
+    with_draft = acc["generated_tokens"] / acc["seconds"]
+    without = alone["generated_tokens"] / alone["seconds"]
+    return {
+        "method": method, "k": acc["k"], "train_seconds": round(train_s, 1),
+        "validation_expected_acceptance_length": round(best["expected_acceptance_length"], 3),
+        "validation_step": best["step"],
+        "vllm_mean_acceptance_length": round(acc["mean_acceptance_length"], 3),
+        "vllm_acceptance_per_position": [round(a, 3) for a in acc["acceptance_per_position"]],
+        "tokens_per_s_with_draft": round(with_draft, 1),
+        "tokens_per_s_target_alone": round(without, 1),
+        "speedup": round(with_draft / without, 3),
+        "stored_bytes_per_token_bf16": layers * manifest.hidden_size * 2,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default="eagle3,dflash")
+    parser.add_argument("--work", type=Path, default=None, help="working folder (kept)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" /
+                        f"{time.strftime('%Y-%m-%d')}-methods" / "methods.json")
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="hsx-methods-"))
+    work.mkdir(parents=True, exist_ok=True)
+    output, extract_s = capture(work)
+    alone = target_alone(output, work)
+    rows = [run_method(output, m, work, alone) for m in args.methods.split(",")]
+    result = {
+        "command": "python benchmarks/bench_methods.py " + " ".join(sys.argv[1:]),
+        "date": common.now_iso(), "machine": common.machine_info(),
+        "capture": {"layers": ["eagle3", "dflash"], "samples": SAMPLES,
+                    "extract_seconds": round(extract_s, 1)},
+        "target_alone": alone, "methods": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(common.table(
+        ["method", "k", "val EAL", "vLLM accept", "speedup", "train s", "B/token"],
+        [[r["method"], r["k"], r["validation_expected_acceptance_length"],
+          r["vllm_mean_acceptance_length"], r["speedup"], r["train_seconds"],
+          r["stored_bytes_per_token_bf16"]] for r in rows]))
+
+
+if __name__ == "__main__":
+    main()
