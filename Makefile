@@ -29,7 +29,7 @@ lint: env
 # The docs site into site/: strict, so a broken link, anchor or missing page fails; the
 # reference pages are generated from the code (scripts/mkdocs_hooks.py).
 docs: env
-	$(PY)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(PY)/mkdocs build --strict
 
 unit: env
 	$(PY)/pytest tests/unit
