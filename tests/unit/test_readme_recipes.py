@@ -1,9 +1,10 @@
 """The guides' recipes, run where they can run on the CPU.
 
-- docs/guides/gpu-node.md, "Three targets on one 8-GPU node": each row's plan is what the coordinator's planner makes of
-  that job on an 8-GPU node, word for word; each `inspect-model` fragment is what the
-  preflight says of a config of that model's published shape (its config.json, no
-  weights: sizes from the model cards of Llama-3.1-8B/70B and Kimi-K2.5).
+- docs/guides/gpu-node.md, "Three targets on one 8-GPU node": each row's plan is what the
+  coordinator's planner makes of that job on an 8-GPU node, word for word; each
+  `inspect-model` fragment is what the preflight says of a config of that model's
+  published shape (its config.json, no weights: sizes from the model cards of
+  Llama-3.1-8B/70B and Kimi-K2.5).
 - docs/guides/datasets.md: a ShareGPT JSON array is ingested as it is (its bad row recorded
   and skipped); one split of an UltraChat download is read without the other splits'
   rows, and the download without a split is refused naming its splits.
