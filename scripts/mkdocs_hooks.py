@@ -137,7 +137,8 @@ def _parser_section(title: str, parser: argparse.ArgumentParser, summary: str | 
         metavar = action.metavar or (action.dest.upper() if action.option_strings
                                      and action.nargs != 0 else "")
         default = ("" if action.default in (None, argparse.SUPPRESS, False)
-                   or not action.option_strings else f" (default `{action.default}`)")
+                   or not action.option_strings or "default" in (action.help or "")
+                   else f" (default `{action.default}`)")
         help_text = (action.help or "") % {"default": action.default} if action.help else ""
         choices = f" One of: {', '.join(map(str, action.choices))}." if action.choices else ""
         rows.append(f"| `{name}{' ' + str(metavar) if metavar else ''}` | "
@@ -173,11 +174,12 @@ def openapi() -> str:
             body = op.get("requestBody", {}).get("content", {}).get("application/json")
             if body:
                 lines += [f"Body: {_schema_link(body.get('schema', {}))}", ""]
-            answers = [f"{code} {_cell(r.get('description', ''))}"
-                       + (f" ({_schema_link(r['content']['application/json']['schema'])})"
-                          if "application/json" in r.get("content", {}) else "")
-                       for code, r in op.get("responses", {}).items()]
-            lines += ["Answers: " + "; ".join(answers) + ".", ""]
+            lines += ["| answer | meaning | body |", "|---|---|---|"]
+            for code, answer in sorted(op.get("responses", {}).items()):
+                content = answer.get("content", {}).get("application/json")
+                body_link = _schema_link(content["schema"]) if content else ""
+                lines.append(f"| {code} | {_cell(answer.get('description', ''))} | {body_link} |")
+            lines.append("")
     lines += ["## Schemas", ""]
     for name, schema in sorted(spec.get("components", {}).get("schemas", {}).items()):
         table = _model_table(name, schema, {})
