@@ -8,7 +8,8 @@
 - `on_page_markdown`: a page holding `<!-- hsx:generated NAME -->` gets that reference
   generated from the code it describes: `job-schema` from `JobSpec.model_json_schema()`,
   `cli` from the argparse tree of `hsx.cli.build_parser()`, `openapi` from the
-  coordinator's FastAPI app (built without a scheduler: no Ray, no engine).
+  coordinator's FastAPI app (built without a scheduler: no Ray, no engine), `settings`
+  from its `Settings` (the `HSX_*` variables), `python-api` from `hsx`'s docstrings.
 
 Nothing here imports torch, vllm or ray.
 """
@@ -227,5 +228,19 @@ def _signature(obj: Any) -> str:
         return "(...)"
 
 
+# -- the coordinator's settings ------------------------------------------------------------
+
+def settings() -> str:
+    from hsx_service.config import Settings
+
+    prefix = Settings.model_config.get("env_prefix", "")
+    lines = ["| variable | default | |", "|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        default = "" if field.is_required() or field.default_factory else field.default
+        shown = "unset" if default is None else f"`{default}`" if default != "" else ""
+        lines.append(f"| `{prefix}{name.upper()}` | {shown} | {_cell(field.description or '')} |")
+    return "\n".join(lines)
+
+
 GENERATORS = {"job-schema": job_schema, "cli": cli, "openapi": openapi,
-              "python-api": python_api}
+              "python-api": python_api, "settings": settings}
