@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md"),
-               *(ROOT / d / "README.md" for d in ("deploy", "benchmarks", "docker"))])
+               *(ROOT / d / "README.md" for d in ("deploy", "benchmarks", "docker")),
+               ROOT / "benchmarks" / "HISTORY.md", ROOT / "benchmarks" / "results" / "INDEX.md"])
 SECTION_REF = re.compile(r"((?:[\w.-]+/)*[\w.-]+\.md), \"([^\"]+)\"")
 TEST_REF = re.compile(r"(tests/[\w/]+\.py)::(test_\w+)")
 

@@ -28,7 +28,7 @@ from hsx_service.placement import ClusterShape, plan_job
 ROOT = Path(__file__).resolve().parents[2]
 NODE = ClusterShape(gpus=8, cpus=128)
 
-# README's table rows by target: the job's fields and the config.json shape of the model.
+# The GPU node guide's rows by target: the job's fields and the model's config.json shape.
 TARGETS: dict[str, dict[str, Any]] = {
     "Llama-3.1-8B": {
         "job": {"train": {"workers": 1}},
