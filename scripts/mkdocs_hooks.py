@@ -46,9 +46,16 @@ def _tracked() -> list[str]:
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
-    site = Files([])
+    docs_dir = Path(config.docs_dir).resolve()
+    # The theme's own files (CSS, JavaScript, fonts) stay; docs_dir's are replaced by the
+    # repository's, docs_dir's among them at their repository paths.
+    site = Files([f for f in files if f.abs_src_path is None
+                  or docs_dir not in Path(f.abs_src_path).resolve().parents])
+    taken = {f.dest_uri for f in site}
     for name in _tracked():
-        site.append(File(name, str(ROOT), config.site_dir, config.use_directory_urls))
+        file = File(name, str(ROOT), config.site_dir, config.use_directory_urls)
+        if file.dest_uri not in taken:
+            site.append(file)
     return site
 
 
