@@ -2,7 +2,7 @@
 # Each target builds .venv first if needed (scripts/setup-env.sh; a second run is fast).
 PY := .venv/bin
 
-.PHONY: env demo test test-slow lint unit integration bench clean
+.PHONY: env demo test test-slow lint docs unit integration bench clean
 
 env:
 	@bash scripts/setup-env.sh
@@ -14,7 +14,7 @@ demo: env
 # worker and what it starts on its own half of the cores (tests/conftest.py says why).
 XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 
-test: env lint
+test: env lint docs
 	$(PY)/pytest $(XDIST)
 
 # The long end-to-end runs (every architecture, the long fuzz, TP=2 on CPU, the live
@@ -26,6 +26,11 @@ lint: env
 	$(PY)/ruff check .
 	$(PY)/mypy
 
+# The docs site into site/: strict, so a broken link, anchor or missing page fails; the
+# reference pages are generated from the code (scripts/mkdocs_hooks.py).
+docs: env
+	NO_MKDOCS_2_WARNING=1 $(PY)/mkdocs build --strict
+
 unit: env
 	$(PY)/pytest tests/unit
 
@@ -36,4 +41,4 @@ bench: env
 	$(PY)/python benchmarks/run_all.py
 
 clean:
-	rm -rf demo-output .pytest_cache .mypy_cache .ruff_cache
+	rm -rf demo-output site .pytest_cache .mypy_cache .ruff_cache

@@ -1,7 +1,7 @@
-"""speculators' own trainer on an hsx output, end to end, as README shows it: `hsx export
---format speculators`, then the `speculators train` command the export prints (a few
-steps; speculators trains only on an accelerator) and the `hsx fix-draft` it prints
-after it, then vLLM loads the draft it wrote
+"""speculators' own trainer on an hsx output, end to end, as docs/guides/gpu-node.md shows
+it: `hsx export --format speculators`, then the `speculators train` command the export
+prints (a few steps; speculators trains only on an accelerator) and the `hsx fix-draft`
+it prints after it, then vLLM loads the draft it wrote
 as the EAGLE-3 draft of the target and drafts with it (`hsx eval-draft --draft`).
 
 The output is written by hand (tests/unit/test_trainer.py's: random states of the tiny

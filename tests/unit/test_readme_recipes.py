@@ -1,10 +1,11 @@
-"""README's recipes, run where they can run on the CPU.
+"""The guides' recipes, run where they can run on the CPU.
 
-- "Running on your GPU node": each row's plan is what the coordinator's planner makes of
-  that job on an 8-GPU node, word for word; each `inspect-model` fragment is what the
-  preflight says of a config of that model's published shape (its config.json, no
-  weights: sizes from the model cards of Llama-3.1-8B/70B and Kimi-K2.5).
-- "Preparing a dataset": a ShareGPT JSON array is ingested as it is (its bad row recorded
+- docs/guides/gpu-node.md, "Three targets on one 8-GPU node": each row's plan is what the
+  coordinator's planner makes of that job on an 8-GPU node, word for word; each
+  `inspect-model` fragment is what the preflight says of a config of that model's
+  published shape (its config.json, no weights: sizes from the model cards of
+  Llama-3.1-8B/70B and Kimi-K2.5).
+- docs/guides/datasets.md: a ShareGPT JSON array is ingested as it is (its bad row recorded
   and skipped); one split of an UltraChat download is read without the other splits'
   rows, and the download without a split is refused naming its splits.
 """
@@ -27,7 +28,7 @@ from hsx_service.placement import ClusterShape, plan_job
 ROOT = Path(__file__).resolve().parents[2]
 NODE = ClusterShape(gpus=8, cpus=128)
 
-# README's table rows by target: the job's fields and the config.json shape of the model.
+# The GPU node guide's rows by target: the job's fields and the model's config.json shape.
 TARGETS: dict[str, dict[str, Any]] = {
     "Llama-3.1-8B": {
         "job": {"train": {"workers": 1}},
@@ -59,8 +60,8 @@ TARGETS: dict[str, dict[str, Any]] = {
 
 def readme_rows() -> dict[str, list[str]]:
     """The GPU node table: target name -> its cells."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Running on your GPU node", 1)[1].split("\n## ", 1)[0]
+    text = (ROOT / "docs" / "guides" / "gpu-node.md").read_text()
+    section = text.split("## Three targets on one 8-GPU node", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
