@@ -58,6 +58,11 @@ from .helpers import Learnable, published_step
 # the module took 22 minutes).
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 
+# A DFlash draft in `make test`: the default schedule's first steps (the whole one runs in
+# `make test-slow`, test_block_drafters_with_no_options), and the acceptance they reach.
+DFLASH_STEPS = 150
+DFLASH_MIN_ACCEPTANCE = 3.0
+
 def _hsx(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     return subprocess.run([sys.executable, "-m", "hsx.cli", *args], capture_output=True,
@@ -227,3 +232,52 @@ def test_a_wrong_capture_drops_acceptance(
     right_then = next(r["expected_acceptance_length"] for r in read_validation(default_draft)
                       if r["step"] == steps)
     assert wrong < min(right, right_then) - 1.0, (bug, wrong, right, right_then)
+
+
+# ------------------------------------------------------------------ other draft methods
+
+
+def _train_method(extracted: Path, where: Path, method: str, *extra: str) -> Path:
+    """`hsx train OUTPUT --method M` on a copy of the one capture (its layers [1, 2, 4]
+    hold DFlash's and DSpark's [2, 4] beside EAGLE-3's)."""
+    output = _copy_output(extracted, where / "tasks")
+    done = _hsx("train", str(output), "--method", method, *extra)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    config = json.loads((output / DRAFT_DIR / "config.json").read_text())
+    assert config["speculators_model_type"] == method
+    assert config["aux_hidden_state_layer_ids"] == [2]  # its own id, not EAGLE-3's [1, 2]
+    return output
+
+
+@pytest.fixture(scope="module")
+def dflash_draft(extracted: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DFlash draft of the CPU default schedule stopped at DFLASH_STEPS (CI time)."""
+    return _train_method(extracted, tmp_path_factory.mktemp("dflash"), "dflash",
+                         "--set", f"max_steps={DFLASH_STEPS}")
+
+
+def test_a_dflash_draft_of_the_same_capture_is_served_by_vllm(dflash_draft: Path) -> None:
+    """vLLM loads the draft with `method: dflash` and drafts a block less its anchor (7
+    tokens); the learnable language's determined tokens make long runs acceptable."""
+    result = _eval_draft(dflash_draft)
+    assert result["k"] == 7 and len(result["acceptance_per_position"]) == 7
+    assert result["mean_acceptance_length"] >= DFLASH_MIN_ACCEPTANCE, result
+    # Validation scored the blocks as vLLM counts them: accepted run plus the bonus token.
+    best = max(r["expected_acceptance_length"] for r in read_validation(dflash_draft))
+    assert best >= DFLASH_MIN_ACCEPTANCE, best
+
+
+@pytest.mark.slow  # make test-slow: the whole default schedule
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_block_drafters_with_no_options(method: str, extracted: Path,
+                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    output = _train_method(extracted, tmp_path_factory.mktemp(method), method)
+    best = max(r["expected_acceptance_length"] for r in read_validation(output))
+    assert best >= 3.5, best
+    if method == "dspark":  # vLLM's CPU build cannot serve it: the evaluation says so
+        done = _hsx("eval-draft", str(output), "--json", timeout=600)
+        assert done.returncode != 0 and "cannot serve a dspark draft" in (
+            done.stdout + done.stderr)
+        return
+    result = _eval_draft(output)
+    assert result["k"] == 7 and result["mean_acceptance_length"] >= 3.5, result
