@@ -41,6 +41,7 @@ from hsx.output.layout import LAYER_CONVENTION
 from hsx.plan import UnitPlanner, WorkUnit, first_unit_tokens
 from hsx.progress import human_bytes
 from hsx.spec import JobSpec
+from hsx_service.errors import JobCancelled, JobRefused
 
 if TYPE_CHECKING:
     from hsx.ingest import IngestProgress, IngestResult
@@ -53,10 +54,6 @@ QUOTA_ENV = "HSX_QUOTA_BYTES"
 # Slices of a dataset tokenized at once (unset: as many as Ray has CPUs for, where Ray is
 # connected, else 1, in the driver's own process; 0: one per core): ingest_workers.
 INGEST_WORKERS_ENV = "HSX_INGEST_WORKERS"
-
-
-class JobRefused(ValueError):
-    """The job cannot run; nothing was started. The message says why."""
 
 
 @dataclass
@@ -583,8 +580,6 @@ class Ingestion:
                 self._cv.notify_all()
 
     def _progress(self, progress: IngestProgress) -> None:
-        from hsx_service.errors import JobCancelled  # (errors imports this module)
-
         if self._stop:
             raise JobCancelled("the job stopped while its dataset was being tokenized")
         if self.cancelled is not None and self.cancelled():

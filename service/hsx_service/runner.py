@@ -50,10 +50,10 @@ from hsx_service.engine_pool import (
     in_group,
     target_engine_args,
 )
-from hsx_service.errors import JobCancelled, JobFailed
+from hsx_service.errors import JobCancelled, JobFailed, JobRefused
 from hsx_service.online import OnlineFeed
 from hsx_service.placement import ClusterShape, plan_job
-from hsx_service.prepare import JobRefused, PreparedJob, prepare
+from hsx_service.prepare import PreparedJob, prepare
 
 # The names drivers, tests and benchmarks import from here, the engine pool's and the
 # dispatcher's among them.

@@ -28,9 +28,10 @@ from hsx.output import OutputCorrupt, StorageError
 from hsx.progress import JobProgress
 from hsx.wire import JobState, JobStatus, ResourcePlan, WorkerStatus, WorkerTotals
 from hsx_service.board import StatusBoard
+from hsx_service.errors import JobRefused
 from hsx_service.ledger import JobRow, Ledger
 from hsx_service.policy import redacted
-from hsx_service.prepare import JobRefused, open_output
+from hsx_service.prepare import open_output
 
 PUBLISH_INTERVAL_S = 0.25  # at most this often per job, for progress (not state) changes
 CURVE_INTERVAL_S = 2.0  # a throughput point this often while a job extracts

@@ -32,7 +32,7 @@ from hsx.dataset import HiddenStatesDataset
 from hsx.output import Output
 from hsx.output.layout import DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_UPLOADED, SHARDS_DIR
 from hsx.output.object_storage import ObjectStoreStorage
-from hsx_service.prepare import JobRefused
+from hsx_service.errors import JobRefused
 from hsx_service.runner import JobSummary, run_job
 from hsx_workers.tiny_models import ChatDataset, make_chat_dataset, write_rows
 from tests.s3server import SeaweedS3

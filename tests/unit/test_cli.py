@@ -12,7 +12,7 @@ import yaml
 
 from hsx.spec import JobSpec
 from hsx_service import runner
-from hsx_service.prepare import JobRefused
+from hsx_service.errors import JobRefused
 from hsx_workers.tiny_models import ChatDataset
 
 HSX = [sys.executable, "-m", "hsx.cli"]

@@ -48,7 +48,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 
 def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
     from hsx.progress import JobProgress, ProgressBar
-    from hsx_service.prepare import JobRefused
+    from hsx_service.errors import JobRefused
     from hsx_service.runner import DispatchHooks, JobFailed, run_job
 
     try:

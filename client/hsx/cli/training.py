@@ -244,8 +244,8 @@ def train_online(job: Any, extract: Callable[[], int]) -> int:
 
     from hsx.online import Stream
     from hsx.output import Output
+    from hsx_service.errors import JobRefused
     from hsx_service.placement import plan_for_cluster
-    from hsx_service.prepare import JobRefused
     from hsx_service.runner import connect_ray
     from hsx_service.scheduler import check_draft_layers
 
