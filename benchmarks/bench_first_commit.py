@@ -65,7 +65,9 @@ def child_streamed(data: str, model: str, out: str) -> dict[str, Any]:
     """One job in this (fresh) process, cancelled after its first commit."""
     from hsx.progress import JobProgress
     from hsx.spec import JobSpec
-    from hsx_service.runner import DispatchHooks, JobCancelled, run_job
+    from hsx_service.dispatch import DispatchHooks
+    from hsx_service.errors import JobCancelled
+    from hsx_service.runner import run_job
 
     # fp8: a million chats' states in bf16 (~200 GB) are refused by the output estimate
     # on this machine's disk; the job is cancelled after its first commit anyway.

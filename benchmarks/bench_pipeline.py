@@ -205,7 +205,7 @@ class HsxRunner:
         """The EngineConfig `hsx extract` would build for this job."""
         import inspect
 
-        from hsx_service.runner import engine_config_for
+        from hsx_service.engine_pool import engine_config_for
 
         # engine_config_for(job) or engine_config_for(spec, model, layers): both existed.
         config_for: Any = engine_config_for
@@ -232,7 +232,7 @@ class HsxRunner:
         """Every unit, handed to the worker as the job driver does: DISPATCH_DEPTH at once."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from hsx_service.runner import DISPATCH_DEPTH
+        from hsx_service.engine_pool import DISPATCH_DEPTH
 
         with ThreadPoolExecutor(DISPATCH_DEPTH) as pool:
             futures = [pool.submit(self.worker.run_unit, str(job.output), "bf16", u)

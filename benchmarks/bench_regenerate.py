@@ -62,7 +62,8 @@ def main() -> int:
 
     from hsx.output import Output
     from hsx.spec import JobSpec
-    from hsx_service.runner import EnginePool, ensure_ray, run_job
+    from hsx_service.engine_pool import EnginePool, ensure_ray
+    from hsx_service.runner import run_job
     from hsx_workers.learnable import (
         TaskLanguage,
         make_learnable_model,

@@ -168,7 +168,7 @@ def s3_uri(s3_server: SeaweedS3) -> str:
 def ray_local() -> Iterator[None]:
     import ray
 
-    from hsx_service.runner import ensure_ray
+    from hsx_service.engine_pool import ensure_ray
 
     # A private Ray: another test's cluster may be recorded on this machine (xdist).
     ensure_ray("local", cpus_needed=4)
@@ -178,7 +178,7 @@ def ray_local() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def engine_pool(ray_local: None) -> Iterator[Any]:
-    from hsx_service.runner import EnginePool
+    from hsx_service.engine_pool import EnginePool
 
     pool = EnginePool()
     yield pool

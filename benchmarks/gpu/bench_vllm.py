@@ -213,8 +213,10 @@ class Bench:
     def _job(self, spec: Any, profile: bool = False) -> dict[str, Any]:
         """run_job on the shared pool; tokens/s from the end of prepare (ingestion, plan)
         to the last commit, and for the whole job (`job_seconds`: from the call)."""
+        from hsx_service.dispatch import DispatchHooks
+        from hsx_service.engine_pool import EnginePool, engine_key
         from hsx_service.prepare import preflight
-        from hsx_service.runner import DispatchHooks, EnginePool, engine_key, run_job
+        from hsx_service.runner import run_job
 
         if self._pool is None:
             self._pool = EnginePool()

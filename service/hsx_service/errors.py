@@ -1,9 +1,9 @@
 """The service's error classes: how a job that ran ends, and the coordinator's errors
 (mapped to HTTP in one place, main.py).
 
-A job that ran ends with a summary, `JobFailed` or `JobCancelled` (runner.py re-exports
-both; the engine pool and the dispatcher raise them too); the scheduler makes the
-outcome the job's state: succeeded, failed, cancelled.
+A job that ran ends with a summary, `JobFailed` or `JobCancelled` (raised by the driver,
+runner.py, the engine pool and the dispatcher); the scheduler makes the outcome the
+job's state: succeeded, failed, cancelled.
 
 | class | HTTP |
 |---|---|

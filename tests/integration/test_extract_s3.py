@@ -96,7 +96,7 @@ def _worker_pid(engine_pool: Any, spec: Any) -> int:
     import ray
 
     from hsx.modelinfo import read_model_info
-    from hsx_service.runner import engine_key
+    from hsx_service.engine_pool import engine_key
 
     slots = engine_pool.actors[engine_key(spec, read_model_info(spec.model), spec.layers)]
     return int(ray.get(slots[0].actor.pid.remote(), timeout=60))

@@ -28,10 +28,10 @@ from hsx_service import scheduler as scheduler_module
 from hsx_service import statuses as statuses_module
 from hsx_service.board import StatusBoard
 from hsx_service.config import Settings
+from hsx_service.dispatch import DispatchResult
 from hsx_service.main import create_app
 from hsx_service.metrics import METRICS, exposed_names
 from hsx_service.placement import ENGINE, TRAINER, Holder
-from hsx_service.runner import DispatchResult
 from hsx_service.scheduler import Scheduler, thin_curve
 from hsx_workers.tiny_models import ChatDataset
 from hsx_workers.worker import UnitReport

@@ -185,3 +185,25 @@ def test_the_graph_sees_a_circle(tmp_path: Path) -> None:
                      "pkg.c": {"pkg.a", "pkg.d"}, "pkg.d": {"pkg.c"}}
     assert _circles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
     assert _path(graph, ["pkg.a", "pkg.b"]) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_the_job_driver_re_exports_nothing() -> None:
+    """Whatever is imported from runner.py is defined there: the engine pool's names come
+    from engine_pool.py, the dispatcher's from dispatch.py, the job's errors from
+    errors.py, so each name has one module to look for it in."""
+    runner = REPO / "service" / "hsx_service" / "runner.py"
+    owned = {node.name for node in ast.parse(runner.read_text()).body
+             if isinstance(node, ast.FunctionDef | ast.ClassDef)}
+    owned |= {target.id for node in ast.parse(runner.read_text()).body
+              if isinstance(node, ast.Assign | ast.AnnAssign)
+              for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+              if isinstance(target, ast.Name)}
+    through: list[str] = []
+    for tree in (*TREES, "tests", "benchmarks"):
+        for path in sorted((REPO / tree).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and node.module == "hsx_service.runner":
+                    through += [f"{path.relative_to(REPO)}: {alias.name}"
+                                for alias in node.names if alias.name not in owned]
+    assert "run_job" in owned and "EnginePool" not in owned
+    assert not through, "imported through runner.py:\n" + "\n".join(through)

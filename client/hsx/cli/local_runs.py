@@ -48,8 +48,9 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 
 def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
     from hsx.progress import JobProgress, ProgressBar
-    from hsx_service.errors import JobRefused
-    from hsx_service.runner import DispatchHooks, JobFailed, run_job
+    from hsx_service.dispatch import DispatchHooks
+    from hsx_service.errors import JobFailed, JobRefused
+    from hsx_service.runner import run_job
 
     try:
         with ProgressBar(spec.name or "extract", enabled=None if progress else False) as bar:

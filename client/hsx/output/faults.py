@@ -4,7 +4,7 @@
 (the n-th) time it reaches that step of writing a shard, counting in this process only.
 The variable is read once, when `hsx.output` is imported; unset, `reached()` is one
 comparison. The job driver hands the variable on to the worker actors it starts
-(runner.EnginePool), so `HSX_FAULT_POINT=after_publish hsx extract job.yaml` kills each
+(engine_pool.EnginePool), so `HSX_FAULT_POINT=after_publish hsx extract job.yaml` kills each
 worker process at its first publish. The points, in the order a unit's commit takes them
 (docs/FORMAT.md, "Commit protocol"):
 
