@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from hsx import settings as hsx_settings
 from hsx.ingest.limits import IngestLimits
 from hsx.ingest.rows import Sample
 from hsx.ingest.samples import process_rows
@@ -476,12 +477,12 @@ def pool_context() -> Any:
 
 # "1" in a process that tokenizes slices for the one that ingests: set by the pool's
 # initializer, and by the runtime env of Ray's tasks (hsx_service.ingest_tasks).
-TOKENIZING_PROCESS_ENV = "HSX_TOKENIZING_PROCESS"
+TOKENIZING_PROCESS_ENV = hsx_settings.TOKENIZING_PROCESS.name
 
 
 def _pool_process() -> None:
     """A pool's process: it tokenizes for the one that ingests, and exits with it."""
-    os.environ[TOKENIZING_PROCESS_ENV] = "1"
+    os.environ[hsx_settings.TOKENIZING_PROCESS.name] = "1"
     exit_with_parent()
 
 
@@ -517,7 +518,7 @@ def warm_tokenizer(settings: _Settings) -> None:
 def _worker_tokenizer(settings: _Settings) -> PreTrainedTokenizerBase:
     key = (settings.tokenizer_path, settings.tokenizer_fingerprint,
            settings.trust_remote_code)
-    if os.environ.get(TOKENIZING_PROCESS_ENV) == "1":
+    if hsx_settings.TOKENIZING_PROCESS.get():
         _one_core_behind_the_engines()
     if key not in _WORKER_TOKENIZER:
         _WORKER_TOKENIZER.clear()

@@ -33,9 +33,10 @@ from __future__ import annotations
 import os
 import signal
 
+from hsx import settings
 from hsx.output.layout import SHARDS_DIR
 
-ENV = "HSX_FAULT_POINT"
+ENV = settings.FAULT_POINT.name
 COMMIT_POINTS = ("after_shard_write", "after_fsync", "after_publish", "after_commit_record")
 CHECKPOINT_POINTS = ("after_checkpoint_write", "after_checkpoint_rename",
                      "after_checkpoint_publish")
@@ -59,7 +60,7 @@ def parse(value: str) -> tuple[str, int] | None:
     return point, n
 
 
-_ARMED = parse(os.environ.get(ENV, ""))
+_ARMED = parse(settings.FAULT_POINT.get())
 _seen = 0
 
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from hsx import settings
 from hsx.output import faults
 from hsx.output.layout import SHARD_FORMAT_NAME, commit_path, shard_path, unit_name
 from hsx.output.records import CommitRecord, OutputCorrupt, RegenerationsRef
@@ -114,7 +115,7 @@ def _torch_bf16_to_numpy(t: Any) -> np.ndarray:
     return np.asarray(t.view(torch.int16).numpy()).view(BF16)
 
 
-BACKGROUND_NICE_ENV = "HSX_BACKGROUND_NICE"
+BACKGROUND_NICE_ENV = settings.BACKGROUND_NICE.name
 
 
 def background_priority() -> None:
@@ -126,11 +127,10 @@ def background_priority() -> None:
     OpenMP threads stalls the whole parallel region; on a GPU node cores are plenty and
     nothing changes. Linux sets nice per thread; elsewhere this does nothing.
     """
-    raw = os.environ.get(BACKGROUND_NICE_ENV, "19").strip() or "0"
     try:
-        nice = int(raw)
-    except ValueError:
-        nice = 19
+        nice = settings.BACKGROUND_NICE.get()
+    except ValueError:  # a thread that moves states does not stop over its priority
+        nice = settings.BACKGROUND_NICE.default
     if nice > 0 and hasattr(os, "setpriority"):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(nice, 19))
