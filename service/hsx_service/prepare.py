@@ -454,7 +454,7 @@ class Ingestion:
     lowest priority. One whose slices other processes tokenize (Ray tasks, a pool: they
     lower themselves) keeps this thread's priority: it only writes their tables, and at
     the lowest priority it held the GIL while the engines took its core, which kept a
-    coordinator's API waiting (p99 363 ms).
+    coordinator's API waiting (benchmarks/bench_api.py measures its latency).
 
     A driver killed while ingesting left the parts it published; this one goes on after
     the last (ingest.json says it is the same job), tokenizing nothing twice, and plans

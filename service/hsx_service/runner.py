@@ -92,8 +92,7 @@ def run_job(
     `job_id` and `submitted_at` name the job and its place in line to the pool's GPU
     arbiter; `plan` is where its engines run (made here from the cluster if not given).
     A job without a `pool` (`hsx extract`) connects Ray while its first part is
-    tokenized, not after: its engines start ~3 s sooner (benchmarks/README.md, "First
-    commit").
+    tokenized, not after, so its engines start sooner (benchmarks/bench_first_commit.py).
     """
     hooks = hooks or DispatchHooks()
     started = time.time()

@@ -53,11 +53,11 @@ DIRECT_ALIGN = 512
 """Offset, length and address alignment of a write that bypasses the page cache
 (O_DIRECT; the logical block size of common disks). With HSX_DIRECT_IO=1 a streamed
 object's body goes that way where its buffers allow: the disk then reads the states out
-of the caller's memory (DMA) instead of the CPU copying them into the page cache
-(2026-12-01: 512 MiB in 0.26 s with 0.02 CPU-s, buffered 1.5 s and 1.5 CPU-s). It is
-off by default: each direct write waits for the disk, and in the CPU pipeline bench,
-on a shared disk, extraction ran at 0.855 of the page-cache path (docs/ARCHITECTURE.md).
-Where the file system refuses O_DIRECT, or a buffer is not aligned, the write goes
+of the caller's memory (DMA) instead of the CPU copying them into the page cache, which
+costs a fraction of the CPU. It is off by default: each direct write waits for the
+disk, and on a shared disk a CPU engine's extraction ran slower than through the page
+cache (benchmarks/bench_writer.py and bench_pipeline.py's `hsx-direct` variant measure
+both). Where the file system refuses O_DIRECT, or a buffer is not aligned, the write goes
 through the page cache."""
 
 

@@ -91,9 +91,9 @@ def _as_numpy_1d(x: Any, name: str) -> np.ndarray:
 def _to_host(t: Any) -> Any:
     """A device tensor copied into pinned host memory (a CPU tensor as it is).
 
-    `.cpu()` copies into freshly allocated pageable memory: 1.1-1.6 GB/s on an H200
-    node, against 50-55 GB/s into pinned memory (torch's caching host allocator keeps
-    pinned blocks for reuse).
+    `.cpu()` copies into freshly allocated pageable memory, many times slower than a
+    copy into pinned memory (torch's caching host allocator keeps pinned blocks for
+    reuse).
     """
     if t.device.type == "cpu":
         return t
@@ -141,11 +141,11 @@ class _DataStream:
 
     Two threads, so the caller (the engine thread) produces the next sample while
     these reach the storage: one writes, one hashes each sample (a hash in series with
-    the writes halved the writer's rate on an H200 node). Each byte is hashed once: the
-    shard's data digest covers the samples through their digests (`CHECKSUM_SCHEME`).
-    The writer syncs in the background on local disk (`fdatasync` every 256 MiB, so the
-    fsync at commit has little left) and uploads parts in the background on object
-    stores. Write and hash release the GIL.
+    the writes halves the writer's rate on a GPU node: benchmarks/bench_writer.py).
+    Each byte is hashed once: the shard's data digest covers the samples through their
+    digests (`CHECKSUM_SCHEME`). The writer syncs in the background on local disk
+    (`fdatasync` every 256 MiB, so the fsync at commit has little left) and uploads parts
+    in the background on object stores. Write and hash release the GIL.
     The bounded queues keep at most `_QUEUE_DEPTH` samples in memory. An error is kept
     and re-raised to the caller at its next call.
     """
