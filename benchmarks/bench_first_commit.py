@@ -36,7 +36,7 @@ units planned and committed, as the CLI bar and the API show them) are kept.
 The streamed run marks each step of the job (prepared, Ray ready, units planned, the
 first engine running, the first tokens captured, the first commit).
 
-Run: `python benchmarks/bench_first_commit.py [--rows N] [--whole-rows N]`
+Run: `python -m benchmarks.bench_first_commit [--rows N] [--whole-rows N]`
 (results in `results/first_commit.json`; not part of `run_all.py`).
 """
 
@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
+from benchmarks import common
 
 FIRST_COMMIT_TARGET_S = 60.0
 # The job of every run but the model, the dataset and the output: the product's defaults
@@ -197,8 +197,8 @@ def _compile_caches(folder: Path) -> dict[str, str]:
 
 
 def _child(args: list[str], env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                          check=False, env={**os.environ, **env})
+    proc = subprocess.run([sys.executable, "-m", __spec__.name, *args], capture_output=True,
+                          text=True, check=False, env={**os.environ, **env})
     if proc.returncode != 0:
         raise RuntimeError(f"{args[0]} failed:\n{proc.stderr[-3000:]}")
     record: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
