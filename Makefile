@@ -38,7 +38,7 @@ integration: env
 	$(PY)/pytest tests/integration
 
 bench: env
-	$(PY)/python benchmarks/run_all.py
+	$(PY)/python -m benchmarks.run_all
 
 clean:
 	rm -rf demo-output site .pytest_cache .mypy_cache .ruff_cache

@@ -27,7 +27,7 @@ process and of the rest of its process tree (Ray, the engine). `--profile` runs 
 so the profiler does not stop it; `--gil`, so only threads running Python count) and
 stores the hottest functions; the raw stacks go to results/api-profile-LABEL.txt.tmp.
 
-    .venv/bin/python benchmarks/bench_api.py --label after [--quick] [--profile]
+    .venv/bin/python -m benchmarks.bench_api --label after [--quick] [--profile]
 """
 
 from __future__ import annotations
@@ -52,9 +52,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (
+from benchmarks.common import (
     RESULTS_DIR,
     machine_info,
     process_cpu_seconds,

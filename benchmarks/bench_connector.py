@@ -18,7 +18,7 @@ the connector; on CPU the gather is the copy. The ratio reported is per-request 
 ÷ per-step seconds (higher is better for per-step). The cache is small (a CPU machine
 holds it), the cost measured is per call, not per byte.
 
-Run: `python benchmarks/bench_connector.py [--quick]` (or through run_all.py); results in
+Run: `python -m benchmarks.bench_connector [--quick]` (or through run_all.py); results in
 results/cpu.json (section `connector`), or `--out`.
 """
 
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
+from benchmarks import common
 
 TARGET = 2.0  # the engine thread's hand-off at least twice as fast per step
 

@@ -14,7 +14,7 @@ where it did, vLLM spawns its engine processes instead of forking them).
 Ratio: elsewhere ÷ here of the medians (> 1: hsx's start is shorter). Where a warm
 cache already knows the classes (any later start of the same vLLM), both are the same.
 
-Run: `python benchmarks/bench_engine_start.py [--reps 2]` (results in
+Run: `python -m benchmarks.bench_engine_start [--reps 2]` (results in
 `results/engine_start.json`; not part of `run_all.py`).
 """
 
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
+from benchmarks import common
 
 VARIANTS = ("here", "elsewhere")
 
@@ -76,8 +76,9 @@ def run(*, reps: int, out: Path, workdir: Path | None, note: str | None) -> dict
         for rep in range(reps):
             for variant in common.alternating(VARIANTS, rep):
                 env = {**os.environ, **_caches(scratch / f"cache-{variant}-{rep}")}
-                proc = subprocess.run([sys.executable, __file__, "--child", variant, model],
-                                      capture_output=True, text=True, env=env, check=False)
+                proc = subprocess.run(
+                    [sys.executable, "-m", __spec__.name, "--child", variant, model],
+                    capture_output=True, text=True, env=env, check=False)
                 if proc.returncode != 0:
                     raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
                 record = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -36,7 +36,7 @@ units planned and committed, as the CLI bar and the API show them) are kept.
 The streamed run marks each step of the job (prepared, Ray ready, units planned, the
 first engine running, the first tokens captured, the first commit).
 
-Run: `python benchmarks/bench_first_commit.py [--rows N] [--whole-rows N]`
+Run: `python -m benchmarks.bench_first_commit [--rows N] [--whole-rows N]`
 (results in `results/first_commit.json`; not part of `run_all.py`).
 """
 
@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
+from benchmarks import common
 
 FIRST_COMMIT_TARGET_S = 60.0
 # The job of every run but the model, the dataset and the output: the product's defaults
@@ -65,7 +65,9 @@ def child_streamed(data: str, model: str, out: str) -> dict[str, Any]:
     """One job in this (fresh) process, cancelled after its first commit."""
     from hsx.progress import JobProgress
     from hsx.spec import JobSpec
-    from hsx_service.runner import DispatchHooks, JobCancelled, run_job
+    from hsx_service.dispatch import DispatchHooks
+    from hsx_service.errors import JobCancelled
+    from hsx_service.runner import run_job
 
     # fp8: a million chats' states in bf16 (~200 GB) are refused by the output estimate
     # on this machine's disk; the job is cancelled after its first commit anyway.
@@ -195,8 +197,8 @@ def _compile_caches(folder: Path) -> dict[str, str]:
 
 
 def _child(args: list[str], env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                          check=False, env={**os.environ, **env})
+    proc = subprocess.run([sys.executable, "-m", __spec__.name, *args], capture_output=True,
+                          text=True, check=False, env={**os.environ, **env})
     if proc.returncode != 0:
         raise RuntimeError(f"{args[0]} failed:\n{proc.stderr[-3000:]}")
     record: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -20,7 +20,7 @@ into the object store), this side's seconds (open + read + copy, or get + copy),
 the whole round. Repetitions alternate the two; GB/s = the unit's state bytes / the
 median round. Results: benchmarks/results/handoff.json.
 
-Run: `.venv/bin/python benchmarks/bench_handoff.py [--unit-mib 256] [--units 8] [--reps 3]`.
+Run: `.venv/bin/python -m benchmarks.bench_handoff [--unit-mib 256] [--units 8] [--reps 3]`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from common import REPO, machine_info, save_section
+from benchmarks.common import machine_info, save_section
 
 RESULTS = Path(__file__).parent / "results" / "handoff.json"
 LAYERS = [2, 16, 29, 32]
@@ -107,9 +107,7 @@ def main() -> int:
 
     import ray
     import torch
-
-    sys.path.insert(0, str(REPO / "tests" / "unit"))
-    from outputs import make_manifest
+    from tests.unit.outputs import make_manifest
 
     from hsx.online import Stream
 

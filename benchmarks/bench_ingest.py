@@ -23,7 +23,7 @@ Memory: peak resident memory of the ingesting process (the coordinator's share) 
 the largest pool process, with the workers, on `--small` rows and on `--rows` rows: flat
 in the row count means large ÷ small within 1.10.
 
-Run: `python benchmarks/bench_ingest.py [--quick] [--rows N] [--small N] [--reps N] [--profile]`
+Run: `python -m benchmarks.bench_ingest [--quick] [--rows N] [--small N] [--reps N] [--profile]`
 (results in `results/ingest.json`; not part of `run_all.py`).
 """
 
@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
+from benchmarks import common
 
 SPEEDUP_TARGET = 1.7
 # The sequential path with tokenizers' threads off: one process on one core, as each of
@@ -140,7 +140,7 @@ def measure(data: Path, tokenizer: Path, scratch: Path, workers: int,
     """One ingestion in a fresh process; with `profile`, under py-spy (every process of
     the tree, collapsed stacks written there; not a timed run)."""
     out = Path(tempfile.mkdtemp(dir=scratch, prefix=f"out-{workers}-"))
-    command = [sys.executable, __file__, "--child", str(data), str(tokenizer), str(out),
+    command = [sys.executable, "-m", __spec__.name, "--child", str(data), str(tokenizer), str(out),
                str(workers)]
     if profile is not None:
         command = ["py-spy", "record", "--subprocesses", "--format", "raw", "--rate", "50",

@@ -14,7 +14,7 @@ output holds besides draft/ (offline: the shards), the target's tokens captured 
 every epoch's), vLLM's mean acceptance length at k=3; and online ÷ offline for the
 training's tokens/s and the whole job's time. Results: benchmarks/results/online.json.
 
-Run: `.venv/bin/python benchmarks/bench_online.py [--chats N] [--steps N]`.
+Run: `.venv/bin/python -m benchmarks.bench_online [--chats N] [--steps N]`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from common import machine_info, save_section
+from benchmarks.common import machine_info, save_section
 
 RESULTS = Path(__file__).parent / "results" / "online.json"
 

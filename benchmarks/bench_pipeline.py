@@ -26,7 +26,7 @@ The four processes stay alive side by side (idle ones wait on a pipe) and the
 repetitions are interleaved: round r runs every variant once, in an order rotated by r.
 Ratios are of median tokens/s; the per-round (paired) ratios are kept too.
 
-Run: `python benchmarks/bench_pipeline.py [--quick]` (or through run_all.py).
+Run: `python -m benchmarks.bench_pipeline [--quick]` (or through run_all.py).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import common
+from benchmarks import common
 from hsx.spec import JobSpec
 
 VARIANTS = ("hsx", "hsx-omp1", "drop", "files", "bare")
@@ -75,8 +75,8 @@ WARMUP_PROMPTS = 8
 START_TIMEOUT_S = 900.0
 RUN_TIMEOUT_S = 1800.0
 CONNECTORS = {
-    "drop": ("drop_connector", "DropHiddenStatesConnector"),
-    "files": ("file_connector", "CpuExampleHiddenStatesConnector"),
+    "drop": ("benchmarks.drop_connector", "DropHiddenStatesConnector"),
+    "files": ("benchmarks.file_connector", "CpuExampleHiddenStatesConnector"),
 }
 
 
@@ -205,7 +205,7 @@ class HsxRunner:
         """The EngineConfig `hsx extract` would build for this job."""
         import inspect
 
-        from hsx_service.runner import engine_config_for
+        from hsx_service.engine_pool import engine_config_for
 
         # engine_config_for(job) or engine_config_for(spec, model, layers): both existed.
         config_for: Any = engine_config_for
@@ -232,7 +232,7 @@ class HsxRunner:
         """Every unit, handed to the worker as the job driver does: DISPATCH_DEPTH at once."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from hsx_service.runner import DISPATCH_DEPTH
+        from hsx_service.engine_pool import DISPATCH_DEPTH
 
         with ThreadPoolExecutor(DISPATCH_DEPTH) as pool:
             futures = [pool.submit(self.worker.run_unit, str(job.output), "bf16", u)
@@ -415,7 +415,7 @@ class Child:
         self.variant = variant
         read_fd, write_fd = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", variant, "--config", str(config),
+            [sys.executable, "-m", __spec__.name, "--child", variant, "--config", str(config),
              "--fd", str(write_fd)],
             stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
             pass_fds=(write_fd,), env=env, text=True, cwd=common.REPO,
@@ -514,7 +514,7 @@ def bench_model(shape: ModelShape, *, quick: bool, reps: int, work: Path, log: I
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(common.BENCH_DIR), env.get("PYTHONPATH", "")) if p
+        p for p in (str(common.REPO), env.get("PYTHONPATH", "")) if p
     )
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding())
@@ -559,7 +559,7 @@ def bench_model(shape: ModelShape, *, quick: bool, reps: int, work: Path, log: I
                       f"  ({res['seconds']:.2f} s)", flush=True)
         if profile_dir is not None:
             # One more run of each variant under py-spy, outside the timed repetitions.
-            from cpu_profile import Profiler, breakdown
+            from benchmarks.cpu_profile import Profiler, breakdown
 
             profile_dir.mkdir(parents=True, exist_ok=True)
             for variant in variants:

@@ -25,7 +25,7 @@ before each measurement the shards' pages are dropped from the page cache with
 `posix_fadvise(DONTNEED)` (only these files; nothing else on the machine is touched),
 so the bytes come from the disk. GB/s = hidden-state bytes / seconds.
 
-Run: `python benchmarks/bench_reader.py [--quick]` (or through run_all.py).
+Run: `python -m benchmarks.bench_reader [--quick]` (or through run_all.py).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-import common
-from bench_writer import HIDDEN, LAYERS, make_samples
+from benchmarks import common
+from benchmarks.bench_writer import HIDDEN, LAYERS, make_samples
 
 TARGET = 0.8
 WARM_VARIANTS = ("hsx-numpy", "raw-numpy", "hsx-torch", "raw-torch", "mmap-numpy")
@@ -52,10 +52,9 @@ PAIRS = {"hsx-numpy/raw-numpy": True, "hsx-torch/raw-torch": True,
 
 def build_output(root: Path, total_bytes: int, shards: int) -> list[dict[str, Any]]:
     """An hsx output of `shards` committed shards; returns their commit records."""
-    from hsx.output import Output, ShardWriter
+    from tests.unit.outputs import make_manifest, write_manifest
 
-    sys.path.insert(0, str(common.REPO / "tests" / "unit"))
-    from outputs import make_manifest, write_manifest
+    from hsx.output import Output, ShardWriter
 
     root.mkdir(parents=True)
     units = []

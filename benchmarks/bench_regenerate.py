@@ -15,7 +15,7 @@ a chat dataset whose answers follow another rule (CPU, vLLM CPU engines, about 1
 Reported: mean acceptance length and acceptance per draft position of each draft, and
 regenerated ÷ as-is. Results: benchmarks/results/regenerate.json.
 
-Run: `.venv/bin/python benchmarks/bench_regenerate.py [--chats N] [--workdir DIR]`.
+Run: `.venv/bin/python -m benchmarks.bench_regenerate [--chats N] [--workdir DIR]`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import machine_info, save_section
+from benchmarks.common import machine_info, save_section
 
 RESULTS = Path(__file__).parent / "results" / "regenerate.json"
 MAX_TOKENS = 24  # TaskLanguage's longest answer: 6 words, then a chain of 18
@@ -62,7 +62,8 @@ def main() -> int:
 
     from hsx.output import Output
     from hsx.spec import JobSpec
-    from hsx_service.runner import EnginePool, ensure_ray, run_job
+    from hsx_service.engine_pool import EnginePool, ensure_ray
+    from hsx_service.runner import run_job
     from hsx_workers.learnable import (
         TaskLanguage,
         make_learnable_model,

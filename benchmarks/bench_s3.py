@@ -35,7 +35,7 @@ left out, it is the same for both) until they are durable in the bucket:
   measures `s3_output` again through tests/faultproxy.py, in its own process, adding that
   fixed wait to every request of both variants (sections `s3_output_latency_<N>ms`).
 
-Run: `python benchmarks/bench_s3.py [--quick]`; results go to
+Run: `python -m benchmarks.bench_s3 [--quick]`; results go to
 `benchmarks/results/s3-<shape>.json` (or `--out`).
 """
 
@@ -59,9 +59,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-import common
-
-sys.path.insert(0, str(common.REPO))
+from benchmarks import common
 
 LAYERS = [1, 2, 3, 4]
 SYNC_CONCURRENCY = 10  # aws s3 sync's default max_concurrent_requests

@@ -15,7 +15,7 @@ tests' server, tests/s3server.py), which shares this machine's cores:
                    memory (the baseline: a raw multipart PUT).
 - `obstore-writer` ObstoreStreamWriter (obstore.open_writer), the no-head path.
 
-Run: `python benchmarks/bench_storage.py [--quick] [--only local|s3]`; results go to
+Run: `python -m benchmarks.bench_storage [--quick] [--only local|s3]`; results go to
 `benchmarks/results/storage.json` (or `--out`).
 """
 
@@ -30,9 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
-
-sys.path.insert(0, str(common.REPO))
+from benchmarks import common
 
 HEAD = 64 * 1024
 PIECE = 4 * common.MiB

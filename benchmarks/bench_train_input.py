@@ -19,7 +19,7 @@ has. The vocabulary is the tiny tokenizer's (512), which makes the draft's logit
 cheaper than a real 128k vocabulary's: the steps are shorter, the wait relatively
 longer, so the target is harder to meet, not easier.
 
-Run: `python benchmarks/bench_train_input.py [--quick]` (CPU, H=256) or
+Run: `python -m benchmarks.bench_train_input [--quick]` (CPU, H=256) or
 `--device cuda --hidden 4096 --out results/gpu.json` on a GPU machine.
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-import common
+from benchmarks import common
 
 TARGET = 0.05
 SECTION = "train_input"
@@ -46,10 +45,9 @@ def write_output(root: Path, model: Path, hidden: int, tokens: int, seed: int = 
                  unit_tokens: int = 65536, vocab: int = 500) -> int:
     """An hsx output of ~`tokens` tokens in units of ~`unit_tokens` tokens (token ids
     below `vocab`); returns the samples."""
-    from hsx.output import Output, ShardWriter
+    from tests.unit.outputs import make_manifest, write_inputs_table, write_manifest
 
-    sys.path.insert(0, str(common.REPO / "tests" / "unit"))
-    from outputs import make_manifest, write_inputs_table, write_manifest
+    from hsx.output import Output, ShardWriter
 
     rng = np.random.default_rng(seed)
     layers = [2, 16, 29, 32]

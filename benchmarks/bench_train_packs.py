@@ -13,7 +13,7 @@ alternating, for each batch size asked. Reported: median step seconds and traini
 tokens/s of each, and ratio = one-sequence step time ÷ packed step time (how much the
 packs save; report).
 
-Run: `python benchmarks/bench_train_packs.py [--batch 1024,8192] [--steps 3]`.
+Run: `python -m benchmarks.bench_train_packs [--batch 1024,8192] [--steps 3]`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,17 +29,16 @@ from typing import Any
 
 import numpy as np
 
-import common
+from benchmarks import common
 
 SECTION = "train_packs"
 
 
 def write_short_output(root: Path, model: Path, hidden: int, samples: int) -> int:
     """Samples of 12..40 tokens, one unit; returns the tokens."""
-    from hsx.output import Output, ShardWriter
+    from tests.unit.outputs import make_manifest, write_inputs_table, write_manifest
 
-    sys.path.insert(0, str(common.REPO / "tests" / "unit"))
-    from outputs import make_manifest, write_inputs_table, write_manifest
+    from hsx.output import Output, ShardWriter
 
     rng = np.random.default_rng(0)
     layers = [2, 16, 29, 32]

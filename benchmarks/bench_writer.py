@@ -21,7 +21,7 @@ from 256..2048 — written two or three ways into the same directory, alternatin
 Each repetition writes a new file and deletes it afterwards (not timed); fsync makes
 the page cache irrelevant to the result. GB/s = bytes of the file / seconds.
 
-Run: `python benchmarks/bench_writer.py [--quick]` (or through run_all.py).
+Run: `python -m benchmarks.bench_writer [--quick]` (or through run_all.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-import common
+from benchmarks import common
 
 LAYERS = [2, 16, 29, 32]
 HIDDEN = 4096

@@ -1,13 +1,13 @@
 """The pipeline ceiling: capture with `extract_hidden_states`, copy the states out, drop them.
 
-Loaded by vLLM through `kv_connector_module_path="drop_connector"` (benchmarks/ must be
-on PYTHONPATH of the engine core process). Everything hsx's connector does up to the
-point where the states sit in host memory happens here, by the same code — the scheduler
-delays freeing the request's blocks, the worker gathers the slots of the requests a step
-finished out of the cache-only KV cache into host memory (a fresh tensor on CPU; on CUDA
-one side-stream copy into pinned memory, hostcopy.py) — and then the tensors are
-dropped: no file, no reader. No capture pipeline can beat this, so `hsx / drop` is
-hsx's pipeline efficiency.
+Loaded by vLLM through `kv_connector_module_path="benchmarks.drop_connector"` (the
+repository's root must be on PYTHONPATH of the engine core process). Everything hsx's
+connector does up to the point where the states sit in host memory happens here, by the
+same code — the scheduler delays freeing the request's blocks, the worker gathers the
+slots of the requests a step finished out of the cache-only KV cache into host memory (a
+fresh tensor on CPU; on CUDA one side-stream copy into pinned memory, hostcopy.py) — and
+then the tensors are dropped: no file, no reader. No capture pipeline can beat this, so
+`hsx / drop` is hsx's pipeline efficiency.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ safetensors file per request (`hidden_states` [T, L, H], `token_ids`) saved by a
 LOCK_EX in `wait_for_save` and released when the file is written — and only replaces
 the CUDA side stream + pinned copy by the CPU gather (already a fresh host tensor).
 
-Loaded through `kv_connector_module_path="file_connector"` (benchmarks/ on PYTHONPATH).
+Loaded through `kv_connector_module_path="benchmarks.file_connector"` (the repository's
+root on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from drop_connector import DoneEvent, slot_mapping_of
+from benchmarks.drop_connector import DoneEvent, slot_mapping_of
 
 
 class CpuExampleHiddenStatesConnector(ExampleHiddenStatesConnector):

@@ -1,8 +1,11 @@
 """Run every ratio benchmark, each in its own process, then print a summary of the verdicts.
 
-    python benchmarks/run_all.py            # full run -> benchmarks/results/cpu.json
-    python benchmarks/run_all.py --quick    # smoke run -> benchmarks/results/cpu-quick.json
-    python benchmarks/run_all.py --only writer reader
+From the repository's root (benchmarks/ is a package: each script imports its helpers
+and the tests' fixtures, `tests.unit.outputs`, as modules, with no `sys.path` edits):
+
+    python -m benchmarks.run_all            # full run -> benchmarks/results/cpu.json
+    python -m benchmarks.run_all --quick    # smoke run -> benchmarks/results/cpu-quick.json
+    python -m benchmarks.run_all --only writer reader
 
 Targets are reported as PASS/MISS, never asserted: the exit status is 0 unless a
 benchmark itself failed to run.
@@ -17,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
+from benchmarks import common
 
 # name -> script; run in this order (the cheap, I/O-only ones first).
 BENCHMARKS = {
@@ -57,9 +60,7 @@ def summary_rows(results: dict[str, Any], names: list[str]) -> list[list[Any]]:
 
 def resummarize(out: Path, names: list[str]) -> None:
     """Recompute ratios of the results file from its raw runs (no benchmark is run)."""
-    import bench_pipeline
-    import bench_reader
-    import bench_writer
+    from benchmarks import bench_pipeline, bench_reader, bench_writer
 
     sections = common.load_results(out).get("benchmarks", {})
     modules: dict[str, Any] = {"writer": bench_writer, "reader": bench_reader,
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         if not script.exists():
             print(f"== {name}: {script.name} not found, skipped", flush=True)
             continue
-        cmd = [sys.executable, str(script), "--out", str(out)]
+        cmd = [sys.executable, "-m", f"benchmarks.{script.stem}", "--out", str(out)]
         if args.quick:
             cmd.append("--quick")
         if args.note and name != "api":

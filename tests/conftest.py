@@ -31,10 +31,9 @@ def _cores_of_this_worker() -> None:
     On CI's 2 cores two workers would otherwise run 4+ compute threads on 2 cores (torch
     and vLLM's CPU kernels each size their thread pool to the machine), and a thread
     pool that waits at a barrier for a thread the other worker's work has taken off its
-    core is many times slower than one thread alone. Measured here: the regeneration
-    tests beside a torch training loop took 243 s sharing both cores, 154 s on a core of
-    their own (140 s alone on both), and the two together did ~40% more work a minute.
-    HSX_TEST_PIN=0 leaves the cores shared.
+    core is many times slower than one thread alone: two modules, each on a core of its
+    own, finish sooner together than sharing both. HSX_TEST_PIN=0 leaves the cores
+    shared.
     """
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -62,16 +61,16 @@ _cores_of_this_worker()
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # vLLM's engine core in the engine's own process (vLLM's switch; hsx's engine steps it,
-# vllm_engine.py): a CPU engine then starts in 4 s instead of 21 s, 15 core-seconds
-# instead of 36 (the spawned engine-core process imports torch and vLLM again), and the
-# suite starts dozens. The product's default, an engine-core process beside each
+# vllm_engine.py): a CPU engine then starts several times sooner, with a fraction of
+# the CPU (the spawned engine-core process imports torch and vLLM again), and the suite
+# starts dozens. The product's default, an engine-core process beside each
 # engine's actor, runs in test_crash.py: `hsx extract` with its worker killed, then rerun.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # `make test` runs the modules on two pytest-xdist workers, a module on one worker (its
 # module fixtures, engines and coordinators shared as in one process). A worker takes a
-# module when it is almost out of work, so the longest go first (measured on CI's 2-core
-# machine) and the short ones fill in behind them.
+# module when it is almost out of work, so the longest go first (by their durations on
+# CI's 2-core machine) and the short ones fill in behind them.
 #
 # pytest-xdist keeps two modules queued on each worker, so the worker that takes
 # test_train.py (~10 minutes on its core) is busy with it while the other runs the next
@@ -168,7 +167,7 @@ def s3_uri(s3_server: SeaweedS3) -> str:
 def ray_local() -> Iterator[None]:
     import ray
 
-    from hsx_service.runner import ensure_ray
+    from hsx_service.engine_pool import ensure_ray
 
     # A private Ray: another test's cluster may be recorded on this machine (xdist).
     ensure_ray("local", cpus_needed=4)
@@ -178,7 +177,7 @@ def ray_local() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def engine_pool(ray_local: None) -> Iterator[Any]:
-    from hsx_service.runner import EnginePool
+    from hsx_service.engine_pool import EnginePool
 
     pool = EnginePool()
     yield pool

@@ -14,9 +14,9 @@ Measures, in one run, on an 8B-shaped Llama with random weights:
    three ways: GPU tensors handed to ShardWriter as the worker does today, a synchronous
    copy into pinned memory first, and a pinned copy overlapped with the next forward.
 
-Run (GPU machine):  PYTHONPATH=client:workers:service python3 benchmarks/gpu/bench_gpu.py \
+Run (GPU machine):  PYTHONPATH=client:workers:service python -m benchmarks.gpu.bench_gpu \
                         --out $OUT/gpu.json
-Check (CPU, tiny):  .venv/bin/python benchmarks/gpu/bench_gpu.py --quick --device cpu
+Check (CPU, tiny):  .venv/bin/python -m benchmarks.gpu.bench_gpu --quick --device cpu
 
 Results are written to --out after every phase, so a run cut short keeps what it measured.
 Units: GB = 1e9 bytes; GiB = 2**30 bytes.
@@ -49,11 +49,6 @@ from unittest import mock
 
 import numpy as np
 import torch
-
-_ROOT = Path(__file__).resolve().parents[2]
-for _sub in ("client", "workers", "service"):
-    if str(_ROOT / _sub) not in sys.path:
-        sys.path.insert(0, str(_ROOT / _sub))
 
 GB = 1e9
 MiB = 1 << 20

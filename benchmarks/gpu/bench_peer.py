@@ -45,9 +45,9 @@ Ratios per workload: each tool's tokens/s ÷ drop (hsx from the end of prepare, 
 extraction), hsx's whole job ÷ the peer's best whole job, hsx ÷ bare, drop ÷ bare; and
 the KV cache tokens of capture engines ÷ bare.
 
-    PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD/benchmarks:/tmp/site-peer \\
-      python3 benchmarks/gpu/bench_peer.py --out $OUT/peer.json
-    .venv/bin/python benchmarks/gpu/bench_peer.py --cpu --out /tmp/peer.json   # CPU check
+    PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD:/tmp/site-peer \\
+      python -m benchmarks.gpu.bench_peer --out $OUT/peer.json
+    .venv/bin/python -m benchmarks.gpu.bench_peer --cpu --out /tmp/peer.json   # CPU check
 
 `--cpu` runs every phase on this machine's vLLM CPU build with a tiny Llama and a handful
 of prompts; `vllm serve` then loads benchmarks/file_connector.py (vLLM's connector minus
@@ -71,11 +71,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: cpu_profile
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_product import free_port
-from bench_vllm import BENCH, Bench, _end_session, log
+from benchmarks.gpu.bench_product import free_port
+from benchmarks.gpu.bench_vllm import BENCH, Bench, _end_session, log
 
 # The peer before hsx and bare: a run cut short keeps the comparison it was made for.
 PHASES = ("disk", "drop", "peer", "hsx", "shm", "inflight", "bare")
@@ -461,7 +458,7 @@ def _default_concurrency() -> int | None:
 
 
 def _machine() -> dict[str, Any]:
-    from bench_vllm import machine
+    from benchmarks.gpu.bench_vllm import machine
 
     info = machine()
     from importlib.metadata import PackageNotFoundError, version
@@ -493,7 +490,7 @@ class PeerServer:
         connector: dict[str, Any] = {"kv_connector": "ExampleHiddenStatesConnector"}
         if bench.cpu:  # vLLM's connector pins memory and uses CUDA streams
             connector = {"kv_connector": "CpuExampleHiddenStatesConnector",
-                         "kv_connector_module_path": "file_connector"}
+                         "kv_connector_module_path": "benchmarks.file_connector"}
         kv_transfer = {**connector, "kv_role": "kv_producer",
                        "kv_connector_extra_config": {"shared_storage_path": str(self.staging)}}
         speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -516,7 +513,7 @@ class PeerServer:
     def start(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(BENCH), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+            [str(BENCH.parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
         for key, value in self.thread_env.items():
             env.setdefault(key, value)
         # For POST /reset_prefix_cache between runs (reset_cache): nothing else changes.

@@ -31,8 +31,8 @@ trainer still reads the target's embeddings, lm_head and final norm (speculators
 its config.
 
     PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD/benchmarks \\
-      python3 benchmarks/gpu/bench_product.py --out $OUT/product.json [--online]
-    .venv/bin/python benchmarks/gpu/bench_product.py --cpu --out /tmp/p.json   # CPU check
+      python -m benchmarks.gpu.bench_product --out $OUT/product.json [--online]
+    .venv/bin/python -m benchmarks.gpu.bench_product --cpu --out /tmp/p.json   # CPU check
 """
 
 from __future__ import annotations
@@ -47,9 +47,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_vllm import SHAPE_8B, Bench, log, machine
+from benchmarks.gpu.bench_vllm import SHAPE_8B, Bench, log, machine
 
 TOKEN = "bench-product"
 

@@ -23,11 +23,11 @@ target >= 1.8.
 GPU machine (torch + CUDA, Ray 2.60 and speculators 0.9 carried in /tmp/site; no vLLM):
 
     PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service \\
-        python3 benchmarks/gpu/bench_train_scaling.py --out $OUT/train_scaling.json
+        python -m benchmarks.gpu.bench_train_scaling --out $OUT/train_scaling.json
 
 CPU check of the script (tiny shape, gloo, ~2 min on 2 cores):
 
-    .venv/bin/python benchmarks/gpu/bench_train_scaling.py --shape tiny --device cpu \\
+    .venv/bin/python -m benchmarks.gpu.bench_train_scaling --shape tiny --device cpu \\
         --steps 6 --warmup 2 --out /tmp/train_scaling.json
 """
 
@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,7 +45,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path.insert(0, str(HERE.parent))  # benchmarks/: the output writer of bench_train_input
 
 TARGET = 1.8
 # Keep NVLink multicast off (the lent machines' rule), in this process and in Ray's.
@@ -180,7 +178,7 @@ def main() -> int:
     import ray
     import torch
 
-    from bench_train_input import write_output
+    from benchmarks.bench_train_input import write_output
 
     use_gpu = args.device == "cuda"
     counts = [int(w) for w in args.workers.split(",")]

@@ -31,9 +31,9 @@ writer -> written -> committed; and the same marks of the last unit from the sta
 Targets (issue "The capture path at vLLM's ceiling"): hsx on tmpfs >= 0.95 of drop;
 hsx on disk >= 0.95 of min(drop, disk ceiling); the same for fp8.
 
-    PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD/benchmarks \\
-      python3 benchmarks/gpu/bench_vllm.py --out $OUT/vllm.json [--phases ...]
-    .venv/bin/python benchmarks/gpu/bench_vllm.py --cpu --out /tmp/q.json   # CPU check
+    PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD \\
+      python -m benchmarks.gpu.bench_vllm --out $OUT/vllm.json [--phases ...]
+    .venv/bin/python -m benchmarks.gpu.bench_vllm --cpu --out /tmp/q.json   # CPU check
 
 The results file is rewritten after every phase, so a run cut short keeps what it had.
 """
@@ -158,8 +158,8 @@ class Bench:
             self._pool.shutdown()
             self._pool = None
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(BENCH), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
-        cmd = [sys.executable, __file__, "--child", variant, "--workdir", str(self.work),
+            [str(BENCH.parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+        cmd = [sys.executable, "-m", __spec__.name, "--child", variant, "--workdir", str(self.work),
                "--reps", str(self.args.reps), "--length", str(self.length),
                "--prompts", str(self.prompts)] + (["--cpu"] if self.cpu else [])
         if rows:
@@ -213,8 +213,10 @@ class Bench:
     def _job(self, spec: Any, profile: bool = False) -> dict[str, Any]:
         """run_job on the shared pool; tokens/s from the end of prepare (ingestion, plan)
         to the last commit, and for the whole job (`job_seconds`: from the call)."""
+        from hsx_service.dispatch import DispatchHooks
+        from hsx_service.engine_pool import EnginePool, engine_key
         from hsx_service.prepare import preflight
-        from hsx_service.runner import DispatchHooks, EnginePool, engine_key, run_job
+        from hsx_service.runner import run_job
 
         if self._pool is None:
             self._pool = EnginePool()
@@ -243,7 +245,7 @@ class Bench:
             seconds = ended - marks["start"]
         profiled = {}
         if spy is not None:
-            from cpu_profile import breakdown
+            from benchmarks.cpu_profile import breakdown
 
             profiled = {"profile_cpu_seconds": breakdown(spy.out, spy.pid)}
         from hsx.dataset import HiddenStatesDataset
@@ -445,7 +447,7 @@ def _actor_profiler(out: Path) -> Any:
     """py-spy on the extraction actor's process tree (vLLM's engine processes included)."""
     import psutil
 
-    from cpu_profile import Profiler
+    from benchmarks.cpu_profile import Profiler
 
     for proc in psutil.process_iter(["cmdline"]):
         if "ExtractionWorker" in " ".join(proc.info["cmdline"] or []):
@@ -508,7 +510,7 @@ def child(args: argparse.Namespace) -> int:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}}
         engine["kv_transfer_config"] = {
             "kv_connector": "DropHiddenStatesConnector",
-            "kv_connector_module_path": "drop_connector", "kv_role": "kv_producer",
+            "kv_connector_module_path": "benchmarks.drop_connector", "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": str(work / "drop-spool")}}
     started = time.perf_counter()
     llm = LLM(**engine)

@@ -19,7 +19,7 @@
 set -uo pipefail
 RES=/tmp/hsx-gpu/results
 mkdir -p "$RES"
-export PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD/benchmarks:/tmp/site-extra
+export PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD:/tmp/site-extra
 # Test tools the GPU image lacks (pytest, rich...) and compressed-tensors (vLLM's
 # kimi_k25 module imports it), carried as wheels in .gpu/extra:
 #   pip download -d .gpu/extra --only-binary=:all: --python-version 3.12 --no-deps \
@@ -59,7 +59,7 @@ for s in "$@"; do
       step bench
       # BENCH_PHASES / BENCH_FLAGS choose what runs, e.g. BENCH_PHASES="disk drop hsx tp2"
       # puts TP=2 against TP=1 and the capture ceiling into one results file.
-      timeout 1200 python3 benchmarks/gpu/bench_vllm.py --phases ${BENCH_PHASES:-disk drop hsx} \
+      timeout 1200 python3 -m benchmarks.gpu.bench_vllm --phases ${BENCH_PHASES:-disk drop hsx} \
         ${BENCH_FLAGS:---profile} --reps 1 --child-timeout 420 \
         --out "$RES/vllm-single.json" 2> "$RES/vllm-single.log"
       cp /tmp/hsx-bench-vllm/*.log /tmp/hsx-bench-vllm/*-stacks.txt \
@@ -79,7 +79,7 @@ for s in "$@"; do
     product)
       step product
       # vLLM's drop ceiling, then `hsx serve` and one job with train: and the evaluation.
-      timeout 1500 python3 benchmarks/gpu/bench_product.py --out "$RES/product.json" \
+      timeout 1500 python3 -m benchmarks.gpu.bench_product --out "$RES/product.json" \
         > "$RES/product.log" 2>&1
       echo "product: rc=$? $(tail -1 "$RES/product.log")"
       cp /tmp/hsx-bench-product/product-serve-tail.log "$RES/product-serve.log" 2>/dev/null
@@ -88,7 +88,7 @@ for s in "$@"; do
     online)
       step online
       # The same job with train: offline, then online (the trainer on 0.3 of the GPU).
-      timeout 1500 python3 benchmarks/gpu/bench_product.py --online --no-drop \
+      timeout 1500 python3 -m benchmarks.gpu.bench_product --online --no-drop \
         --out "$RES/online.json" > "$RES/online.log" 2>&1
       echo "online: rc=$? $(tail -1 "$RES/online.log")"
       cp /tmp/hsx-bench-product/*-serve-tail.log /tmp/hsx-bench-product/*-pmon.log "$RES/" \
@@ -96,7 +96,7 @@ for s in "$@"; do
       rm -rf /tmp/hsx-bench-product/offline-out /tmp/hsx-bench-product/online-out ;;
     multi)
       step multi
-      timeout 900 python3 benchmarks/gpu/bench_vllm.py --phases hsx replicas2 tp2 --reps 1 \
+      timeout 900 python3 -m benchmarks.gpu.bench_vllm --phases hsx replicas2 tp2 --reps 1 \
         --out "$RES/vllm-multi.json" 2> "$RES/vllm-multi.log" ;;
     peer)
       step peer
@@ -110,7 +110,7 @@ for s in "$@"; do
       # ~500k tokens per tool and workload; engines start 6 times (drop, bare, hsx bf16,
       # hsx fp8, hsx at --inflight-tokens, vllm serve): 21 minutes measured on one H200
       # (PEER_FLAGS: e.g. --phases, --profile).
-      PYTHONPATH=$PYTHONPATH:/tmp/site-peer timeout 1380 python3 benchmarks/gpu/bench_peer.py ${PEER_FLAGS:-} \
+      PYTHONPATH=$PYTHONPATH:/tmp/site-peer timeout 1380 python3 -m benchmarks.gpu.bench_peer ${PEER_FLAGS:-} \
         --child-timeout 300 --serve-timeout 240 --out "$RES/peer.json" > "$RES/peer.log" 2>&1
       echo "peer: rc=$? $(tail -1 "$RES/peer.log")"
       mkdir -p "$RES/peer-logs"
@@ -126,14 +126,14 @@ for s in "$@"; do
       # INGEST_WORKERS: the pool sizes (default "2 8"); INGEST_FLAGS, e.g. --profile (one
       # more run under py-spy, its stacks in ingest-N.prof.txt).
       for w in ${INGEST_WORKERS:-2 8}; do
-        timeout 900 python3 benchmarks/bench_ingest.py --rows ${INGEST_ROWS:-200000} --reps 1 \
+        timeout 900 python3 -m benchmarks.bench_ingest --rows ${INGEST_ROWS:-200000} --reps 1 \
           --workers $w --out "$RES/ingest-$w.json" --workdir /tmp ${INGEST_FLAGS:-} \
           --note "GPU node, $(nproc) cores" > "$RES/ingest-$w.log" 2>&1
         echo "ingest $w workers: rc=$? $(tail -1 "$RES/ingest-$w.log")"
       done ;;
     first-commit)
       step first-commit
-      timeout 1200 python3 benchmarks/bench_first_commit.py --rows ${FIRST_COMMIT_ROWS:-1000000} \
+      timeout 1200 python3 -m benchmarks.bench_first_commit --rows ${FIRST_COMMIT_ROWS:-1000000} \
         --whole-rows 200000 --out "$RES/first_commit.json" --workdir /tmp \
         --note "GPU node: vLLM's GPU build, $(nproc) cores" > "$RES/first_commit.log" 2>&1
       echo "first-commit: rc=$? $(tail -1 "$RES/first_commit.log")"
@@ -143,7 +143,7 @@ for s in "$@"; do
     train)
       step train
       if [ -f benchmarks/gpu/bench_train_scaling.py ]; then
-        timeout 600 python3 benchmarks/gpu/bench_train_scaling.py --out "$RES/train-scaling.json" \
+        timeout 600 python3 -m benchmarks.gpu.bench_train_scaling --out "$RES/train-scaling.json" \
           > "$RES/train-scaling.log" 2>&1
       fi ;;
     *) echo "unknown step $s" ;;

@@ -29,7 +29,6 @@ before anything is sent. A dict is sent as it is, for the server to validate.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
@@ -39,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from hsx import settings
 from hsx.spec import JobSpec, TrainSpec, load_job
 from hsx.wire import (
     API_PREFIX,
@@ -54,7 +54,7 @@ from hsx.wire import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_URL = "http://127.0.0.1:8642"
+DEFAULT_URL = settings.URL.default
 # Longer than the server's keep-alive interval (15 s), so a quiet stream is not mistaken
 # for a dead one, yet a vanished server is noticed within a minute.
 EVENTS_READ_TIMEOUT_S = 60.0
@@ -165,8 +165,8 @@ class Client:
         *,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.base_url = (base_url or os.environ.get("HSX_URL") or DEFAULT_URL).rstrip("/")
-        token = token if token is not None else os.environ.get("HSX_API_TOKEN") or None
+        self.base_url = (base_url or settings.URL.raw() or DEFAULT_URL).rstrip("/")
+        token = token if token is not None else settings.API_TOKEN.get()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = timeout
         self._http = httpx.Client(

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hsx import settings
 from hsx.output.layout import (
     CHECKPOINT_METRICS,
     DRAFT_CHECKPOINTS,
@@ -44,13 +45,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "HSX_CACHE"
+CACHE_ENV = settings.CACHE.name
 """The folder under which drafts of object-store outputs are trained and downloaded
 (default ~/.cache/hsx): `<cache>/drafts/<bucket-and-prefix>-<hash>/draft/`."""
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or "~/.cache/hsx").expanduser()
+    return settings.CACHE.get().expanduser()
 
 
 def draft_folder(output: Output, draft_root: str | Path | None = None) -> Path:

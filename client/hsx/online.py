@@ -38,13 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsx import settings
 from hsx.output.layout import COMMITS_DIR, SHARDS_DIR, commit_path, unit_of_key
 from hsx.output.local_storage import replace_output_file
 
 EPOCH_STRIDE = 1_000_000_000  # stream unit = epoch * EPOCH_STRIDE + the job's unit
 RESUME = "resume.json"  # the trainer's run: where it resumed
 TRAINER = "trainer.json"  # the trainer's state as the driver reads it: running, done, ...
-STREAM_DIR_ENV = "HSX_STREAM_DIR"
+STREAM_DIR_ENV = settings.STREAM_DIR.name
 DEFAULT_BUFFER_BYTES = 1 << 30
 
 
@@ -60,9 +61,9 @@ def split_unit(stream: int) -> tuple[int, int]:
 def stream_root() -> Path:
     """Where streams live: $HSX_STREAM_DIR, else /dev/shm/hsx-stream (memory), else the
     temporary folder."""
-    named = os.environ.get(STREAM_DIR_ENV)
-    if named:
-        return Path(named).expanduser()
+    named = settings.STREAM_DIR.get()
+    if named is not None:
+        return named
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         return shm / "hsx-stream"

@@ -1,10 +1,11 @@
 """Names mapped to the module path and class name that serve them, each module imported
 when its name is first asked for: how vLLM's `KVConnectorFactory` registers KV connectors.
 
-A family's base module (its interface) never imports its variants; its factory
-registers them here by path, so importing the base brings none of the variants' imports
-(obstore, torch, vLLM) with it, and the variants can import the base without a circle.
-Factories: hsx/output/storage_factory.py (storage by URI scheme),
+A family's base module (its interface) never imports its variants; they are registered
+by path (in the base, or in a factory beside it), so importing the base brings none of
+the variants' imports (obstore, torch, vLLM) with it, and the variants can import the
+base without a circle.
+Registries: `STORAGES` in hsx/output/storage.py (storage by URI scheme),
 hsx_workers/engines/factory.py (capture engines by name).
 """
 

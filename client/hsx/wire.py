@@ -13,7 +13,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from hsx.spec import JobSpec, TrainSpec
 
@@ -109,6 +109,13 @@ class JobStatus(BaseModel):
         0, description="Samples of samples_total processed: committed, or failed in the engine."
     )
     samples_failed: int = Field(0, description="Samples recorded as errors, ingestion included.")
+    samples_at_start: int = Field(
+        0,
+        description=(
+            "Samples of samples_done its output already held when this run started, "
+            "committed by an earlier run (a rerun resumes after them)."
+        ),
+    )
     tokens_total: int = Field(0, description="Tokens to extract.")
     tokens_done: int = Field(0, description="Tokens extracted.")
     bytes: int = Field(0, description="Bytes of committed shards.")
@@ -164,6 +171,17 @@ class JobStatus(BaseModel):
             "(while a job extracts, at least every second) and serves it to every reader."
         ),
     )
+
+    @computed_field(  # type: ignore[prop-decorator]
+        description=(
+            "The job found its output complete: every sample was committed by an earlier "
+            "run (a rerun of a finished job), and this run extracted nothing."
+        )
+    )
+    @property
+    def already_complete(self) -> bool:
+        return (self.state == JobState.succeeded and self.samples_total > 0
+                and self.samples_at_start >= self.samples_total)
 
 
 class JobList(BaseModel):

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hsx import settings
 from hsx.modelinfo import ModelInfo
-from hsx.output import faults
 from hsx.plan import WorkUnit
 from hsx.spec import JobSpec
 from hsx_service.errors import JobCancelled
@@ -124,7 +124,7 @@ def ensure_ray(address: str | None, cpus_needed: int) -> None:
         "ignore_reinit_error": True,
         "include_dashboard": False,
         "logging_level": logging.WARNING,
-        "log_to_driver": os.environ.get("HSX_RAY_LOG_TO_DRIVER", "0") == "1",
+        "log_to_driver": settings.RAY_LOG_TO_DRIVER.get(),
     }
     if address and address != LOCAL_RAY:
         kwargs["address"] = address
@@ -287,8 +287,9 @@ class EnginePool:
                 "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
             }
-            if os.environ.get(faults.ENV):  # crash tests: the workers are the ones to die
-                env[faults.ENV] = os.environ[faults.ENV]
+            fault_point = settings.FAULT_POINT.raw()
+            if fault_point:  # crash tests: the workers are the ones to die
+                env[settings.FAULT_POINT.name] = fault_point
             if not gpus:
                 binding = _cpu_binding(index, replicas, tp)
                 if binding:

@@ -1,13 +1,13 @@
 """The service's error classes: how a job that ran ends, and the coordinator's errors
 (mapped to HTTP in one place, main.py).
 
-A job that ran ends with a summary, `JobFailed` or `JobCancelled` (runner.py re-exports
-both; the engine pool and the dispatcher raise them too); the scheduler makes the
-outcome the job's state: succeeded, failed, cancelled.
+A job that ran ends with a summary, `JobFailed` or `JobCancelled` (raised by the driver,
+runner.py, the engine pool and the dispatcher); the scheduler makes the outcome the
+job's state: succeeded, failed, cancelled.
 
 | class | HTTP |
 |---|---|
-| `JobRefused` (prepare.py): a job that cannot run, refused before anything starts | 422 |
+| `JobRefused`: a job that cannot run, refused before anything starts | 422 |
 | `JobNotFound` | 404 |
 | `JobConflict`: an id reused with a different spec | 409 |
 | `NotReady`: the coordinator is still starting (reconciling the ledger) | 503 |
@@ -15,7 +15,9 @@ outcome the job's state: succeeded, failed, cancelled.
 
 from __future__ import annotations
 
-from hsx_service.prepare import JobRefused
+
+class JobRefused(ValueError):
+    """The job cannot run; nothing was started. The message says why."""
 
 
 class JobFailed(RuntimeError):

@@ -116,13 +116,12 @@ def tokenizing_tasks(dataset: DatasetSpec, workers: int | None, *,
 
     `beside_engines`: the job's engines run while it is ingested (a streamed job). On a
     cluster without GPUs they are vLLM's CPU build, which computes on every core of its
-    node: with `workers` unset one task at a time then, behind them. Two took two
-    cores beside a starting engine: a ready coordinator committed first 67 s after the
-    submit with them, 58 s tokenizing in its own process (benchmarks/README.md, "First
-    commit"); but a thread of the coordinator's own process behind the engines (at the
-    lowest priority, holding the GIL when the engines take its core) kept its API
-    waiting (p99 363 ms against 7.5 ms with tasks). One task keeps ahead of a CPU
-    engine: ~1,000 rows a second, where the engine captures a few thousand tokens. The
+    node: with `workers` unset one task at a time then, behind them. More tasks take
+    cores from a starting engine and delay the first commit (benchmarks/
+    bench_first_commit.py); tokenizing on a thread of the coordinator's own process
+    instead (at the lowest priority, holding the GIL when the engines take its core)
+    keeps its API waiting (benchmarks/bench_api.py). One task keeps ahead of a CPU
+    engine: it tokenizes rows faster than the engine captures their tokens. The
     first part is tokenized in the coordinator's process either way, before the engines
     start (`hsx.ingest.pipeline._tokenized`).
     """

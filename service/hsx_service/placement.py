@@ -35,7 +35,7 @@ from typing import Any
 
 from hsx.spec import JobSpec
 from hsx.wire import ResourcePlan
-from hsx_service.prepare import JobRefused
+from hsx_service.errors import JobRefused
 
 logger = logging.getLogger(__name__)
 

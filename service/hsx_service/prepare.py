@@ -24,7 +24,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hsx import __version__
+import hsx.output.quota
+from hsx import __version__, settings
 from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
 from hsx.output import (
     IngestRecord,
@@ -41,6 +42,7 @@ from hsx.output.layout import LAYER_CONVENTION
 from hsx.plan import UnitPlanner, WorkUnit, first_unit_tokens
 from hsx.progress import human_bytes
 from hsx.spec import JobSpec
+from hsx_service.errors import JobCancelled, JobRefused
 
 if TYPE_CHECKING:
     from hsx.ingest import IngestProgress, IngestResult
@@ -48,15 +50,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A byte quota for one job's output, when the operator sets one (0 or unset: none).
-QUOTA_ENV = "HSX_QUOTA_BYTES"
-# Slices of a dataset tokenized at once (unset: as many as Ray has CPUs for, where Ray is
-# connected, else 1, in the driver's own process; 0: one per core): ingest_workers.
-INGEST_WORKERS_ENV = "HSX_INGEST_WORKERS"
-
-
-class JobRefused(ValueError):
-    """The job cannot run; nothing was started. The message says why."""
+INGEST_WORKERS_ENV = settings.INGEST_WORKERS.name
 
 
 @dataclass
@@ -313,16 +307,12 @@ def check_engine_args(spec: JobSpec, info: ModelInfo) -> None:
 
 
 def output_quota(quota_bytes: int | None = None) -> int | None:
-    """The byte quota for one job's output: the argument, else $HSX_QUOTA_BYTES."""
-    if quota_bytes is not None:
-        return quota_bytes or None
-    raw = os.environ.get(QUOTA_ENV, "").strip()
-    if not raw:
-        return None
+    """The byte quota for one job's output: the argument, else $HSX_QUOTA_BYTES
+    (hsx.output.quota); a bad setting refuses the job."""
     try:
-        return int(float(raw)) or None
-    except ValueError:
-        raise JobRefused(f"{QUOTA_ENV}={raw!r} is not a number of bytes") from None
+        return hsx.output.quota.output_quota(quota_bytes)
+    except ValueError as err:
+        raise JobRefused(str(err)) from None
 
 
 def _size_limit(output: Output, quota: int | None) -> tuple[int, str] | None:
@@ -370,14 +360,12 @@ def ingest_workers(workers: int | None = None) -> int | None:
     many as Ray has CPUs for where Ray is connected, else 1 (`Ingestion` decides:
     hsx_service.ingest_tasks)."""
     if workers is None:
-        raw = os.environ.get(INGEST_WORKERS_ENV, "").strip()
-        if not raw:
-            return None
         try:
-            workers = int(raw)
-        except ValueError:
-            raise JobRefused(f"{INGEST_WORKERS_ENV}={raw!r} is not a number of "
-                             "processes") from None
+            workers = settings.INGEST_WORKERS.get()
+        except ValueError as err:
+            raise JobRefused(str(err)) from None
+        if workers is None:
+            return None
     if workers < 0:
         raise JobRefused(f"{INGEST_WORKERS_ENV}={workers} is negative")
     return workers or os.cpu_count() or 1
@@ -466,7 +454,7 @@ class Ingestion:
     lowest priority. One whose slices other processes tokenize (Ray tasks, a pool: they
     lower themselves) keeps this thread's priority: it only writes their tables, and at
     the lowest priority it held the GIL while the engines took its core, which kept a
-    coordinator's API waiting (p99 363 ms).
+    coordinator's API waiting (benchmarks/bench_api.py measures its latency).
 
     A driver killed while ingesting left the parts it published; this one goes on after
     the last (ingest.json says it is the same job), tokenizing nothing twice, and plans
@@ -583,8 +571,6 @@ class Ingestion:
                 self._cv.notify_all()
 
     def _progress(self, progress: IngestProgress) -> None:
-        from hsx_service.errors import JobCancelled  # (errors imports this module)
-
         if self._stop:
             raise JobCancelled("the job stopped while its dataset was being tokenized")
         if self.cancelled is not None and self.cancelled():

@@ -13,8 +13,9 @@ is asked again now and then while the others finish the job. A unit that fails
 complete.json. Whatever happens, the output stays consistent: a unit is done exactly
 when its commit record exists.
 
-The names drivers use are all importable from here: the engine pool's, the
-dispatcher's hooks and result, and the job's outcomes (`JobFailed`, `JobCancelled`).
+It owns the driver alone: the names it uses are imported from their owners (the
+engine pool's from engine_pool.py, the dispatcher's hooks and result from dispatch.py,
+the job's outcomes from errors.py).
 """
 
 from __future__ import annotations
@@ -38,46 +39,15 @@ from hsx_service.dispatch import (
     disk_full_message,
 )
 from hsx_service.engine_pool import (
-    DISPATCH_DEPTH,
     EnginePool,
     Waits,
     connect_ray,
-    engine_bundles,
     engine_config_for,
-    engine_key,
-    engine_resources,
-    ensure_ray,
-    in_group,
-    target_engine_args,
 )
-from hsx_service.errors import JobCancelled, JobFailed
+from hsx_service.errors import JobCancelled, JobFailed, JobRefused
 from hsx_service.online import OnlineFeed
 from hsx_service.placement import ClusterShape, plan_job
-from hsx_service.prepare import JobRefused, PreparedJob, prepare
-
-# The names drivers, tests and benchmarks import from here, the engine pool's and the
-# dispatcher's among them.
-__all__ = [
-    "DISPATCH_DEPTH",
-    "MAX_ATTEMPTS",
-    "DispatchHooks",
-    "DispatchResult",
-    "EnginePool",
-    "JobCancelled",
-    "JobFailed",
-    "JobSummary",
-    "connect_ray",
-    "engine_bundles",
-    "engine_config_for",
-    "engine_key",
-    "engine_resources",
-    "ensure_ray",
-    "execute",
-    "finish",
-    "in_group",
-    "run_job",
-    "target_engine_args",
-]
+from hsx_service.prepare import PreparedJob, prepare
 
 MAX_ATTEMPTS = 3
 
@@ -122,8 +92,7 @@ def run_job(
     `job_id` and `submitted_at` name the job and its place in line to the pool's GPU
     arbiter; `plan` is where its engines run (made here from the cluster if not given).
     A job without a `pool` (`hsx extract`) connects Ray while its first part is
-    tokenized, not after: its engines start ~3 s sooner (benchmarks/README.md, "First
-    commit").
+    tokenized, not after, so its engines start sooner (benchmarks/bench_first_commit.py).
     """
     hooks = hooks or DispatchHooks()
     started = time.time()

@@ -68,28 +68,27 @@ from hsx.wire import (
 )
 from hsx_service.admission import Admission
 from hsx_service.board import StatusBoard
-from hsx_service.errors import JobConflict, JobNotFound, NotReady
+from hsx_service.dispatch import DispatchHooks
+from hsx_service.engine_pool import EnginePool, engine_key, ensure_ray
+from hsx_service.errors import (
+    JobCancelled,
+    JobConflict,
+    JobFailed,
+    JobNotFound,
+    JobRefused,
+    NotReady,
+)
 from hsx_service.ledger import JobRow, LeaseLost, Ledger, LedgerHeld
 from hsx_service.metrics import JobMetrics, is_recent
 from hsx_service.placement import GpuArbiter, plan_for_cluster, trains_on_gpus
 from hsx_service.prepare import (
-    JobRefused,
     PreparedJob,
     check_estimated_output,
     open_output,
     preflight,
     warm_preflight,
 )
-from hsx_service.runner import (
-    MAX_ATTEMPTS,
-    DispatchHooks,
-    EnginePool,
-    JobCancelled,
-    JobFailed,
-    engine_key,
-    ensure_ray,
-    run_job,
-)
+from hsx_service.runner import MAX_ATTEMPTS, run_job
 from hsx_service.statuses import JobStatuses
 from hsx_service.training import Trainings
 

@@ -28,9 +28,10 @@ from hsx.output import OutputCorrupt, StorageError
 from hsx.progress import JobProgress
 from hsx.wire import JobState, JobStatus, ResourcePlan, WorkerStatus, WorkerTotals
 from hsx_service.board import StatusBoard
+from hsx_service.errors import JobRefused
 from hsx_service.ledger import JobRow, Ledger
 from hsx_service.policy import redacted
-from hsx_service.prepare import JobRefused, open_output
+from hsx_service.prepare import open_output
 
 PUBLISH_INTERVAL_S = 0.25  # at most this often per job, for progress (not state) changes
 CURVE_INTERVAL_S = 2.0  # a throughput point this often while a job extracts
@@ -58,6 +59,7 @@ class JobStatuses:
         self._lock = threading.Lock()  # guards _workers
         self._workers: dict[str, dict[str, WorkerTotals]] = {}
         self._run_base: dict[str, tuple[int, float]] = {}  # earlier runs' (tokens, seconds)
+        self._at_start: dict[str, int] = {}  # samples the output held when the run started
         self._curve_mark: dict[str, tuple[float, int]] = {}  # last curve point (time, tokens)
 
     # ------------------------------------------------------------ from the ledger
@@ -102,6 +104,7 @@ class JobStatuses:
         self._run_base[job_id] = (int(previous.get("run_tokens", 0)),
                                   float(previous.get("run_seconds", 0.0)))
         self._curve_mark.pop(job_id, None)
+        self._at_start[job_id] = progress.samples_done
         self._live[job_id] = progress
         self.publish(job_id, force=True)
 
@@ -213,6 +216,7 @@ class JobStatuses:
         if numbers is not None:
             for name in _STATUS_NUMBERS:
                 setattr(status, name, int(numbers.get(name, 0)))
+            status.samples_at_start = int(numbers.get("samples_at_start", 0))
             seconds = float(numbers.get("run_seconds", 0.0))
             if seconds > 0:
                 status.tokens_per_s_avg = round(float(numbers.get("run_tokens", 0)) / seconds, 1)
@@ -233,7 +237,8 @@ class JobStatuses:
         numbers = {name: getattr(live, name) for name in _STATUS_NUMBERS}
         base_tokens, base_seconds = self._run_base.get(job_id, (0, 0.0))
         ran = time.time() - live.rate_since if live.rate_since is not None else 0.0
-        numbers.update(run_tokens=base_tokens + live.rate_tokens, run_seconds=base_seconds + ran)
+        numbers.update(run_tokens=base_tokens + live.rate_tokens, run_seconds=base_seconds + ran,
+                       samples_at_start=self._at_start.get(job_id, 0))
         return numbers
 
     def _totals_from_output(self, row: JobRow) -> dict[str, Any] | None:

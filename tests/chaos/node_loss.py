@@ -35,7 +35,9 @@ def main(spec_path: str, result_path: str) -> int:
     from ray.util.placement_group import placement_group_table
 
     from hsx.spec import JobSpec
-    from hsx_service.runner import DispatchHooks, EnginePool, run_job
+    from hsx_service.dispatch import DispatchHooks
+    from hsx_service.engine_pool import EnginePool
+    from hsx_service.runner import run_job
 
     logging.basicConfig(level=logging.WARNING)
     spec = JobSpec.model_validate(json.loads(Path(spec_path).read_text()))

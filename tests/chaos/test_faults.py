@@ -63,7 +63,9 @@ def test_sigkill_at_a_commit_step_then_a_rerun_completes(
     point: str, job: Any, engine_pool: Any, small_dataset: ChatDataset, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from hsx_service.runner import EnginePool, JobFailed, run_job
+    from hsx_service.engine_pool import EnginePool
+    from hsx_service.errors import JobFailed
+    from hsx_service.runner import run_job
 
     spec = job()
     output = Path(spec.output)
@@ -98,7 +100,7 @@ def test_sigkill_at_a_commit_step_then_a_rerun_completes(
     assert len(HiddenStatesDataset(output)) == sum(r.samples for r in out.commits())
 
     done: list[int] = []
-    from hsx_service.runner import DispatchHooks
+    from hsx_service.dispatch import DispatchHooks
 
     summary = run_job(spec, pool=engine_pool,
                       hooks=DispatchHooks(on_unit_done=lambda r: done.append(r.unit)))
@@ -111,7 +113,8 @@ def test_a_corrupt_shard_is_named_verified_repaired_and_extracted_again(
     job: Any, engine_pool: Any, small_dataset: ChatDataset, capsys: pytest.CaptureFixture[str],
 ) -> None:
     from hsx.cli import main
-    from hsx_service.runner import DispatchHooks, run_job
+    from hsx_service.dispatch import DispatchHooks
+    from hsx_service.runner import run_job
 
     spec = job()
     output = Path(spec.output)
@@ -161,7 +164,9 @@ def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
 def test_a_full_disk_fails_the_job_naming_enospc_and_a_rerun_completes(
     job: Any, engine_pool: Any, small_dataset: ChatDataset, tmp_path: Path,
 ) -> None:
-    from hsx_service.runner import DispatchHooks, JobFailed, run_job
+    from hsx_service.dispatch import DispatchHooks
+    from hsx_service.errors import JobFailed
+    from hsx_service.runner import run_job
 
     with small_tmpfs(tmp_path / "disk", "8m") as disk:
         filler = disk / "filler"
@@ -196,7 +201,8 @@ _KILLED_DURING_INGESTION = """
 import json, multiprocessing, os, signal, sys
 import hsx.ingest.pipeline as pipeline
 from hsx.spec import JobSpec
-from hsx_service.runner import DispatchHooks, run_job
+from hsx_service.dispatch import DispatchHooks
+from hsx_service.runner import run_job
 
 pipeline.PARALLEL_SLICE_BYTES = 512  # the small dataset in several slices
 pipeline.ROWS_PER_PART = 4  # and in parts of 4 samples
@@ -275,7 +281,8 @@ import hsx.ingest.pipeline as pipeline
 import hsx.plan
 from hsx.output import Output
 from hsx.spec import JobSpec
-from hsx_service.runner import DispatchHooks, run_job
+from hsx_service.dispatch import DispatchHooks
+from hsx_service.runner import run_job
 
 pipeline.ROWS_PER_PART = 4  # the small dataset in parts of 4 samples
 hsx.plan.FIRST_UNIT_TOKENS = 100  # units of 100, 200, then 300 tokens (the rerun: none)

@@ -63,7 +63,7 @@ def record(gpu_results: Path) -> Any:
 def ray_gpus() -> Iterator[None]:
     import ray
 
-    from hsx_service.runner import ensure_ray
+    from hsx_service.engine_pool import ensure_ray
 
     ensure_ray(None, cpus_needed=4)
     yield

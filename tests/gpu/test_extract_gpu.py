@@ -23,8 +23,10 @@ import torch
 from hsx.dataset import HiddenStatesDataset
 from hsx.output.layout import COMMITS_DIR
 from hsx.spec import JobSpec
+from hsx_service.dispatch import DispatchHooks
+from hsx_service.engine_pool import EnginePool, engine_key
 from hsx_service.prepare import preflight
-from hsx_service.runner import DispatchHooks, EnginePool, JobSummary, engine_key, run_job
+from hsx_service.runner import JobSummary, run_job
 from hsx_workers.tiny_models import ChatDataset, make_chat_dataset, make_tiny_model
 
 from ..integration.helpers import by_sample, relative_error, worker_processes

@@ -68,7 +68,8 @@ def test_kimi_k25_text_path_matches_transformers(tiny_kimi: Path, ray_gpus: None
     import torch
 
     from hsx.spec import JobSpec
-    from hsx_service.runner import EnginePool, run_job
+    from hsx_service.engine_pool import EnginePool
+    from hsx_service.runner import run_job
     from hsx_workers.vllm_compat import vllm_version
     from tests.integration.helpers import by_sample, error_per_layer, wrapper_text_states
 

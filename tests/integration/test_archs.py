@@ -54,7 +54,7 @@ def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> ChatDataset:
 
 @pytest.fixture(scope="module")
 def arch_pool(ray_local: None) -> Iterator[Any]:
-    from hsx_service.runner import EnginePool
+    from hsx_service.engine_pool import EnginePool
 
     pool = EnginePool()
     yield pool

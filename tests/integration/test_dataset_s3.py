@@ -33,7 +33,7 @@ from hsx.ingest import (
 )
 from hsx.output import Storage
 from hsx.spec import DatasetSpec, JobSpec
-from hsx_service.prepare import JobRefused
+from hsx_service.errors import JobRefused
 from hsx_service.prepare import check_dataset as preflight_dataset
 from tests.s3server import SeaweedS3
 

@@ -17,7 +17,8 @@ import torch
 from hsx.dataset import HiddenStatesDataset
 from hsx.output import Output
 from hsx.progress import JobProgress
-from hsx_service.runner import DispatchHooks, JobSummary, run_job
+from hsx_service.dispatch import DispatchHooks
+from hsx_service.runner import JobSummary, run_job
 from hsx_workers.tiny_models import ChatDataset
 
 from .helpers import by_sample, relative_error, snapshot

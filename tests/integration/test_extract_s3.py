@@ -32,7 +32,7 @@ from hsx.dataset import HiddenStatesDataset
 from hsx.output import Output
 from hsx.output.layout import DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_UPLOADED, SHARDS_DIR
 from hsx.output.object_storage import ObjectStoreStorage
-from hsx_service.prepare import JobRefused
+from hsx_service.errors import JobRefused
 from hsx_service.runner import JobSummary, run_job
 from hsx_workers.tiny_models import ChatDataset, make_chat_dataset, write_rows
 from tests.s3server import SeaweedS3
@@ -96,7 +96,7 @@ def _worker_pid(engine_pool: Any, spec: Any) -> int:
     import ray
 
     from hsx.modelinfo import read_model_info
-    from hsx_service.runner import engine_key
+    from hsx_service.engine_pool import engine_key
 
     slots = engine_pool.actors[engine_key(spec, read_model_info(spec.model), spec.layers)]
     return int(ray.get(slots[0].actor.pid.remote(), timeout=60))

@@ -26,7 +26,8 @@ from hsx.output import Output, ShardCorrupt, ShardReader, ShardWriter, Storage
 from hsx.output.layout import SHARDS_DIR
 from hsx.output.object_storage import ObjectStoreStorage
 from hsx.output.s3_multipart import MIN_PART_SIZE
-from hsx_service.prepare import JobRefused, check_writable, open_output
+from hsx_service.errors import JobRefused
+from hsx_service.prepare import check_writable, open_output
 from tests.s3server import SeaweedS3
 from tests.unit.test_dataset import (
     UNITS,

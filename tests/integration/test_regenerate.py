@@ -30,7 +30,8 @@ from hsx.output import Output
 from hsx.output.layout import COMMITS_DIR
 from hsx.progress import JobProgress
 from hsx.regenerate import sample_seed
-from hsx_service.runner import DispatchHooks, run_job
+from hsx_service.dispatch import DispatchHooks
+from hsx_service.runner import run_job
 from hsx_workers.tiny_models import ChatDataset, make_chat_dataset
 
 from .helpers import kill_tree

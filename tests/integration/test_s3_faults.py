@@ -42,7 +42,9 @@ from hsx.output.layout import (
 )
 from hsx.output.object_storage import ObjectStoreStorage
 from hsx.output.s3_multipart import MIN_PART_SIZE
-from hsx_service.runner import DispatchHooks, EnginePool, run_job
+from hsx_service.dispatch import DispatchHooks
+from hsx_service.engine_pool import EnginePool
+from hsx_service.runner import run_job
 from hsx_workers.tiny_models import ChatDataset
 from tests.faultproxy import FaultProxy, Faults
 from tests.s3server import SeaweedS3

@@ -198,6 +198,11 @@ def test_api_contract(
     assert again.id == "two-replicas" and again.state == JobState.succeeded
     with pytest.raises(ConflictError):
         client.submit({**spec, "layers": [1, 4]}, job_id="two-replicas")
+    # Another id at the finished output: a rerun, which finds every sample committed,
+    # starts no engine and says it was already complete (not a rate or a time of 0).
+    rerun = client.wait(client.submit(spec, job_id="two-replicas-rerun").id)
+    assert rerun.state == JobState.succeeded and rerun.already_complete, rerun.last_error
+    assert rerun.samples_at_start == rerun.samples_done == final.samples_done
     # Bad specs: 422 naming the field.
     with pytest.raises(JobRefusedError) as bad:
         client.submit({**spec, "replica": 2})

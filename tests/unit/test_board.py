@@ -9,6 +9,7 @@ show during and after the run, and after a coordinator restart, is checked.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import shutil
@@ -27,10 +28,10 @@ from hsx_service import scheduler as scheduler_module
 from hsx_service import statuses as statuses_module
 from hsx_service.board import StatusBoard
 from hsx_service.config import Settings
+from hsx_service.dispatch import DispatchResult
 from hsx_service.main import create_app
 from hsx_service.metrics import METRICS, exposed_names
 from hsx_service.placement import ENGINE, TRAINER, Holder
-from hsx_service.runner import DispatchResult
 from hsx_service.scheduler import Scheduler, thin_curve
 from hsx_workers.tiny_models import ChatDataset
 from hsx_workers.worker import UnitReport
@@ -293,6 +294,95 @@ def test_ingestion_shows_beside_extraction_and_a_cancel_stops_it(
         assert not final.ingesting and final.units_total > 0
         assert final.rows_tokenized == final.rows_total == chat_dataset.num_rows
     scheduler.ledger.close()
+
+
+def test_a_rerun_of_a_finished_job_says_it_was_already_complete(
+    tmp_path: Path, prepared: JobSpec, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A job at an output an earlier run completed ends at once, succeeded, with nothing
+    extracted: its status says `already_complete` (every sample found committed) for the
+    CLI and the dashboard to say so, instead of a rate and an elapsed time of 0; the
+    first run does not, and a coordinator started again on the ledger says the same."""
+    import numpy as np
+
+    from hsx.cli.jobs import _cmd_status, _report_final
+
+    monkeypatch.setattr(scheduler_module, "plan_for_cluster", lambda spec: ResourcePlan())
+    ledger_path = tmp_path / "ledger.sqlite"
+    scheduler = Scheduler(Settings(ledger_path=ledger_path))
+    scheduler._ready = True
+
+    def commit_every_unit(job: Any, pool: Any, hooks: Any, max_attempts: int,
+                          **_: Any) -> DispatchResult:
+        """What runner.execute leaves in the output: a committed shard per unit."""
+        for unit in job.pending:
+            table = job.output.input_rows(unit.row_start, unit.row_end)
+            with job.output.shard_writer(unit.unit, layers=job.layers,
+                                         hidden_size=job.manifest.hidden_size,
+                                         storage_dtype=job.manifest.storage_dtype) as w:
+                for index, ids, mask in zip(table.column("sample_index").to_pylist(),
+                                            table.column("input_ids").to_pylist(),
+                                            table.column("loss_mask").to_pylist(),
+                                            strict=True):
+                    w.add(index, ids, mask, np.zeros(
+                        (len(ids), len(job.layers), job.manifest.hidden_size), np.float32))
+                w.commit()
+        hooks.on_progress(job.totals().progress())
+        return DispatchResult()
+
+    def no_engine(*_: Any, **__: Any) -> DispatchResult:
+        raise AssertionError("a rerun of a finished job dispatched units")
+
+    def run(job_id: str) -> JobStatus:
+        scheduler.submit(prepared, job_id)
+        row = scheduler.ledger.next_queued()
+        assert row is not None and row.id == job_id
+        scheduler._run(row)
+        return scheduler.get(job_id)
+
+    monkeypatch.setattr(runner_module, "execute", commit_every_unit)
+    first = run("first")
+    assert first.state == JobState.succeeded, first.last_error
+    assert first.samples_done == first.samples_total > 0
+    assert first.samples_at_start == 0 and not first.already_complete
+
+    monkeypatch.setattr(runner_module, "execute", no_engine)
+    rerun = run("rerun")
+    assert rerun.state == JobState.succeeded, rerun.last_error
+    assert rerun.already_complete and rerun.tokens_per_s_avg == 0
+    assert rerun.samples_at_start == rerun.samples_done == first.samples_done
+    said = JobStatus.model_validate_json(rerun.model_dump_json())  # as the client reads it
+    assert said.already_complete and "already_complete" in rerun.model_dump(mode="json")
+
+    # The CLI: `hsx submit --wait` and `hsx status` say it, with the count.
+    assert _report_final(said) == 0
+    message = f"already complete: {first.samples_done:,} samples committed by an earlier run"
+    assert message in " ".join(capsys.readouterr().err.split())
+    monkeypatch.setattr("hsx.cli.jobs.client_for", lambda args: _OneJob(said))
+    assert _cmd_status(argparse.Namespace(job="rerun", json=False)) == 0
+    assert message in " ".join(capsys.readouterr().out.split())
+
+    scheduler.ledger.close()
+    again = Scheduler(Settings(ledger_path=ledger_path))
+    assert again.get("rerun").already_complete and not again.get("first").already_complete
+    again.ledger.close()
+
+
+class _OneJob:
+    """A client whose server knows one job."""
+
+    def __init__(self, status: JobStatus) -> None:
+        self.status = status
+
+    def __enter__(self) -> _OneJob:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+    def get(self, job_id: str) -> JobStatus:
+        return self.status
 
 
 def test_metrics_name_every_family_and_only_recent_jobs(tmp_path: Path) -> None:

@@ -35,7 +35,8 @@ from hsx.ingest.datafiles import BadRow
 from hsx.ingest.limits import IngestLimits, RenderTimeout, time_limit
 from hsx.output import Output
 from hsx.spec import SpecError, parse_job, parse_train
-from hsx_service.prepare import JobRefused, check_estimated_output, preflight
+from hsx_service.errors import JobRefused
+from hsx_service.prepare import check_estimated_output, preflight
 from hsx_workers.tiny_models import CHAT_TEMPLATE, ChatDataset
 
 # What the issue reported: 10^10 iterations, hours of one core.

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from hsx.spec import JobSpec
-from hsx_service import runner
-from hsx_service.prepare import JobRefused
+from hsx_service import engine_pool, runner
+from hsx_service.errors import JobRefused
 from hsx_workers.tiny_models import ChatDataset
 
 HSX = [sys.executable, "-m", "hsx.cli"]
@@ -56,7 +56,7 @@ def no_engines(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         started.append("engine")
         raise AssertionError("an engine was started for a job that should be refused")
 
-    monkeypatch.setattr(runner.EnginePool, "slots", refuse)
+    monkeypatch.setattr(engine_pool.EnginePool, "slots", refuse)
     monkeypatch.setattr(runner, "connect_ray", refuse)
     return started
 

@@ -111,7 +111,7 @@ def test_a_stream_folder_without_room_for_the_buffer_is_refused_before_any_engin
     from hsx.online import STREAM_DIR_ENV
     from hsx.spec import JobSpec
     from hsx_service import runner
-    from hsx_service.prepare import JobRefused
+    from hsx_service.errors import JobRefused
 
     monkeypatch.setenv(STREAM_DIR_ENV, str(tmp_path / "streams"))
     spec = JobSpec(model="/m", dataset="/d.jsonl", output=str(tmp_path / "out"),

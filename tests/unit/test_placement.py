@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from hsx.spec import JobSpec, TrainSpec
+from hsx_service.errors import JobRefused
 from hsx_service.placement import (
     ENGINE,
     EVALUATION,
@@ -25,7 +26,6 @@ from hsx_service.placement import (
     Holder,
     plan_job,
 )
-from hsx_service.prepare import JobRefused
 
 
 def _spec(train: dict[str, Any] | None = None, **fields: Any) -> JobSpec:

@@ -18,7 +18,8 @@ import pytest
 
 from hsx.modelinfo import read_model_info
 from hsx.spec import JobSpec, TrainSpec
-from hsx_service.prepare import JobRefused, preflight, prepare
+from hsx_service.errors import JobRefused
+from hsx_service.prepare import preflight, prepare
 from hsx_workers.preflight import (
     ModelReport,
     environment_report,
@@ -595,7 +596,8 @@ def test_rest_inspect(configs: dict[str, Path], tmp_path: Path) -> None:
 
 
 def test_ingest_workers_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hsx_service.prepare import INGEST_WORKERS_ENV, JobRefused, ingest_workers
+    from hsx_service.errors import JobRefused
+    from hsx_service.prepare import INGEST_WORKERS_ENV, ingest_workers
 
     monkeypatch.delenv(INGEST_WORKERS_ENV, raising=False)
     assert ingest_workers() is None  # Ingestion decides: Ray tasks where Ray is connected

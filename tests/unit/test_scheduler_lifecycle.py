@@ -21,9 +21,9 @@ from hsx.wire import JobState, ResourcePlan
 from hsx_service import runner as runner_module
 from hsx_service import scheduler as scheduler_module
 from hsx_service.config import Settings
+from hsx_service.dispatch import DispatchResult
 from hsx_service.errors import NotReady
 from hsx_service.ledger import LeaseLost, Ledger, LedgerHeld
-from hsx_service.runner import DispatchResult
 from hsx_service.scheduler import Scheduler
 from hsx_workers.tiny_models import ChatDataset
 

@@ -30,7 +30,7 @@ from hsx.ingest import (
 from hsx.ingest import sources as sources_module
 from hsx.output import Output
 from hsx.spec import DatasetSpec, JobSpec
-from hsx_service.prepare import JobRefused
+from hsx_service.errors import JobRefused
 from hsx_service.prepare import check_dataset as preflight_dataset
 from hsx_workers.tiny_models import write_rows
 

@@ -82,7 +82,7 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         # their states (the target's forward, the drafter that writes the captured
         # layers) was launched before now. Their gather waits for this mark, not for
         # this step's forward, which it then overlaps: the states reach the spool a
-        # step sooner (~0.4 s of an 8B model's 16k-token batch on an H200).
+        # step sooner.
         self._step_start = mark_stream(self._kv_cache)
 
     def request_finished(self, request: Any, block_ids: list[int]

@@ -2,11 +2,10 @@
 
 `dtype: auto` (the job's `vllm.dtype`, the default) means the model's own dtype, except on
 a CPU without native bf16 math (neither AVX-512 BF16 nor AMX): there torch and vLLM's CPU
-build emulate bf16 and fp16, and the same model computes ~4x faster in float32 (the
-learnable target, one core without AVX-512, 2026-12-04: vLLM's prefill 1,526 tok/s in
-bf16 against 8,179 in float32; hsx's capture of its 67k tokens 36 s against 9 s past the
-first unit). The states are stored as the job's `storage_dtype` either way; computed in
-float32 they are, if anything, nearer the model's exact ones.
+build emulate bf16 and fp16, and the same model computes several times faster in
+float32 (benchmarks/README.md has the figures). The states are stored as the job's
+`storage_dtype` either way; computed in float32 they are, if anything, nearer the
+model's exact ones.
 
 float32 doubles a bf16 model's weights in memory, so `auto` takes it only for an
 unquantized model whose float32 weights need at most FLOAT32_MEMORY_SHARE of the host's

@@ -8,13 +8,13 @@ and benchmarks pass `gather` (the 0.32 layout) or their own.
 The connector gathers all the requests one engine step finished at once: their slots
 one after another (`slots_of_requests`, numpy, no torch call per request), one gather,
 one copy, and each request's states are rows of the result (`split_rows`). Per request,
-a gather and its copy were a few dozen torch calls on vLLM's engine thread, ~0.4 ms:
-on 128-token rows that thread spent two thirds of its time there, not computing
-(benchmarks/results/gpu-peer-3/).
+a gather and its copy were a few dozen torch calls on vLLM's engine thread: on short
+rows that thread spent most of its time there, not computing (benchmarks/
+bench_connector.py measures the two ways).
 
 On CUDA the gather, the optional fp8 quantization and the device-to-host copy run on a
-side stream, into pinned host memory: pageable copies were measured 40x slower than
-pinned ones on an H200 (1.35 vs 55 GB/s), and a side stream keeps the copy off the
+side stream, into pinned host memory: pageable copies are many times slower than
+pinned ones, and a side stream keeps the copy off the
 model's stream. Quantizing on the device halves the bytes that cross to the host and
 leaves the host nothing to compute. On CPU the gather already makes a fresh host
 tensor; nothing is pinned (pinning needs an accelerator).

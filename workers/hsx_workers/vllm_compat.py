@@ -192,12 +192,12 @@ def compile_through_loadable_cache() -> bool:
     0.32) the model compiles in DYNAMO_TRACE_ONCE mode straight to inductor, and the
     artifact holds a plain function, which the loader asks for `finalize_loading`: every
     start logs "Compiling model again due to a load failure ... 'function' object has no
-    attribute 'finalize_loading'" and compiles again. Measured on a 2-core machine, the
-    tiny Llama, a warm cache: the engine ready in 23-27 s, 12-16 s without the AOT
-    artifact (its torch.compile cache loads, inductor's code too), and alike from a cold
-    cache (36-44 s both). This turns the AOT artifact off on the CPU platform unless the
-    environment says otherwise; True if it did. Called before vLLM builds an engine, in
-    the process whose environment the engine core inherits.
+    attribute 'finalize_loading'" and compiles again, so a warm start takes about as long
+    as a cold one; without the AOT artifact its torch.compile cache loads (inductor's
+    code too) and a warm start is much shorter, a cold one no longer. This turns the
+    AOT artifact off on the CPU platform unless the environment says otherwise; True if
+    it did. Called before vLLM builds an engine, in the process whose environment the
+    engine core inherits.
     """
     from vllm.platforms import current_platform
 
@@ -241,12 +241,12 @@ def models_inspected_here() -> Iterator[bool]:
     serves can do (the target's, `ExtractHiddenStatesModel` for capture, a draft's) and
     keeps the answer in `$VLLM_CACHE_ROOT/modelinfos`; on a miss it asks a fresh Python
     process (`_run_in_subprocess`), which imports torch and vLLM again to import the
-    class: 8-9 s each on a 2-core machine, so 17 s of a cold engine start there, before
-    any compile (benchmarks/README.md, "First commit"). vLLM does it elsewhere to keep a
-    model module from initializing CUDA in its API process; a process that builds an
-    engine here imports vLLM's module of the target anyway (the preflight, to judge it),
-    and vLLM spawns, not forks, its engine processes from a process where CUDA is
-    initialized or that is a Ray actor (`_maybe_force_spawn`).
+    class: seconds each, a large share of a cold engine start on a small machine,
+    before any compile (benchmarks/bench_engine_start.py measures it). vLLM does it
+    elsewhere to keep a model module from initializing CUDA in its API process; a
+    process that builds an engine here imports vLLM's module of the target anyway (the
+    preflight, to judge it), and vLLM spawns, not forks, its engine processes from a
+    process where CUDA is initialized or that is a Ray actor (`_maybe_force_spawn`).
     The answer is vLLM's own (`_ModelInfo.from_model_cls` on the class), cached as vLLM
     caches it. True where the installed vLLM has that function (all supported ones)."""
     try:

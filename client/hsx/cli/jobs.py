@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, error, result_console
+from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, already_complete, error, result_console
 from hsx.progress import JobProgress, console
 
 if TYPE_CHECKING:
@@ -100,6 +100,10 @@ def follow(client: Client, job_id: str, title: str) -> int:
 
 
 def _report_final(job: JobStatus) -> int:
+    if job.already_complete:
+        console().print(f"[green]done[/]: job {job.id}: {already_complete(job.samples_done)} "
+                        f"-> {job.output}")
+        return 0
     if job.state.value == "succeeded":
         console().print(
             f"[green]done[/]: job {job.id}: {job.samples_done:,} samples, "
@@ -134,7 +138,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     table.add_column()
     rows: list[tuple[str, str]] = [
         ("job", f"{job.id}" + (f" ({job.name})" if job.name else "")),
-        ("state", job.state.value),
+        ("state", job.state.value + (f" ({already_complete(job.samples_done)})"
+                                     if job.already_complete else "")),
         ("samples", f"{job.samples_done:,} / {job.samples_total:,} ({job.samples_failed:,} bad)"),
         ("tokens", f"{job.tokens_done:,} / {job.tokens_total:,}"),
         ("rate", f"{job.tokens_per_s:,.0f} tok/s, ETA {_duration(job.eta_s)}"),

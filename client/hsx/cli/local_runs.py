@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.cli.jobs import follow
-from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, error
+from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, already_complete, error
 from hsx.progress import console
 
 
@@ -48,8 +48,9 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 
 def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
     from hsx.progress import JobProgress, ProgressBar
-    from hsx_service.prepare import JobRefused
-    from hsx_service.runner import DispatchHooks, JobFailed, run_job
+    from hsx_service.dispatch import DispatchHooks
+    from hsx_service.errors import JobFailed, JobRefused
+    from hsx_service.runner import run_job
 
     try:
         with ProgressBar(spec.name or "extract", enabled=None if progress else False) as bar:
@@ -70,8 +71,8 @@ def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
     if as_json:
         sys.stdout.write(json.dumps(summary.as_dict()) + "\n")
     elif summary.nothing_to_do:
-        console().print(f"nothing to do: {summary.output} is complete "
-                      f"({summary.samples} samples in {summary.shards} shards)")
+        console().print(f"nothing to do: {already_complete(summary.samples)} "
+                        f"({summary.shards} shards in {summary.output})")
     else:
         rate = summary.tokens / summary.seconds if summary.seconds else 0.0
         console().print(

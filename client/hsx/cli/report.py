@@ -19,6 +19,12 @@ def error(message: str, code: int) -> int:
     return code
 
 
+def already_complete(samples: int) -> str:
+    """What a rerun of a finished job says (the dashboard says the same): it ran, found
+    the output complete and extracted nothing, so it has no rate or time of its own."""
+    return f"already complete: {samples:,} samples committed by an earlier run"
+
+
 def result_console() -> Any:
     """A console on stdout: tables and JSON are the command's result, not chatter."""
     from rich.console import Console

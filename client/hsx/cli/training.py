@@ -162,7 +162,7 @@ def _train_workers(output: Any, root: Path, spec: Any, out: Any) -> dict[str, An
 
     from hsx.draft import read_jsonl, read_train_state
     from hsx.output.layout import DRAFT_METRICS
-    from hsx_service.runner import ensure_ray
+    from hsx_service.engine_pool import ensure_ray
     from hsx_workers.trainer import train_distributed
 
     ensure_ray(None, cpus_needed=spec.workers + 1)
@@ -247,9 +247,9 @@ def train_online(job: Any, extract: Callable[[], int]) -> int:
 
     from hsx.online import Stream
     from hsx.output import Output
+    from hsx_service.engine_pool import connect_ray
+    from hsx_service.errors import JobRefused
     from hsx_service.placement import plan_for_cluster
-    from hsx_service.prepare import JobRefused
-    from hsx_service.runner import connect_ray
     from hsx_service.scheduler import check_draft_layers
 
     try:
@@ -290,7 +290,7 @@ def _measure_draft(job: Any, output: str) -> int:
     spec = job.train
     from hsx.draft import draft_folder
     from hsx.output import Output, StorageError
-    from hsx_service.runner import target_engine_args
+    from hsx_service.engine_pool import target_engine_args
     from hsx_workers.acceptance import evaluate_draft
 
     _release_training_memory()
@@ -347,7 +347,7 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
         engine: dict[str, Any] = {}
         if args.job:  # the target as the job's engines load it: TP, dtype, its vllm: ones
             from hsx.spec import load_job
-            from hsx_service.runner import target_engine_args
+            from hsx_service.engine_pool import target_engine_args
 
             engine = target_engine_args(load_job(args.job))
         if args.tensor_parallel_size:

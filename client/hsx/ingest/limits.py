@@ -38,7 +38,6 @@ submit, the estimate's child process is killed instead: estimate.py).
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import threading
 import time
@@ -46,15 +45,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from hsx import settings
 from hsx.progress import human_bytes
 
-MAX_ROW_BYTES_ENV = "HSX_MAX_ROW_BYTES"
-MAX_JSON_ARRAY_BYTES_ENV = "HSX_MAX_JSON_ARRAY_BYTES"
-TEMPLATE_SECONDS_ENV = "HSX_TEMPLATE_SECONDS"
+MAX_ROW_BYTES_ENV = settings.MAX_ROW_BYTES.name
+MAX_JSON_ARRAY_BYTES_ENV = settings.MAX_JSON_ARRAY_BYTES.name
+TEMPLATE_SECONDS_ENV = settings.TEMPLATE_SECONDS.name
 
-MAX_ROW_BYTES = 16 * 2**20
-MAX_JSON_ARRAY_BYTES = 2**30
-TEMPLATE_SECONDS = 10.0
+MAX_ROW_BYTES = int(settings.MAX_ROW_BYTES.default)
+MAX_JSON_ARRAY_BYTES = int(settings.MAX_JSON_ARRAY_BYTES.default)
+TEMPLATE_SECONDS = settings.TEMPLATE_SECONDS.default
 TIMED_OUT_ROWS = 3  # rows of one batch past HSX_TEMPLATE_SECONDS that end an ingestion
 
 
@@ -69,28 +69,14 @@ class IngestLimits:
     @classmethod
     def from_env(cls) -> IngestLimits:
         """The limits set in this process's environment; ValueError naming a bad one."""
-        return cls(row_bytes=int(_positive(MAX_ROW_BYTES_ENV, MAX_ROW_BYTES)),
-                   json_array_bytes=int(_positive(MAX_JSON_ARRAY_BYTES_ENV,
-                                                  MAX_JSON_ARRAY_BYTES)),
-                   template_seconds=_positive(TEMPLATE_SECONDS_ENV, TEMPLATE_SECONDS))
+        return cls(row_bytes=int(settings.MAX_ROW_BYTES.get()),
+                   json_array_bytes=int(settings.MAX_JSON_ARRAY_BYTES.get()),
+                   template_seconds=settings.TEMPLATE_SECONDS.get())
 
     def row_too_large(self, size: int) -> str:
         """The reason a row of `size` bytes is skipped."""
         return (f"the row is {human_bytes(size)}, over the {human_bytes(self.row_bytes)} "
                 f"limit ({MAX_ROW_BYTES_ENV})")
-
-
-def _positive(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value > 0 or math.isinf(value):
-        raise ValueError(f"{name}={raw!r} is not a positive number")
-    return value
 
 
 def text_bytes(text: str, limit: int) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from hsx import settings as hsx_settings
 from hsx.ingest.limits import IngestLimits
 from hsx.ingest.rows import Sample
 from hsx.ingest.samples import process_rows
@@ -139,7 +140,7 @@ class _Part:
 
 
 # Good samples in each part of the inputs table: a part is published (and its units can
-# start) every ~3-8 s of one process's tokenizing; ~120 parts for a million chats.
+# start) every few seconds of one process's tokenizing; ~120 parts for a million chats.
 ROWS_PER_PART = 8192
 
 
@@ -425,7 +426,7 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
     (`ingest`: until its first part is published, which the caller does as it takes a
     slice's parts), and the processes start meanwhile, each loading its tokenizer
     (`warm_tokenizer`): this process has its tokenizer loaded, theirs begin with their
-    imports (seconds; ~14 s for a coordinator's Ray tasks on a GPU node), and the
+    imports (seconds), and the
     engines wait for the first part. Then they take the slices after the head."""
     if len(slices) < 2 or (executor is None and workers <= 1):
         for index, slc in enumerate(slices):
@@ -476,12 +477,12 @@ def pool_context() -> Any:
 
 # "1" in a process that tokenizes slices for the one that ingests: set by the pool's
 # initializer, and by the runtime env of Ray's tasks (hsx_service.ingest_tasks).
-TOKENIZING_PROCESS_ENV = "HSX_TOKENIZING_PROCESS"
+TOKENIZING_PROCESS_ENV = hsx_settings.TOKENIZING_PROCESS.name
 
 
 def _pool_process() -> None:
     """A pool's process: it tokenizes for the one that ingests, and exits with it."""
-    os.environ[TOKENIZING_PROCESS_ENV] = "1"
+    os.environ[hsx_settings.TOKENIZING_PROCESS.name] = "1"
     exit_with_parent()
 
 
@@ -517,7 +518,7 @@ def warm_tokenizer(settings: _Settings) -> None:
 def _worker_tokenizer(settings: _Settings) -> PreTrainedTokenizerBase:
     key = (settings.tokenizer_path, settings.tokenizer_fingerprint,
            settings.trust_remote_code)
-    if os.environ.get(TOKENIZING_PROCESS_ENV) == "1":
+    if hsx_settings.TOKENIZING_PROCESS.get():
         _one_core_behind_the_engines()
     if key not in _WORKER_TOKENIZER:
         _WORKER_TOKENIZER.clear()
@@ -542,9 +543,9 @@ def tokenize_on_one_thread() -> None:
     """From now on this process's tokenizers tokenize a batch on the calling thread
     only (TOKENIZERS_PARALLELISM=false, unless set: they read it at every call), not
     on their pool of Rust threads. For a process that tokenizes beside engines: a batch
-    on the pool took ~1.2 of this machine's 2 cores, and even at the lowest priority
-    those threads slowed a starting CPU engine (Ray runs it at nice 15, not far above)
-    by ~12 s (benchmarks/README.md, "First commit")."""
+    on the pool takes more than a core, and even at the lowest priority those threads
+    slow a starting CPU engine (Ray runs it at nice 15, not far above;
+    benchmarks/bench_first_commit.py)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

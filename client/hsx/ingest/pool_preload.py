@@ -2,9 +2,9 @@
 (pipeline.py, `pool_context`): what every pool process needs to load a tokenizer.
 
 transformers' AutoTokenizer imports torch. Each spawned pool process imported both
-itself (~4 s of CPU on a 2-core machine, ~8 s on a 16-core GPU node, and ~900 MiB
-resident each); forked from a server that imported them once, a process starts in
-milliseconds and shares those pages. Not imported by `import hsx`.
+itself (seconds of CPU and hundreds of MiB resident each); forked from a server that
+imported them once, a process starts in milliseconds and shares those pages. Not
+imported by `import hsx`.
 """
 
 from transformers import AutoTokenizer  # noqa: F401

@@ -4,7 +4,7 @@
 (the n-th) time it reaches that step of writing a shard, counting in this process only.
 The variable is read once, when `hsx.output` is imported; unset, `reached()` is one
 comparison. The job driver hands the variable on to the worker actors it starts
-(runner.EnginePool), so `HSX_FAULT_POINT=after_publish hsx extract job.yaml` kills each
+(engine_pool.EnginePool), so `HSX_FAULT_POINT=after_publish hsx extract job.yaml` kills each
 worker process at its first publish. The points, in the order a unit's commit takes them
 (docs/FORMAT.md, "Commit protocol"):
 
@@ -33,9 +33,10 @@ from __future__ import annotations
 import os
 import signal
 
+from hsx import settings
 from hsx.output.layout import SHARDS_DIR
 
-ENV = "HSX_FAULT_POINT"
+ENV = settings.FAULT_POINT.name
 COMMIT_POINTS = ("after_shard_write", "after_fsync", "after_publish", "after_commit_record")
 CHECKPOINT_POINTS = ("after_checkpoint_write", "after_checkpoint_rename",
                      "after_checkpoint_publish")
@@ -59,7 +60,7 @@ def parse(value: str) -> tuple[str, int] | None:
     return point, n
 
 
-_ARMED = parse(os.environ.get(ENV, ""))
+_ARMED = parse(settings.FAULT_POINT.get())
 _seen = 0
 
 

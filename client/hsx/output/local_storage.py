@@ -29,6 +29,7 @@ from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
+from hsx import settings
 from hsx.output import faults
 from hsx.output.storage import (
     STAGING_DIR,
@@ -47,21 +48,21 @@ SYNC_EVERY = 256 * 2**20
 
 _COPY_CHUNK = 16 * 2**20
 
-DIRECT_IO_ENV = "HSX_DIRECT_IO"
+DIRECT_IO_ENV = settings.DIRECT_IO.name
 DIRECT_ALIGN = 512
 """Offset, length and address alignment of a write that bypasses the page cache
 (O_DIRECT; the logical block size of common disks). With HSX_DIRECT_IO=1 a streamed
 object's body goes that way where its buffers allow: the disk then reads the states out
-of the caller's memory (DMA) instead of the CPU copying them into the page cache
-(2026-12-01: 512 MiB in 0.26 s with 0.02 CPU-s, buffered 1.5 s and 1.5 CPU-s). It is
-off by default: each direct write waits for the disk, and in the CPU pipeline bench,
-on a shared disk, extraction ran at 0.855 of the page-cache path (docs/ARCHITECTURE.md).
-Where the file system refuses O_DIRECT, or a buffer is not aligned, the write goes
+of the caller's memory (DMA) instead of the CPU copying them into the page cache, which
+costs a fraction of the CPU. It is off by default: each direct write waits for the
+disk, and on a shared disk a CPU engine's extraction ran slower than through the page
+cache (benchmarks/bench_writer.py and bench_pipeline.py's `hsx-direct` variant measure
+both). Where the file system refuses O_DIRECT, or a buffer is not aligned, the write goes
 through the page cache."""
 
 
-OUTPUT_MODE_ENV = "HSX_OUTPUT_MODE"
-DEFAULT_OUTPUT_MODE = 0o600
+OUTPUT_MODE_ENV = settings.OUTPUT_MODE.name
+DEFAULT_OUTPUT_MODE = settings.OUTPUT_MODE.default
 """The mode of the files hsx creates on local disk: owner-only unless HSX_OUTPUT_MODE
 (an octal string such as `0640`, to share an output with the owner's group) says
 otherwise. Folders get the same bits plus x where r is set (0600 -> 0700, 0640 -> 0750).
@@ -71,18 +72,7 @@ bucket's own policy governs them)."""
 
 def output_file_mode() -> int:
     """The mode of a file hsx creates on local disk (HSX_OUTPUT_MODE, default 0600)."""
-    raw = os.environ.get(OUTPUT_MODE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_OUTPUT_MODE
-    try:
-        mode = int(raw, 8)
-    except ValueError:
-        mode = -1
-    # hsx must read and rewrite its own files; nothing it writes is a program.
-    if mode < 0 or mode & ~0o666 or mode & 0o600 != 0o600:
-        raise ValueError(f"{OUTPUT_MODE_ENV}={raw!r} is not a file mode hsx can use: give "
-                         "octal read/write bits with the owner's both set, e.g. 0600 or 0640")
-    return mode
+    return settings.OUTPUT_MODE.get()
 
 
 def output_dir_mode() -> int:
@@ -198,7 +188,7 @@ class LocalStorage(Storage):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.uri = self.root.as_uri()
-        self.direct_io = os.environ.get(DIRECT_IO_ENV, "0").strip() == "1"
+        self.direct_io = settings.DIRECT_IO.get()
         """Streamed bodies bypass the page cache where they can (HSX_DIRECT_IO=1; see
         DIRECT_ALIGN); turned off by the first refusal."""
 

@@ -6,10 +6,11 @@ actor inherits it from the process that started Ray)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-QUOTA_ENV = "HSX_QUOTA_BYTES"
+from hsx import settings
+
+QUOTA_ENV = settings.QUOTA_BYTES.name
 
 
 def output_quota(quota_bytes: int | None = None) -> int | None:
@@ -17,13 +18,7 @@ def output_quota(quota_bytes: int | None = None) -> int | None:
     (or 0) for no limit. ValueError naming the variable when it is not a number."""
     if quota_bytes is not None:
         return quota_bytes or None
-    raw = os.environ.get(QUOTA_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(float(raw)) or None
-    except ValueError:
-        raise ValueError(f"{QUOTA_ENV}={raw!r} is not a number of bytes") from None
+    return settings.QUOTA_BYTES.get()
 
 
 def folder_bytes(folder: Path) -> int:

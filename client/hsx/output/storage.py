@@ -18,12 +18,19 @@
 - `abort_incomplete_writes()`: remove what crashed writers left behind (staging files,
   unfinished multipart uploads); only while no writer of this output runs.
 
-This module is the interface alone; it imports none of its variants.
-`Storage.for_uri(uri, **options)` asks storage_factory.py, which maps a URI's scheme to
-the module of its variant and imports that module when a URI of the scheme is first
-opened: a path or `file://` URI is a `LocalStorage` (local_storage.py); `s3://`, `gs://`
-and `az://` are an `ObjectStoreStorage` (object_storage.py: obstore, i.e. Rust
-object_store), so `import hsx` stays light.
+This module is the interface and the registry of its variants, and imports none of them.
+As vLLM's `KVConnectorFactory`, `STORAGES` maps each URI scheme to the module path and
+class name of the variant that serves it (`hsx.registry.ClassRegistry`), and
+`Storage.for_uri(uri, **options)` imports that module when a URI of its scheme is first
+opened. The variants import this module; this module never imports them, so there is no
+circle, and `import hsx` never loads obstore. Registered:
+
+- a plain path or `file://`: `LocalStorage` (local_storage.py);
+- `s3://`, `gs://`, `az://`: `ObjectStoreStorage` (object_storage.py: obstore, i.e. Rust
+  object_store).
+
+A new backend is a module with a `Storage` subclass that defines `from_uri`, and one
+`STORAGES.register` line below.
 
 Keys are relative, `/`-separated names (`commits/unit-000042.json`). `list(prefix)` takes
 a folder: `list("commits")` lists everything under `commits/`, never `commitsX/...`.
@@ -43,6 +50,7 @@ from types import TracebackType
 from typing import Any
 
 from hsx.output.layout import TMP_DIR
+from hsx.registry import ClassRegistry
 
 STAGING_DIR = TMP_DIR
 """Folder (under the root) where a local storage stages objects before publishing them.
@@ -251,17 +259,23 @@ class Storage(abc.ABC):
         `options` go to the object store: for `s3://`, `endpoint`, `region`,
         `access_key_id`, `secret_access_key`, `session_token`, `allow_http`, and any other
         obstore `S3Config` key; unset ones come from the usual `AWS_*` variables.
-        The variant is storage_factory.py's to pick and import.
+        The variant is the one `STORAGES` registers for the URI's scheme.
         """
-        from hsx.output.storage_factory import open_storage
-
-        return open_storage(uri, **options)
+        text = os.fspath(uri)
+        scheme, sep, _ = text.partition("://")
+        scheme = scheme.lower() if sep else "file"
+        if scheme not in STORAGES:
+            *others, last = (f"{s}://" for s in STORAGES.names())
+            raise ValueError(
+                f"unsupported storage URI {text!r}: use a path, {', '.join(others)} or {last}"
+            )
+        return STORAGES.load(scheme).from_uri(text, **options)
 
     @classmethod
     def from_uri(cls, uri: str, **options: Any) -> Storage:
         """This variant for `uri` (one of its schemes, or a plain path for local disk);
-        ValueError when the URI or the options do not fit it. A variant registered with
-        storage_factory.py defines it; one made only in code (a test's) need not."""
+        ValueError when the URI or the options do not fit it. A variant registered in
+        `STORAGES` defines it; one made only in code (a test's) need not."""
         raise NotImplementedError(f"{cls.__name__} is not opened by URI")
 
     def url(self, key: str) -> str:
@@ -333,3 +347,10 @@ class Storage(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
 
+
+STORAGES: ClassRegistry[Storage] = ClassRegistry("storage scheme")
+"""URI scheme -> the variant serving it, by module path (imported on first use)."""
+STORAGES.register("file", "hsx.output.local_storage", "LocalStorage")
+STORAGES.register("s3", "hsx.output.object_storage", "ObjectStoreStorage")
+STORAGES.register("gs", "hsx.output.object_storage", "ObjectStoreStorage")
+STORAGES.register("az", "hsx.output.object_storage", "ObjectStoreStorage")

@@ -2,7 +2,7 @@
 
 import { FINISHED } from "./api.js";
 import { $ } from "./dom.js";
-import { fmtClock, fmtCompact, fmtInt, fmtLoss } from "./format.js";
+import { fmtAlreadyComplete, fmtClock, fmtCompact, fmtInt, fmtLoss } from "./format.js";
 
 const CHART_WINDOW_MS = 10 * 60 * 1000;
 const CHART_MIN_SPAN_MS = 30 * 1000;
@@ -185,7 +185,9 @@ export function drawRateChart(current) {
   const empty = $("#rate-chart-empty");
   empty.hidden = points.length > 0;
   const ended = Boolean(current && current.status && FINISHED.has(current.status.state));
-  if (ended && current.curveLoaded) {
+  if (ended && current.status.already_complete) {
+    empty.textContent = `Nothing extracted: ${fmtAlreadyComplete(current.status)}.`;
+  } else if (ended && current.curveLoaded) {
     empty.textContent = "No throughput was recorded for this job.";
   } else if (current && current.status && current.status.state === "running") {
     empty.textContent = "Waiting for the first measurements…";

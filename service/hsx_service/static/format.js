@@ -72,3 +72,9 @@ export function fmtPercent(p) {
 export function fmtLoss(v) {
   return v == null || !Number.isFinite(v) ? "–" : v.toFixed(Math.abs(v) < 10 ? 3 : 2);
 }
+
+// A rerun of a finished job (the CLI says the same): it found every sample committed,
+// extracted nothing, and so has no rate or elapsed time of its own.
+export function fmtAlreadyComplete(status) {
+  return `already complete: ${fmtInt(status.samples_done)} samples committed by an earlier run`;
+}

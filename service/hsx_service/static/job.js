@@ -9,7 +9,7 @@ import {
   setProgress,
 } from "./dom.js";
 import {
-  fmtBytes, fmtCompact, fmtDuration, fmtInt, fmtPercent, fmtWhen, percent,
+  fmtAlreadyComplete, fmtBytes, fmtCompact, fmtDuration, fmtInt, fmtPercent, fmtWhen, percent,
 } from "./format.js";
 import { pollTraining, resetTraining } from "./training.js";
 import { setView, view } from "./view.js";
@@ -243,6 +243,7 @@ function etaText(status) {
     return status.eta_s != null ? `ETA ${fmtDuration(status.eta_s)}` : "ETA –";
   }
   if (status.state === "queued") return "waiting to start";
+  if (status.already_complete) return fmtAlreadyComplete(status);
   if (status.finished_at != null && status.started_at != null) {
     return `${status.state} at ${fmtWhen(status.finished_at)} `
       + `after ${fmtDuration(status.finished_at - status.started_at)}`;
@@ -252,7 +253,7 @@ function etaText(status) {
 
 function renderElapsed(status) {
   let text = "–";
-  if (status.started_at != null) {
+  if (status.started_at != null && !status.already_complete) {
     // The server's clock when it has one: the browser may run on another machine.
     const now = status.updated_at != null ? status.updated_at : Date.now() / 1000;
     const end = status.finished_at != null ? status.finished_at : now;

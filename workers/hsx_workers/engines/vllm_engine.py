@@ -258,7 +258,7 @@ class VllmEngine:
         published and yields them in request order.
 
         vLLM's `step()` blocks until the engine core's next output, which is a whole
-        batch later (0.4 s for 16k tokens of an 8B model on an H200). In one thread,
+        batch later (a large share of a second for a big batch on a GPU). In one thread,
         states already in the spool waited for it, and for them the shard writer; the
         admission of new requests waited for the writer in turn.
         """

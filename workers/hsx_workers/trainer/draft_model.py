@@ -221,10 +221,9 @@ def dense_attention_mask(doc_ids: torch.Tensor, seq_len: int, device: Any,
     What speculators' `Eagle3DraftModel._build_attn_mask` returns for eager attention
     (`create_combined_mask_mod` through `create_float_mask`): causal within a document
     (and `sliding_window`), padding (document id -1) attending to nothing but itself.
-    speculators evaluates its mask functions under `torch.vmap`: 11-19 ms of Python a
-    pack whatever its length, where this takes 0.3-3 ms (packs of 7 to 512 tokens, one
-    core); a step in packs of 128 went from 0.63 to 0.53 s. tests/unit/test_trainer.py
-    checks the two masks are equal.
+    speculators evaluates its mask functions under `torch.vmap`, a fixed cost in Python
+    for every pack whatever its length, several times what these tensor operations
+    take on short packs. tests/unit/test_trainer.py checks the two masks are equal.
     """
     q = torch.arange(seq_len, device=device)[:, None]
     kv = torch.arange(seq_len, device=device)[None, :]

@@ -121,10 +121,10 @@ def pack_length(defaults: DeviceDefaults, longest: int) -> int:
     is not known.
 
     On CPU a pack's attention is dense, so its cost per token grows with the pack's
-    length, and each pack has a fixed cost too (~15 ms of Python here). Measured on the
-    learnable target's samples (33 tokens at most), a step of 1,024 tokens on one core:
-    0.77 s in packs of 64, 0.53 s of 128, 0.55 s of 256, 0.69 s of 512, the validation
-    the same at every checkpoint (the loss weighs each pack by its tokens).
+    length, and each pack has a fixed cost too (its Python), so short samples train
+    fastest in packs a little longer than the longest of them: neither many tiny packs
+    nor one long dense one (benchmarks/bench_train_packs.py measures it). The validation
+    is the same at every pack length (the loss weighs each pack by its tokens).
     """
     if defaults.min_pack_tokens is None or longest <= 0:
         return defaults.pack_tokens

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from hsx import settings
 from hsx.output import faults
 from hsx.output.layout import SHARD_FORMAT_NAME, commit_path, shard_path, unit_name
 from hsx.output.records import CommitRecord, OutputCorrupt, RegenerationsRef
@@ -90,9 +91,9 @@ def _as_numpy_1d(x: Any, name: str) -> np.ndarray:
 def _to_host(t: Any) -> Any:
     """A device tensor copied into pinned host memory (a CPU tensor as it is).
 
-    `.cpu()` copies into freshly allocated pageable memory: 1.1-1.6 GB/s on an H200
-    node, against 50-55 GB/s into pinned memory (torch's caching host allocator keeps
-    pinned blocks for reuse).
+    `.cpu()` copies into freshly allocated pageable memory, many times slower than a
+    copy into pinned memory (torch's caching host allocator keeps pinned blocks for
+    reuse).
     """
     if t.device.type == "cpu":
         return t
@@ -114,7 +115,7 @@ def _torch_bf16_to_numpy(t: Any) -> np.ndarray:
     return np.asarray(t.view(torch.int16).numpy()).view(BF16)
 
 
-BACKGROUND_NICE_ENV = "HSX_BACKGROUND_NICE"
+BACKGROUND_NICE_ENV = settings.BACKGROUND_NICE.name
 
 
 def background_priority() -> None:
@@ -126,11 +127,10 @@ def background_priority() -> None:
     OpenMP threads stalls the whole parallel region; on a GPU node cores are plenty and
     nothing changes. Linux sets nice per thread; elsewhere this does nothing.
     """
-    raw = os.environ.get(BACKGROUND_NICE_ENV, "19").strip() or "0"
     try:
-        nice = int(raw)
-    except ValueError:
-        nice = 19
+        nice = settings.BACKGROUND_NICE.get()
+    except ValueError:  # a thread that moves states does not stop over its priority
+        nice = settings.BACKGROUND_NICE.default
     if nice > 0 and hasattr(os, "setpriority"):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(nice, 19))
@@ -141,11 +141,11 @@ class _DataStream:
 
     Two threads, so the caller (the engine thread) produces the next sample while
     these reach the storage: one writes, one hashes each sample (a hash in series with
-    the writes halved the writer's rate on an H200 node). Each byte is hashed once: the
-    shard's data digest covers the samples through their digests (`CHECKSUM_SCHEME`).
-    The writer syncs in the background on local disk (`fdatasync` every 256 MiB, so the
-    fsync at commit has little left) and uploads parts in the background on object
-    stores. Write and hash release the GIL.
+    the writes halves the writer's rate on a GPU node: benchmarks/bench_writer.py).
+    Each byte is hashed once: the shard's data digest covers the samples through their
+    digests (`CHECKSUM_SCHEME`). The writer syncs in the background on local disk
+    (`fdatasync` every 256 MiB, so the fsync at commit has little left) and uploads parts
+    in the background on object stores. Write and hash release the GIL.
     The bounded queues keep at most `_QUEUE_DEPTH` samples in memory. An error is kept
     and re-raised to the caller at its next call.
     """
