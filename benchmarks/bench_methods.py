@@ -10,7 +10,7 @@ generation tokens/s with the draft over the target alone (the speedup; on CPU vL
 drafting costs more than on a GPU), training seconds, and the bytes the capture stores
 per token for that method's layers.
 
-Run: `python benchmarks/bench_methods.py [--methods eagle3,dflash] [--work DIR]`
+Run: `python -m benchmarks.bench_methods [--methods eagle3,dflash] [--work DIR]`
 (~25 minutes on 2 cores). Results: benchmarks/results/<date>-methods/methods.json.
 """
 
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
+from benchmarks import common
 
 SAMPLES = 3000  # the learnable language's samples, as the integration tests use
 CPU_ENV = {  # vLLM's CPU CI switches, as tests/conftest.py sets them
@@ -133,7 +133,7 @@ def main() -> None:
     alone = target_alone(output, work)
     rows = [run_method(output, m, work, alone) for m in args.methods.split(",")]
     result = {
-        "command": "python benchmarks/bench_methods.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.bench_methods " + " ".join(sys.argv[1:]),
         "date": common.now_iso(), "machine": common.machine_info(),
         "capture": {"layers": ["eagle3", "dflash"], "samples": SAMPLES,
                     "extract_seconds": round(extract_s, 1)},
