@@ -148,7 +148,7 @@ def pin_ok(b: Bench) -> bool:
 
 
 def layers_for(n: int) -> list[int]:
-    """EAGLE-3's default capture ids: [2, N//2, N-3, N] (DESIGN.md)."""
+    """EAGLE-3's default capture ids: [2, N//2, N-3, N] (hsx.methods)."""
     return sorted({2, n // 2, n - 3, n})
 
 

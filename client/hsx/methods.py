@@ -1,4 +1,4 @@
-"""Draft methods and the target layers each reads (docs/FORMAT.md, "Layer ids").
+"""Draft methods and the target layers each reads (docs/FORMAT.md, "manifest.json").
 
 One capture can serve several methods: a job's `layers:` may name methods, and the
 output then holds the union of their ids. Each training reads its own subset

@@ -63,7 +63,7 @@ DRAFT_STOP = "draft/.stop"  # asks a running (distributed) training to checkpoin
 CHECKPOINT_METRICS = "metrics.json"  # in each checkpoint folder
 DRAFT_UPLOADED = "uploaded.json"  # in a bucket: draft/'s and each checkpoint's, written last
 
-# Layer-id convention recorded in the manifest (DESIGN.md, "Layer ids").
+# Layer-id convention recorded in the manifest (docs/FORMAT.md, "manifest.json").
 LAYER_CONVENTION = (
     "id k < N: residual stream entering decoder layer k (= HF output_hidden_states[k]); "
     "id N: last decoder layer output before the final norm"
