@@ -1,8 +1,8 @@
 """Capture with a Hugging Face transformers forward.
 
 Layer ids follow docs/FORMAT.md ("manifest.json"): id k < N is `output_hidden_states[k]`
-(the residual stream entering decoder layer k). Id N must be the last decoder layer's output *before* the
-final norm, but transformers' `output_hidden_states[N]` is already normed — so id N is
+(the residual stream entering decoder layer k). Id N must be the last decoder layer's
+output *before* the final norm, but transformers' `output_hidden_states[N]` is already normed — so id N is
 taken from a forward pre-hook on the final norm instead. Storing the normed one would
 make a trainer apply the norm twice.
 
