@@ -2,9 +2,9 @@
 
 Layer ids follow docs/FORMAT.md ("manifest.json"): id k < N is `output_hidden_states[k]`
 (the residual stream entering decoder layer k). Id N must be the last decoder layer's
-output *before* the final norm, but transformers' `output_hidden_states[N]` is already normed — so id N is
-taken from a forward pre-hook on the final norm instead. Storing the normed one would
-make a trainer apply the norm twice.
+output *before* the final norm, but transformers' `output_hidden_states[N]` is already
+normed — so id N is taken from a forward pre-hook on the final norm instead. Storing the
+normed one would make a trainer apply the norm twice.
 
 Samples are batched by length with right padding: under a causal mask, padding after a
 sequence cannot change the states of its real tokens.
