@@ -578,8 +578,9 @@ def test_a_resume_mid_unit_trains_none_of_its_samples_twice(tmp_path: Path,
     assert len(set(epochs[1])) == len(epochs[1])
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_an_online_trainer_takes_its_units_from_the_stream(
-        tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
     from hsx.online import STREAM_DIR_ENV, Stream, stream_unit
 
     monkeypatch.setenv(STREAM_DIR_ENV, str(tmp_path / "streams"))
@@ -596,7 +597,7 @@ def test_an_online_trainer_takes_its_units_from_the_stream(
                     w.add(i, s["input_ids"], s["loss_mask"], s["hidden_states"])
                 w.commit(errors=[])
     trainer = DraftTrainer(root, spec(online=True, max_steps=8, steps=8,
-                                      checkpoint_every=100))
+                                      checkpoint_every=100, method=method, max_anchors=8))
     state = trainer.run()
     assert state.step == 8 and state.epoch == 1
     # The plan says what the target captures for it: 2 epochs of the 18 samples' tokens.
