@@ -126,8 +126,9 @@ class TrainSpec(BaseModel):
         "At most 32 (32 of a large target's layers take hundreds of GB)."))
     block_size: int = Field(8, ge=2, le=64, description=(
         "DFlash, DSpark: tokens of a block, from the anchor (the target's own token)."))
-    max_anchors: int = Field(512, ge=1, le=2**16, description=(
-        "DFlash, DSpark: blocks trained per packed sequence, at positions drawn at random."))
+    max_anchors: int | None = Field(None, ge=1, le=2**16, description=(
+        "DFlash, DSpark: blocks trained per packed sequence, at positions drawn at random. "
+        "None: one per `block_size` tokens of a pack, at most 512."))
     ttt_steps: int = Field(
         3, ge=1, le=32, description=(
             "Training-time-test steps: draft tokens trained per position. At most 32 "

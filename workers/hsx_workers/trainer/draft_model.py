@@ -39,16 +39,18 @@ def layer_picks(manifest: Manifest, method: str = "eagle3") -> list[int]:
     return [manifest.layers.index(k) for k in aux]
 
 
-def forward_kwargs(spec: TrainSpec, kernels: str) -> dict[str, Any]:
+def forward_kwargs(spec: TrainSpec, kernels: str, anchors: int | None = None
+                   ) -> dict[str, Any]:
     """The method's own arguments of the draft's forward (besides the pack's tensors):
-    its loss with speculators' `kernels` (`fused` or `eager`) among them."""
+    its loss with speculators' `kernels` (`fused` or `eager`) among them, and a block
+    drafter's `anchors` per pack (the plan's)."""
     from speculators.losses import resolve_loss_config
 
     loss_config = resolve_loss_config(spec.loss_fn, kernels)
     if not spec.draft.block:
         return {"ttt_steps": spec.ttt_steps, "loss_config": loss_config,
                 "ttt_step_loss_decay": spec.ttt_step_loss_decay}
-    out = {"loss_config": loss_config, "max_anchors": spec.max_anchors,
+    out = {"loss_config": loss_config, "max_anchors": anchors or spec.max_anchors or 512,
            "per_position_loss_weight": "dpace" if spec.loss_fn == "ce" else "fixed-exp-decay"}
     if spec.method == "dspark":  # its total-variation term, with the same kernels
         out["tv_loss_fn"] = resolve_loss_config("tv", kernels)["tv"][0]

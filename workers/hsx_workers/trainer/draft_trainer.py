@@ -368,7 +368,7 @@ class DraftTrainer:
         kernels = self.spec.loss_implementation
         if kernels == "auto":
             kernels = "fused" if self.device.type == "cuda" else "eager"
-        forward = forward_kwargs(self.spec, kernels)
+        forward = forward_kwargs(self.spec, kernels, plan.anchors)
         model.train()
         end = min(plan.steps, self.spec.max_steps or plan.steps)
         stopped = False
@@ -520,7 +520,7 @@ class DraftTrainer:
             else torch.float32
         ds = HiddenStatesDataset(self.output, backend="torch")
         collate = self.data.collate(dtype, ds.manifest, plan, pad=self._pad)
-        forward = forward_kwargs(self.spec, "eager")
+        forward = forward_kwargs(self.spec, "eager", plan.anchors)
         scores = Scores.of(self.spec)
         was_training = model.training
         model.eval()

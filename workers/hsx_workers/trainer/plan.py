@@ -62,6 +62,7 @@ class Plan:
     passes: float  # steps x tokens per step / training tokens
     warning: str | None = None
     online: str | None = None  # an online training: what the target captures for it
+    anchors: int | None = None  # a block drafter's blocks per pack (`block_anchors`)
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of the peak learning rate after `step` optimizer steps."""
@@ -111,7 +112,24 @@ def plan_schedule(
         lr_schedule=spec.lr_schedule, warmup_steps=warmup,
         checkpoint_every=every, train_samples=train_samples, train_tokens=train_tokens,
         val_samples=val_samples, passes=passes, warning=warning,
+        anchors=block_anchors(spec, pack) if spec.draft.block else None,
     )
+
+
+MAX_ANCHORS = 512  # speculators' default for its packs of 8,192 tokens
+
+
+def block_anchors(spec: TrainSpec, pack_tokens: int) -> int:
+    """Blocks a block drafter trains per pack: `max_anchors`, else one per block's
+    length of the pack, at most 512 (speculators' 512 in 8,192 tokens is one per 16).
+
+    Every anchor costs a block of queries whether the pack has room for it or not
+    (speculators pads the missing ones), so a count fixed for GPU packs would make a
+    CPU pack of 128 tokens compute 4,096 queries for at most 120 real blocks.
+    """
+    if spec.max_anchors is not None:
+        return spec.max_anchors
+    return max(1, min(MAX_ANCHORS, pack_tokens // spec.block_size))
 
 
 def pack_length(defaults: DeviceDefaults, longest: int) -> int:
