@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,6 +98,7 @@ def run_method(output: Path, method: str, work: Path, alone: dict[str, Any]) -> 
     from hsx.output import Output
 
     draft_dir = work / f"draft-{method}"
+    shutil.rmtree(draft_dir, ignore_errors=True)  # trained from nothing, not resumed
     train_s, _ = _hsx("train", str(output), "--method", method, "--draft-dir", str(draft_dir))
     _, done = _hsx("eval-draft", str(output), "--draft-dir", str(draft_dir), "--json")
     acc = json.loads([x for x in done.stdout.splitlines() if x.startswith('{"k"')][-1])

@@ -126,8 +126,9 @@ def _train_local(target: str, spec: Any, draft_dir: str | None,
     again = "" if draft_dir is None else f" --draft-dir {draft_dir}"
     out.print(f"measure with: hsx eval-draft {output}{again}", markup=False, highlight=False)
     out.print(f"serve with: vllm serve {output.manifest().model} --speculative-config "
-              f"'{{\"method\": \"eagle3\", \"model\": \"{root / DRAFT_DIR}\", "
-              f"\"num_speculative_tokens\": 3}}'", markup=False, highlight=False)
+              f"'{{\"method\": \"{spec.method}\", \"model\": \"{root / DRAFT_DIR}\", "
+              f"\"num_speculative_tokens\": {spec.proposed_tokens}}}'", markup=False,
+              highlight=False)
     return 0
 
 
