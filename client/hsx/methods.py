@@ -29,7 +29,7 @@ class DraftMethod:
 
     name: str
     block: bool  # proposes a block of tokens in one forward pass (no TTT steps)
-    default_draft_layers: int | None  # None: one per target layer it reads
+    default_draft_layers: int  # decoder layers of a new draft (TrainSpec.num_layers unset)
     from_anchor: bool = False  # a block's first slot is proposed too (DSpark), not given
     loss: str = "kl_div"  # speculators' default loss of the method
 
@@ -49,18 +49,16 @@ class DraftMethod:
         """Every id a capture for this method holds: its auxiliary ids and N."""
         return [*self.aux_layers(num_layers), num_layers]
 
-    def draft_layers(self, aux: list[int]) -> int:
-        """Decoder layers of a new draft reading `aux` (TrainSpec.num_layers unset)."""
-        return self.default_draft_layers or len(aux)
-
 
 METHODS: dict[str, DraftMethod] = {
     "eagle3": DraftMethod("eagle3", block=False, default_draft_layers=1),
-    # speculators' DFlash recipe: cross-entropy with D-PACE position weights.
-    "dflash": DraftMethod("dflash", block=True, default_draft_layers=None, loss="ce"),
+    # speculators' DFlash recipe: five decoder layers (a block's later positions are not
+    # learnt by one: on the learnable target one layer accepts position 1 of a block and
+    # almost none after it), cross-entropy with D-PACE position weights.
+    "dflash": DraftMethod("dflash", block=True, default_draft_layers=5, loss="ce"),
     # DFlash's layers and blocks, plus a Markov head over the block's earlier tokens and
     # a confidence head; it proposes from the anchor's slot too.
-    "dspark": DraftMethod("dspark", block=True, default_draft_layers=None, from_anchor=True),
+    "dspark": DraftMethod("dspark", block=True, default_draft_layers=5, from_anchor=True),
 }
 
 

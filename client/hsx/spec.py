@@ -122,8 +122,8 @@ class TrainSpec(BaseModel):
         "blocks of `block_size` tokens with a Markov and a confidence head)."))
     num_layers: int | None = Field(None, ge=1, le=32, description=(
         "Decoder layers of the draft, each of the target's layer size. None: 1 for "
-        "EAGLE-3; for DFlash one per target layer it reads (5 on all but tiny targets). "
-        "At most 32 (32 of a large target's layers take hundreds of GB)."))
+        "EAGLE-3, 5 for DFlash and DSpark (speculators' recipes). At most 32 (32 of a "
+        "large target's layers take hundreds of GB)."))
     block_size: int = Field(8, ge=2, le=64, description=(
         "DFlash, DSpark: tokens of a block, from the anchor (the target's own token)."))
     max_anchors: int | None = Field(None, ge=1, le=2**16, description=(

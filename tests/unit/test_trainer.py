@@ -383,7 +383,7 @@ def test_a_block_draft_trains_validates_and_resumes(tmp_path: Path, tiny_llama: 
     assert config["aux_hidden_state_layer_ids"] == [2]
     assert config["block_size"] == 4 and config["mask_token_id"] is not None
     layer = config["transformer_layer_config"]
-    assert layer["num_hidden_layers"] == 1  # one per target layer read
+    assert layer["num_hidden_layers"] == 5  # speculators' recipe
     assert set(layer["layer_types"]) == {"full_attention"}
     proposal = config["speculators_config"]["proposal_methods"][0]
     assert proposal["speculative_tokens"] == dflash.proposed_tokens == proposed

@@ -139,7 +139,7 @@ def build_draft_model(output: Output, manifest: Manifest, spec: TrainSpec,
     trust = manifest.trust_remote_code
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
     text_config = getattr(config, "text_config", None) or config
-    layers = spec.num_layers or spec.draft.draft_layers(aux)
+    layers = spec.num_layers or spec.draft.default_draft_layers
     freqs = token_frequencies(output, exclude=exclude)
     if not freqs:
         raise TrainRefused(f"{output}: no loss-masked token in inputs.arrow")
