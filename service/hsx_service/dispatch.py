@@ -241,7 +241,7 @@ class Dispatch:
         (units on other workers end as they are)."""
         unit = slot.inflight.pop(ref)
         message = _first_line(err)
-        logger.error("unit %d: %s", unit.unit, message)
+        logger.error("%s", message)
         self.live.pop(unit.unit, None)
         self.result.failed_units[unit.unit] = message
         self.progress.units_failed += 1

@@ -55,15 +55,26 @@ def test_wrong_states_fail_the_job_in_its_first_unit(
     with pytest.raises(JobFailed) as caught:
         run_job(spec, pool=engine_pool, max_attempts=3)
     message = str(caught.value)
-    assert "self-check failed" in message and "unit 0" in message, message
+    # Units 0 and 1 are on the engine together (the order of Ray's calls decides which
+    # computes first): the one that tripped names itself, the other is stopped with it.
+    assert message.startswith(("unit 0: self-check failed", "unit 1: self-check failed")), \
+        message
     assert "sample " in message and "layer" in message, message
     if "{sample}" in fault:
         assert f"sample {sample} " in message, message
     for word in words:
         assert word in message, message
-    # Nothing was committed: not the unit that tripped, not the one queued behind it.
-    assert Output(tmp_path / "out").committed_units() == set()
-    assert not list((tmp_path / "out").glob("shards/*"))
+    # The unit that tripped is not committed and left no shard; the other unit was
+    # stopped with it, unless it had computed first (a fault in one sample: its states
+    # are right) and committed whole. Every shard there is a committed one.
+    output = Output(tmp_path / "out")
+    committed = output.committed_units()
+    tripped = int(message.split(":")[0].removeprefix("unit "))
+    assert tripped not in committed and committed <= {0, 1}
+    if "{sample}" not in fault:
+        assert committed == set()
+    shards = {p.name for p in (tmp_path / "out").glob("shards/*")}
+    assert shards == {Path(output.read_commit(u).shard).name for u in committed}
 
 
 def test_checks_warn_completes_and_records_what_it_found(

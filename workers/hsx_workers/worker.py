@@ -489,10 +489,8 @@ class ExtractionWorker:
             for other in others:
                 if other in self._queued:
                     self._queued.remove(other)
-        for other in others:
-            other.fail(StatesCheckFailed(
-                f"unit {other.unit.unit} stopped: the job's self-check failed in unit "
-                f"{run.unit.unit}: {err}"))
+        for other in others:  # the same words: the job's error is the one that tripped
+            other.fail(StatesCheckFailed(str(failed)))
 
     def _commit(self, run: _UnitRun) -> None:
         writer = run.writer
