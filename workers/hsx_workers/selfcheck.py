@@ -72,8 +72,8 @@ class StatesCheck:
     samples: int = 0  # checked, this unit
     problems: list[str] = field(default_factory=list)  # this unit's, word for word
     problem_count: int = 0  # this unit's
-    _reference: Any = None  # [L] float32 tensor: median row RMS per layer
-    _pending: list[tuple[int, Any]] = field(default_factory=list)  # (sample, [L] medians)
+    _reference: list[float] | None = None  # per layer: median row RMS of the first samples
+    _pending: list[tuple[int, list[float]]] = field(default_factory=list)  # (sample, RMS)
 
     def __post_init__(self) -> None:
         if self.mode not in CHECK_MODES:
@@ -88,29 +88,31 @@ class StatesCheck:
 
         norms = row_norms(states, scales)  # [T, L] float32, on the states' device
         t = norms.shape[0]
-        h = int(states.shape[-1])
-        found: list[str] = []
         finite = torch.isfinite(norms)
         zero = norms == 0
-        bad_rows = (~finite).sum(dim=0).tolist()
-        zero_rows = zero.sum(dim=0).tolist()
+        # Per layer, one small tensor brought to the host at once: rows not finite,
+        # rows zero, and the median row norm.
+        bad_rows, zero_rows, medians = torch.stack(
+            [(~finite).sum(dim=0).float(), zero.sum(dim=0).float(),
+             norms.median(dim=0).values]).cpu().tolist()
+        found: list[str] = []
         for li, layer in enumerate(self.layers):
             if bad_rows[li]:
                 first = int(torch.nonzero(~finite[:, li])[0, 0])
-                found.append(f"layer {layer}: {bad_rows[li]} of {t} rows hold NaN or inf "
-                             f"(the first at token {first})")
+                found.append(f"layer {layer}: {int(bad_rows[li])} of {t} rows hold NaN or "
+                             f"inf (the first at token {first})")
             elif zero_rows[li] == t or (zero_rows[li] and layer != 0):
                 first = int(torch.nonzero(zero[:, li])[0, 0])
-                found.append(f"layer {layer}: {zero_rows[li]} of {t} rows are all zeros "
-                             f"(the first at token {first})")
+                found.append(f"layer {layer}: {int(zero_rows[li])} of {t} rows are all "
+                             f"zeros (the first at token {first})")
         if not found:
             found += self._identical(states, scales, norms)
-        rms = None
+        rms: list[float] = []
         if not found:
-            rms = norms.median(dim=0).values.float().cpu() / math.sqrt(h)
+            root_h = math.sqrt(int(states.shape[-1]))
+            rms = [m / root_h for m in medians]
             low, high = ABSOLUTE_RMS
-            for li, layer in enumerate(self.layers):
-                value = float(rms[li])
+            for layer, value in zip(self.layers, rms, strict=True):
                 if not low <= value <= high:
                     found.append(f"layer {layer}: its median row RMS is {value:.3g}, "
                                  f"outside [{low:g}, {high:g}] (states scaled wrong?)")
@@ -140,34 +142,32 @@ class StatesCheck:
     def _identical(self, states: Any, scales: Any, norms: Any) -> list[str]:
         import torch
 
+        # Layers whose row norms are equal on every token (one comparison of all pairs);
+        # only those are compared element by element.
+        same_norms = (norms[:, :, None] == norms[:, None, :]).all(dim=0).triu(diagonal=1)
         found = []
-        for a in range(norms.shape[1]):
-            for b in range(a + 1, norms.shape[1]):
-                if not torch.equal(norms[:, a], norms[:, b]):
-                    continue
-                x = as_torch(states)
-                if x.dtype == torch.float8_e4m3fn:  # compared bitwise
-                    x = x.view(torch.uint8)
-                same = torch.equal(x[:, a], x[:, b]) and (
-                    scales is None or np.array_equal(np.asarray(scales)[:, a],
-                                                     np.asarray(scales)[:, b]))
-                if same:
-                    found.append(f"layers {self.layers[a]} and {self.layers[b]} hold "
-                                 "identical states (layer ids shifted or copied?)")
+        for a, b in torch.nonzero(same_norms).tolist():
+            x = as_torch(states)
+            if x.dtype == torch.float8_e4m3fn:  # compared bitwise
+                x = x.view(torch.uint8)
+            same = torch.equal(x[:, a], x[:, b]) and (
+                scales is None or np.array_equal(np.asarray(scales)[:, a],
+                                                 np.asarray(scales)[:, b]))
+            if same:
+                found.append(f"layers {self.layers[a]} and {self.layers[b]} hold "
+                             "identical states (layer ids shifted or copied?)")
         return found
 
     def _learn(self) -> None:
-        import torch
-
         pending, self._pending = self._pending, []
-        self._reference = torch.stack([m for _, m in pending]).median(dim=0).values
+        self._reference = [float(np.median(column)) for column in zip(*(m for _, m in pending),
+                                                                       strict=True)]
         for sample_index, rms in pending:
             self._against_reference(sample_index, rms)
 
-    def _against_reference(self, sample_index: int, rms: Any) -> None:
+    def _against_reference(self, sample_index: int, rms: list[float]) -> None:
         found = []
-        for li, layer in enumerate(self.layers):
-            ref, value = float(self._reference[li]), float(rms[li])
+        for layer, ref, value in zip(self.layers, self._reference or rms, rms, strict=True):
             if ref > 0 and not ref / SCALE_FACTOR <= value <= ref * SCALE_FACTOR:
                 found.append(f"layer {layer}: its median row RMS is {value:.3g}, "
                              f"{value / ref:.3g} times the job's first samples' "
