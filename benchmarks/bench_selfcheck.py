@@ -142,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer prompts and repetitions")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--workdir", type=Path, default=None, help="scratch (default: a temp dir)")
     args = p.parse_args(argv)
     prompts_n, reps = (96, 2) if args.quick else (240, 3)
     reps = args.reps or reps
     out = args.out or (common.RESULTS_DIR / f"{dt.date.today().isoformat()}-selfcheck"
                        / "selfcheck.json")
-    with tempfile.TemporaryDirectory(prefix="hsx-bench-selfcheck-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="hsx-bench-selfcheck-", dir=args.workdir) as tmp:
         payload = run(args.model, prompts_n, reps, Path(tmp))
     payload["command"] = " ".join(["python", "benchmarks/bench_selfcheck.py", *sys.argv[1:]])
     common.save_section(out, f"selfcheck-{args.model}", payload, common.machine_info())
