@@ -38,6 +38,10 @@ class JobProgress:
     rows_tokenized: int = 0
     rows_total: int = 0
     ingesting: bool = False
+    # The self-check (docs/MODELS.md): samples checked in the units done, problems found
+    # (under `checks: warn`; `on` fails the job at the first).
+    samples_checked: int = 0
+    check_problems: int = 0
 
     @classmethod
     def of_ingestion(cls, rows: int, rows_total: int) -> JobProgress:
@@ -78,6 +82,8 @@ class JobProgress:
             "tokens_generated": self.tokens_generated,
             "rows_tokenized": self.rows_tokenized,
             "rows_total": self.rows_total,
+            "samples_checked": self.samples_checked,
+            "check_problems": self.check_problems,
             "ingesting": self.ingesting,
         }
 

@@ -481,6 +481,15 @@ class JobSpec(BaseModel):
             "`blake3` (several GB/s per core) or `sha256`."
         ),
     )
+    checks: Literal["on", "warn", "off"] = Field(
+        "on",
+        description=(
+            "The self-check of every captured state (docs/MODELS.md): `on` fails the job "
+            "at the first state that is NaN/inf, all zero, equal to another layer's or "
+            "wildly out of scale, naming the sample and layer; `warn` records it and goes "
+            "on; `off` skips it. The manifest says which."
+        ),
+    )
     unit_tokens: int = Field(
         65536,
         gt=0,

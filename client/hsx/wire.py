@@ -127,6 +127,12 @@ class JobStatus(BaseModel):
         0, description="A regenerating job's first stage: samples the target has answered."
     )
     tokens_generated: int = Field(0, description="Tokens the target generated for them.")
+    samples_checked: int = Field(
+        0, description="Samples the self-check looked at in committed units (spec.checks "
+        "says how: on, warn, off; a tripped check under `on` fails the job, last_error "
+        "says where).")
+    check_problems: int = Field(
+        0, description="Problems the self-check found and recorded (`checks: warn`).")
     rows_tokenized: int = Field(
         0, description="Dataset rows ingested (tokenized, or recorded as bad) so far.")
     rows_total: int = Field(

@@ -9,7 +9,8 @@ queue, the attempts, the live counts, the job's progress and result):
 - `unit_done` counts a committed unit into the progress;
 - `fail_slot` fails an attempt of every unit a dead worker held, queues them again (or
   gives one up after `max_attempts`), and `restart`s the worker;
-- `stop_for_full_disk` stops dispatch when the output's disk is full;
+- `stop_for_full_disk` stops dispatch when the output's disk is full, `stop_for_check`
+  when a unit's self-check tripped (`checks: on`; no retry: the same states trip again);
 - `emit` tells `hooks.on_progress` where the job stands;
 - `run` is the loop: it waits on Ray for the workers' answers and calls the steps.
 
@@ -37,6 +38,8 @@ from hsx_service.engine_pool import DISPATCH_DEPTH, EnginePool, EngineSlot
 from hsx_service.errors import JobFailed
 from hsx_service.online import OnlineFeed
 from hsx_service.prepare import PreparedJob
+from hsx_workers.selfcheck import is_check_failure
+from hsx_workers.state_faults import fault_of_environment
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +234,24 @@ class Dispatch:
         self.queue.clear()
         slot.state = "busy" if slot.inflight else "idle"
 
+    def stop_for_check(self, slot: EngineSlot, ref: Any, err: BaseException) -> None:
+        """A unit's self-check tripped: the states are wrong, and a retry would capture
+        them the same way. The job fails at once with the check's message: nothing is
+        retried or dispatched, the worker already stopped the job's other units it held
+        (units on other workers end as they are)."""
+        unit = slot.inflight.pop(ref)
+        message = _first_line(err)
+        logger.error("%s", message)
+        self.live.pop(unit.unit, None)
+        self.result.failed_units[unit.unit] = message
+        self.progress.units_failed += 1
+        if self.hooks.on_unit_error is not None:
+            self.hooks.on_unit_error(unit, self.attempts.get(unit.unit, 0) + 1, message, True)
+        if self.result.fatal is None:
+            self.result.fatal = message
+        self.queue.clear()
+        slot.state = "busy" if slot.inflight else "idle"
+
     def unit_done(self, slot: EngineSlot, ref: Any, report: Any) -> None:
         unit = slot.inflight.pop(ref)
         self.alone.discard(unit.unit)
@@ -254,6 +275,9 @@ class Dispatch:
         progress.rate_tokens += report.tokens
         progress.samples_generated += report.generated
         progress.tokens_generated += report.generated_tokens
+        checks = getattr(report, "checks", None) or {}
+        progress.samples_checked += int(checks.get("samples", 0))
+        progress.check_problems += int(checks.get("problems", 0))
         if self.hooks.on_unit_done is not None:
             self.hooks.on_unit_done(report)
 
@@ -275,6 +299,7 @@ class Dispatch:
     def dispatch(self, slot: EngineSlot) -> bool:
         """Hand the slot units up to its depth; a unit retried alone gets a slot to itself."""
         spec = self.job.spec
+        checks = {"checks": spec.checks, "fault": fault_of_environment()}
         sent = False
         while self.queue and len(slot.inflight) < DISPATCH_DEPTH:
             if any(u.unit in self.alone for u in slot.inflight.values()):
@@ -284,11 +309,11 @@ class Dispatch:
             unit = self.queue.popleft()
             if self.online is None:
                 ref = slot.actor.run_unit.remote(self.job.output, spec.storage_dtype, unit,
-                                                 spec.checksum)
+                                                 spec.checksum, **checks)
             else:
                 ref = slot.actor.run_unit.remote(
                     self.job.output, spec.storage_dtype, unit, spec.checksum,
-                    str(self.online.stream.path), self.online.rows_of(unit.unit))
+                    str(self.online.stream.path), self.online.rows_of(unit.unit), **checks)
             slot.inflight[ref] = unit
             slot.state = "busy"
             sent = True
@@ -468,6 +493,8 @@ class Dispatch:
         except RayTaskError as err:  # a unit raised: restart the engine, retry its units
             if is_disk_full(err):
                 self.stop_for_full_disk(slot, ref, err)
+            elif is_check_failure(err):
+                self.stop_for_check(slot, ref, err)
             else:
                 self.fail_slot(slot, err, kill=True)
             return

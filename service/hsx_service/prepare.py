@@ -646,6 +646,8 @@ class Ingestion:
 
     def _manifest(self, units: list[WorkUnit], result: IngestResult | None = None
                   ) -> Manifest:
+        from hsx_service import provenance
+
         spec, info = self.spec, self.info
         return Manifest(
             hsx_version=__version__,
@@ -667,6 +669,8 @@ class Ingestion:
             units=[UnitPlan.of(u) for u in units],
             created_at=time.time(),
             spec=spec.model_dump(mode="json"),
+            checks=provenance.checks(spec),
+            provenance=provenance.provenance(spec, info, self.layers),
         )
 
     def _check_size(self) -> None:

@@ -63,12 +63,15 @@ class JobSummary:
     seconds: float
     nothing_to_do: bool = False
     restarts: int = 0
+    samples_checked: int = 0  # by the self-check, over every committed unit
+    check_problems: int = 0  # what it found (under `checks: warn`)
 
     @classmethod
     def of(cls, totals: OutputTotals, output: str, seconds: float, **extra: Any) -> JobSummary:
         return cls(output=output, samples=totals.samples, errors=totals.errors,
                    tokens=totals.tokens, bytes=totals.bytes, shards=totals.units_done,
-                   seconds=seconds, **extra)
+                   seconds=seconds, samples_checked=totals.samples_checked,
+                   check_problems=totals.check_problems, **extra)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -152,9 +155,10 @@ def finish(job: PreparedJob, started: float, *, restarts: int = 0) -> JobSummary
     job.output.clean_orphans(final=True)
     summary = JobSummary.of(job.output.totals(), str(job.output), time.time() - started,
                             restarts=restarts)
-    job.output.mark_complete(
-        {**summary.as_dict(), "hsx_version": __version__, "completed_at": time.time()}
-    )
+    checks = {"mode": job.spec.checks, "samples": summary.samples_checked,
+              "problems": summary.check_problems}
+    job.output.mark_complete({**summary.as_dict(), "checks": checks,
+                              "hsx_version": __version__, "completed_at": time.time()})
     return summary
 
 

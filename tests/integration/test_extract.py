@@ -6,6 +6,7 @@ a rerun) are compared against; all share the session's engine pool.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,20 @@ def test_every_good_row_is_in_exactly_one_shard(
         assert sample["hidden_states"].shape == (len(rows[index]), 4, 256)
     assert ds.manifest.layers == [1, 2, 3, 4]
     assert ds.manifest.num_layers == 4
+    # The self-check (on by default) looked at every sample and found nothing wrong.
+    assert ds.manifest.checks is not None and ds.manifest.checks["mode"] == "on"
+    assert all(r.checks is not None and r.checks.samples == r.samples
+               and r.checks.problems == 0 for r in ds.records)
+    assert vllm_run.summary.samples_checked == vllm_run.summary.samples
+    assert vllm_run.progress[-1]["samples_checked"] == vllm_run.summary.samples
+    # Provenance: which libraries and engine arguments computed the states, on which config.
+    provenance = ds.manifest.provenance or {}
+    assert provenance["versions"]["vllm"] and provenance["versions"]["torch"]
+    assert set(provenance["versions"]) == {"vllm", "torch", "transformers", "speculators",
+                                           "hsx"}
+    assert provenance["engine_args"]["max_seq_len"] == 256
+    config = (Path(ds.manifest.model) / "config.json").read_bytes()
+    assert provenance["model_config_sha256"] == hashlib.sha256(config).hexdigest()
 
 
 def test_lengths_are_mixed(vllm_samples: dict[int, Any]) -> None:

@@ -31,7 +31,7 @@ class _Method:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
-    def remote(self, *args: Any) -> object:
+    def remote(self, *args: Any, **kwargs: Any) -> object:
         self.calls.append(args)
         return object()
 
@@ -82,7 +82,8 @@ def _dispatch(units: int, heard: _Heard | None = None, *, workers: int = 1,
               max_attempts: int = 3, output: _Output | None = None,
               ingestion: Any = None) -> Dispatch:
     out = output or _Output()
-    job: Any = SimpleNamespace(spec=SimpleNamespace(storage_dtype="bfloat16", checksum="xxh3"),
+    job: Any = SimpleNamespace(spec=SimpleNamespace(storage_dtype="bfloat16", checksum="xxh3",
+                                                    checks="on"),
                                output=out, pending=_units(units), units=_units(units),
                                totals=out.totals, ingestion=ingestion, committed=set(),
                                manifest=None)
@@ -289,7 +290,8 @@ class _Worker:
         self.ready = SimpleNamespace(remote=lambda: _Ref(True))
         self.progress = SimpleNamespace(remote=lambda: _Ref({}))
 
-    def _run_unit(self, output: Any, dtype: str, unit: WorkUnit, checksum: str) -> _Ref:
+    def _run_unit(self, output: Any, dtype: str, unit: WorkUnit, checksum: str,
+                  **checks: Any) -> _Ref:
         self.ran.append(unit.unit)
         if unit.unit in self.dies_on:
             from ray.exceptions import RayActorError

@@ -53,8 +53,10 @@ class WindowEngine:
         if req.sample_index == self.fail_on:
             raise EngineDead(f"engine died on sample {req.sample_index}")
         self.admitted_at_emit[req.sample_index] = len(self.admitted)
-        states = np.full((len(req.input_ids), len(LAYERS), HIDDEN), req.sample_index,
-                         np.float32)
+        # Distinct, nonzero layers of one scale: states the self-check passes.
+        layer = np.arange(1, len(LAYERS) + 1, dtype=np.float32)[None, :, None]
+        states = np.full((len(req.input_ids), len(LAYERS), HIDDEN), req.sample_index + 1,
+                         np.float32) * layer
         return CaptureResult(req.sample_index, req.input_ids, hidden_states=states)
 
     def capture(self, requests: RequestStream) -> Iterator[CaptureResult]:

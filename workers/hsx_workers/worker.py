@@ -27,6 +27,12 @@ The driver keeps up to two units queued on each worker (runner.py) for that over
 Per-sample failures are recorded in the commit record's errors and the unit goes on.
 `EngineDead` fails every unit the worker holds: the driver restarts the actor and
 retries them.
+
+Every sample's states pass the job's self-check (selfcheck.py) on their way to the
+writer. Under `checks: on` a tripped check fails its unit at once, and every other unit
+of that job this worker holds, with `StatesCheckFailed` (their writers aborted: nothing
+more is written, no shard of theirs becomes visible); the driver ends the job and
+retries none of them. The unit's check numbers go into its commit record.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from hsx_workers.engines.base import (
     _Wait,
 )
 from hsx_workers.engines.factory import create_engine
+from hsx_workers.selfcheck import StatesCheck, StatesCheckFailed
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +92,8 @@ class UnitReport:
     # and taken from the spool (engines that tell), its last sample handed to the
     # writer, all of it written, and committed. Benchmarks read the hand-off from it.
     marks: dict[str, float] = field(default_factory=dict)
+    # The self-check's numbers for the unit (CommitRecord.checks).
+    checks: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,6 +144,18 @@ class _UnitRun:
     failure: BaseException | None = None
     regen: _Regen | None = None
     marks: dict[str, float] = field(default_factory=dict)  # see UnitReport.marks
+    check: StatesCheck | None = None  # the job's self-check on this worker
+    checks: dict[str, Any] | None = None  # its numbers for this unit, once all are in
+    fault: str | None = None  # HSX_FAULT_STATES as the driver passed it (tests)
+
+    def fail(self, err: BaseException) -> None:
+        """The unit ends now with `err` (its remaining results are dropped)."""
+        if self.failure is None:
+            self.failure = err
+            if self.writer is not None:
+                self.writer.abort()
+        if not self.future.done():
+            self.future.set_exception(err)
 
     def mark(self, stage: str, at: float | None = None) -> None:
         self.marks[stage] = time.monotonic() if at is None else at
@@ -167,6 +188,8 @@ class ExtractionWorker:
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-commit",
                                              initializer=background_priority)
         self._tokenizers: dict[str, Any] = {}  # a regenerating job's tokenizer, by path
+        self._check: StatesCheck | None = None  # the self-check of the job of _output
+        self._check_of_job: tuple[str, str] = ("", "")  # (output uri, mode) it checks
         self.engine = create_engine(engine, engine_config)
 
     def pid(self) -> int:
@@ -202,6 +225,15 @@ class ExtractionWorker:
             )
         ), table
 
+    def _check_of(self, output: Output, mode: str) -> StatesCheck:
+        """The self-check of `output`'s job: one per job on this worker, so its scale
+        reference is what this job's first samples here showed."""
+        with self._lock:
+            if self._check is None or self._check_of_job != (output.uri, mode):
+                self._check = StatesCheck(mode, list(self.config.layers))
+                self._check_of_job = (output.uri, mode)
+            return self._check
+
     def _regen_of(self, output: Output, table: pa.Table) -> _Regen | None:
         """The unit's regeneration, when its job regenerates: ingestion kept the
         conversations, and the manifest holds the job's `regenerate:` section."""
@@ -231,19 +263,23 @@ class ExtractionWorker:
 
     def run_unit(self, output: Output | str, storage_dtype: str, unit: WorkUnit,
                  checksum: str = DEFAULT_CHECKSUM, stream: str | None = None,
-                 rows_of: WorkUnit | None = None) -> UnitReport:
+                 rows_of: WorkUnit | None = None, checks: str = "on",
+                 fault: str | None = None) -> UnitReport:
         """Extract one unit into its shard and commit it; blocks until it is committed.
 
         `output` is the job's Output (it carries the storage settings the driver
         resolved) or its URI. Units queued by concurrent calls run back to back through
         one engine, in the order the calls arrived. An online job's unit is committed
         into `stream` (a folder, hsx.online) as stream unit `unit`; its rows are those
-        of the job's unit `rows_of`.
+        of the job's unit `rows_of`. `checks` is the job's self-check mode; `fault`
+        puts wrong states in on purpose (state_faults.py: the driver's
+        HSX_FAULT_STATES, for tests).
         """
         out, rows, table = self._rows(Output.of(output), rows_of or unit)
         dest = out if stream is None else Output(stream)
         run = _UnitRun(dest, storage_dtype, checksum, unit, rows,
-                       regen=self._regen_of(out, table))
+                       regen=self._regen_of(out, table), check=self._check_of(out, checks),
+                       fault=fault)
         with self._lock:
             if self._dead is not None:
                 raise EngineDead(f"{self.name}: the engine is gone: {self._dead}")
@@ -273,9 +309,7 @@ class ExtractionWorker:
                 self._queued.clear()
                 self._loop = None
             for run in runs:
-                if run.writer is not None:
-                    run.writer.abort()
-                run.future.set_exception(err)
+                run.fail(err)
 
     def _feed(self) -> Iterator[CaptureRequest | GenerateRequest | _Wait]:
         """The requests of the queued units, back to back; WAIT while none is queued."""
@@ -393,7 +427,7 @@ class ExtractionWorker:
                     checksum=run.checksum,  # type: ignore[arg-type]
                 )
             except BaseException as err:  # the output cannot take this unit
-                run.future.set_exception(err)
+                run.fail(err)
                 continue
             with self._lock:
                 self._routing.append(run)
@@ -411,12 +445,21 @@ class ExtractionWorker:
                     run.errors.append({"sample_index": result.sample_index,
                                        "reason": result.error or "no hidden states"})
                 else:
+                    states, scales = result.hidden_states, result.scales
+                    if run.fault is not None:
+                        from hsx_workers import state_faults
+
+                        states, scales = state_faults.apply(
+                            run.fault, result.sample_index, states, scales)
+                    if run.check is not None:
+                        run.check.check(result.sample_index, states, scales)
                     run.writer.add(result.sample_index, result.input_ids,
-                                   run.rows[run.done][2], result.hidden_states,
-                                   take=result.owned, scales=result.scales)
+                                   run.rows[run.done][2], states,
+                                   take=result.owned, scales=scales)
+            except StatesCheckFailed as err:
+                self._stop_job(run, err)
             except BaseException as err:
-                run.failure = err
-                run.writer.abort()
+                run.fail(err)
         run.done += 1
         run.tokens_done += len(result.input_ids)
         for stage, at in (("computed", result.computed_at), ("spooled", result.spooled_at)):
@@ -424,9 +467,30 @@ class ExtractionWorker:
                 run.mark(stage, at)
         if run.done == len(run.rows):
             run.mark("taken")
+            if run.check is not None and run.failure is None:
+                try:
+                    run.check.finish()
+                except StatesCheckFailed as err:
+                    self._stop_job(run, err)
+                run.checks = run.check.take_report()
             with self._lock:
                 self._routing.popleft()
             self._committer.submit(self._commit, run)
+
+    def _stop_job(self, run: _UnitRun, err: StatesCheckFailed) -> None:
+        """A tripped self-check (`checks: on`): this unit fails now, and so does every
+        other unit of its job that this worker holds, queued or computing. Their
+        remaining results are dropped as they come (results come in request order)."""
+        failed = StatesCheckFailed(f"unit {run.unit.unit}: {err}")
+        run.fail(failed)
+        with self._lock:
+            others = [r for r in list(self._routing) + list(self._queued)
+                      if r is not run and r.output.uri == run.output.uri]
+            for other in others:
+                if other in self._queued:
+                    self._queued.remove(other)
+        for other in others:  # the same words: the job's error is the one that tripped
+            other.fail(StatesCheckFailed(str(failed)))
 
     def _commit(self, run: _UnitRun) -> None:
         writer = run.writer
@@ -441,11 +505,9 @@ class ExtractionWorker:
             if run.regen is not None:
                 ref = run.output.put_regenerations(run.unit.unit, writer.attempt,
                                                    run.regen.table(), run.regen.provenance)
-            outcome = writer.commit(errors=run.errors, regenerations=ref)
+            outcome = writer.commit(errors=run.errors, regenerations=ref, checks=run.checks)
         except BaseException as err:
-            if writer is not None:
-                writer.abort()
-            run.future.set_exception(err)
+            run.fail(err)
             return
         run.mark("committed")
         record = outcome.record
@@ -462,6 +524,7 @@ class ExtractionWorker:
             generated_tokens=record.regenerations.tokens if record.regenerations else 0,
             truncated=record.regenerations.truncated if record.regenerations else 0,
             marks={"queued": run.started, **run.marks},
+            checks=dict(run.checks or {}),
         ))
 
     def shutdown(self) -> None:

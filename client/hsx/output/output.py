@@ -103,6 +103,8 @@ class OutputTotals:
     ingest_errors: int  # rows refused at ingestion
     generated: int = 0  # samples whose conversation was regenerated (regenerate:)
     generated_tokens: int = 0
+    samples_checked: int = 0  # by the self-check (commit records' checks)
+    check_problems: int = 0
 
     @property
     def errors(self) -> int:
@@ -122,6 +124,8 @@ class OutputTotals:
             units_done=self.units_done,
             samples_generated=self.generated,
             tokens_generated=self.generated_tokens,
+            samples_checked=self.samples_checked,
+            check_problems=self.check_problems,
             rows_tokenized=self.samples_total + self.ingest_errors,
             rows_total=self.samples_total + self.ingest_errors,
         )
@@ -544,6 +548,8 @@ class Output:
             ingest_errors=manifest.num_errors,
             generated=sum(r.regenerations.rows for r in records if r.regenerations),
             generated_tokens=sum(r.regenerations.tokens for r in records if r.regenerations),
+            samples_checked=sum(r.checks.samples for r in records if r.checks),
+            check_problems=sum(r.checks.problems for r in records if r.checks),
         )
 
     def errors(

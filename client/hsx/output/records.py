@@ -84,6 +84,14 @@ class Manifest(BaseModel):
     units: list[UnitPlan] = Field(..., description="The plan: every work unit, in order.")
     created_at: float = Field(..., description="When the output was prepared (Unix time).")
     spec: dict[str, Any] = Field(..., description="The job spec that prepared the output.")
+    checks: dict[str, Any] | None = Field(
+        None, description="The self-check of the job that prepared the output: `mode` (on, "
+        "warn, off) and the `checks` it runs; what it found is in each commit record's "
+        "`checks` and complete.json (None: written before the self-check).")
+    provenance: dict[str, Any] | None = Field(
+        None, description="Where the states came from: `versions` (vllm, torch, "
+        "transformers, speculators, hsx), `engine_args` (secret-looking values "
+        "redacted), `model_config_sha256` (None: written before provenance).")
 
     @field_validator("format_version")
     @classmethod
@@ -253,6 +261,18 @@ class RegenerationsRef(BaseModel):
         return _key_in(key, REGENERATIONS_DIR, "regenerations table")
 
 
+class UnitChecks(BaseModel):
+    """The self-check's numbers for one unit (docs/FORMAT.md, "Self-check")."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    mode: Literal["on", "warn", "off"] = Field(..., description="The job's `checks:`.")
+    samples: int = Field(0, ge=0, description="Samples checked.")
+    problems: int = Field(0, ge=0, description="Problems found (under `warn`; `on` stops).")
+    found: list[str] = Field(default_factory=list,
+                             description="The first problems, in words (sample, layer, what).")
+
+
 class CommitRecord(BaseModel):
     """commits/unit-XXXXXX.json: the record that makes one unit's shard visible."""
 
@@ -281,6 +301,11 @@ class CommitRecord(BaseModel):
     committed_at: str = Field("", description="When the record was created (ISO 8601).")
     regenerations: RegenerationsRef | None = Field(
         None, description="A regenerating job's answers of this unit (None otherwise)."
+    )
+
+    checks: UnitChecks | None = Field(
+        None, description="What the self-check looked at in this unit (None: records "
+        "written before it, or by a writer that does not check)."
     )
 
     @field_validator("shard")

@@ -404,7 +404,8 @@ class ShardWriter:
         self._stream.flush()
 
     def commit(self, errors: Iterable[Mapping[str, Any]] = (),
-               regenerations: RegenerationsRef | None = None) -> CommitResult:
+               regenerations: RegenerationsRef | None = None,
+               checks: Mapping[str, Any] | None = None) -> CommitResult:
         """Finish, publish and return the unit's commit record (see the class docstring).
 
         `errors` are this unit's samples that could not be extracted
@@ -412,6 +413,7 @@ class ShardWriter:
         sample of the unit is accounted for. `regenerations` names this attempt's table
         of regenerated conversations, already stored whole: it becomes visible with the
         shard, through the record, and is deleted with it when another attempt won.
+        `checks` is what the self-check found in the unit (CommitRecord.checks).
         """
         self._check_open()
         try:
@@ -445,6 +447,7 @@ class ShardWriter:
             "errors": error_rows,
             "committed_at": _now_iso(),
             "regenerations": regenerations,
+            "checks": dict(checks) if checks is not None else None,
         })
         own = [self.key] + ([regenerations.key] if regenerations is not None else [])
         unit = unit_name(self.unit)

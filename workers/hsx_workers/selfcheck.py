@@ -1,0 +1,233 @@
+"""The self-check: every captured sample's states looked at before its shard takes them.
+
+A capture that is silently wrong (all zeros after a vLLM change, NaN from one request, the
+layer ids shifted so two ids hold the same state, a scale off by orders of magnitude)
+trains a draft that validates and then accepts nothing when served. `StatesCheck` looks
+at each sample as the worker hands it to the shard writer (worker.py `_take`), per layer:
+
+- `nonfinite`: a row holds NaN or inf;
+- `zero`: a row is all zeros (for id 0, the embeddings, only a whole layer: a padding
+  token's embedding may be zero);
+- `identical`: two layers hold the same state;
+- `scale`: the layer's median row RMS is beyond `ABSOLUTE_RMS`, or `SCALE_FACTOR` times
+  above or below what the job's first samples on this worker showed (the reference: the
+  per-layer median over the first `REFERENCE_SAMPLES`, which are checked against it once
+  it is known; a fault in one of them cannot move a median of several).
+
+Cost: one pass over the states (the row norms, `torch.linalg.vector_norm` over H, [T, L]
+out), on the tensor or mapped array already in hand, without a copy; everything else
+works on the [T, L] norms. Two layers are compared element by element only when their
+row norms are equal on every token, which distinct layers never are.
+
+Who calls what: the worker builds one `StatesCheck` per job it serves (`mode` from the
+job's `checks:`), calls `check(sample_index, states, scales)` for each sample and
+`finish()` before a unit commits; `take_report()` gives the unit's numbers for its commit
+record. Under `checks: on` a problem raises `StatesCheckFailed`, which the dispatcher
+treats as the job's end (no retry: the same states would trip again).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+CHECK_MODES = ("on", "warn", "off")
+CHECKS_DONE = ("nonfinite", "zero", "identical", "scale")
+REFERENCE_SAMPLES = 8
+SCALE_FACTOR = 1e3
+"""A sample's layer this many times above or below the reference trips `scale`. Within a
+real model's layer the median row RMS of two samples differs by a few times at most (a
+one-token sample is its attention sink, ~100x); a scale bug is orders of magnitude."""
+ABSOLUTE_RMS = (1e-6, 1e5)
+"""Median row RMS outside these bounds trips `scale` whatever the reference: no trained
+or randomly initialized model's residual stream is there (massive activations reach
+~1e4 in a few channels, an RMS of ~1e2-1e3)."""
+MAX_RECORDED = 20  # problems kept word for word per unit under `checks: warn`
+
+# The spool's arrays map read-only pages; torch warns that writing through its view
+# would be undefined. The check only reads them.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+class StatesCheckFailed(RuntimeError):
+    """A captured state is wrong (`checks: on`): the job stops, its units not retried."""
+
+
+def is_check_failure(err: BaseException) -> bool:
+    """Whether `err` (or the cause Ray wrapped) is a tripped self-check."""
+    return isinstance(err, StatesCheckFailed) or isinstance(
+        getattr(err, "cause", None), StatesCheckFailed)
+
+
+@dataclass
+class StatesCheck:
+    """One job's self-check on one worker; see the module docstring."""
+
+    mode: str
+    layers: list[int]
+    samples: int = 0  # checked, this unit
+    problems: list[str] = field(default_factory=list)  # this unit's, word for word
+    problem_count: int = 0  # this unit's
+    _reference: list[float] | None = None  # per layer: median row RMS of the first samples
+    _pending: list[tuple[int, list[float]]] = field(default_factory=list)  # (sample, RMS)
+
+    def __post_init__(self) -> None:
+        if self.mode not in CHECK_MODES:
+            raise ValueError(f"checks must be one of {CHECK_MODES}, got {self.mode!r}")
+
+    def check(self, sample_index: int, states: Any, scales: Any = None) -> None:
+        """Look at one sample's [T, L, H] states (torch, or numpy as the spool maps them;
+        float8 with its [T, L] `scales`). Raises StatesCheckFailed under `on`."""
+        shape = tuple(states.shape)
+        if self.mode == "off" or len(shape) != 3 or shape[1] != len(self.layers) or not shape[0]:
+            return  # not [T, L, H]: the shard writer refuses it with its own words
+        import torch
+
+        # On one thread: on a CPU host the engine keeps every core busy, and torch's
+        # OpenMP team waiting on its threads made the check 3-8x slower (0.4-1.0 ms a
+        # tiny sample against 0.12 on one thread, with the 2-core machine loaded).
+        threads = torch.get_num_threads()
+        if threads != 1:
+            torch.set_num_threads(1)
+        try:
+            self._check(sample_index, states, scales)
+        finally:
+            if threads != 1:
+                torch.set_num_threads(threads)
+
+    def _check(self, sample_index: int, states: Any, scales: Any) -> None:
+        import torch
+
+        norms = row_norms(states, scales)  # [T, L] float32, on the states' device
+        t = norms.shape[0]
+        finite = torch.isfinite(norms)
+        zero = norms == 0
+        # Per layer, one small tensor brought to the host at once: rows not finite,
+        # rows zero, and the median row norm.
+        bad_rows, zero_rows, medians = torch.stack(
+            [(~finite).sum(dim=0).float(), zero.sum(dim=0).float(),
+             norms.median(dim=0).values]).cpu().tolist()
+        found: list[str] = []
+        for li, layer in enumerate(self.layers):
+            if bad_rows[li]:
+                first = int(torch.nonzero(~finite[:, li])[0, 0])
+                found.append(f"layer {layer}: {int(bad_rows[li])} of {t} rows hold NaN or "
+                             f"inf (the first at token {first})")
+            elif zero_rows[li] == t or (zero_rows[li] and layer != 0):
+                first = int(torch.nonzero(zero[:, li])[0, 0])
+                found.append(f"layer {layer}: {int(zero_rows[li])} of {t} rows are all "
+                             f"zeros (the first at token {first})")
+        if not found:
+            found += self._identical(states, scales, norms)
+        rms: list[float] = []
+        if not found:
+            root_h = math.sqrt(int(states.shape[-1]))
+            rms = [m / root_h for m in medians]
+            low, high = ABSOLUTE_RMS
+            for layer, value in zip(self.layers, rms, strict=True):
+                if not low <= value <= high:
+                    found.append(f"layer {layer}: its median row RMS is {value:.3g}, "
+                                 f"outside [{low:g}, {high:g}] (states scaled wrong?)")
+        self.samples += 1
+        if found:
+            self._problem(sample_index, found)
+        elif self._reference is None:
+            self._pending.append((sample_index, rms))
+            if len(self._pending) >= REFERENCE_SAMPLES:
+                self._learn()
+        else:
+            self._against_reference(sample_index, rms)
+
+    def finish(self) -> None:
+        """Before a unit commits: a reference from fewer samples than REFERENCE_SAMPLES
+        (a small first unit) is learned from what there is, and they are checked."""
+        if self.mode != "off" and self._reference is None and len(self._pending) >= 3:
+            self._learn()
+
+    def take_report(self) -> dict[str, Any]:
+        """The unit's numbers for its commit record; the counts start again."""
+        report = {"mode": self.mode, "samples": self.samples,
+                  "problems": self.problem_count, "found": list(self.problems)}
+        self.samples, self.problem_count, self.problems = 0, 0, []
+        return report
+
+    def _identical(self, states: Any, scales: Any, norms: Any) -> list[str]:
+        import torch
+
+        # Layers whose row norms are equal on every token (one comparison of all pairs);
+        # only those are compared element by element.
+        same_norms = (norms[:, :, None] == norms[:, None, :]).all(dim=0).triu(diagonal=1)
+        found = []
+        for a, b in torch.nonzero(same_norms).tolist():
+            x = as_torch(states)
+            if x.dtype == torch.float8_e4m3fn:  # compared bitwise
+                x = x.view(torch.uint8)
+            same = torch.equal(x[:, a], x[:, b]) and (
+                scales is None or np.array_equal(np.asarray(scales)[:, a],
+                                                 np.asarray(scales)[:, b]))
+            if same:
+                found.append(f"layers {self.layers[a]} and {self.layers[b]} hold "
+                             "identical states (layer ids shifted or copied?)")
+        return found
+
+    def _learn(self) -> None:
+        pending, self._pending = self._pending, []
+        self._reference = [float(np.median(column)) for column in zip(*(m for _, m in pending),
+                                                                       strict=True)]
+        for sample_index, rms in pending:
+            self._against_reference(sample_index, rms)
+
+    def _against_reference(self, sample_index: int, rms: list[float]) -> None:
+        found = []
+        for layer, ref, value in zip(self.layers, self._reference or rms, rms, strict=True):
+            if ref > 0 and not ref / SCALE_FACTOR <= value <= ref * SCALE_FACTOR:
+                found.append(f"layer {layer}: its median row RMS is {value:.3g}, "
+                             f"{value / ref:.3g} times the job's first samples' "
+                             f"({ref:.3g}; states scaled wrong?)")
+        if found:
+            self._problem(sample_index, found)
+
+    def _problem(self, sample_index: int, found: list[str]) -> None:
+        self.problem_count += len(found)
+        words = [f"sample {sample_index} (dataset row {sample_index}), {f}" for f in found]
+        if self.mode == "on":
+            more = f"; and {len(words) - 3} more" if len(words) > 3 else ""
+            raise StatesCheckFailed(
+                "self-check failed: " + "; ".join(words[:3]) + more + " — the job stops before "
+                "writing more (`checks: warn` records such states and goes on)")
+        room = MAX_RECORDED - len(self.problems)
+        self.problems.extend(words[:max(room, 0)])
+
+
+def as_torch(states: Any) -> Any:
+    """`states` as a torch tensor sharing its memory (numpy bf16/fp8 viewed bitwise)."""
+    import torch
+
+    if isinstance(states, torch.Tensor):
+        return states
+    kind = str(states.dtype)
+    if kind == "bfloat16":
+        return torch.from_numpy(states.view(np.uint16)).view(torch.bfloat16)
+    if kind == "float8_e4m3fn":
+        return torch.from_numpy(states.view(np.uint8)).view(torch.float8_e4m3fn)
+    return torch.from_numpy(states)
+
+
+def row_norms(states: Any, scales: Any = None) -> Any:
+    """[T, L] float32 L2 norm of every row of [T, L, H] states (dequantized by `scales`)."""
+    import torch
+
+    x = as_torch(states)
+    if x.dtype == torch.float8_e4m3fn:  # torch has no fp8 reductions on every device
+        norms = torch.linalg.vector_norm(x.float(), dim=-1)
+    else:
+        norms = torch.linalg.vector_norm(x, dim=-1).float()
+    if scales is not None:
+        scale = scales if isinstance(scales, torch.Tensor) else torch.from_numpy(
+            np.asarray(scales, dtype=np.float32))
+        norms = norms * scale.to(norms.device)
+    return norms

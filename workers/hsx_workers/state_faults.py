@@ -1,0 +1,90 @@
+"""Wrong states on purpose, for the self-check's tests: `HSX_FAULT_STATES`.
+
+The value names the fault, as the bugs it stands for would make it:
+
+- `zeros`: every state is zero (vLLM #46301);
+- `nan:<sample>`: one value of that sample (its sample_index) is NaN (speculators #994);
+- `copy_layer`: the second stored layer holds the first one's state (layer ids shifted);
+- `scale:<factor>`: every state times `factor`; `scale:<factor>:<sample>`: that sample's.
+
+**Design note: read by the driver, passed per unit.** The engines of a pool are Ray
+actors started once and shared by every job (tests/conftest.py's pool, the coordinator's),
+so a variable set after they started would never reach their processes (Ray gives an
+actor its environment when it is created). The job driver reads the variable for each
+unit (`fault_of_environment`) and hands it to `ExtractionWorker.run_unit`, which applies
+it before the check. It is the driver's process environment, which only whoever starts
+`hsx extract` or `hsx serve` sets: no job option can name a fault, and a job runs no code.
+Unset, a unit carries `None` and nothing here runs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+ENV = "HSX_FAULT_STATES"
+
+
+def fault_of_environment() -> str | None:
+    """The fault the driver's environment asks for (validated), or None."""
+    value = os.environ.get(ENV, "").strip()
+    if not value:
+        return None
+    parse(value)
+    return value
+
+
+def parse(value: str) -> tuple[str, float, int | None]:
+    """(kind, factor, sample) of a fault; ValueError for a value that names none."""
+    kind, _, rest = value.partition(":")
+    args = rest.split(":") if rest else []
+    try:
+        if kind in ("zeros", "copy_layer") and not args:
+            return kind, 1.0, None
+        if kind == "nan" and len(args) == 1:
+            return kind, 1.0, int(args[0])
+        if kind == "scale" and len(args) in (1, 2):
+            return kind, float(args[0]), int(args[1]) if len(args) == 2 else None
+    except ValueError:
+        pass
+    raise ValueError(f"{ENV}={value!r} names no fault (zeros, nan:<sample>, copy_layer, "
+                     "scale:<factor>[:<sample>])")
+
+
+def apply(value: str, sample_index: int, states: Any, scales: Any) -> tuple[Any, Any]:
+    """`states` (and fp8 `scales`) of one sample with the fault in them: a copy, where
+    the fault touches this sample; the arrays given otherwise."""
+    kind, factor, sample = parse(value)
+    if sample is not None and sample != sample_index:
+        return states, scales
+    states = _copy(states)
+    scales = None if scales is None else _copy(scales)
+    if kind == "zeros":
+        states[...] = 0
+    elif kind == "copy_layer":
+        states[:, 1] = states[:, 0]
+        if scales is not None:
+            scales[:, 1] = scales[:, 0]
+    elif kind == "nan":
+        t, layers = states.shape[0], states.shape[1]
+        if scales is not None:
+            scales[t // 2, layers // 2] = np.nan
+        else:
+            states[t // 2, layers // 2, 0] = np.nan
+    elif scales is not None:
+        scales *= factor
+    else:
+        states = _scaled(states, factor)
+    return states, scales
+
+
+def _copy(array: Any) -> Any:
+    return array.clone() if hasattr(array, "clone") else np.array(array)
+
+
+def _scaled(states: Any, factor: float) -> Any:
+    if hasattr(states, "clone"):
+        return (states.float() * factor).to(states.dtype)
+    return (states.astype(np.float32) * factor).astype(states.dtype)
