@@ -16,7 +16,7 @@ The model is the tests' tiny Llama by default (H 256: next to its compute, per-t
 I/O and the check's pass over the states weigh the most of any model: the worst case);
 `--model large` is bench_pipeline's 8-layer H 1024 model.
 
-Run: `python benchmarks/bench_selfcheck.py [--quick] [--model tiny|large]`; results into
+Run: `python -m benchmarks.bench_selfcheck [--quick] [--model tiny|large]`; results into
 benchmarks/results/<date>-selfcheck/selfcheck.json with the command.
 """
 
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
+from benchmarks import common
 
 MODELS = {"tiny": (4, 256, 4, 2, 512), "large": (8, 1024, 16, 4, 2816)}  # L, H, heads, kv, I
 VARIANTS = ("on", "off")
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                        / "selfcheck.json")
     with tempfile.TemporaryDirectory(prefix="hsx-bench-selfcheck-", dir=args.workdir) as tmp:
         payload = run(args.model, prompts_n, reps, Path(tmp))
-    payload["command"] = " ".join(["python", "benchmarks/bench_selfcheck.py", *sys.argv[1:]])
+    payload["command"] = " ".join(["python", "-m", "benchmarks.bench_selfcheck", *sys.argv[1:]])
     common.save_section(out, f"selfcheck-{args.model}", payload, common.machine_info())
     entry = payload["ratios"]["on/off"]
     print(common.table(common.RATIO_HEADERS, [common.ratio_row("on/off", entry)]))

@@ -177,6 +177,12 @@ FAULT_POINT = _register(Setting(
     "Crash tests only: the process SIGKILLs itself the n-th time it passes a named step "
     "of the commit or checkpoint protocol (hsx.output.faults lists them); read at "
     "import.", _text))
+FAULT_STATES = _register(Setting(
+    "HSX_FAULT_STATES", "kind[:args]", "",
+    "Self-check tests only: the states of each unit are made wrong on purpose before the "
+    "check (zeros, nan:<sample>, copy_layer, scale:<factor>[:<sample>]; "
+    "hsx_workers.state_faults); read by the job's driver for each unit, never by a job.",
+    _text))
 
 # ------------------------------------------------------------------ ingestion
 

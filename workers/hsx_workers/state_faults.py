@@ -19,17 +19,18 @@ Unset, a unit carries `None` and nothing here runs.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
-ENV = "HSX_FAULT_STATES"
+from hsx import settings
+
+ENV = settings.FAULT_STATES.name
 
 
 def fault_of_environment() -> str | None:
     """The fault the driver's environment asks for (validated), or None."""
-    value = os.environ.get(ENV, "").strip()
+    value = settings.FAULT_STATES.get()
     if not value:
         return None
     parse(value)
