@@ -41,7 +41,7 @@ def child(variant: str, model: str) -> dict[str, Any]:
     started = time.perf_counter()
     from hsx.modelinfo import read_model_info
     from hsx.spec import JobSpec
-    from hsx_service.engine_pool import engine_config_for
+    from hsx_service.engine_config import engine_config_for
     from hsx_workers import vllm_compat
     from hsx_workers.engines.factory import create_engine
 

@@ -205,7 +205,7 @@ class HsxRunner:
         """The EngineConfig `hsx extract` would build for this job."""
         import inspect
 
-        from hsx_service.engine_pool import engine_config_for
+        from hsx_service.engine_config import engine_config_for
 
         # engine_config_for(job) or engine_config_for(spec, model, layers): both existed.
         config_for: Any = engine_config_for

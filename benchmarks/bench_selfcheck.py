@@ -76,7 +76,8 @@ def run(model: str, prompts_n: int, reps: int, work: Path) -> dict[str, Any]:
     from concurrent.futures import ThreadPoolExecutor
 
     from hsx.spec import JobSpec
-    from hsx_service.engine_pool import DISPATCH_DEPTH, engine_config_for
+    from hsx_service.engine_config import engine_config_for
+    from hsx_service.engine_pool import DISPATCH_DEPTH
     from hsx_service.prepare import prepare
     from hsx_workers.tiny_models import make_tiny_model
     from hsx_workers.worker import ExtractionWorker

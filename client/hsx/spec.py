@@ -438,7 +438,7 @@ class JobSpec(BaseModel):
             "(s3://bucket/prefix; credentials and endpoint from the AWS_* variables)."
         ),
     )
-    layers: list[int | MethodName] | None = Field(
+    layers: list[int | str] | None = Field(
         None,
         description=(
             "Layer ids to capture (see docs/FORMAT.md: id k < N is the input of decoder "
@@ -554,6 +554,10 @@ class JobSpec(BaseModel):
             return None
         if not layers:
             raise ValueError("layers must not be empty (omit it for the default)")
+        for i, k in enumerate(layers):
+            if isinstance(k, str) and k not in METHODS:
+                raise ValueError(f"layers.{i}: {k!r} is neither a layer id nor a draft "
+                                 f"method ({', '.join(METHODS)})")
         negative = [k for k in layers if isinstance(k, int) and k < 0]
         if negative:
             raise ValueError(f"layer ids must be >= 0, got {negative}")

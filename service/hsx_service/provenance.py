@@ -52,7 +52,7 @@ def config_sha256(info: ModelInfo) -> str | None:
 
 def engine_arguments(spec: JobSpec, info: ModelInfo, layers: list[int]) -> dict[str, Any]:
     """What the job's engines are built with, secret-looking values redacted."""
-    from hsx_service.engine_pool import engine_config_for
+    from hsx_service.engine_config import engine_config_for
     from hsx_service.policy import redacted
 
     config = engine_config_for(redacted(spec), info, layers)

@@ -38,12 +38,8 @@ from hsx_service.dispatch import (
     DispatchResult,
     disk_full_message,
 )
-from hsx_service.engine_pool import (
-    EnginePool,
-    Waits,
-    connect_ray,
-    engine_config_for,
-)
+from hsx_service.engine_config import engine_config_for
+from hsx_service.engine_pool import EnginePool, Waits, connect_ray
 from hsx_service.errors import JobCancelled, JobFailed, JobRefused
 from hsx_service.online import OnlineFeed
 from hsx_service.placement import ClusterShape, plan_job

@@ -41,7 +41,8 @@ from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_METRICS
 from hsx.spec import JobSpec, TrainSpec
 from hsx.wire import DraftEval, TrainPlan, TrainPoint, TrainState, TrainStatus, ValidationPoint
-from hsx_service.engine_pool import engine_bundles, engine_resources, in_group, target_engine_args
+from hsx_service.engine_config import target_engine_args
+from hsx_service.engine_pool import engine_bundles, engine_resources, in_group
 from hsx_service.errors import JobConflict
 from hsx_service.ledger import Ledger, TrainRow
 from hsx_service.placement import EVALUATION, TRAINER, GpuArbiter, Holder, place

@@ -14,7 +14,8 @@ import pytest
 
 from hsx.dataset import HiddenStatesDataset
 from hsx.output import Output
-from hsx_service.runner import JobFailed, run_job
+from hsx_service.errors import JobFailed
+from hsx_service.runner import run_job
 from hsx_workers.state_faults import ENV
 from hsx_workers.tiny_models import ChatDataset
 

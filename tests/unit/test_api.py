@@ -270,7 +270,8 @@ def test_same_id_other_spec_is_409(client: TestClient, tmp_path: Path) -> None:
     [
         ({"replica": 2}, {}, "spec.replica", "spec.replica: unknown field"),
         ({"layers": [1, 1]}, {}, "spec.layers", "duplicate layer ids"),
-        ({"layers": [1, "x"]}, {}, "spec.layers", "spec.layers.1: "),
+        ({"layers": [1, "x"]}, {}, "spec.layers",
+         "layers.1: 'x' is neither a layer id nor a draft method"),
         ({"storage_dtype": "fp4"}, {}, "spec.storage_dtype", "spec.storage_dtype"),
         ({"replicas": 0}, {}, "spec.replicas", "greater than or equal to 1"),
         ({}, {"colour": "red"}, "colour", "colour: unknown field"),

@@ -481,7 +481,7 @@ def test_hsx_extract_measures_its_draft_as_the_coordinator_does(
     output (not following it)."""
     import hsx.cli.training as cli_training
     import hsx_workers.acceptance as acceptance
-    from hsx_service.engine_pool import target_engine_args
+    from hsx_service.engine_config import target_engine_args
 
     root = make_output(tmp_path / "out", tiny_llama)
     job = JobSpec(model=str(tiny_llama), dataset="d.jsonl", output=str(root),

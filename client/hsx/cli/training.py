@@ -291,7 +291,7 @@ def _measure_draft(job: Any, output: str) -> int:
     spec = job.train
     from hsx.draft import draft_folder
     from hsx.output import Output, StorageError
-    from hsx_service.engine_pool import target_engine_args
+    from hsx_service.engine_config import target_engine_args
     from hsx_workers.acceptance import evaluate_draft
 
     _release_training_memory()
@@ -348,7 +348,7 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
         engine: dict[str, Any] = {}
         if args.job:  # the target as the job's engines load it: TP, dtype, its vllm: ones
             from hsx.spec import load_job
-            from hsx_service.engine_pool import target_engine_args
+            from hsx_service.engine_config import target_engine_args
 
             engine = target_engine_args(load_job(args.job))
         if args.tensor_parallel_size:

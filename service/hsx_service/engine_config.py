@@ -1,0 +1,56 @@
+"""The engine a job's spec asks for: `EngineConfig` for its capture engines, and vLLM's
+arguments for its target outside capture (the draft's evaluation). Pure functions of the
+spec and the model's config, kept apart from the pool that starts engines so preflight
+and the manifest's provenance can ask without importing the pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hsx.modelinfo import ModelInfo
+from hsx.spec import JobSpec
+
+
+def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int],
+                      memory: float | None = None) -> Any:
+    """`memory`: the fraction of each GPU's memory vLLM takes, as the job's plan says
+    (`ResourcePlan.engine_memory`: less when an online trainer shares the GPU); default
+    the spec's."""
+    from hsx_workers.engines.base import EngineConfig
+
+    options: dict[str, Any] = {"cpu_kvcache_gib": spec.vllm.cpu_kvcache_gib}
+    if spec.vllm.max_num_batched_tokens is not None:
+        options["max_num_batched_tokens"] = spec.vllm.max_num_batched_tokens
+    if spec.vllm.enforce_eager:
+        options["enforce_eager"] = True
+    options["gpu_memory_utilization"] = memory or spec.vllm.gpu_memory_utilization
+    options["max_inflight_tokens"] = spec.vllm.max_inflight_tokens
+    if spec.vllm.engine_args():
+        options["engine_args"] = spec.vllm.engine_args()
+    if spec.regenerate is not None:
+        options["generates"] = True  # sampling with per-request seeds (vllm_engine.py)
+    return EngineConfig(
+        model=spec.model,
+        layers=layers,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        max_seq_len=spec.max_seq_len,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        trust_remote_code=spec.trust_remote_code,
+        dtype=spec.vllm.dtype,
+        options=options,
+        storage_dtype=spec.storage_dtype,
+    )
+
+
+def target_engine_args(spec: JobSpec) -> dict[str, Any]:
+    """vLLM's arguments for the job's target outside capture (the draft's evaluation):
+    as the job's engines load it — tensor parallelism, dtype, memory share, remote code
+    and the job's own `vllm:` engine arguments."""
+    return {
+        "tensor_parallel_size": spec.tensor_parallel_size,
+        "dtype": spec.vllm.dtype,
+        "trust_remote_code": spec.trust_remote_code,
+        "gpu_memory_utilization": spec.vllm.gpu_memory_utilization,
+        **spec.vllm.engine_args(),
+    }
