@@ -354,6 +354,8 @@ class FakeJob:
             "samples_total": self.samples_total,
             "samples_done": samples_done,
             "samples_failed": len(self.failed_samples(now)),
+            "samples_checked": samples_done,
+            "check_problems": 0,
             "tokens_total": tokens_total,
             "tokens_done": tokens_done,
             "bytes": int(fraction * tokens_total) * 4 * 4096 * 2,

@@ -166,6 +166,7 @@ def test_job_page_follows_a_running_job(browser: WebDriver, fake_api: FakeCoordi
     wait(browser, lambda d: text(d, "#state") == "succeeded", timeout=30, what="final state")
     assert progress(browser) == 100
     assert text(browser, "#progress-text").startswith("1,200 / 1,200 samples")
+    assert text(browser, "#stat-checks") == "1,200 checked"  # every sample's states
     assert browser.find_element(By.CSS_SELECTOR, "#cancel-btn").get_attribute("hidden")
     # The workers now show what each committed over the job.
     assert_worker_totals(browser, job)

@@ -210,6 +210,7 @@ function renderJob(current, status) {
     : "–";
   $("#stat-failed").textContent = fmtInt(status.samples_failed);
   $("#stat-failed").classList.toggle("warn", status.samples_failed > 0);
+  renderChecks(status);
   $("#stat-restarts").textContent = fmtInt(status.restarts);
   $("#stat-restarts").classList.toggle("warn", status.restarts > 0);
   renderElapsed(status);
@@ -236,6 +237,22 @@ function ingestionText(status) {
   if (!done && !total) return "–";
   if (!status.ingesting) return fmtInt(done);
   return total ? `${fmtInt(done)} / ~${fmtInt(total)}` : fmtInt(done);
+}
+
+// The self-check of the captured states (spec `checks`): samples checked in committed
+// units, and the problems `checks: warn` recorded (under `on` a problem fails the job and
+// its message is the job's last error).
+function renderChecks(status) {
+  const mode = (status.spec || {}).checks || "on";
+  const problems = status.check_problems || 0;
+  const node = $("#stat-checks");
+  node.textContent = mode === "off" ? "off"
+    : `${fmtInt(status.samples_checked || 0)} checked`
+      + (problems ? ` · ${fmtInt(problems)} problem${problems === 1 ? "" : "s"}` : "")
+      + (mode === "warn" ? " (warn)" : "");
+  node.classList.toggle("warn", problems > 0);
+  node.title = mode === "off" ? "checks: off: the captured states are not checked"
+    : "NaN/inf, all-zero rows, identical layers and a wild scale, per sample and layer";
 }
 
 function etaText(status) {
