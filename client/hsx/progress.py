@@ -42,6 +42,10 @@ class JobProgress:
     # (under `checks: warn`; `on` fails the job at the first).
     samples_checked: int = 0
     check_problems: int = 0
+    # The head check (docs/MODELS.md): rows of id N compared with the engine's own next
+    # token, and those that agreed.
+    head_rows_checked: int = 0
+    head_rows_agreed: int = 0
 
     @classmethod
     def of_ingestion(cls, rows: int, rows_total: int) -> JobProgress:
@@ -84,6 +88,8 @@ class JobProgress:
             "rows_total": self.rows_total,
             "samples_checked": self.samples_checked,
             "check_problems": self.check_problems,
+            "head_rows_checked": self.head_rows_checked,
+            "head_rows_agreed": self.head_rows_agreed,
             "ingesting": self.ingesting,
         }
 

@@ -133,6 +133,11 @@ class JobStatus(BaseModel):
         "says where).")
     check_problems: int = Field(
         0, description="Problems the self-check found and recorded (`checks: warn`).")
+    head_rows_checked: int = Field(
+        0, description="Rows of the last layer (id N) the self-check's head check compared "
+        "with the engine's own next token: lm_head(norm(h_N)) against its top-1.")
+    head_rows_agreed: int = Field(
+        0, description="Of those, the rows that agreed (a correct capture: nearly all).")
     rows_tokenized: int = Field(
         0, description="Dataset rows ingested (tokenized, or recorded as bad) so far.")
     rows_total: int = Field(

@@ -278,6 +278,8 @@ class Dispatch:
         checks = getattr(report, "checks", None) or {}
         progress.samples_checked += int(checks.get("samples", 0))
         progress.check_problems += int(checks.get("problems", 0))
+        progress.head_rows_checked += int(checks.get("head_rows", 0))
+        progress.head_rows_agreed += int(checks.get("head_agreed", 0))
         if self.hooks.on_unit_done is not None:
             self.hooks.on_unit_done(report)
 

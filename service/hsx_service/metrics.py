@@ -59,6 +59,10 @@ METRICS: dict[str, tuple[str, str]] = {
                                       "committed units."),
     "hsx_job_check_problems_total": ("counter", "Problems the self-check recorded "
                                      "(`checks: warn`; under `on` the first fails the job)."),
+    "hsx_job_head_rows_checked_total": ("counter", "Rows of id N the head check compared "
+                                        "with the engine's own next token."),
+    "hsx_job_head_rows_agreed_total": ("counter", "Of those, rows where lm_head(norm(h_N)) "
+                                       "agreed with the engine."),
     "hsx_unit_seconds": ("histogram", "Seconds from dispatching a work unit to its commit."),
     "hsx_train_step": ("gauge", "Optimizer step of the job's draft training."),
     "hsx_train_loss": ("gauge", "Loss at the training's last logged step."),
@@ -190,6 +194,8 @@ class JobMetrics:
             fam["hsx_job_unit_failures_total"].add_metric(job, failures.get(s.id, 0))
             fam["hsx_job_samples_checked_total"].add_metric(job, s.samples_checked)
             fam["hsx_job_check_problems_total"].add_metric(job, s.check_problems)
+            fam["hsx_job_head_rows_checked_total"].add_metric(job, s.head_rows_checked)
+            fam["hsx_job_head_rows_agreed_total"].add_metric(job, s.head_rows_agreed)
             fam["hsx_job_waiting"].add_metric(job, 1.0 if s.waiting_for else 0.0)
             if s.state == JobState.running:
                 since = last_commit.get(s.id, s.started_at or now)

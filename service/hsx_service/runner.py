@@ -61,13 +61,17 @@ class JobSummary:
     restarts: int = 0
     samples_checked: int = 0  # by the self-check, over every committed unit
     check_problems: int = 0  # what it found (under `checks: warn`)
+    head_rows_checked: int = 0  # rows of id N against the engine's next token
+    head_rows_agreed: int = 0
 
     @classmethod
     def of(cls, totals: OutputTotals, output: str, seconds: float, **extra: Any) -> JobSummary:
         return cls(output=output, samples=totals.samples, errors=totals.errors,
                    tokens=totals.tokens, bytes=totals.bytes, shards=totals.units_done,
                    seconds=seconds, samples_checked=totals.samples_checked,
-                   check_problems=totals.check_problems, **extra)
+                   check_problems=totals.check_problems,
+                   head_rows_checked=totals.head_rows_checked,
+                   head_rows_agreed=totals.head_rows_agreed, **extra)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -152,7 +156,8 @@ def finish(job: PreparedJob, started: float, *, restarts: int = 0) -> JobSummary
     summary = JobSummary.of(job.output.totals(), str(job.output), time.time() - started,
                             restarts=restarts)
     checks = {"mode": job.spec.checks, "samples": summary.samples_checked,
-              "problems": summary.check_problems}
+              "problems": summary.check_problems, "head_rows": summary.head_rows_checked,
+              "head_agreed": summary.head_rows_agreed}
     job.output.mark_complete({**summary.as_dict(), "checks": checks,
                               "hsx_version": __version__, "completed_at": time.time()})
     return summary

@@ -39,7 +39,8 @@ CURVE_INTERVAL_S = 2.0  # a throughput point this often while a job extracts
 _STATUS_NUMBERS = ("samples_total", "samples_done", "samples_failed", "tokens_total",
                    "tokens_done", "bytes", "shards", "units_total", "units_done", "units_failed",
                    "samples_generated", "tokens_generated", "rows_tokenized", "rows_total",
-                   "samples_checked", "check_problems")
+                   "samples_checked", "check_problems", "head_rows_checked",
+                   "head_rows_agreed")
 
 
 class JobStatuses:

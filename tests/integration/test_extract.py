@@ -104,6 +104,14 @@ def test_every_good_row_is_in_exactly_one_shard(
                and r.checks.problems == 0 for r in ds.records)
     assert vllm_run.summary.samples_checked == vllm_run.summary.samples
     assert vllm_run.progress[-1]["samples_checked"] == vllm_run.summary.samples
+    # Its head check took the engine's first 8 requests: lm_head(norm(h_N)) gives the
+    # engine's own next token on the rows compared (up to bf16 near-ties).
+    summary = vllm_run.summary
+    assert sum(r.checks.head_samples for r in ds.records if r.checks) >= 8
+    assert summary.head_rows_checked >= 8 * 16
+    assert summary.head_rows_agreed >= 0.98 * summary.head_rows_checked
+    assert all(r.checks.head_missing == "" for r in ds.records if r.checks)
+    assert vllm_run.progress[-1]["head_rows_checked"] == summary.head_rows_checked
     # Provenance: which libraries and engine arguments computed the states, on which config.
     provenance = ds.manifest.provenance or {}
     assert provenance["versions"]["vllm"] and provenance["versions"]["torch"]
@@ -195,6 +203,9 @@ def test_vllm_equals_hf_reference(
     # bf16 both sides; measured ~0.4-0.9% here. Layer N must be pre-norm on both sides,
     # or it would be off by far more than this.
     assert worst.max().item() < 1e-2, f"max relative error per layer {worst.tolist()}"
+    # The hf engine's head check compares with its own logits.
+    assert hf.summary.head_rows_checked >= 8 * 16
+    assert hf.summary.head_rows_agreed >= 0.98 * hf.summary.head_rows_checked
 
 
 @pytest.mark.slow  # make test-slow; test_service's jobs run 2 replicas
@@ -217,6 +228,9 @@ def test_fp8_round_trip_and_half_size(
     tmp_path: Path, make_job: Any, engine_pool: Any, vllm_run: Run, vllm_samples: dict[int, Any]
 ) -> None:
     run = _run(make_job(tmp_path / "fp8", engine="vllm", storage_dtype="fp8"), engine_pool)
+    # The head check on fp8 states, dequantized: agreement as with bf16.
+    print("fp8 head agreement", run.summary.head_rows_agreed, run.summary.head_rows_checked)
+    assert run.summary.head_rows_agreed >= 0.98 * run.summary.head_rows_checked > 0
     ds = HiddenStatesDataset(run.output)
     assert ds.manifest.storage_dtype == "fp8"
     fp8 = by_sample(run.output)

@@ -3,6 +3,8 @@ kind of wrong one is named with its sample and layer; `warn` records, `off` skip
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -27,20 +29,22 @@ def _sample(seed: int, tokens: int = 64, hidden: int = 128) -> np.ndarray:
     return x.astype(ml_dtypes.bfloat16)
 
 
-def _run(mode: str, fault: str | None = None, samples: int = 12) -> StatesCheck:
+def _run(mode: str, fault: str | None = None, samples: int = 12) -> dict[str, Any]:
+    """A unit of `samples` checked; its report."""
     check = StatesCheck(mode, LAYERS)
     for i in range(samples):
         states, scales = _sample(i), None
         if fault is not None:
             states, scales = state_faults.apply(fault, i, states, scales)
         check.check(i, states, scales)
-    check.finish()
-    return check
+    return check.take_report()
 
 
 def test_right_states_pass() -> None:
-    report = _run("on").take_report()
-    assert report == {"mode": "on", "samples": 12, "problems": 0, "found": []}
+    report = _run("on")
+    assert report == {"mode": "on", "samples": 12, "problems": 0, "found": [],
+                      "head_samples": 0, "head_rows": 0, "head_agreed": 0,
+                      "head_missing": "no head loaded"}
 
 
 @pytest.mark.parametrize("fault, words", [
@@ -60,11 +64,11 @@ def test_each_wrong_state_trips_naming_sample_and_layer(fault: str, words: str) 
 
 
 def test_warn_records_and_goes_on_off_skips() -> None:
-    report = _run("warn", "nan:3").take_report()
+    report = _run("warn", "nan:3")
     assert report["samples"] == 12 and report["problems"] == 1
     assert "sample 3 " in report["found"][0]
-    assert len(_run("warn", "zeros").take_report()["found"]) == MAX_RECORDED
-    assert _run("off", "zeros").take_report()["samples"] == 0
+    assert len(_run("warn", "zeros")["found"]) == MAX_RECORDED
+    assert _run("off", "zeros")["samples"] == 0
 
 
 def test_a_zero_embedding_row_is_no_problem_but_a_zero_layer_is() -> None:

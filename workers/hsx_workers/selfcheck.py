@@ -19,24 +19,45 @@ out), on the tensor or mapped array already in hand, without a copy; everything 
 works on the [T, L] norms. Two layers are compared element by element only when their
 row norms are equal on every token, which distinct layers never are.
 
+Where id N is captured and the target's head can be read (headcheck.py), a sample of
+requests is also checked against the engine's own next-token choice (`agreement`) and
+for a last state that is already normalized (`prenorm`). The worker asks `picks()` for
+each request it feeds (the engine then reports its top-1 per position); those samples'
+id-N rows are copied out and compared on a thread of their own, so the capture never
+waits for a head's product. A unit commits only once its samples' verdicts are in.
+
 Who calls what: the worker builds one `StatesCheck` per job it serves (`mode` from the
-job's `checks:`), calls `check(sample_index, states, scales)` for each sample and
-`finish()` before a unit commits; `take_report()` gives the unit's numbers for its commit
-record. Under `checks: on` a problem raises `StatesCheckFailed`, which the dispatcher
-treats as the job's end (no retry: the same states would trip again).
+job's `checks:`), calls `picks()` for each request, `check(sample_index, states, scales,
+predicted)` for each sample and `finish()` before a unit commits; `take_report()` gives
+the unit's numbers for its commit record. Under `checks: on` a problem raises
+`StatesCheckFailed`, which the dispatcher treats as the job's end (no retry: the same
+states would trip again).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from hsx_workers.headcheck import (
+    BF16_ROUNDOFF,
+    FP8_ROUNDOFF,
+    HEAD_EVERY,
+    HEAD_FIRST,
+    FinalHead,
+    HeadVerdict,
+    check_sample,
+    pooled_problem,
+)
+
 CHECK_MODES = ("on", "warn", "off")
-CHECKS_DONE = ("nonfinite", "zero", "identical", "scale")
+CHECKS_DONE = ("nonfinite", "zero", "identical", "scale", "prenorm", "agreement")
 REFERENCE_SAMPLES = 8
 SCALE_FACTOR = 1e3
 """A sample's layer this many times above or below the reference trips `scale`. Within a
@@ -64,24 +85,78 @@ def is_check_failure(err: BaseException) -> bool:
 
 
 @dataclass
+class UnitTally:
+    """One unit's numbers (its commit record's `checks`), the head check's verdicts of its
+    samples included, which may come in after the unit's last sample."""
+
+    samples: int = 0  # checked
+    problems: list[str] = field(default_factory=list)  # word for word, the first ones
+    problem_count: int = 0
+    head_samples: int = 0
+    head_rows: int = 0
+    head_agreed: int = 0
+
+
+@dataclass
 class StatesCheck:
     """One job's self-check on one worker; see the module docstring."""
 
     mode: str
     layers: list[int]
-    samples: int = 0  # checked, this unit
-    problems: list[str] = field(default_factory=list)  # this unit's, word for word
-    problem_count: int = 0  # this unit's
+    num_layers: int | None = None  # N: the head check looks at id N when it is captured
+    head: FinalHead | None = None  # the target's final norm and head (headcheck.py)
+    tally: UnitTally = field(default_factory=UnitTally)  # the unit being checked
     _reference: list[float] | None = None  # per layer: median row RMS of the first samples
     _pending: list[tuple[int, list[float]]] = field(default_factory=list)  # (sample, RMS)
+    # The head check: requests fed, samples picked and not yet checked, verdicts awaited
+    # (with the unit they count for); rows compared and agreed since the job started on
+    # this engine. Verdicts are taken on the capture thread and on the committer's.
+    _fed: int = 0
+    _picked: set[int] = field(default_factory=set)
+    _verdicts: list[tuple[int, Future[HeadVerdict], UnitTally]] = field(default_factory=list)
+    _job_rows: int = 0
+    _job_agreed: int = 0
+    _pooled_tripped: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.mode not in CHECK_MODES:
             raise ValueError(f"checks must be one of {CHECK_MODES}, got {self.mode!r}")
 
-    def check(self, sample_index: int, states: Any, scales: Any = None) -> None:
+    @property
+    def last(self) -> int | None:
+        """Where id N is among the stored layers (None: not captured)."""
+        n = self.num_layers
+        return self.layers.index(n) if n is not None and n in self.layers else None
+
+    @property
+    def head_missing(self) -> str:
+        """Why the head check does not run ("" when it does)."""
+        if self.mode == "off":
+            return "checks: off"
+        if self.num_layers is not None and self.last is None:
+            return f"id N ({self.num_layers}) is not captured"
+        if self.head is None:
+            return "no head loaded"
+        return self.head.missing
+
+    def picks(self, sample_index: int) -> bool:
+        """Whether the request of `sample_index`, now fed, is one the head check takes
+        (the job's first HEAD_FIRST on this engine, then one in HEAD_EVERY): its engine
+        should report its own top-1 per position."""
+        if self.head_missing:
+            return False
+        self._fed += 1
+        picked = self._fed <= HEAD_FIRST or self._fed % HEAD_EVERY == 0
+        if picked:
+            self._picked.add(sample_index)
+        return picked
+
+    def check(self, sample_index: int, states: Any, scales: Any = None,
+              predicted: list[int] | None = None) -> None:
         """Look at one sample's [T, L, H] states (torch, or numpy as the spool maps them;
-        float8 with its [T, L] `scales`). Raises StatesCheckFailed under `on`."""
+        float8 with its [T, L] `scales`); `predicted`: the engine's top-1 per position,
+        for a sample `picks` took. Raises StatesCheckFailed under `on`."""
         shape = tuple(states.shape)
         if self.mode == "off" or len(shape) != 3 or shape[1] != len(self.layers) or not shape[0]:
             return  # not [T, L, H]: the shard writer refuses it with its own words
@@ -94,10 +169,62 @@ class StatesCheck:
         if threads != 1:
             torch.set_num_threads(1)
         try:
+            self._drain(self.tally, block=False)
             self._check(sample_index, states, scales)
+            if sample_index in self._picked:
+                self._picked.discard(sample_index)
+                self._head_check(sample_index, states, scales, predicted)
         finally:
             if threads != 1:
                 torch.set_num_threads(threads)
+
+    def _head_check(self, sample_index: int, states: Any, scales: Any,
+                    predicted: list[int] | None) -> None:
+        """Copy the sample's id-N rows out and compare them on the head's thread."""
+        head, li = self.head, self.last
+        if head is None or li is None:
+            return
+        last = as_torch(states)[:, li]
+        last = last.float() if last.dtype.itemsize == 1 else last.clone()
+        roundoff = BF16_ROUNDOFF
+        if scales is not None:
+            import torch
+
+            last = last.float() * torch.as_tensor(np.asarray(scales)[:, li])[:, None]
+            roundoff = FP8_ROUNDOFF
+        layer = self.layers[li]
+        future = _head_pool().submit(check_sample, head, last, predicted, layer, roundoff)
+        with self._lock:
+            self._verdicts.append((sample_index, future, self.tally))
+
+    def _drain(self, unit: UnitTally, block: bool) -> None:
+        """Take the head check's verdicts of `unit` that are in (all of them, waiting, when
+        `block`). Each unit's are taken on the thread that settles it: a verdict that
+        trips fails that unit."""
+        while True:
+            with self._lock:
+                ready = [v for v in self._verdicts if v[2] is unit and (block or v[1].done())]
+                if not ready:
+                    return
+                for v in ready:
+                    self._verdicts.remove(v)
+            for sample_index, future, tally in ready:
+                self._take_verdict(sample_index, future.result(), tally)
+
+    def _take_verdict(self, sample_index: int, verdict: HeadVerdict, tally: UnitTally) -> None:
+        with self._lock:
+            tally.head_samples += 1
+            tally.head_rows += verdict.rows
+            tally.head_agreed += verdict.agreed
+            self._job_rows += verdict.rows
+            self._job_agreed += verdict.agreed
+            found = list(verdict.problems)
+            pooled = pooled_problem(self._job_rows, self._job_agreed, int(self.num_layers or 0))
+            if pooled and not self._pooled_tripped:
+                self._pooled_tripped = True
+                found.append(pooled)
+        if found:
+            self._problem(sample_index, found, tally)
 
     def _check(self, sample_index: int, states: Any, scales: Any) -> None:
         import torch
@@ -132,7 +259,7 @@ class StatesCheck:
                 if not low <= value <= high:
                     found.append(f"layer {layer}: its median row RMS is {value:.3g}, "
                                  f"outside [{low:g}, {high:g}] (states scaled wrong?)")
-        self.samples += 1
+        self.tally.samples += 1
         if found:
             self._problem(sample_index, found)
         elif self._reference is None:
@@ -142,18 +269,28 @@ class StatesCheck:
         else:
             self._against_reference(sample_index, rms)
 
-    def finish(self) -> None:
-        """Before a unit commits: a reference from fewer samples than REFERENCE_SAMPLES
-        (a small first unit) is learned from what there is, and they are checked."""
+    def finish(self) -> UnitTally:
+        """At a unit's last sample (on the capture thread): a reference from fewer samples
+        than REFERENCE_SAMPLES (a small first unit) is learned from what there is, and
+        they are checked. Returns the unit's tally (for `settle`); the next unit's starts."""
         if self.mode != "off" and self._reference is None and len(self._pending) >= 3:
             self._learn()
+        tally, self.tally = self.tally, UnitTally()
+        return tally
+
+    def settle(self, tally: UnitTally) -> dict[str, Any]:
+        """Before the unit commits (on the committer's thread, so the capture goes on):
+        waits for its head verdicts; returns its numbers for the commit record. Raises
+        StatesCheckFailed under `on` for a verdict that trips."""
+        self._drain(tally, block=True)
+        return {"mode": self.mode, "samples": tally.samples,
+                "problems": tally.problem_count, "found": list(tally.problems),
+                "head_samples": tally.head_samples, "head_rows": tally.head_rows,
+                "head_agreed": tally.head_agreed, "head_missing": self.head_missing}
 
     def take_report(self) -> dict[str, Any]:
-        """The unit's numbers for its commit record; the counts start again."""
-        report = {"mode": self.mode, "samples": self.samples,
-                  "problems": self.problem_count, "found": list(self.problems)}
-        self.samples, self.problem_count, self.problems = 0, 0, []
-        return report
+        """`finish` and `settle` at once (one thread: a check without a capture)."""
+        return self.settle(self.finish())
 
     def _identical(self, states: Any, scales: Any, norms: Any) -> list[str]:
         import torch
@@ -191,16 +328,28 @@ class StatesCheck:
         if found:
             self._problem(sample_index, found)
 
-    def _problem(self, sample_index: int, found: list[str]) -> None:
-        self.problem_count += len(found)
+    def _problem(self, sample_index: int, found: list[str],
+                 tally: UnitTally | None = None) -> None:
+        tally = tally or self.tally
+        tally.problem_count += len(found)
         words = [f"sample {sample_index} (dataset row {sample_index}), {f}" for f in found]
         if self.mode == "on":
             more = f"; and {len(words) - 3} more" if len(words) > 3 else ""
             raise StatesCheckFailed(
                 "self-check failed: " + "; ".join(words[:3]) + more + " — the job stops before "
                 "writing more (`checks: warn` records such states and goes on)")
-        room = MAX_RECORDED - len(self.problems)
-        self.problems.extend(words[:max(room, 0)])
+        room = MAX_RECORDED - len(tally.problems)
+        tally.problems.extend(words[:max(room, 0)])
+
+
+_HEAD_POOL: list[ThreadPoolExecutor] = []
+
+
+def _head_pool() -> ThreadPoolExecutor:
+    """The one thread of this process that runs head checks."""
+    if not _HEAD_POOL:
+        _HEAD_POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-head"))
+    return _HEAD_POOL[0]
 
 
 def as_torch(states: Any) -> Any:

@@ -6,6 +6,11 @@ The value names the fault, as the bugs it stands for would make it:
 - `nan:<sample>`: one value of that sample (its sample_index) is NaN (speculators #994);
 - `copy_layer`: the second stored layer holds the first one's state (layer ids shifted);
 - `scale:<factor>`: every state times `factor`; `scale:<factor>:<sample>`: that sample's.
+- `postnorm`: id N holds the state after the final norm (vLLM #50815): the target's own
+  norm (headcheck.FinalHead) applied to it;
+- `swap`: each sample holds the states of the request before it on the engine, cut or
+  filled out to its own length (speculators #279: states written under another
+  request's index).
 
 **Design note: read by the driver, passed per unit.** The engines of a pool are Ray
 actors started once and shared by every job (tests/conftest.py's pool, the coordinator's),
@@ -42,7 +47,7 @@ def parse(value: str) -> tuple[str, float, int | None]:
     kind, _, rest = value.partition(":")
     args = rest.split(":") if rest else []
     try:
-        if kind in ("zeros", "copy_layer") and not args:
+        if kind in ("zeros", "copy_layer", "postnorm", "swap") and not args:
             return kind, 1.0, None
         if kind == "nan" and len(args) == 1:
             return kind, 1.0, int(args[0])
@@ -51,17 +56,25 @@ def parse(value: str) -> tuple[str, float, int | None]:
     except ValueError:
         pass
     raise ValueError(f"{ENV}={value!r} names no fault (zeros, nan:<sample>, copy_layer, "
-                     "scale:<factor>[:<sample>])")
+                     "scale:<factor>[:<sample>], postnorm, swap)")
 
 
-def apply(value: str, sample_index: int, states: Any, scales: Any) -> tuple[Any, Any]:
+def apply(value: str, sample_index: int, states: Any, scales: Any, *, head: Any = None,
+          last: int | None = None, memory: dict[str, Any] | None = None
+          ) -> tuple[Any, Any]:
     """`states` (and fp8 `scales`) of one sample with the fault in them: a copy, where
-    the fault touches this sample; the arrays given otherwise."""
+    the fault touches this sample; the arrays given otherwise. `postnorm` needs the
+    target's `head` and where id N is stored (`last`); `swap` keeps the previous
+    sample's states in `memory` (one dict per unit)."""
     kind, factor, sample = parse(value)
     if sample is not None and sample != sample_index:
         return states, scales
     states = _copy(states)
     scales = None if scales is None else _copy(scales)
+    if kind == "postnorm":
+        return _postnorm(states, scales, head, last), scales
+    if kind == "swap":
+        return _swapped(states, memory if memory is not None else {}), scales
     if kind == "zeros":
         states[...] = 0
     elif kind == "copy_layer":
@@ -89,3 +102,24 @@ def _scaled(states: Any, factor: float) -> Any:
     if hasattr(states, "clone"):
         return (states.float() * factor).to(states.dtype)
     return (states.astype(np.float32) * factor).astype(states.dtype)
+
+
+def _postnorm(states: Any, scales: Any, head: Any, last: int | None) -> Any:
+    if head is None or head.missing or last is None or scales is not None:
+        raise ValueError(f"{ENV}=postnorm needs id N captured in bf16 and a model whose "
+                         "head hsx reads")
+    from hsx_workers.selfcheck import as_torch
+
+    x = as_torch(states)
+    x[:, last] = head.norm(x[:, last]).to(x.dtype)
+    return states
+
+
+def _swapped(states: Any, memory: dict[str, Any]) -> Any:
+    previous = memory.get("previous")
+    memory["previous"] = _copy(states)
+    if previous is None:
+        return states
+    t = min(len(previous), len(states))
+    states[:t] = previous[:t]
+    return states

@@ -32,7 +32,9 @@ Every sample's states pass the job's self-check (selfcheck.py) on their way to t
 writer. Under `checks: on` a tripped check fails its unit at once, and every other unit
 of that job this worker holds, with `StatesCheckFailed` (their writers aborted: nothing
 more is written, no shard of theirs becomes visible); the driver ends the job and
-retries none of them. The unit's check numbers go into its commit record.
+retries none of them. The head check's verdicts come from a thread of their own: the
+committer waits for a unit's before it commits (the capture goes on meanwhile), and one
+that trips fails the unit there. The unit's check numbers go into its commit record.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ from hsx_workers.engines.base import (
     _Wait,
 )
 from hsx_workers.engines.factory import create_engine
-from hsx_workers.selfcheck import StatesCheck, StatesCheckFailed
+from hsx_workers.headcheck import FinalHead
+from hsx_workers.selfcheck import StatesCheck, StatesCheckFailed, UnitTally
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +148,11 @@ class _UnitRun:
     regen: _Regen | None = None
     marks: dict[str, float] = field(default_factory=dict)  # see UnitReport.marks
     check: StatesCheck | None = None  # the job's self-check on this worker
-    checks: dict[str, Any] | None = None  # its numbers for this unit, once all are in
+    tally: UnitTally | None = None  # the check's numbers of this unit, as they come in
+    checks: dict[str, Any] | None = None  # those numbers for the commit record, all in
     fault: str | None = None  # HSX_FAULT_STATES as the driver passed it (tests)
+    stop: StatesCheckFailed | None = None  # another unit of the job tripped the check
+    fault_memory: dict[str, Any] = field(default_factory=dict)  # what a fault carries over
 
     def fail(self, err: BaseException) -> None:
         """The unit ends now with `err` (its remaining results are dropped)."""
@@ -190,6 +196,7 @@ class ExtractionWorker:
         self._tokenizers: dict[str, Any] = {}  # a regenerating job's tokenizer, by path
         self._check: StatesCheck | None = None  # the self-check of the job of _output
         self._check_of_job: tuple[str, str] = ("", "")  # (output uri, mode) it checks
+        self._head: FinalHead | None = None  # the target's head, read once (headcheck.py)
         self.engine = create_engine(engine, engine_config)
 
     def pid(self) -> int:
@@ -230,7 +237,12 @@ class ExtractionWorker:
         reference is what this job's first samples here showed."""
         with self._lock:
             if self._check is None or self._check_of_job != (output.uri, mode):
-                self._check = StatesCheck(mode, list(self.config.layers))
+                n = self.config.num_layers
+                head = self._head
+                if mode != "off" and n in self.config.layers and head is None:
+                    head = self._head = FinalHead.of_engine(
+                        self.config.model, self.config.options.get("engine_args") or {})
+                self._check = StatesCheck(mode, list(self.config.layers), n, head)
                 self._check_of_job = (output.uri, mode)
             return self._check
 
@@ -342,7 +354,8 @@ class ExtractionWorker:
             run.fed += 1
             if run.fed == len(run.rows):
                 run.mark("fed_last")
-            yield CaptureRequest(index, ids)
+            predict = run.check is not None and run.check.picks(index)
+            yield CaptureRequest(index, ids, predict=predict)
 
     def _regenerate(self, run: _UnitRun, regen: _Regen) -> Iterator[GenerateRequest | _Wait]:
         """Answer the unit's conversations round by round (one round per regenerated
@@ -439,6 +452,8 @@ class ExtractionWorker:
         if result.sample_index != run.rows[run.done][0]:
             raise RuntimeError(f"internal: result for sample {result.sample_index} where "
                                f"sample {run.rows[run.done][0]} of unit {run.unit.unit} was due")
+        if run.stop is not None and run.failure is None:
+            run.fail(run.stop)
         if run.failure is None and run.writer is not None:
             try:
                 if result.error is not None or result.hidden_states is None:
@@ -450,9 +465,12 @@ class ExtractionWorker:
                         from hsx_workers import state_faults
 
                         states, scales = state_faults.apply(
-                            run.fault, result.sample_index, states, scales)
+                            run.fault, result.sample_index, states, scales,
+                            head=self._head, last=run.check.last if run.check else None,
+                            memory=run.fault_memory)
                     if run.check is not None:
-                        run.check.check(result.sample_index, states, scales)
+                        run.check.check(result.sample_index, states, scales,
+                                        result.predicted)
                     run.writer.add(result.sample_index, result.input_ids,
                                    run.rows[run.done][2], states,
                                    take=result.owned, scales=scales)
@@ -469,10 +487,9 @@ class ExtractionWorker:
             run.mark("taken")
             if run.check is not None and run.failure is None:
                 try:
-                    run.check.finish()
+                    run.tally = run.check.finish()
                 except StatesCheckFailed as err:
                     self._stop_job(run, err)
-                run.checks = run.check.take_report()
             with self._lock:
                 self._routing.popleft()
             self._committer.submit(self._commit, run)
@@ -484,16 +501,22 @@ class ExtractionWorker:
         failed = StatesCheckFailed(f"unit {run.unit.unit}: {err}")
         run.fail(failed)
         with self._lock:
-            others = [r for r in list(self._routing) + list(self._queued)
-                      if r is not run and r.output.uri == run.output.uri]
-            for other in others:
-                if other in self._queued:
-                    self._queued.remove(other)
-        for other in others:  # the same words: the job's error is the one that tripped
+            queued = [r for r in self._queued if r.output.uri == run.output.uri]
+            for other in queued:
+                self._queued.remove(other)
+            for other in self._routing:  # failed by the capture thread, at their next result
+                if other is not run and other.output.uri == run.output.uri:
+                    other.stop = StatesCheckFailed(str(failed))
+        for other in queued:  # the same words: the job's error is the one that tripped
             other.fail(StatesCheckFailed(str(failed)))
 
     def _commit(self, run: _UnitRun) -> None:
         writer = run.writer
+        if run.check is not None and run.tally is not None and run.failure is None:
+            try:  # the unit's head verdicts, awaited here: the capture goes on meanwhile
+                run.checks = run.check.settle(run.tally)
+            except StatesCheckFailed as err:
+                self._stop_job(run, err)
         try:
             if run.failure is not None:
                 raise run.failure

@@ -105,6 +105,8 @@ class OutputTotals:
     generated_tokens: int = 0
     samples_checked: int = 0  # by the self-check (commit records' checks)
     check_problems: int = 0
+    head_rows_checked: int = 0
+    head_rows_agreed: int = 0
 
     @property
     def errors(self) -> int:
@@ -126,6 +128,8 @@ class OutputTotals:
             tokens_generated=self.generated_tokens,
             samples_checked=self.samples_checked,
             check_problems=self.check_problems,
+            head_rows_checked=self.head_rows_checked,
+            head_rows_agreed=self.head_rows_agreed,
             rows_tokenized=self.samples_total + self.ingest_errors,
             rows_total=self.samples_total + self.ingest_errors,
         )
@@ -550,6 +554,8 @@ class Output:
             generated_tokens=sum(r.regenerations.tokens for r in records if r.regenerations),
             samples_checked=sum(r.checks.samples for r in records if r.checks),
             check_problems=sum(r.checks.problems for r in records if r.checks),
+            head_rows_checked=sum(r.checks.head_rows for r in records if r.checks),
+            head_rows_agreed=sum(r.checks.head_agreed for r in records if r.checks),
         )
 
     def errors(

@@ -271,6 +271,12 @@ class UnitChecks(BaseModel):
     problems: int = Field(0, ge=0, description="Problems found (under `warn`; `on` stops).")
     found: list[str] = Field(default_factory=list,
                              description="The first problems, in words (sample, layer, what).")
+    head_samples: int = Field(0, ge=0, description="Samples the head check took.")
+    head_rows: int = Field(0, ge=0, description="Rows of id N it compared with the engine's "
+                           "own next token (lm_head(norm(h_N)) against its top-1).")
+    head_agreed: int = Field(0, ge=0, description="Of those, rows that agreed.")
+    head_missing: str = Field("", description="Why the head check did not run (id N not "
+                              "captured, a head hsx cannot read); empty when it ran.")
 
 
 class CommitRecord(BaseModel):

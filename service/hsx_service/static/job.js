@@ -245,14 +245,19 @@ function ingestionText(status) {
 function renderChecks(status) {
   const mode = (status.spec || {}).checks || "on";
   const problems = status.check_problems || 0;
+  const rows = status.head_rows_checked || 0;
+  const agreed = status.head_rows_agreed || 0;
   const node = $("#stat-checks");
   node.textContent = mode === "off" ? "off"
     : `${fmtInt(status.samples_checked || 0)} checked`
       + (problems ? ` · ${fmtInt(problems)} problem${problems === 1 ? "" : "s"}` : "")
+      + (rows ? ` · head agrees ${(100 * agreed / rows).toFixed(1)}% of ${fmtInt(rows)} rows`
+        : "")
       + (mode === "warn" ? " (warn)" : "");
   node.classList.toggle("warn", problems > 0);
   node.title = mode === "off" ? "checks: off: the captured states are not checked"
-    : "NaN/inf, all-zero rows, identical layers and a wild scale, per sample and layer";
+    : "NaN/inf, all-zero rows, identical layers and a wild scale, per sample and layer; "
+      + "on a sample of rows, lm_head(norm(last state)) against the engine's own next token";
 }
 
 function etaText(status) {

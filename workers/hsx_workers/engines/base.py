@@ -49,6 +49,9 @@ def describe_error(err: BaseException, max_lines: int = 2) -> str:
 class CaptureRequest:
     sample_index: int
     input_ids: list[int]
+    # The self-check's head check takes this sample: the engine also reports its own
+    # top-1 token at every position (CaptureResult.predicted), where it can.
+    predict: bool = False
 
 
 @dataclass
@@ -115,6 +118,9 @@ class CaptureResult:
     # stages of a unit's hand-off, in UnitReport.marks.
     computed_at: float = 0.0
     spooled_at: float = 0.0
+    # For a request with `predict`: the engine's top-1 next token after each position
+    # [T] (None where it was not asked, or the engine cannot tell).
+    predicted: list[int] | None = None
 
 
 @dataclass

@@ -123,8 +123,9 @@ class HfEngine:
             attention_mask=mask.to(self.device),
             output_hidden_states=True,
             use_cache=False,
-            # Capture needs no logits; all of them cost a [tokens, vocab] matmul (~5%).
-            logits_to_keep=1,
+            # Capture needs no logits; all of them cost a [tokens, vocab] matmul (~5%),
+            # paid only by a batch with a request the head check takes.
+            logits_to_keep=0 if any(r.predict for r in batch) else 1,
         )
         n = self.config.num_layers
         hidden = out.hidden_states
@@ -138,10 +139,13 @@ class HfEngine:
         stacked = torch.stack(picked, dim=2)  # [B, T, L, H]
         self._pre_norm = None
         for row, req in enumerate(batch):
+            predicted = (out.logits[row, : lengths[row]].argmax(-1).tolist()
+                         if req.predict else None)
             yield CaptureResult(
                 sample_index=req.sample_index,
                 input_ids=req.input_ids,
                 hidden_states=stacked[row, : lengths[row]],
+                predicted=predicted,
             )
 
     def close(self) -> None:

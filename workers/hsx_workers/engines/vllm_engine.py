@@ -60,6 +60,7 @@ class _Flight:
         self.tokens = 0
         self.positions = 0  # capture requests handed over; a result's position in order
         self.ready: dict[int, CaptureResult] = {}  # position -> result, not yet yielded
+        self.predicted: dict[int, list[int]] = {}  # position -> the engine's top-1s
         # spool file name -> (request, position, when vLLM reported it finished)
         self.arriving: dict[str, tuple[CaptureRequest, int, float]] = {}
         self.driving = True  # the driver may still hand over requests
@@ -305,6 +306,8 @@ class VllmEngine:
                 if self._published(name):
                     result = self._collect(req, str(self.spool / name))
                     result.computed_at, result.spooled_at = since, time.monotonic()
+                    with flight.cv:
+                        result.predicted = flight.predicted.pop(position, None)
                     taken[name] = (position, result, len(req.input_ids))
                     continue
                 if now - since > SPOOL_TIMEOUT_S:
@@ -344,6 +347,10 @@ class VllmEngine:
 
         engine = self.llm.llm_engine
         params = SamplingParams(max_tokens=1, detokenize=False)
+        # A request the head check takes: vLLM's own top-1 after every prompt position
+        # (prompt logprobs, the rank-1 token among them) and, greedy, after the last.
+        predicting = SamplingParams(max_tokens=1, detokenize=False, temperature=0.0,
+                                    prompt_logprobs=1)
         pending = iter(requests)
         running: dict[str, tuple[CaptureRequest, int]] = {}  # request id -> (request, position)
         generating: dict[str, GenerateRequest] = {}  # request id -> generation request
@@ -380,7 +387,7 @@ class VllmEngine:
                     try:
                         engine.add_request(
                             request_id, TokensPrompt(prompt_token_ids=list(req.input_ids)),
-                            params)
+                            predicting if req.predict else params)
                     except ValueError as err:  # vLLM refuses this prompt (too long, bad ids)
                         flight.settle(position, CaptureResult(
                             req.sample_index, req.input_ids,
@@ -426,6 +433,11 @@ class VllmEngine:
                     finish_reason=str(completion.finish_reason)))
                 continue
             req, position = running.pop(self._base_request_id(out.request_id, running))
+            if req.predict:
+                predicted = top1_of(out)
+                if predicted is not None:
+                    with flight.cv:
+                        flight.predicted[position] = predicted
             name = self._spool_name(out)
             if not name:
                 flight.release(len(req.input_ids))
@@ -531,3 +543,20 @@ class VllmEngine:
                 shutdown()
             del self.llm
         shutil.rmtree(self.spool, ignore_errors=True)
+
+
+def top1_of(out: Any) -> list[int] | None:
+    """A finished request's top-1 token after each of its prompt's positions: the rank-1
+    entry of its prompt logprobs at position t+1, the generated (greedy) token after the
+    last. None when vLLM gave no prompt logprobs."""
+    logprobs = getattr(out, "prompt_logprobs", None)
+    generated = list(out.outputs[0].token_ids) if out.outputs else []
+    if not logprobs or not generated:
+        return None
+    top = []
+    for entry in list(logprobs)[1:]:
+        best = next((token for token, lp in (entry or {}).items() if lp.rank == 1), None)
+        if best is None:
+            return None
+        top.append(int(best))
+    return [*top, int(generated[0])]

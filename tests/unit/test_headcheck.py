@@ -1,0 +1,115 @@
+"""The head check against transformers' own forward: lm_head(norm(h_N)) read from the
+checkpoint gives the model's next token, where the head lives (plain, tied, a wrapper's
+language model); a normed id N and another request's states are found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hsx_workers import state_faults
+from hsx_workers.headcheck import FinalHead, check_sample, pooled_problem
+from hsx_workers.selfcheck import StatesCheck, StatesCheckFailed
+from hsx_workers.tiny_models import make_tiny_model
+
+
+def _forward(model_dir: Path, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """(id N before the final norm [T, H], the model's own top-1 per position)."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    kept: dict[str, torch.Tensor] = {}
+    model.model.norm.register_forward_pre_hook(lambda _m, a: kept.__setitem__("h", a[0]))
+    with torch.no_grad():
+        logits = model(input_ids=ids[None]).logits[0]
+    return kept["h"][0], logits.float().argmax(-1).tolist()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", num_layers=2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # a head of its own; tied, 1+w norm
+def test_the_head_read_from_the_checkpoint_gives_the_models_next_token(
+    arch: str, llama: Path, tmp_path: Path,
+) -> None:
+    model = llama if arch == "llama" else make_tiny_model(tmp_path, arch, num_layers=2)
+    head = FinalHead.load(str(model))
+    assert head.missing == "" and head.offset == (arch == "gemma2")
+    ids = torch.randint(0, head.head_weight.shape[0], (96,), generator=torch.Generator()
+                        .manual_seed(0))
+    last, top1 = _forward(model, ids)
+    verdict = check_sample(head, last, top1, layer=2)
+    assert verdict.problems == [] and verdict.rows == 64
+    assert verdict.agreed >= 0.98 * verdict.rows
+
+
+def test_an_engine_with_random_weights_has_no_head_to_compare(llama: Path) -> None:
+    head = FinalHead.of_engine(str(llama), {"load_format": "dummy"})
+    assert "load_format: dummy" in head.missing
+    assert FinalHead.of_engine(str(llama), {}).missing == ""
+
+
+def test_a_wrappers_head_is_read_under_its_prefix(tmp_path: Path) -> None:
+    head = FinalHead.load(str(make_tiny_model(tmp_path, "kimi_k25", num_layers=2)))
+    assert head.missing == "" and head.head_weight.ndim == 2
+
+
+def test_a_model_whose_norm_hsx_does_not_know_has_no_head(llama: Path, tmp_path: Path
+                                                           ) -> None:
+    import json
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(llama, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "model_type": "newarch"}))
+    assert "model type 'newarch'" in FinalHead.load(str(copy)).missing
+
+
+def test_a_normed_last_state_and_another_requests_states_are_found(llama: Path) -> None:
+    head = FinalHead.load(str(llama))
+    g = torch.Generator().manual_seed(1)
+    vocab = head.head_weight.shape[0]
+    last, top1 = _forward(llama, torch.randint(0, vocab, (80,), generator=g))
+    normed = check_sample(head, head.norm(last).to(last.dtype), top1, layer=2)
+    assert any("after the final norm" in p for p in normed.problems)
+    other, _ = _forward(llama, torch.randint(0, vocab, (80,), generator=g))
+    swapped = check_sample(head, other, top1, layer=2)
+    assert any("agrees with the engine's own next token" in p for p in swapped.problems)
+
+
+def test_the_pooled_agreement_is_judged_once_enough_rows_are_in() -> None:
+    assert pooled_problem(100, 50, 4) is None  # too few rows to judge
+    assert pooled_problem(1000, 990, 4) is None
+    problem = pooled_problem(1000, 960, 4)  # as vLLM #50815 measured
+    assert problem is not None and "960 of 1000" in problem and "layer 4" in problem
+
+
+def test_the_self_check_takes_the_first_requests_then_one_in_a_thousand(llama: Path
+                                                                        ) -> None:
+    head = FinalHead.load(str(llama))
+    check = StatesCheck("on", [1, 2], num_layers=2, head=head)
+    picked = [i for i in range(3000) if check.picks(i)]
+    assert picked == [0, 1, 2, 3, 4, 5, 6, 7, 999, 1999, 2999]
+    assert StatesCheck("on", [0, 1], num_layers=2, head=head).head_missing == \
+        "id N (2) is not captured"
+    assert not StatesCheck("off", [1, 2], num_layers=2, head=head).picks(0)
+
+
+def test_a_postnorm_fault_trips_the_check_before_the_unit_commits(llama: Path) -> None:
+    head = FinalHead.load(str(llama))
+    check = StatesCheck("on", [1, 2], num_layers=2, head=head)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, head.head_weight.shape[0], (40,), generator=g)
+    last, top1 = _forward(llama, ids)
+    states = torch.stack([last * 0.5, last], dim=1)  # [T, 2, H]: id 1 stands in
+    assert check.picks(7)
+    faulty, _ = state_faults.apply("postnorm", 7, states, None, head=head, last=check.last)
+    with pytest.raises(StatesCheckFailed, match=r"sample 7 .*layer 2: every row"):
+        check.check(7, faulty, None, top1)
+        check.settle(check.finish())  # as the worker's committer does

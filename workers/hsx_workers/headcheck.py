@@ -1,0 +1,235 @@
+"""The head check: the captured last state against the engine's own next-token choice.
+
+The format promises that id N is the target's last state before its final norm, so
+`lm_head(norm(h_N))` at token t is the model's prediction of token t+1: the token the
+engine itself picks there. A capture taken at the wrong point (after the norm, a layer
+early, another request's rows: vLLM #50815, speculators #279) drifts from it. On a
+sample of requests (`HEAD_FIRST` first, then one in `HEAD_EVERY`) the engine is asked
+for its top-1 at every prompt position (vLLM's prompt logprobs, greedy on the last), and
+this module compares, on up to `HEAD_ROWS` rows of each such sample:
+
+- `agreement`: the share of rows where the engine's top-1 is the argmax of
+  `lm_head(norm(h_N))`, or within `TIE_ULPS` bf16 steps of it (the engine's logits are
+  bf16: on the tests' tiny model, with 512 tokens and logits near 0.3, an exact argmax
+  agreed on 0.986 of rows, every miss a near-tie). A correct capture agrees on nearly
+  every row; the check trips when the rows checked so
+  far on this engine agree on less than `AGREEMENT_MIN` (judged once `AGREEMENT_ROWS`
+  are in), or one sample on less than `SAMPLE_AGREEMENT_MIN` (another request's states);
+- `prenorm`: id N is not already normalized: every row of `h_N / w` having an RMS of 1
+  (within `PRENORM_TOLERANCE`) is what the final norm's output looks like, never its input.
+
+`FinalHead.load` reads the final norm's and the head's weights from the model's
+safetensors (the head tied to the embeddings where the checkpoint says so; a wrapper's
+language model under its prefix), for the model types whose final norm it knows
+(`NORM_OF_TYPE`). Anything else leaves the head check out, and the unit's record says why
+(`FinalHead.missing`). The weights stay on the worker's host in the checkpoint's dtype
+(the head of an 8B model is 1.2 GB); the product runs in float32, a slice of the
+vocabulary at a time, on the rows checked only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HEAD_FIRST = 8  # requests of a job on an engine checked first
+HEAD_EVERY = 1000  # after them, one request in this many
+HEAD_ROWS = 64  # rows of a checked sample compared, spread over it
+AGREEMENT_MIN = 0.98
+AGREEMENT_ROWS = 256  # rows pooled before the agreement is judged
+SAMPLE_AGREEMENT_MIN = 0.5
+SAMPLE_MIN_ROWS = 8  # a sample's own agreement is judged from this many rows
+PRENORM_TOLERANCE = 2e-2  # of fp8 states: their RMS rounds within ~1%
+VOCAB_SLICE = 16384  # head rows cast to float32 at a time
+TIE_ULPS = 2  # bf16 steps of the largest logit within which the engine's token agrees
+TIE_SIGMAS = 4  # and standard deviations of the error the stored states' rounding makes
+BF16_ROUNDOFF = 2.0**-8  # relative rounding of a value stored in bf16
+FP8_ROUNDOFF = 2.0**-4  # in float8_e4m3 (3 mantissa bits)
+
+# model_type of the text model -> how its final norm scales: "w" (RMSNorm times its
+# weight) or "1+w" (times one plus its weight: Gemma, Qwen3-Next).
+NORM_OF_TYPE = {
+    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                     "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "gpt_oss"), "w"),
+    **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next"), "1+w"),
+}
+
+
+@dataclass
+class FinalHead:
+    """The target's final norm and head, as the engine applies them to id N."""
+
+    norm_weight: Any  # [H] torch tensor
+    head_weight: Any  # [V, H] torch tensor
+    eps: float
+    offset: bool  # the norm scales by 1 + weight
+    missing: str = ""  # why there is no head (the tensors above are None then)
+
+    @classmethod
+    def unavailable(cls, reason: str) -> FinalHead:
+        return cls(None, None, 0.0, False, reason)
+
+    @classmethod
+    def of_engine(cls, model_path: str, engine_args: dict[str, Any]) -> FinalHead:
+        """The head of the model an engine runs: none where the engine does not read the
+        checkpoint's weights (`load_format: dummy` fills random ones)."""
+        if engine_args.get("load_format") == "dummy":
+            return cls.unavailable("the engine runs random weights (load_format: dummy), "
+                                   "not the checkpoint's")
+        return cls.load(model_path)
+
+    @classmethod
+    def load(cls, model_path: str) -> FinalHead:
+        """The head of the model at `model_path`, or one saying why there is none."""
+        from hsx.modelinfo import ModelConfigError, read_model_info
+
+        try:
+            info = read_model_info(model_path)
+        except ModelConfigError as err:
+            return cls.unavailable(str(err))
+        kind = NORM_OF_TYPE.get(info.text_model_type or "")
+        if kind is None:
+            return cls.unavailable(f"hsx does not know the final norm of model type "
+                                   f"{info.text_model_type!r}")
+        names = _tensor_files(Path(info.path))
+        if not names:
+            return cls.unavailable("the model has no safetensors weights to read its head from")
+        head_key = min((k for k in names if k.endswith("lm_head.weight")), key=len, default=None)
+        prefix = head_key[: -len("lm_head.weight")] if head_key else ""
+        if head_key is None and not _tied(info.shape, info.config):
+            return cls.unavailable("the checkpoint holds no lm_head.weight and its head "
+                                   "is not tied to the embeddings")
+        inner = (prefix + "model.", "model.language_model.", prefix + "language_model.model.")
+        norm_key = next((p + "norm.weight" for p in inner if p + "norm.weight" in names), None)
+        if norm_key is None or norm_key.replace("weight", "bias") in names:
+            return cls.unavailable("no RMS final norm found among the weights")
+        if head_key is None:
+            head_key = next((p + "embed_tokens.weight" for p in inner
+                             if p + "embed_tokens.weight" in names), None)
+            if head_key is None:
+                return cls.unavailable("the head is tied, and no embeddings were found")
+        eps = info.shape.get("rms_norm_eps", info.shape.get("norm_eps", 1e-6))
+        return cls(_read(names, norm_key), _read(names, head_key), float(eps), kind == "1+w")
+
+    @property
+    def scale(self) -> Any:
+        """The norm's per-channel factor, in float32."""
+        weight = self.norm_weight.float()
+        return weight + 1 if self.offset else weight
+
+    def norm(self, states: Any) -> Any:
+        """The final norm applied to [R, H] states (float32 out)."""
+        import torch
+
+        x = states.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale
+
+    def agrees(self, states: Any, tokens: Any, roundoff: float = BF16_ROUNDOFF) -> Any:
+        """[R] bool: whether the engine's token on each row is the argmax of
+        `lm_head(norm(states))` for [R, H] states, up to a near-tie: its logit within
+        `TIE_ULPS` bf16 steps of the largest (the engine's logits are bf16, where two
+        tokens often hold the same value) plus what the states' own rounding (`roundoff`,
+        relative, per value: bf16's, or fp8's for states stored in fp8) can move it:
+        `TIE_SIGMAS` standard deviations of the top logit's error."""
+        import torch
+
+        normed = self.norm(states).to(self.head_weight.dtype).float()
+        best = torch.full((normed.shape[0],), -math.inf)
+        best_id = torch.zeros(normed.shape[0], dtype=torch.long)
+        theirs = torch.full((normed.shape[0],), -math.inf)
+        for start in range(0, self.head_weight.shape[0], VOCAB_SLICE):
+            logits = normed @ self.head_weight[start:start + VOCAB_SLICE].float().T
+            value, at = logits.max(dim=-1)
+            better = value > best
+            best, best_id = torch.where(better, value, best), torch.where(better, at + start,
+                                                                            best_id)
+            inside = (tokens >= start) & (tokens < start + logits.shape[1])
+            at = (tokens - start).clamp(0, logits.shape[1] - 1)
+            theirs = torch.where(inside, logits.gather(-1, at[:, None])[:, 0], theirs)
+        step = torch.exp2(torch.floor(torch.log2(best.abs().clamp_min(1e-30))) - 7)
+        # A value rounded to within +-u of itself errs by u/sqrt(3) of it (uniform).
+        noise = (self.head_weight[best_id].float() * normed).norm(dim=-1) * roundoff / 3**0.5
+        return theirs >= best - TIE_ULPS * step - TIE_SIGMAS * noise
+
+
+@dataclass
+class HeadVerdict:
+    """One checked sample: rows compared, rows agreed, and problems in words."""
+
+    rows: int
+    agreed: int
+    problems: list[str]
+
+
+def check_sample(head: FinalHead, last: Any, predicted: list[int] | None,
+                 layer: int, roundoff: float = BF16_ROUNDOFF) -> HeadVerdict:
+    """Compare one sample's id-N states `last` [T, H] (torch, dequantized) with the
+    engine's top-1 per position `predicted` [T] (None: the engine gave none; only the
+    pre-norm check runs). `layer` is N, for the words; `roundoff` the states' storage's
+    relative rounding."""
+    import torch
+
+    t = int(last.shape[0])
+    rows = torch.linspace(0, t - 1, steps=min(t, HEAD_ROWS)).round().long().unique()
+    picked = last[rows].float()
+    problems = []
+    rms = _rms_after_unscaling(picked, head.scale)
+    if len(rows) >= 4 and bool(((rms - 1).abs() < PRENORM_TOLERANCE).all()):
+        problems.append(f"layer {layer}: every row already has the RMS the final norm gives "
+                        f"({float(rms.min()):.4f}-{float(rms.max()):.4f}): it holds the state "
+                        "after the final norm, where the format stores the one before it")
+    if predicted is None or len(predicted) != t:
+        return HeadVerdict(0, 0, problems)
+    engine = torch.tensor(predicted, dtype=torch.long)[rows]
+    agreed = int(head.agrees(picked, engine, roundoff).sum())
+    if len(rows) >= SAMPLE_MIN_ROWS and agreed < SAMPLE_AGREEMENT_MIN * len(rows):
+        problems.append(f"layer {layer}: lm_head(norm(state)) agrees with the engine's own "
+                        f"next token on {agreed} of {len(rows)} rows (states of another "
+                        "request, or of another layer?)")
+    return HeadVerdict(len(rows), agreed, problems)
+
+
+def pooled_problem(rows: int, agreed: int, layer: int) -> str | None:
+    """The agreement of every row checked so far, once there are enough to judge."""
+    if rows < AGREEMENT_ROWS or agreed >= AGREEMENT_MIN * rows:
+        return None
+    return (f"layer {layer}: lm_head(norm(state)) agrees with the engine's own next token "
+            f"on {agreed} of {rows} rows checked ({agreed / rows:.3f}; a correct capture "
+            f"agrees on at least {AGREEMENT_MIN}): the state is not the one before the "
+            "final norm")
+
+
+def _rms_after_unscaling(rows: Any, scale: Any) -> Any:
+    """Per row, the RMS of `rows / scale` over the channels the norm does not zero."""
+    keep = scale.abs() > 1e-3
+    return (rows[:, keep] / scale[keep]).pow(2).mean(-1).sqrt()
+
+
+def _tied(shape: dict[str, Any], config: dict[str, Any]) -> bool:
+    value = shape.get("tie_word_embeddings", config.get("tie_word_embeddings"))
+    return True if value is None else bool(value)
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it (index or single file)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        mapping = json.loads(index.read_text()).get("weight_map", {})
+        return {name: folder / file for name, file in mapping.items()}
+    out: dict[str, Path] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        out.update({name: file for name in header if name != "__metadata__"})
+    return out
+
+
+def _read(names: dict[str, Path], key: str) -> Any:
+    from safetensors import safe_open
+
+    with safe_open(str(names[key]), framework="pt") as f:
+        return f.get_tensor(key)
