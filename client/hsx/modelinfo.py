@@ -70,6 +70,12 @@ class ModelInfo:
         """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2's text model)."""
         return bool(self.shape.get("kv_lora_rank"))
 
+    @property
+    def uses_linear_attention(self) -> bool:
+        """Gated delta-net (linear attention) layers, as in Qwen3-Next's hybrid stack."""
+        kinds = self.shape.get("layer_types")
+        return isinstance(kinds, list) and "linear_attention" in kinds
+
     def min_layer_id(self, engine: str | None = None) -> int:
         """Smallest capturable id: 1 where vLLM cannot give the embeddings, else 0."""
         if engine in (None, "vllm") and self.text_model_type in NO_EMBEDDING_ID_IN_VLLM:

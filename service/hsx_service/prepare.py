@@ -295,6 +295,11 @@ def check_engine_args(spec: JobSpec, info: ModelInfo) -> None:
                                           enforce_eager=spec.vllm.enforce_eager)
     if problem:
         raise JobRefused(f"vllm.enforce_eager: {problem}")
+    problem = vllm_compat.dtype_problem(uses_linear_attention=info.uses_linear_attention,
+                                        requested=spec.vllm.dtype, model=spec.model,
+                                        model_dtype=info.torch_dtype)
+    if problem:
+        raise JobRefused(f"vllm.dtype: {problem}")
     if not passed:
         return
     try:

@@ -54,6 +54,9 @@ EXPECTED: dict[str, tuple[str, bool, str | None, bool, str, int]] = {
     "deepseek_v3": ("DeepseekV3ForCausalLM", False, None, True, "extract_hidden_states", 1),
     "qwen3_moe": ("Qwen3MoeForCausalLM", False, None, True, "extract_hidden_states", 0),
     "gemma2": ("Gemma2ForCausalLM", False, None, False, "hooks", 0),
+    "gemma3": ("Gemma3ForCausalLM", False, None, False, "hooks", 0),
+    "gpt_oss": ("GptOssForCausalLM", False, None, True, "extract_hidden_states", 0),
+    "qwen3_next": ("Qwen3NextForCausalLM", False, None, True, "extract_hidden_states", 0),
     "llava": ("LlavaForConditionalGeneration", True, "LlamaForCausalLM", True,
               "extract_hidden_states", 0),
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", True, "Qwen2ForCausalLM", True,
@@ -517,6 +520,26 @@ def test_refused_eager_mla_on_the_cpu_build(configs: dict[str, Path], chat_datas
     preflight(_spec(configs["deepseek_v3"], chat_dataset, tmp_path / "o", layers=[1, 2, 3]))
     preflight(_spec(configs["llama"], chat_dataset, tmp_path / "o",
                     vllm={"enforce_eager": True}))
+
+
+def test_refused_gated_delta_net_outside_bf16_on_the_cpu_build(
+        configs: dict[str, Path], chat_dataset: ChatDataset, tmp_path: Path) -> None:
+    """vLLM's CPU kernel for gated delta-net layers takes bf16 only and fails at the first
+    forward otherwise (after the engine started): such a job is refused before."""
+    from hsx_workers.vllm_compat import cpu_build
+
+    assert read_model_info(str(configs["qwen3_next"])).uses_linear_attention
+    assert not read_model_info(str(configs["qwen3_moe"])).uses_linear_attention
+    spec = _spec(configs["qwen3_next"], chat_dataset, tmp_path / "o", vllm={"dtype": "float32"})
+    if cpu_build():
+        message = _run_refused(spec)
+        assert message.startswith("vllm.dtype:") and "bfloat16 only" in message, message
+        assert "would compute in float32" in message, message
+    # bf16 (the tiny model's own dtype) passes; other models compute in float32 freely.
+    preflight(_spec(configs["qwen3_next"], chat_dataset, tmp_path / "o",
+                    vllm={"dtype": "bfloat16"}))
+    preflight(_spec(configs["qwen3_moe"], chat_dataset, tmp_path / "o",
+                    vllm={"dtype": "float32"}))
 
 
 def test_supported_vllm_range() -> None:

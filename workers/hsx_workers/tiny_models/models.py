@@ -12,12 +12,15 @@ from hsx_workers.tiny_models.configs import (
     TinyShape,
     deepseek_v3_config,
     gemma2_config,
+    gemma3_config,
+    gpt_oss_config,
     llama_config,
     llava_config,
     mistral_config,
     qwen2_5_vl_config,
     qwen3_config,
     qwen3_moe_config,
+    qwen3_next_config,
 )
 from hsx_workers.tiny_models.kimi import (
     KIMI_MEDIA_TOKENS,
@@ -42,6 +45,9 @@ ARCHS: dict[str, Callable[[TinyShape], PretrainedConfig]] = {
     "deepseek_v3": deepseek_v3_config,
     "qwen3_moe": qwen3_moe_config,
     "gemma2": gemma2_config,
+    "gemma3": gemma3_config,
+    "gpt_oss": gpt_oss_config,
+    "qwen3_next": qwen3_next_config,
     "llava": llava_config,
     "qwen2_5_vl": qwen2_5_vl_config,
     "kimi_k25": kimi_k25_config,
@@ -71,7 +77,9 @@ def _decisive_routers(model: Any) -> None:
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):  # the router, not a dense gate_proj
+            # The router (gpt-oss names it `router`), not a dense gate_proj; its bias
+            # is scaled with it, so the two keep their proportion.
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias")):
                 param.mul_(ROUTER_SCALE)
 
 
