@@ -12,12 +12,22 @@ Reported:
   cost, which the shared machine's noise blurs less than the end-to-end ratio (on a
   loaded host the wall time also counts waits for the GIL and for a core).
 
+- `head_s`: the seconds the head check's thread spent comparing id N with the engine's
+  own next token (headcheck.py; its first sample also makes the head's float32 copy),
+  and the rows it compared and found agreeing.
+
 The model is the tests' tiny Llama by default (H 256: next to its compute, per-token
 I/O and the check's pass over the states weigh the most of any model: the worst case);
-`--model large` is bench_pipeline's 8-layer H 1024 model.
+`--model large` is bench_pipeline's 8-layer H 1024 model; `--model 8b` (a GPU) the 8B
+Llama shape of benchmarks/gpu (32 layers, H 4096, 128,256 tokens), written as a real
+checkpoint of random weights (the head check reads the head vLLM runs: no
+`load_format: dummy`), its prompts 512-2,048 tokens.
 
-Run: `python -m benchmarks.bench_selfcheck [--quick] [--model tiny|large]`; results into
-benchmarks/results/<date>-selfcheck/selfcheck.json with the command.
+`--faults` then runs each of HSX_FAULT_STATES's faults on a small job on the same
+engine and records the message each fails with (or that it did not).
+
+Run: `python -m benchmarks.bench_selfcheck [--quick] [--model tiny|large|8b] [--faults]`;
+results into benchmarks/results/<date>-selfcheck/selfcheck.json with the command.
 """
 
 from __future__ import annotations
@@ -35,8 +45,10 @@ from typing import Any
 
 from benchmarks import common
 
-MODELS = {"tiny": (4, 256, 4, 2, 512), "large": (8, 1024, 16, 4, 2816)}  # L, H, heads, kv, I
+MODELS = {"tiny": (4, 256, 4, 2, 512), "large": (8, 1024, 16, 4, 2816),  # L, H, heads, kv, I
+          "8b": (32, 4096, 32, 8, 14336)}
 VARIANTS = ("on", "off")
+FAULTS = ("zeros", "nan:{sample}", "copy_layer", "scale:1e4:{sample}", "postnorm", "swap")
 
 
 class CheckClock:
@@ -67,12 +79,89 @@ class CheckClock:
         self._cls.check = self._check  # type: ignore[method-assign]
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
+class HeadClock:
+    """Seconds the head check's thread spent in `check_sample` (wrapped while it lives)."""
+
+    def __init__(self) -> None:
+        from hsx_workers import selfcheck
+
+        self.seconds = 0.0
+        self._module = selfcheck
+        self._check = selfcheck.check_sample
+        clock = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return clock._check(*args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - start
+
+        selfcheck.check_sample = timed  # type: ignore[assignment]
+
+    def close(self) -> None:
+        self._module.check_sample = self._check  # type: ignore[assignment]
+
+
+def _prompts(n: int, seed: int, lengths: tuple[int, int] = (64, 512)) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randint(64, 512))] for _ in range(n)]
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
-def run(model: str, prompts_n: int, reps: int, work: Path) -> dict[str, Any]:
+def write_random_llama(folder: Path, shape: tuple[int, int, int, int, int],
+                       vocab: int) -> None:
+    """A Llama checkpoint of random weights (std 0.02, norms 1, bf16), made on the GPU
+    when there is one and saved as safetensors with an index, beside the tiny
+    tokenizer: a model vLLM loads as it would a real one."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hsx_workers.tiny_models import make_tiny_model
+
+    layers, hidden, heads, kv, inter = shape
+    make_tiny_model(folder, num_layers=1, weights=False)  # tokenizer, configs
+    config = json.loads((folder / "config.json").read_text())
+    head_dim = hidden // heads
+    config.update(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                  num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+                  head_dim=head_dim, max_position_embeddings=4096, tie_word_embeddings=False)
+    (folder / "config.json").write_text(json.dumps(config))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device).manual_seed(0)
+
+    def rand(*size: int) -> Any:
+        return (torch.randn(*size, generator=gen, device=device) * 0.02).to(
+            torch.bfloat16).cpu()
+
+    def ones() -> Any:
+        return torch.ones(hidden, dtype=torch.bfloat16)
+
+    index: dict[str, str] = {}
+    files = [("model-embed.safetensors", {"model.embed_tokens.weight": rand(vocab, hidden)}),
+             ("model-head.safetensors", {"lm_head.weight": rand(vocab, hidden),
+                                         "model.norm.weight": ones()})]
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        files.append((f"model-layer{i:03d}.safetensors", {
+            pre + "input_layernorm.weight": ones(), pre + "post_attention_layernorm.weight": ones(),
+            pre + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            pre + "self_attn.k_proj.weight": rand(kv * head_dim, hidden),
+            pre + "self_attn.v_proj.weight": rand(kv * head_dim, hidden),
+            pre + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            pre + "mlp.gate_proj.weight": rand(inter, hidden),
+            pre + "mlp.up_proj.weight": rand(inter, hidden),
+            pre + "mlp.down_proj.weight": rand(hidden, inter)}))
+    for name, tensors in files:
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, name))
+    for stale in folder.glob("model.safetensors"):
+        stale.unlink()
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": index}))
+
+
+def run(model: str, prompts_n: int, reps: int, work: Path, faults: bool = False
+        ) -> dict[str, Any]:
     from concurrent.futures import ThreadPoolExecutor
 
     from hsx.spec import JobSpec
@@ -84,22 +173,33 @@ def run(model: str, prompts_n: int, reps: int, work: Path) -> dict[str, Any]:
 
     layers_n, hidden, heads, kv, inter = MODELS[model]
     model_dir = work / "model"
-    make_tiny_model(model_dir, num_layers=layers_n, hidden_size=hidden, num_heads=heads,
-                    num_kv_heads=kv, intermediate_size=inter)
-    layers = sorted({1, layers_n // 2, layers_n - 1, layers_n})
+    started = time.perf_counter()
+    if model == "8b":
+        write_random_llama(model_dir, MODELS[model], vocab=128256)
+    else:
+        make_tiny_model(model_dir, num_layers=layers_n, hidden_size=hidden, num_heads=heads,
+                        num_kv_heads=kv, intermediate_size=inter)
+    model_s = time.perf_counter() - started
+    layers = sorted({2, layers_n // 2, layers_n - 3, layers_n})  # EAGLE-3's, and N
+    lengths = (512, 2048) if model == "8b" else (64, 512)
     dataset = work / "rows.jsonl"
     dataset.write_text("".join(json.dumps({"input_ids": p}) + "\n"
-                               for p in _prompts(prompts_n, seed=0)))
+                               for p in _prompts(prompts_n, seed=0, lengths=lengths)))
+    small = work / "small.jsonl"
+    small.write_text("".join(json.dumps({"input_ids": p}) + "\n"
+                             for p in _prompts(24, seed=1, lengths=(64, 512))))
 
-    def job(output: Path, checks: str) -> Any:
-        spec = JobSpec(model=str(model_dir), dataset=str(dataset), output=str(output),
-                       layers=layers, max_seq_len=1024, unit_tokens=16384, checks=checks)
+    def job(output: Path, checks: str, data: Path = dataset) -> Any:
+        spec = JobSpec(model=str(model_dir), dataset=str(data), output=str(output),
+                       layers=layers, max_seq_len=lengths[1], unit_tokens=16384,
+                       checks=checks)
         return prepare(spec, stream=False)
 
-    def units(worker: Any, prepared: Any) -> list[Any]:
+    def units(worker: Any, prepared: Any, fault: str | None = None) -> list[Any]:
         with ThreadPoolExecutor(DISPATCH_DEPTH) as pool:
             futures = [pool.submit(worker.run_unit, str(prepared.output), "bf16", u,
-                                   checks=prepared.spec.checks) for u in prepared.pending]
+                                   checks=prepared.spec.checks, fault=fault)
+                       for u in prepared.pending]
             return [f.result() for f in futures]
 
     warm = job(work / "warm", "on")
@@ -107,12 +207,13 @@ def run(model: str, prompts_n: int, reps: int, work: Path) -> dict[str, Any]:
                               name="bench")
     units(worker, warm)  # compiles, warms the engine
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-    clock = CheckClock()
+    clock, head_clock = CheckClock(), HeadClock()
+    tripped: dict[str, str] = {}
     try:
         for rep in range(reps):
             for variant in common.alternating(VARIANTS, rep):
                 prepared = job(work / f"{variant}-{rep}", variant)
-                before, before_cpu = clock.seconds, clock.cpu_s
+                before, before_cpu, before_head = clock.seconds, clock.cpu_s, head_clock.seconds
                 start = time.perf_counter()
                 reports = units(worker, prepared)
                 seconds = time.perf_counter() - start
@@ -125,15 +226,33 @@ def run(model: str, prompts_n: int, reps: int, work: Path) -> dict[str, Any]:
                                          "tokens_per_s": tokens / seconds,
                                          "check_s": clock.seconds - before,
                                          "check_cpu_s": clock.cpu_s - before_cpu,
+                                         "head_s": head_clock.seconds - before_head,
+                                         "head_rows": sum(r.checks.get("head_rows", 0)
+                                                          for r in reports),
+                                         "head_agreed": sum(r.checks.get("head_agreed", 0)
+                                                            for r in reports),
                                          "samples": sum(r.samples for r in reports)})
                 shutil.rmtree(work / f"{variant}-{rep}")
+        for fault in FAULTS if faults else ():
+            name = fault.format(sample=5)
+            prepared = job(work / f"fault-{len(tripped)}", "on", small)
+            try:
+                units(worker, prepared, fault=name)
+                tripped[name] = "NOT TRIPPED: the job completed"
+            except Exception as err:  # the worker's StatesCheckFailed, or what went wrong
+                tripped[name] = f"{type(err).__name__}: {err}"
     finally:
         clock.close()
+        head_clock.close()
         worker.shutdown()
     on = results["on"]
     return {
         "model": {"name": model, "num_layers": layers_n, "hidden_size": hidden,
-                  "layers": layers},
+                  "layers": layers, "made_in_s": model_s},
+        "faults": tripped,
+        "head_s": sum(r["head_s"] for r in on),
+        "head_rows": sum(r["head_rows"] for r in on),
+        "head_agreed": sum(r["head_agreed"] for r in on),
         "prompts": prompts_n, "reps": reps,
         "runs": results,
         "ratios": {"on/off": common.compare(on, results["off"], "tokens_per_s",
@@ -154,13 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--workdir", type=Path, default=None, help="scratch (default: a temp dir)")
+    p.add_argument("--faults", action="store_true", help="then each fault, on a small job")
+    p.add_argument("--prompts", type=int, default=None)
     args = p.parse_args(argv)
     prompts_n, reps = (96, 2) if args.quick else (240, 3)
+    prompts_n = args.prompts or prompts_n
     reps = args.reps or reps
     out = args.out or (common.RESULTS_DIR / f"{dt.date.today().isoformat()}-selfcheck"
                        / "selfcheck.json")
     with tempfile.TemporaryDirectory(prefix="hsx-bench-selfcheck-", dir=args.workdir) as tmp:
-        payload = run(args.model, prompts_n, reps, Path(tmp))
+        payload = run(args.model, prompts_n, reps, Path(tmp), faults=args.faults)
     payload["command"] = " ".join(["python", "-m", "benchmarks.bench_selfcheck", *sys.argv[1:]])
     common.save_section(out, f"selfcheck-{args.model}", payload, common.machine_info())
     entry = payload["ratios"]["on/off"]
@@ -168,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"time inside the check: {payload['check_share']:.2%} of the `on` runs' wall "
           f"time ({payload['check_ms_per_sample']:.2f} ms a sample); its thread's CPU there: "
           f"{payload['check_cpu_share']:.2%} ({payload['check_cpu_ms_per_sample']:.3f} ms a "
-          f"sample); results in {out}")
+          f"sample); head check: {payload['head_s']:.1f} s on its thread, "
+          f"{payload['head_agreed']} of {payload['head_rows']} rows agreed; results in {out}")
+    for fault, words in payload["faults"].items():
+        print(f"fault {fault}: {words[:300]}")
     return 0
 
 
