@@ -31,7 +31,6 @@ actor keeps torch on one), on the rows checked only.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,7 +154,6 @@ class FinalHead:
         """The head in float32 (numpy), made once, a slice at a time."""
         if self._head32 is None:
             import numpy as np
-
             import torch
 
             weight = self.head_weight
