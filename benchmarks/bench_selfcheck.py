@@ -206,6 +206,7 @@ def run(model: str, prompts_n: int, reps: int, work: Path, faults: bool = False
     worker = ExtractionWorker("vllm", engine_config_for(warm.spec, warm.model, warm.layers),
                               name="bench")
     units(worker, warm)  # compiles, warms the engine
+    shutil.rmtree(work / "warm")
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     clock, head_clock = CheckClock(), HeadClock()
     tripped: dict[str, str] = {}
