@@ -7,10 +7,11 @@ the first unit handed to the worker to the last commit, as in bench_pipeline.py.
 Reported:
 
 - `on/off`: the ratio of median tokens/s (target ≥ 0.97 on CPU: ≤ 3% cost);
-- `check_share`: the wall seconds spent inside `StatesCheck.check` over the `on` runs'
-  seconds, and `check_cpu_share` the CPU seconds its thread used there: the check's own
-  cost, which the shared machine's noise blurs less than the end-to-end ratio (on a
-  loaded host the wall time also counts waits for the GIL and for a core).
+- `check_share`: the wall seconds the checking thread spent on samples
+  (`StatesCheck._check_one`) over the `on` runs' seconds, and `check_cpu_share` the CPU
+  seconds it used there: the check's own cost, off the capture thread, which the shared
+  machine's noise blurs less than the end-to-end ratio (on a loaded host the wall time
+  also counts waits for the GIL and for a core).
 
 - `head_s`: the seconds the head check's thread spent comparing id N with the engine's
   own next token (headcheck.py; its first sample also makes the head's float32 copy),
@@ -52,7 +53,7 @@ FAULTS = ("zeros", "nan:{sample}", "copy_layer", "scale:1e4:{sample}", "postnorm
 
 
 class CheckClock:
-    """Wall seconds spent in StatesCheck.check and the CPU seconds its thread used there
+    """Wall seconds spent in StatesCheck._check_one and the CPU seconds its thread used there
     (wrapped while it lives). On a loaded host the wall time also counts the waits for
     the GIL and for a core; the CPU time is what the check itself costs."""
 
@@ -62,7 +63,7 @@ class CheckClock:
         self.seconds = 0.0
         self.cpu_s = 0.0
         self._cls = selfcheck.StatesCheck
-        self._check = self._cls.check
+        self._check = self._cls._check_one
         clock = self
 
         def timed_check(this: Any, *args: Any, **kwargs: Any) -> None:
@@ -73,10 +74,10 @@ class CheckClock:
                 clock.seconds += time.perf_counter() - start
                 clock.cpu_s += time.thread_time() - cpu
 
-        self._cls.check = timed_check  # type: ignore[method-assign]
+        self._cls._check_one = timed_check  # type: ignore[method-assign]
 
     def close(self) -> None:
-        self._cls.check = self._check  # type: ignore[method-assign]
+        self._cls._check_one = self._check  # type: ignore[method-assign]
 
 
 class HeadClock:

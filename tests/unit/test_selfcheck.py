@@ -76,9 +76,12 @@ def test_a_zero_embedding_row_is_no_problem_but_a_zero_layer_is() -> None:
     states = np.ones((8, 2, 16), dtype=np.float32)
     states[3, 0] = 0  # a padding token's embedding
     check.check(0, states)
+    assert check.take_report()["problems"] == 0
+    states = states.copy()  # a sample's states are not written to while it is checked
     states[:, 0] = 0
+    check.check(1, states)
     with pytest.raises(StatesCheckFailed, match="layer 0: 8 of 8 rows are all zeros"):
-        check.check(1, states)
+        check.take_report()
 
 
 def test_norms_of_fp8_with_scales_and_of_torch_states() -> None:
@@ -87,8 +90,12 @@ def test_norms_of_fp8_with_scales_and_of_torch_states() -> None:
     scales = np.full((4, 2), 2.0, dtype=np.float32)
     assert torch.allclose(row_norms(q, scales), torch.full((4, 2), 4.0))
     assert torch.allclose(row_norms(torch.from_numpy(x)), torch.full((4, 2), 2.0))
+    check = StatesCheck("on", [1, 2])
+    check.check(0, q, scales)
     with pytest.raises(StatesCheckFailed, match="identical"):
-        StatesCheck("on", [1, 2]).check(0, q, scales)
+        check.take_report()
+    with pytest.raises(StatesCheckFailed, match="identical"):  # and at the next sample
+        check.check(1, q, scales)
 
 
 def test_a_fault_names_a_known_kind() -> None:

@@ -32,9 +32,10 @@ Every sample's states pass the job's self-check (selfcheck.py) on their way to t
 writer. Under `checks: on` a tripped check fails its unit at once, and every other unit
 of that job this worker holds, with `StatesCheckFailed` (their writers aborted: nothing
 more is written, no shard of theirs becomes visible); the driver ends the job and
-retries none of them. The head check's verdicts come from a thread of their own: the
-committer waits for a unit's before it commits (the capture goes on meanwhile), and one
-that trips fails the unit there. The unit's check numbers go into its commit record.
+retries none of them. The checks run on threads of their own: the committer waits for a
+unit's before it commits (the capture goes on meanwhile), and one that trips fails the
+unit there; the capture thread stops the job at its next sample. The unit's check
+numbers go into its commit record.
 """
 
 from __future__ import annotations
@@ -486,10 +487,7 @@ class ExtractionWorker:
         if run.done == len(run.rows):
             run.mark("taken")
             if run.check is not None and run.failure is None:
-                try:
-                    run.tally = run.check.finish()
-                except StatesCheckFailed as err:
-                    self._stop_job(run, err)
+                run.tally = run.check.finish()
             with self._lock:
                 self._routing.popleft()
             self._committer.submit(self._commit, run)
@@ -513,10 +511,12 @@ class ExtractionWorker:
     def _commit(self, run: _UnitRun) -> None:
         writer = run.writer
         if run.check is not None and run.tally is not None and run.failure is None:
-            try:  # the unit's head verdicts, awaited here: the capture goes on meanwhile
+            try:  # the unit's checks, awaited here: the capture goes on meanwhile
                 run.checks = run.check.settle(run.tally)
             except StatesCheckFailed as err:
                 self._stop_job(run, err)
+            except BaseException as err:  # the check itself failed: the unit with it
+                run.fail(err)
         try:
             if run.failure is not None:
                 raise run.failure
