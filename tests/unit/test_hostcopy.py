@@ -132,3 +132,30 @@ def test_a_gather_after_a_mark_sees_what_was_launched_before_it() -> None:
     for b, n, got in zip(blocks, lengths, split_rows(tensors, lengths), strict=True):
         for t in range(n):
             assert torch.equal(got["hidden_states"][t].cuda(), values[b[t // BLOCK], :, t % BLOCK])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_gather_gives_the_row_norms_the_self_check_reads(fp8: bool) -> None:
+    """`norms` are the rows' norms before any quantization: what selfcheck.row_norms
+    computes from bf16 states, and within fp8's rounding of the stored ones; a row with
+    NaN has a NaN norm."""
+    from hsx_workers.selfcheck import row_norms
+
+    cache = torch.randn(BLOCKS, LAYERS, BLOCK, HIDDEN).to(torch.bfloat16)
+    blocks, lengths = _requests(3)
+    cache[blocks[1][0], 1, 2, 3] = float("nan")  # request 1, token 2, layer 1
+    slots = slots_of_requests(blocks, lengths, BLOCK)
+    _, plain = gather_to_host(cache, slots, sum(lengths))
+    _, tensors = gather_to_host(cache, slots, sum(lengths), fp8=fp8)
+    norms = tensors["norms"]
+    assert norms.dtype == torch.float32 and norms.shape == (sum(lengths), LAYERS)
+    expected = row_norms(plain["hidden_states"])
+    finite = torch.isfinite(expected)
+    assert torch.equal(finite, torch.isfinite(norms)) and not finite.all()
+    # float32 sums there, a bf16 result here
+    assert torch.allclose(norms[finite], expected[finite], rtol=1e-2)
+    if fp8:
+        stored = row_norms(tensors["hidden_states"], tensors["scales"])
+        rows = torch.isfinite(stored)
+        assert torch.allclose(norms[rows], stored[rows], rtol=0.05)
+    assert [r["norms"].shape[0] for r in split_rows(tensors, lengths)] == lengths

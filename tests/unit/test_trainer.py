@@ -385,6 +385,8 @@ def test_a_block_draft_trains_validates_and_resumes(tmp_path: Path, tiny_llama: 
     layer = config["transformer_layer_config"]
     assert layer["num_hidden_layers"] == 5  # speculators' recipe
     assert set(layer["layer_types"]) == {"full_attention"}
+    if method == "dspark":  # what vLLM 0.25.1 sizes the input projection by
+        assert layer["dflash_config"] == {"target_layer_ids": [1]}
     proposal = config["speculators_config"]["proposal_methods"][0]
     assert proposal["speculative_tokens"] == dflash.proposed_tokens == proposed
     rows = [json.loads(x) for x in (root / "draft/validation.jsonl").read_text().splitlines()]

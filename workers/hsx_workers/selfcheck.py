@@ -14,10 +14,12 @@ at each sample as the worker hands it to the shard writer (worker.py `_take`), p
   per-layer median over the first `REFERENCE_SAMPLES`, which are checked against it once
   it is known; a fault in one of them cannot move a median of several).
 
-Cost: one pass over the states (the row norms, `torch.linalg.vector_norm` over H, [T, L]
-out), on the tensor or mapped array already in hand, without a copy; everything else
-works on the [T, L] norms. Two layers are compared element by element only when their
-row norms are equal on every token, which distinct layers never are.
+Cost: the checks work on the [T, L] row norms, which the vllm engine's connector computes
+on the device beside the states it copies (hostcopy.row_norms_of: one reduction, no pass
+over the states on the host); for the other engines, one pass over the states here
+(`torch.linalg.vector_norm` over H), on the array already in hand, without a copy. Two
+layers are compared element by element only when their row norms are equal on every
+token, which distinct layers never are. All of it runs on a thread of its own.
 
 Where id N is captured and the target's head can be read (headcheck.py), a sample of
 requests is also checked against the engine's own next-token choice (`agreement`) and
@@ -157,16 +159,19 @@ class StatesCheck:
         return picked
 
     def check(self, sample_index: int, states: Any, scales: Any = None,
-              predicted: list[int] | None = None) -> None:
+              predicted: list[int] | None = None, norms: Any = None) -> None:
         """Look at one sample's [T, L, H] states (torch, or numpy as the spool maps them;
         float8 with its [T, L] `scales`, neither written to by anyone while the check
-        runs); `predicted`: the engine's top-1 per position, for a sample `picks` took.
+        runs); `predicted`: the engine's top-1 per position, for a sample `picks` took;
+        `norms`: the [T, L] row norms where the engine computed them (hostcopy.py, on the
+        device), else they are computed here.
 
         The looking is done on the checking thread (one per process, in the order the
         samples come): on a GPU host the capture thread is what bounds the job, and the
         pass over an 8B model's states (5 ms a sample of 1,280 tokens x 4 layers) on it
-        cost 11% of the throughput. Raises StatesCheckFailed under `on` for a problem
-        found in an earlier sample; `settle` raises it for the unit's own."""
+        cost 11% of the throughput (4% on a thread of its own: hence the device's norms).
+        Raises StatesCheckFailed under `on` for a problem found in an earlier sample;
+        `settle` raises it for the unit's own."""
         shape = tuple(states.shape)
         if self.mode == "off" or len(shape) != 3 or shape[1] != len(self.layers) or not shape[0]:
             return  # not [T, L, H]: the shard writer refuses it with its own words
@@ -177,10 +182,11 @@ class StatesCheck:
         tally = self.tally
         tally.checks.append(_check_pool().submit(
             self._check_one, sample_index, states, scales, predicted if head else None, head,
-            tally))
+            tally, norms))
 
     def _check_one(self, sample_index: int, states: Any, scales: Any,
-                   predicted: list[int] | None, head: bool, tally: UnitTally) -> None:
+                   predicted: list[int] | None, head: bool, tally: UnitTally,
+                   norms: Any = None) -> None:
         """One sample, on the checking thread."""
         import torch
 
@@ -191,7 +197,7 @@ class StatesCheck:
         if threads != 1:
             torch.set_num_threads(1)
         try:
-            self._check(sample_index, states, scales, tally)
+            self._check(sample_index, states, scales, tally, norms)
             if head:
                 self._head_check(sample_index, states, scales, predicted, tally)
         except StatesCheckFailed as err:
@@ -249,10 +255,13 @@ class StatesCheck:
         if found:
             self._problem(sample_index, found, tally)
 
-    def _check(self, sample_index: int, states: Any, scales: Any, tally: UnitTally) -> None:
+    def _check(self, sample_index: int, states: Any, scales: Any, tally: UnitTally,
+               given: Any = None) -> None:
         import torch
 
-        norms = row_norms(states, scales)  # [T, L] float32, on the states' device
+        # [T, L] float32: the engine's, or one pass over the states here
+        norms = row_norms(states, scales) if given is None else torch.as_tensor(
+            np.asarray(given, dtype=np.float32))
         t = norms.shape[0]
         finite = torch.isfinite(norms)
         zero = norms == 0

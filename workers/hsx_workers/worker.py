@@ -469,9 +469,10 @@ class ExtractionWorker:
                             run.fault, result.sample_index, states, scales,
                             head=self._head, last=run.check.last if run.check else None,
                             memory=run.fault_memory)
-                    if run.check is not None:
+                    if run.check is not None:  # a fault's states have norms of their own
                         run.check.check(result.sample_index, states, scales,
-                                        result.predicted)
+                                        result.predicted,
+                                        result.norms if run.fault is None else None)
                     run.writer.add(result.sample_index, result.input_ids,
                                    run.rows[run.done][2], states,
                                    take=result.owned, scales=scales)

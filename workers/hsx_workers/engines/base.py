@@ -118,6 +118,10 @@ class CaptureResult:
     # stages of a unit's hand-off, in UnitReport.marks.
     computed_at: float = 0.0
     spooled_at: float = 0.0
+    # [T, L] float32 L2 norm of each row, where the engine computed it next to the states
+    # (the vllm engine's connector, on the device): the self-check's input. None: the
+    # check computes it from the states.
+    norms: Any = None
     # For a request with `predict`: the engine's top-1 next token after each position
     # [T] (None where it was not asked, or the engine cannot tell).
     predicted: list[int] | None = None

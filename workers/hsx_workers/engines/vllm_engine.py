@@ -531,7 +531,7 @@ class VllmEngine:
             return failed("hidden states contain inf or nan; fp8 scales would be undefined")
         # Freshly mapped from the spool: nobody else holds it.
         return CaptureResult(req.sample_index, req.input_ids, hidden_states=states,
-                             owned=True, scales=scales)
+                             owned=True, scales=scales, norms=tensors.get("norms"))
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

@@ -205,6 +205,13 @@ def _block_drafter(text: Any, spec: TrainSpec, layers: int, aux: list[int], t2d:
         layer_types=["full_attention"] * layers, tie_word_embeddings=False,
     )
     layer.architectures = ["Qwen3ForCausalLM"]
+    if spec.method == "dspark":
+        # vLLM 0.25.1 sizes a DSpark draft's input projection by the `target_layer_ids`
+        # of `dflash_config` in the layer config, else by its decoder layer count (it
+        # sets DSpark's ids elsewhere): a draft reading fewer target layers than it has
+        # decoder layers failed to load there ("Tried to load weights of size
+        # [256, 256] to a parameter of size [256, 1280]"). The ids are vLLM's (aux - 1).
+        layer.dflash_config = {"target_layer_ids": [i - 1 for i in aux]}
     mask_token = resolve_mask_token_id(model_path, int(text.vocab_size),
                                        trust_remote_code=trust)
     cls = DSparkDraftModel if spec.method == "dspark" else DFlashDraftModel
