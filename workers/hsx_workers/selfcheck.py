@@ -257,27 +257,23 @@ class StatesCheck:
 
     def _check(self, sample_index: int, states: Any, scales: Any, tally: UnitTally,
                given: Any = None) -> None:
-        import torch
-
-        # [T, L] float32: the engine's, or one pass over the states here
-        norms = row_norms(states, scales) if given is None else torch.as_tensor(
-            np.asarray(given, dtype=np.float32))
+        # [T, L] float32: the engine's, or one pass over the states here. What follows
+        # works on it in numpy: a few small operations, which hold the GIL (that the
+        # capture thread needs) far less than torch's dispatch of the same.
+        norms = (row_norms(states, scales).cpu().numpy() if given is None
+                 else np.asarray(given, dtype=np.float32))
         t = norms.shape[0]
-        finite = torch.isfinite(norms)
+        finite = np.isfinite(norms)
         zero = norms == 0
-        # Per layer, one small tensor brought to the host at once: rows not finite,
-        # rows zero, and the median row norm.
-        bad_rows, zero_rows, medians = torch.stack(
-            [(~finite).sum(dim=0).float(), zero.sum(dim=0).float(),
-             norms.median(dim=0).values]).cpu().tolist()
+        bad_rows, zero_rows = (~finite).sum(axis=0), zero.sum(axis=0)
         found: list[str] = []
         for li, layer in enumerate(self.layers):
             if bad_rows[li]:
-                first = int(torch.nonzero(~finite[:, li])[0, 0])
+                first = int(np.argmax(~finite[:, li]))
                 found.append(f"layer {layer}: {int(bad_rows[li])} of {t} rows hold NaN or "
                              f"inf (the first at token {first})")
             elif zero_rows[li] == t or (zero_rows[li] and layer != 0):
-                first = int(torch.nonzero(zero[:, li])[0, 0])
+                first = int(np.argmax(zero[:, li]))
                 found.append(f"layer {layer}: {int(zero_rows[li])} of {t} rows are all "
                              f"zeros (the first at token {first})")
         if not found:
@@ -285,7 +281,7 @@ class StatesCheck:
         rms: list[float] = []
         if not found:
             root_h = math.sqrt(int(states.shape[-1]))
-            rms = [m / root_h for m in medians]
+            rms = (np.median(norms, axis=0) / root_h).tolist()
             low, high = ABSOLUTE_RMS
             for layer, value in zip(self.layers, rms, strict=True):
                 if not low <= value <= high:
@@ -339,9 +335,9 @@ class StatesCheck:
 
         # Layers whose row norms are equal on every token (one comparison of all pairs);
         # only those are compared element by element.
-        same_norms = (norms[:, :, None] == norms[:, None, :]).all(dim=0).triu(diagonal=1)
+        same_norms = np.triu((norms[:, :, None] == norms[:, None, :]).all(axis=0), k=1)
         found = []
-        for a, b in torch.nonzero(same_norms).tolist():
+        for a, b in np.argwhere(same_norms).tolist():
             x = as_torch(states)
             if x.dtype == torch.float8_e4m3fn:  # compared bitwise
                 x = x.view(torch.uint8)
