@@ -453,7 +453,8 @@ class JobSpec(BaseModel):
         4096, gt=1, le=2**20, description=(
             "Samples are truncated to this many tokens. At most 1,048,576, the longest "
             "context of today's models (one sample's states at that length are gigabytes "
-            "per layer).")
+            "per layer). Unset, 4,096, or as many as the model's positions hold with "
+            "vLLM's capture (its max_position_embeddings less 2) when that is fewer.")
     )
     replicas: int | None = Field(
         None,

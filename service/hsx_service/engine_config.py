@@ -1,13 +1,14 @@
-"""The engine a job's spec asks for: `EngineConfig` for its capture engines, and vLLM's
-arguments for its target outside capture (the draft's evaluation). Pure functions of the
-spec and the model's config, kept apart from the pool that starts engines so preflight
-and the manifest's provenance can ask without importing the pool."""
+"""The engine a job's spec asks for: `EngineConfig` for its capture engines, vLLM's
+arguments for its target outside capture (the draft's evaluation), and the spec fitted to
+what the model's engine can run (`fit_to_model`). Pure functions of the spec and the
+model's config, kept apart from the pool that starts engines so preflight and the
+manifest's provenance can ask without importing the pool."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from hsx.modelinfo import ModelInfo
+from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
 from hsx.spec import JobSpec
 
 
@@ -54,3 +55,20 @@ def target_engine_args(spec: JobSpec) -> dict[str, Any]:
         "gpu_memory_utilization": spec.vllm.gpu_memory_utilization,
         **spec.vllm.engine_args(),
     }
+
+
+def fit_to_model(spec: JobSpec) -> JobSpec:
+    """The spec as it runs on its model: a `max_seq_len` left at its default (4,096)
+    that the model's positions cannot hold with vLLM's capture (2 beyond the prompt)
+    becomes the longest they can. Called where a job enters (the coordinator's submit,
+    `hsx extract`), so everything after, the ledger included, sees one spec; a
+    `max_seq_len` the user set is theirs, and too long is refused (check_engine_args)."""
+    if "max_seq_len" in spec.model_fields_set or spec.engine != "vllm":
+        return spec
+    try:
+        positions = read_model_info(spec.model).max_positions
+    except ModelConfigError:
+        return spec  # preflight says what is wrong with the model
+    if positions is None or spec.max_seq_len + 2 <= positions or positions < 4:
+        return spec
+    return spec.model_copy(update={"max_seq_len": positions - 2})

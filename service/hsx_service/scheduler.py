@@ -69,6 +69,7 @@ from hsx.wire import (
 from hsx_service.admission import Admission
 from hsx_service.board import StatusBoard
 from hsx_service.dispatch import DispatchHooks
+from hsx_service.engine_config import fit_to_model
 from hsx_service.engine_pool import EnginePool, engine_key, ensure_ray
 from hsx_service.errors import (
     JobCancelled,
@@ -291,6 +292,7 @@ class Scheduler:
                owner: str | None = None) -> tuple[JobStatus, bool]:
         if not self._ready:
             raise self.not_ready()
+        spec = fit_to_model(spec)
         job_id = job_id or f"job-{uuid.uuid4().hex[:10]}"
         existing = self.ledger.job(job_id)
         if existing is not None:

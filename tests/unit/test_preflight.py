@@ -373,6 +373,23 @@ def test_refused_max_seq_len_beyond_the_models_positions(
                       read_model_info(str(configs["llama"])))  # 2046 fits
 
 
+def test_an_unset_max_seq_len_fits_the_models_positions(
+        configs: dict[str, Path], chat_dataset: ChatDataset, tmp_path: Path) -> None:
+    """The default (4,096) on a model of 2,048 positions becomes 2,046 where the job
+    enters; once fitted it stays, and a max_seq_len the user set is left to be refused."""
+    from hsx.spec import JobSpec
+    from hsx_service.engine_config import fit_to_model
+
+    unset = JobSpec(model=str(configs["llama"]), dataset=str(chat_dataset.path),
+                    output=str(tmp_path / "o"))
+    assert unset.max_seq_len == 4096
+    fitted = fit_to_model(unset)
+    assert fitted.max_seq_len == 2046 and fit_to_model(fitted) == fitted
+    set_by_user = unset.model_copy(update={"max_seq_len": 4096})
+    assert fit_to_model(set_by_user).max_seq_len == 4096
+    assert fit_to_model(unset.model_copy(update={"engine": "hf"})).max_seq_len == 4096
+
+
 def test_refused_bad_layer_id_for_model(configs: dict[str, Path], chat_dataset: ChatDataset,
                                         tmp_path: Path) -> None:
     message = _run_refused(_spec(configs["deepseek_v3"], chat_dataset, tmp_path / "o",

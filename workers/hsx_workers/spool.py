@@ -10,11 +10,11 @@ unlinks it at once: the mapping keeps the pages until the shard writer has writt
 into the shard and dropped the arrays. Nothing in the spool ever reaches the output.
 
 A spool file is a safetensors file: `hidden_states` [T, L, H] (bf16, or float8_e4m3fn
-with `scales` [T, L] f32 when the connector quantized on the device), `norms` [T, L] f32
-(each row's L2 norm, computed on the device for the self-check; the hook fallback writes
-none) and `token_ids` [T] (int64), the token ids vLLM actually processed. hsx writes it itself (`_save`), with its
-data starting on a page, so the shard writer can send the mapped states to the disk
-without copying them (local_storage.DIRECT_ALIGN).
+with `scales` [T, L] f32 when the connector quantized on the device), `norms` [T, L]
+f32 (each row's L2 norm, computed on the device for the self-check; the hook fallback
+writes none) and `token_ids` [T] (int64), the token ids vLLM actually processed. hsx
+writes it itself (`_save`), with its data starting on a page, so the shard writer can
+send the mapped states to the disk without copying them (local_storage.DIRECT_ALIGN).
 """
 
 from __future__ import annotations

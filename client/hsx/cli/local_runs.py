@@ -33,6 +33,9 @@ def _cmd_extract(args: argparse.Namespace) -> int:
                                else str(Path(args.output).resolve()))
     if overrides:
         spec = spec.model_copy(update=overrides)
+    from hsx_service.engine_config import fit_to_model
+
+    spec = fit_to_model(spec)
     if spec.train is not None and spec.train.online:
         from hsx.cli.training import train_online
 
