@@ -113,7 +113,7 @@ class StatesCheck:
     _pending: list[tuple[int, list[float]]] = field(default_factory=list)  # (sample, RMS)
     # The head check: requests fed, samples picked and not yet checked, verdicts awaited
     # (with the unit they count for); rows compared and agreed since the job started on
-    # this engine. Verdicts are taken on the capture thread and on the committer's.
+    # this engine. A unit's verdicts are taken when it is settled (the committer's thread).
     _fed: int = 0
     _picked: set[int] = field(default_factory=set)
     _verdicts: list[tuple[int, Future[HeadVerdict], UnitTally]] = field(default_factory=list)
