@@ -7,6 +7,9 @@
 #   pulls break beside that torch, so they are removed after installing.
 # - speculators asks for torchvision and a CUDA torch; it is installed with --no-deps
 #   and its other requirements are named here.
+# - specforge (whose offline readers test `hsx export --format specforge`) pins sglang,
+#   a CUDA torch and transformers 5.8; it is installed with --no-deps: the readers need
+#   only torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +42,7 @@ pip install -q "torch==2.13.0"
 pip install -q -e ".[cpu,test]"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-deps "speculators==0.9.0"
+pip install -q --no-deps "specforge==0.2.0"
 pip install -q loguru typer "hs-connectors" 2>/dev/null || pip install -q loguru typer
 if [ -n "$browser" ]; then
   wait "$browser" || { tail -5 "$VENV.apt.log"

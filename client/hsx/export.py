@@ -81,6 +81,8 @@ TOKEN_FREQ = "token_freq.pt"
 DRAFT_VOCAB = 32000  # hsx's own default (TrainSpec.draft_vocab_size)
 SAMPLE_INDEX_COLUMN = "hsx_sample_index"
 SPECULATORS_FORMAT = "speculators"
+SPECFORGE_FORMAT = "specforge"
+FORMATS = (SPECULATORS_FORMAT, SPECFORGE_FORMAT)
 
 
 class ExportError(Exception):
@@ -105,10 +107,29 @@ class ExportSummary:
     model: str = ""  # the target the states came from (the manifest's)
     trust_remote_code: bool = False
     method: str | None = None  # the draft method whose layers were exported (None: all)
+    format: str = SPECULATORS_FORMAT
 
     def as_dict(self) -> dict[str, Any]:
+        if self.format == SPECFORGE_FORMAT:
+            return {**asdict(self), "specforge_layer_ids": self.specforge_layer_ids,
+                    "train_hint": self.specforge_hint()}
         return {**asdict(self), "train_command": self.train_command(),
                 "fix_command": self.fix_command()}
+
+    @property
+    def specforge_layer_ids(self) -> list[int]:
+        """The auxiliary layers in SpecForge's numbering, which counts a layer's output
+        (hsx's id k, the input of layer k, is SpecForge's k - 1; docs/FORMAT.md)."""
+        return [k - 1 for k in self.target_layer_ids]
+
+    def specforge_hint(self) -> str:
+        """What a SpecForge run on this export sets: the data, the strategy, the layers."""
+        key = ("eagle_config.eagle_aux_hidden_state_layer_ids" if self.method == "eagle3"
+               else "dflash_config.target_layer_ids")
+        return (f"specforge train --config RECIPE.yaml data.hidden_states_path="
+                f"{shlex.quote(self.dest)} training.strategy={self.method} "
+                f"model.target_model_path={shlex.quote(self.model)}, with "
+                f"{key} = {self.specforge_layer_ids} in the draft config")
 
     def train_command(self) -> str:
         """speculators' own trainer on this export, every argument spelled out: the
@@ -210,16 +231,19 @@ def hs_file_name(index: int) -> str:
     return f"hs_{index}.safetensors"
 
 
-def export_speculators(
+def export_output(
     uri: str | Path,
     dest: str | Path,
     *,
+    fmt: str = SPECULATORS_FORMAT,
     force: bool = False,
     allow_incomplete: bool = False,
     on_progress: Callable[[int, int], None] | None = None,
     method: str | None = None,
+    model: str | None = None,
 ) -> ExportSummary:
-    """Write the hsx output at `uri` into `dest` in speculators' offline-data layout.
+    """Write the hsx output at `uri` into `dest` in `fmt`'s offline-data layout:
+    speculators' (above) or SpecForge's (hsx/export_specforge.py).
 
     Streams one sample at a time (memory does not grow with the dataset) into a hidden
     staging directory beside `dest`, which is renamed to `dest` only when everything is
@@ -229,8 +253,10 @@ def export_speculators(
     `allow_incomplete`, since the export would silently miss its later shards.
     `on_progress(done, total)` is called after each sample. `method` (hsx.methods):
     only the layers a draft of that method reads, and N (an output captured for several
-    methods holds more); None: every stored layer. Raises ExportError when refused
-    before writing.
+    methods holds more); None: every stored layer (SpecForge's layout is per method:
+    None is EAGLE-3 there). `model`: where to read the target's final norm for
+    SpecForge's post-norm features (default: the manifest's model). Raises ExportError
+    when refused before writing.
     """
     from hsx.dataset import HiddenStatesDataset
 
@@ -244,8 +270,12 @@ def export_speculators(
         ds = HiddenStatesDataset(uri, backend="torch", max_open_shards=1)
     except (FileNotFoundError, ValueError, StorageError, OutputCorrupt) as err:
         raise ExportError(str(err)) from None
+    if fmt not in FORMATS:
+        raise ExportError(f"format {fmt!r}: hsx exports {', '.join(FORMATS)}")
     stored, num_layers = _check_source(ds, allow_incomplete=allow_incomplete)
     layers = stored
+    if fmt == SPECFORGE_FORMAT:
+        method = method or "eagle3"
     if method is not None:
         from hsx.methods import draft_aux_layers
 
@@ -254,6 +284,15 @@ def export_speculators(
         except ValueError as err:
             raise ExportError(f"{ds.uri}: {err}") from None
     picks = [stored.index(k) for k in layers]
+    writer: Callable[..., tuple[int, int, int, dict[str, Any]]] = _write
+    if fmt == SPECFORGE_FORMAT:
+        from hsx.export_specforge import SpecForgeWriter
+
+        assert method is not None
+        try:
+            writer = SpecForgeWriter.for_method(method, model or ds.manifest.model).write
+        except ValueError as err:
+            raise ExportError(str(err)) from None
     dest_path = Path(dest).expanduser().resolve()
     source_root = ds.output.local_root
     _check_dest(dest_path, source_root.resolve() if source_root else None, force=force)
@@ -266,13 +305,13 @@ def export_speculators(
         out = staging / "export"
         # dest is this folder, renamed: its mode keeps the exported states as private as
         # an output's (HSX_OUTPUT_MODE), whatever modes datasets gives the files inside.
-        make_output_dirs(out / HIDDEN_STATES_DIR)
-        written, tokens, nbytes = _write(ds, out, staging / "inputs.arrow", layers, picks,
-                                         on_progress)
+        make_output_dirs(out)
+        written, tokens, nbytes, described = writer(ds, out, staging, layers, picks,
+                                                    on_progress)
         if written != total:
             raise RuntimeError(f"expected {total} samples, wrote {written}")
         record = {
-            "format": "speculators-offline-data",
+            "format": f"{fmt}-offline-data",
             "exported_by": f"hsx {_hsx_version()}",
             "source": str(uri),
             "source_format_version": ds.manifest.format_version,
@@ -283,18 +322,15 @@ def export_speculators(
             "hidden_size": ds.manifest.hidden_size,
             "layers": layers,
             "target_layer_ids": layers[:-1],
+            **({"specforge_layer_ids": [k - 1 for k in layers[:-1]]}
+               if fmt == SPECFORGE_FORMAT else {}),
             "method": method,
             "source_storage_dtype": ds.manifest.storage_dtype,
             "hidden_states_dtype": "bf16",
             "source_complete": ds.complete,
             "samples": written,
             "tokens": tokens,
-            "sample_index_column": SAMPLE_INDEX_COLUMN,
-            "files": {
-                "dataset": "datasets.save_to_disk (torch format)",
-                "hidden_states": f"{HIDDEN_STATES_DIR}/hs_{{i}}.safetensors",
-                "token_freq": TOKEN_FREQ,
-            },
+            **described,
         }
         (out / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
         # One sync for all files (instead of an fsync per file, costly for millions of
@@ -310,7 +346,7 @@ def export_speculators(
         source_storage_dtype=ds.manifest.storage_dtype,
         source_complete=ds.complete, not_exported=len(ds.errors()),
         seconds=time.monotonic() - started, model=ds.manifest.model,
-        trust_remote_code=ds.manifest.trust_remote_code, method=method,
+        trust_remote_code=ds.manifest.trust_remote_code, method=method, format=fmt,
     )
 
 
@@ -367,18 +403,20 @@ def _check_dest(dest: Path, source: Path | None, *, force: bool) -> None:
 def _write(
     ds: Any,
     out: Path,
-    inputs_tmp: Path,
+    staging: Path,
     layers: list[int],
     picks: list[int],
     on_progress: Callable[[int, int], None] | None,
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, dict[str, Any]]:
     """Stream every sample (the stored layers at `picks`: `layers`) into
     hs_{i}.safetensors and the inputs dataset; returns (samples, tokens, bytes of
-    hidden-state files)."""
+    hidden-state files, the record's words on them)."""
     import datasets
     import torch
     from datasets.arrow_writer import ArrowWriter
     from safetensors.torch import save
+
+    from hsx.output.local_storage import make_output_dirs
 
     features = datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int64")),
@@ -390,6 +428,8 @@ def _write(
     freq: Counter[int] = Counter()
     written = tokens = nbytes = 0
     layers_meta = json.dumps(layers)
+    inputs_tmp = staging / "inputs.arrow"
+    make_output_dirs(out / HIDDEN_STATES_DIR)
     with ArrowWriter(features=features, path=str(inputs_tmp)) as writer:
         for i, sample in enumerate(ds):
             hidden = sample["hidden_states"]  # [T, L, H] bf16; fp8 already dequantized
@@ -431,7 +471,14 @@ def _write(
     table.save_to_disk(str(out))
     del table
     torch.save(dict(freq), out / TOKEN_FREQ)
-    return written, tokens, nbytes
+    return written, tokens, nbytes, {
+        "sample_index_column": SAMPLE_INDEX_COLUMN,
+        "files": {
+            "dataset": "datasets.save_to_disk (torch format)",
+            "hidden_states": f"{HIDDEN_STATES_DIR}/hs_{{i}}.safetensors",
+            "token_freq": TOKEN_FREQ,
+        },
+    }
 
 
 def _publish(out: Path, dest: Path, staging: Path) -> None:

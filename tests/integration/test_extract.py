@@ -7,6 +7,7 @@ a rerun) are compared against; all share the session's engine pool.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,3 +296,34 @@ def test_hsx_extract_trains_the_draft_of_a_job_with_train(
     state = json.loads((output / DRAFT_DIR / "train.json").read_text())
     assert state["state"] == "done" and state["step"] == 4
     assert (output / DRAFT_DIR / "model.safetensors").exists()
+
+
+def test_the_exported_post_norm_state_is_transformers_final_state(
+    vllm_run: Run, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`hsx export --format specforge --method dspark` on a real vLLM capture: its
+    `target_last_hidden_states` (the final norm, read from the checkpoint, applied to the
+    captured id N) equals transformers' final hidden state, the one after the norm that
+    the head reads (and SpecForge's own capture stores), to bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from hsx.export import export_output
+
+    dest = tmp_path / "specforge"
+    summary = export_output(vllm_run.output, dest, fmt="specforge", method="dspark")
+    indices = json.loads((dest / "hsx_sample_index.json").read_text())
+    model: Any = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    normed: dict[str, torch.Tensor] = {}
+    model.model.norm.register_forward_hook(lambda _m, _a, out: normed.__setitem__("h", out))
+    worst = 0.0
+    for i in range(summary.samples):
+        group = i // 2000 * 2000
+        raw = torch.load(dest / f"rows_{group}-{group + 2000}" / f"data_{i}.ckpt")
+        with torch.no_grad():
+            out = model(input_ids=raw["input_ids"][None], output_hidden_states=True)
+        want = normed["h"][0]  # norm(h_N), the final norm's own output
+        assert torch.equal(out.hidden_states[-1][0], want)  # transformers' last state
+        got = raw["target_last_hidden_states"][0].float()
+        worst = max(worst, float((got - want).norm() / want.norm()))
+    assert sorted(indices) == indices and len(indices) == summary.samples
+    assert worst < 1e-2, worst

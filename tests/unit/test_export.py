@@ -23,7 +23,7 @@ import torch
 
 from hsx.cli import main
 from hsx.dataset import HiddenStatesDataset
-from hsx.export import EXPORT_RECORD, ExportError, export_speculators
+from hsx.export import EXPORT_RECORD, ExportError, export_output
 from tests.unit.outputs import make_manifest, write_inputs_table, write_manifest
 
 P = TypeVar("P", Path, str)
@@ -106,7 +106,7 @@ def assert_same_as_hsx(src: Path, dest: Path) -> None:
 def test_speculators_arrow_dataset_reads_the_export(tmp_path: Path) -> None:
     src = make_output(tmp_path / "hsx")
     progress: list[tuple[int, int]] = []
-    summary = export_speculators(src, tmp_path / "spec", on_progress=lambda d, n:
+    summary = export_output(src, tmp_path / "spec", on_progress=lambda d, n:
                                  progress.append((d, n)))
     assert summary.samples == 9 and summary.not_exported == 1 and summary.source_complete
     assert summary.tokens == sum(len(sample(i)["input_ids"]) for ids in UNITS.values()
@@ -128,7 +128,7 @@ def test_speculators_arrow_dataset_reads_the_export(tmp_path: Path) -> None:
 
 def test_token_freq_counts_loss_masked_tokens(tmp_path: Path) -> None:
     src = make_output(tmp_path / "hsx")
-    export_speculators(src, tmp_path / "spec")
+    export_output(src, tmp_path / "spec")
     freq = torch.load(tmp_path / "spec" / "token_freq.pt", weights_only=True)
     want: dict[int, int] = {}
     for ids in UNITS.values():
@@ -141,7 +141,7 @@ def test_token_freq_counts_loss_masked_tokens(tmp_path: Path) -> None:
 
 def test_fp8_output_is_dequantized_to_bf16(tmp_path: Path) -> None:
     src = make_output(tmp_path / "hsx", storage="fp8")
-    summary = export_speculators(src, tmp_path / "spec")
+    summary = export_output(src, tmp_path / "spec")
     assert summary.source_storage_dtype == "fp8"
     assert_same_as_hsx(src, tmp_path / "spec")  # equal to hsx's own dequantization
 
@@ -149,7 +149,7 @@ def test_fp8_output_is_dequantized_to_bf16(tmp_path: Path) -> None:
 def test_speculators_train_val_split_finds_its_files(tmp_path: Path) -> None:
     """The val split starts at a row offset; ArrowDataset maps it back to hs_{row}."""
     src = make_output(tmp_path / "hsx")
-    export_speculators(src, tmp_path / "spec")
+    export_output(src, tmp_path / "spec")
     hsx_ds = HiddenStatesDataset(src, backend="torch")
     val = ArrowDataset(max_len=64, datapath=tmp_path / "spec", on_missing="raise",
                        train_ratio=0.7, split="val")
@@ -161,37 +161,37 @@ def test_speculators_train_val_split_finds_its_files(tmp_path: Path) -> None:
 def test_refusals(tmp_path: Path) -> None:
     src = make_output(tmp_path / "hsx")
     with pytest.raises(ExportError, match="must not contain or lie inside"):
-        export_speculators(src, src / "spec")
+        export_output(src, src / "spec")
     other = tmp_path / "other"
     other.mkdir()
     (other / "precious.txt").write_text("keep me")
     with pytest.raises(ExportError, match="is not empty; pass --force"):
-        export_speculators(src, other)
+        export_output(src, other)
     with pytest.raises(ExportError, match="not an hsx export"):
-        export_speculators(src, other, force=True)
+        export_output(src, other, force=True)
     assert (other / "precious.txt").read_text() == "keep me"
 
     running = make_output(tmp_path / "running", complete=False)
     with pytest.raises(ExportError, match="not complete"):
-        export_speculators(running, tmp_path / "r")
+        export_output(running, tmp_path / "r")
     assert not (tmp_path / "r").exists()
-    assert export_speculators(running, tmp_path / "r", allow_incomplete=True).samples == 9
+    assert export_output(running, tmp_path / "r", allow_incomplete=True).samples == 9
 
     # The stored ids no longer end with the last layer.
     no_last = make_output(tmp_path / "nolast", num_layers=9)
     with pytest.raises(ExportError, match="final layer"):
-        export_speculators(no_last, tmp_path / "n")
+        export_output(no_last, tmp_path / "n")
     with pytest.raises(ExportError, match="no hsx output"):
-        export_speculators(tmp_path / "missing", tmp_path / "m")
+        export_output(tmp_path / "missing", tmp_path / "m")
 
 
 def test_force_replaces_an_earlier_export_and_empty_dest_is_fine(tmp_path: Path) -> None:
     src = make_output(tmp_path / "hsx")
     dest = tmp_path / "spec"
     dest.mkdir()
-    export_speculators(src, dest)
+    export_output(src, dest)
     (dest / "stale.txt").write_text("from an earlier export")
-    export_speculators(src, dest, force=True)
+    export_output(src, dest, force=True)
     assert not (dest / "stale.txt").exists()
     assert_same_as_hsx(src, dest)
 
@@ -204,7 +204,7 @@ def test_failure_leaves_no_destination(tmp_path: Path, monkeypatch: pytest.Monke
             raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        export_speculators(src, tmp_path / "spec", on_progress=boom)
+        export_output(src, tmp_path / "spec", on_progress=boom)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hsx"]
 
 
@@ -294,7 +294,7 @@ def test_one_capture_exports_each_methods_layers(tmp_path: Path,
     src = make_output(tmp_path / "hsx")
     for method, aux in (("eagle3", [2, 4, 5]), ("dflash", [2, 3, 4, 5, 6])):
         dest = tmp_path / method
-        summary = export_speculators(src, dest, method=method)
+        summary = export_output(src, dest, method=method)
         assert summary.layers == [*aux, 8] and summary.target_layer_ids == aux
         assert f"--speculator-type {method}" in summary.train_command()
         picks = [both.index(k) for k in aux]
@@ -306,4 +306,4 @@ def test_one_capture_exports_each_methods_layers(tmp_path: Path,
         assert torch.equal(got["verifier_last_hidden_states"], hs[:, -1])
     monkeypatch.setattr(sys.modules[__name__], "LAYERS", [2, 3])
     with pytest.raises(ExportError, match="id 8"):
-        export_speculators(make_output(tmp_path / "short"), tmp_path / "x", method="dflash")
+        export_output(make_output(tmp_path / "short"), tmp_path / "x", method="dflash")

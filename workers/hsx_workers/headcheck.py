@@ -18,10 +18,10 @@ this module compares, on up to `HEAD_ROWS` rows of each such sample:
 - `prenorm`: id N is not already normalized: every row of `h_N / w` having an RMS of 1
   (within `PRENORM_TOLERANCE`) is what the final norm's output looks like, never its input.
 
-`FinalHead.load` reads the final norm's and the head's weights from the model's
-safetensors (the head tied to the embeddings where the checkpoint says so; a wrapper's
-language model under its prefix), for the model types whose final norm it knows
-(`NORM_OF_TYPE`). Anything else leaves the head check out, and the unit's record says why
+`FinalHead.load` reads the final norm (hsx.finalnorm, for the model types whose norm it
+knows) and the head's weights from the model's safetensors (the head tied to the
+embeddings where the checkpoint says so; a wrapper's language model under its prefix).
+Anything else leaves the head check out, and the unit's record says why
 (`FinalHead.missing`). The weights stay on the worker's host in the checkpoint's dtype
 (the head of an 8B model is 1.2 GB) and, once the first sample is checked, in float32 too
 (2.1 GB): the product runs in float32 through numpy's BLAS (its own threads: the engine's
@@ -30,10 +30,10 @@ actor keeps torch on one), on the rows checked only.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from hsx.finalnorm import Checkpoint, FinalNorm, FinalNormUnavailable
 
 HEAD_FIRST = 8  # requests of a job on an engine checked first
 HEAD_EVERY = 1000  # after them, one request in this many
@@ -49,29 +49,18 @@ TIE_SIGMAS = 4  # and standard deviations of the error the stored states' roundi
 BF16_ROUNDOFF = 2.0**-8  # relative rounding of a value stored in bf16
 FP8_ROUNDOFF = 2.0**-4  # in float8_e4m3 (3 mantissa bits)
 
-# model_type of the text model -> how its final norm scales: "w" (RMSNorm times its
-# weight) or "1+w" (times one plus its weight: Gemma, Qwen3-Next).
-NORM_OF_TYPE = {
-    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-                     "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "gpt_oss"), "w"),
-    **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next"), "1+w"),
-}
-
-
 @dataclass
 class FinalHead:
     """The target's final norm and head, as the engine applies them to id N."""
 
-    norm_weight: Any  # [H] torch tensor
+    final_norm: FinalNorm | None
     head_weight: Any  # [V, H] torch tensor
-    eps: float
-    offset: bool  # the norm scales by 1 + weight
-    missing: str = ""  # why there is no head (the tensors above are None then)
+    missing: str = ""  # why there is no head (the fields above are None then)
     _head32: Any = field(default=None, repr=False)  # head_weight in float32, once used
 
     @classmethod
     def unavailable(cls, reason: str) -> FinalHead:
-        return cls(None, None, 0.0, False, reason)
+        return cls(None, None, reason)
 
     @classmethod
     def of_engine(cls, model_path: str, engine_args: dict[str, Any]) -> FinalHead:
@@ -85,48 +74,36 @@ class FinalHead:
     @classmethod
     def load(cls, model_path: str) -> FinalHead:
         """The head of the model at `model_path`, or one saying why there is none."""
-        from hsx.modelinfo import ModelConfigError, read_model_info
-
         try:
-            info = read_model_info(model_path)
-        except ModelConfigError as err:
-            return cls.unavailable(str(err))
-        kind = NORM_OF_TYPE.get(info.text_model_type or "")
-        if kind is None:
-            return cls.unavailable(f"hsx does not know the final norm of model type "
-                                   f"{info.text_model_type!r}")
-        names = _tensor_files(Path(info.path))
-        if not names:
-            return cls.unavailable("the model has no safetensors weights to read its head from")
-        head_key = min((k for k in names if k.endswith("lm_head.weight")), key=len, default=None)
-        prefix = head_key[: -len("lm_head.weight")] if head_key else ""
-        if head_key is None and not _tied(info.shape, info.config):
-            return cls.unavailable("the checkpoint holds no lm_head.weight and its head "
-                                   "is not tied to the embeddings")
-        inner = (prefix + "model.", "model.language_model.", prefix + "language_model.model.")
-        norm_key = next((p + "norm.weight" for p in inner if p + "norm.weight" in names), None)
-        if norm_key is None or norm_key.replace("weight", "bias") in names:
-            return cls.unavailable("no RMS final norm found among the weights")
-        if head_key is None:
-            head_key = next((p + "embed_tokens.weight" for p in inner
-                             if p + "embed_tokens.weight" in names), None)
+            checkpoint = Checkpoint.open(model_path)
+            head_key = checkpoint.head_key
+            if head_key is None and not checkpoint.tied:
+                raise FinalNormUnavailable("the checkpoint holds no lm_head.weight and its "
+                                           "head is not tied to the embeddings")
+            final_norm = FinalNorm.of(checkpoint)
+            head_key = head_key or checkpoint.inner("embed_tokens.weight")
             if head_key is None:
-                return cls.unavailable("the head is tied, and no embeddings were found")
-        eps = info.shape.get("rms_norm_eps", info.shape.get("norm_eps", 1e-6))
-        return cls(_read(names, norm_key), _read(names, head_key), float(eps), kind == "1+w")
+                raise FinalNormUnavailable("the head is tied, and no embeddings were found")
+        except FinalNormUnavailable as err:
+            return cls.unavailable(str(err))
+        return cls(final_norm, checkpoint.read(head_key))
+
+    @property
+    def offset(self) -> bool:
+        """The norm scales by 1 + weight."""
+        assert self.final_norm is not None
+        return self.final_norm.offset
 
     @property
     def scale(self) -> Any:
         """The norm's per-channel factor, in float32."""
-        weight = self.norm_weight.float()
-        return weight + 1 if self.offset else weight
+        assert self.final_norm is not None
+        return self.final_norm.scale
 
     def norm(self, states: Any) -> Any:
         """The final norm applied to [R, H] states (float32 out)."""
-        import torch
-
-        x = states.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale
+        assert self.final_norm is not None
+        return self.final_norm.apply(states)
 
     def agrees(self, states: Any, tokens: Any, roundoff: float = BF16_ROUNDOFF) -> Any:
         """[R] bool: whether the engine's token on each row is the argmax of
@@ -221,30 +198,3 @@ def _rms_after_unscaling(rows: Any, scale: Any) -> Any:
     """Per row, the RMS of `rows / scale` over the channels the norm does not zero."""
     keep = scale.abs() > 1e-3
     return (rows[:, keep] / scale[keep]).pow(2).mean(-1).sqrt()
-
-
-def _tied(shape: dict[str, Any], config: dict[str, Any]) -> bool:
-    value = shape.get("tie_word_embeddings", config.get("tie_word_embeddings"))
-    return True if value is None else bool(value)
-
-
-def _tensor_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file that holds it (index or single file)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        mapping = json.loads(index.read_text()).get("weight_map", {})
-        return {name: folder / file for name, file in mapping.items()}
-    out: dict[str, Path] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        out.update({name: file for name in header if name != "__metadata__"})
-    return out
-
-
-def _read(names: dict[str, Path], key: str) -> Any:
-    from safetensors import safe_open
-
-    with safe_open(str(names[key]), framework="pt") as f:
-        return f.get_tensor(key)

@@ -1,5 +1,6 @@
 """Commands on an output (a directory, file:// or s3:// URI): `export` writes it in
-speculators' layout (`fix-draft` readies what speculators trains on it for vLLM),
+speculators' or SpecForge's layout (`fix-draft` readies what speculators trains on it for
+vLLM),
 `verify` checks every committed shard (and withdraws bad ones)."""
 
 from __future__ import annotations
@@ -10,18 +11,19 @@ import sys
 from typing import Any
 
 from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, error
+from hsx.export import FORMATS, SPECULATORS_FORMAT
 from hsx.methods import METHOD_NAMES
 from hsx.progress import console
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    """Write an hsx output in another tool's layout (today: speculators' offline data)."""
-    from hsx.export import ExportError, export_speculators
+    """Write an hsx output in another tool's offline-data layout (speculators', SpecForge's)."""
+    from hsx.export import SPECFORGE_FORMAT, ExportError, export_output
 
     try:
-        summary = export_speculators(
-            args.uri, args.dest, force=args.force, allow_incomplete=args.allow_incomplete,
-            method=args.method,
+        summary = export_output(
+            args.uri, args.dest, fmt=args.format, force=args.force,
+            allow_incomplete=args.allow_incomplete, method=args.method, model=args.model,
         )
     except ExportError as err:
         return error(str(err), EXIT_REFUSED)
@@ -40,6 +42,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
                         "(see `hsx errors` / HiddenStatesDataset.errors()); not exported")
     if not summary.source_complete:
         console().print("[yellow]the source job was not complete: later shards are missing[/]")
+    if summary.format == SPECFORGE_FORMAT:
+        console().print(f"train with: {summary.specforge_hint()}", markup=False,
+                        highlight=False)
+        return 0
     console().print(f"train with: {summary.train_command()}", markup=False, highlight=False)
     console().print(f"then, before vLLM loads the draft: {summary.fix_command()}",
                     markup=False, highlight=False)
@@ -101,14 +107,18 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("export", help="write an output in speculators' offline-data layout")
+    p = sub.add_parser("export", help="write an output in speculators' or SpecForge's "
+                       "offline-data layout")
     p.add_argument("uri", help="the hsx output (directory, file:// or s3:// URI)")
     p.add_argument("dest", help="directory to create (must be absent or empty)")
-    p.add_argument("--format", choices=["speculators"], default="speculators",
+    p.add_argument("--format", choices=FORMATS, default=SPECULATORS_FORMAT,
                    help="target layout (default speculators)")
     p.add_argument("--method", choices=METHOD_NAMES,
                    help="only the layers a draft of this method reads (and N), for an output "
-                        "captured for several methods (default: every stored layer)")
+                        "captured for several methods (default: every stored layer; "
+                        "eagle3 for specforge, whose layout is per method)")
+    p.add_argument("--model", help="a local copy of the target, for the final norm of "
+                   "SpecForge's post-norm states (default: the output's model)")
     p.add_argument("--force", action="store_true", help="replace an earlier hsx export at DEST")
     p.add_argument("--allow-incomplete", action="store_true",
                    help="export what a still-running job has committed so far")
