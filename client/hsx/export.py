@@ -1,4 +1,5 @@
-"""Export an hsx output into the layout speculators' offline trainer reads.
+"""Export an hsx output into another tool's offline-data layout: the pipeline, and
+speculators' layout (SpecForge's is hsx/export_specforge.py, picked by `fmt`).
 
 `hsx export --format speculators URI DEST` lets a speculators user train on hsx data with
 speculators' own `speculators train --data-path DEST` and no hsx at training time. The
