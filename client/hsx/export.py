@@ -86,6 +86,12 @@ SPECFORGE_FORMAT = "specforge"
 FORMATS = (SPECULATORS_FORMAT, SPECFORGE_FORMAT)
 
 
+def specforge_layer_ids(layers: list[int]) -> list[int]:
+    """hsx layer ids in SpecForge's numbering, which counts a layer's output (hsx's id k,
+    the input of layer k, is SpecForge's k - 1; docs/FORMAT.md)."""
+    return [k - 1 for k in layers]
+
+
 class ExportError(Exception):
     """The export was refused before anything was written (bad source or destination)."""
 
@@ -119,9 +125,7 @@ class ExportSummary:
 
     @property
     def specforge_layer_ids(self) -> list[int]:
-        """The auxiliary layers in SpecForge's numbering, which counts a layer's output
-        (hsx's id k, the input of layer k, is SpecForge's k - 1; docs/FORMAT.md)."""
-        return [k - 1 for k in self.target_layer_ids]
+        return specforge_layer_ids(self.target_layer_ids)
 
     def specforge_hint(self) -> str:
         """What a SpecForge run on this export sets: the data, the strategy, the layers."""
@@ -323,7 +327,7 @@ def export_output(
             "hidden_size": ds.manifest.hidden_size,
             "layers": layers,
             "target_layer_ids": layers[:-1],
-            **({"specforge_layer_ids": [k - 1 for k in layers[:-1]]}
+            **({"specforge_layer_ids": specforge_layer_ids(layers[:-1])}
                if fmt == SPECFORGE_FORMAT else {}),
             "method": method,
             "source_storage_dtype": ds.manifest.storage_dtype,

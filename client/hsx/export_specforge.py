@@ -119,7 +119,8 @@ class SpecForgeWriter:
                 post = self.final_norm.apply(hidden[:, picks[-1]]).to(hidden.dtype)
                 record[self.last_feature] = post.reshape(1, t, -1).contiguous()
             path = out / specforge_file(i)
-            make_output_dirs(path.parent)
+            if i % SPECFORGE_GROUP == 0:  # the first file of its folder
+                make_output_dirs(path.parent)
             torch.save(record, path)
             indices.append(int(sample["sample_index"]))
             written += 1
