@@ -84,14 +84,14 @@ class CheckClock:
 
 
 class HeadClock:
-    """Seconds the head check's thread spent in `check_sample` (wrapped while it lives)."""
+    """Seconds the head check's thread spent in `check_samples` (wrapped while it lives)."""
 
     def __init__(self) -> None:
         from hsx_workers import selfcheck
 
         self.seconds = 0.0
         self._module = selfcheck
-        self._check = selfcheck.check_sample
+        self._check = selfcheck.check_samples
         clock = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -101,10 +101,10 @@ class HeadClock:
             finally:
                 clock.seconds += time.perf_counter() - start
 
-        selfcheck.check_sample = timed  # type: ignore[assignment]
+        selfcheck.check_samples = timed  # type: ignore[assignment]
 
     def close(self) -> None:
-        self._module.check_sample = self._check  # type: ignore[assignment]
+        self._module.check_samples = self._check  # type: ignore[assignment]
 
 
 def _prompts(n: int, seed: int, lengths: tuple[int, int] = (64, 512)) -> list[list[int]]:

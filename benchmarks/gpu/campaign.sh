@@ -14,7 +14,9 @@
 # prepare-data + generate-offline-data on `vllm serve`: bench_peer.py; carry .gpu-peer,
 # see below; ~15 minutes), ingest (ingestion on 2 and 8 processes against 1:
 # bench_ingest.py), first-commit (submit → first committed shard on a million chats:
-# bench_first_commit.py). Each step writes into
+# bench_first_commit.py), dspark (a DSpark job, trained and measured by vLLM:
+# dspark_job.sh), selfcheck (the self-check's cost on the 8B shape and its faults:
+# bench_selfcheck.py --model 8b --faults). Each step writes into
 # /tmp/hsx-gpu/results; one failing step does not stop the next.
 set -uo pipefail
 RES=/tmp/hsx-gpu/results
@@ -146,6 +148,22 @@ for s in "$@"; do
         timeout 600 python3 -m benchmarks.gpu.bench_train_scaling --out "$RES/train-scaling.json" \
           > "$RES/train-scaling.log" 2>&1
       fi ;;
+    dspark)
+      step dspark
+      # A job with `train: {method: dspark}` and no other option on the learnable target:
+      # extraction, training and vLLM's measurement of the draft (dspark_job.sh).
+      timeout 1200 bash benchmarks/gpu/dspark_job.sh /tmp/dspark > "$RES/dspark-log.txt" 2>&1
+      echo "dspark: rc=$? $(tail -1 "$RES/dspark-log.txt")"
+      mkdir -p "$RES/dspark"
+      find /tmp/dspark/out/draft -maxdepth 1 -type f -size -4M -exec cp {} "$RES/dspark/" \; ;;
+    selfcheck)
+      step selfcheck
+      # The self-check's cost on the 8B shape, `checks: on` against `off` in one run, then
+      # each injected fault (benchmarks/bench_selfcheck.py; SELFCHECK_FLAGS sets the size).
+      timeout 1200 python3 -m benchmarks.bench_selfcheck --model 8b --faults \
+        ${SELFCHECK_FLAGS:---reps 2 --prompts 800} --workdir /tmp \
+        --out "$RES/selfcheck.json" > "$RES/selfcheck-log.txt" 2>&1
+      echo "selfcheck: rc=$? $(tail -3 "$RES/selfcheck-log.txt")" ;;
     *) echo "unknown step $s" ;;
   esac
 done

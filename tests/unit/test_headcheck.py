@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hsx_workers import state_faults
-from hsx_workers.headcheck import FinalHead, check_sample, pooled_problem
+from hsx_workers.headcheck import FinalHead, check_sample, check_samples, pooled_problem
 from hsx_workers.selfcheck import StatesCheck, StatesCheckFailed
 from hsx_workers.tiny_models import make_tiny_model
 
@@ -81,6 +81,22 @@ def test_a_normed_last_state_and_another_requests_states_are_found(llama: Path) 
     other, _ = _forward(llama, torch.randint(0, vocab, (80,), generator=g))
     swapped = check_sample(head, other, top1, layer=2)
     assert any("agrees with the engine's own next token" in p for p in swapped.problems)
+
+
+def test_samples_checked_in_one_product_get_each_its_own_verdict(llama: Path) -> None:
+    head = FinalHead.load(str(llama))
+    g = torch.Generator().manual_seed(2)
+    vocab = head.head_weight.shape[0]
+    last, top1 = _forward(llama, torch.randint(0, vocab, (80,), generator=g))
+    other, _ = _forward(llama, torch.randint(0, vocab, (40,), generator=g))
+    samples = [(last, top1, 2, 2.0**-8), (other, top1[:40], 2, 2.0**-4),
+               (head.norm(last).to(last.dtype), None, 2, 2.0**-8), (last[:30], top1[:30], 2, 0.0)]
+    together = check_samples(head, samples)
+    assert together == [check_sample(head, *sample) for sample in samples]
+    assert together[0].problems == [] and together[0].rows == 64
+    assert "agrees with the engine's own next token" in together[1].problems[0]
+    assert together[2].rows == 0 and "after the final norm" in together[2].problems[0]
+    assert together[3].rows == 30 and together[3].agreed >= 29
 
 
 def test_the_pooled_agreement_is_judged_once_enough_rows_are_in() -> None:

@@ -26,7 +26,8 @@ requests is also checked against the engine's own next-token choice (`agreement`
 for a last state that is already normalized (`prenorm`). The worker asks `picks()` for
 each request it feeds (the engine then reports its top-1 per position); those samples'
 id-N rows are copied out and compared on a thread of their own, so the capture never
-waits for a head's product. A unit commits only once its samples' verdicts are in.
+waits for a head's product; the samples queued there go through the head in one product.
+A unit commits only once its samples' verdicts are in.
 
 Who calls what: the worker builds one `StatesCheck` per job it serves (`mode` from the
 job's `checks:`), calls `picks()` for each request, `check(sample_index, states, scales,
@@ -54,7 +55,7 @@ from hsx_workers.headcheck import (
     HEAD_FIRST,
     FinalHead,
     HeadVerdict,
-    check_sample,
+    check_samples,
     pooled_problem,
 )
 
@@ -117,6 +118,8 @@ class StatesCheck:
     _fed: int = 0
     _picked: set[int] = field(default_factory=set)
     _verdicts: list[tuple[int, Future[HeadVerdict], UnitTally]] = field(default_factory=list)
+    _head_queue: list[tuple[Any, list[int] | None, int, float, Future[HeadVerdict]]] = field(
+        default_factory=list)  # id-N rows copied out, for the head's thread
     _job_rows: int = 0
     _job_agreed: int = 0
     _pooled_tripped: bool = False
@@ -221,10 +224,28 @@ class StatesCheck:
 
             last = last.float() * torch.as_tensor(np.asarray(scales)[:, li])[:, None]
             roundoff = FP8_ROUNDOFF
-        layer = self.layers[li]
-        future = _head_pool().submit(check_sample, head, last, predicted, layer, roundoff)
+        future: Future[HeadVerdict] = Future()
         with self._lock:
             self._verdicts.append((sample_index, future, tally))
+            self._head_queue.append((last, predicted, self.layers[li], roundoff, future))
+        _head_pool().submit(self._run_heads)
+
+    def _run_heads(self) -> None:
+        """On the head's thread: every sample queued by now, through the head at once (the
+        job's first samples come together, and one product streams the head once)."""
+        with self._lock:
+            queued, self._head_queue = self._head_queue, []
+        if not queued:
+            return  # an earlier call took them
+        assert self.head is not None
+        try:
+            verdicts = check_samples(self.head, [q[:4] for q in queued])
+        except BaseException as err:  # each sample's verdict carries it to its unit
+            for q in queued:
+                q[4].set_exception(err)
+            return
+        for q, verdict in zip(queued, verdicts, strict=True):
+            q[4].set_result(verdict)
 
     def _drain(self, unit: UnitTally, block: bool) -> None:
         """Take the head check's verdicts of `unit` that are in (all of them, waiting, when
@@ -398,6 +419,19 @@ def _check_pool() -> ThreadPoolExecutor:
 def _head_pool() -> ThreadPoolExecutor:
     """The one thread of this process that runs head checks."""
     return _pool("hsx-head")
+
+
+def head_ahead(model_path: str, engine_args: dict[str, Any]) -> Future[FinalHead]:
+    """The target's head read, and its float32 copy made, on the head's thread from now on:
+    a worker asks while its engine starts (20-90 s on a GPU), so that a job's first head
+    check does not wait for them (an 8B model's head: 1.2 GB read, 2.1 GB in float32)."""
+    def read() -> FinalHead:
+        head = FinalHead.of_engine(model_path, engine_args)
+        if not head.missing:
+            head.head32()
+        return head
+
+    return _head_pool().submit(read)
 
 
 def as_torch(states: Any) -> Any:

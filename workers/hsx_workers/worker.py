@@ -69,7 +69,7 @@ from hsx_workers.engines.base import (
 )
 from hsx_workers.engines.factory import create_engine
 from hsx_workers.headcheck import FinalHead
-from hsx_workers.selfcheck import StatesCheck, StatesCheckFailed, UnitTally
+from hsx_workers.selfcheck import StatesCheck, StatesCheckFailed, UnitTally, head_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +197,11 @@ class ExtractionWorker:
         self._tokenizers: dict[str, Any] = {}  # a regenerating job's tokenizer, by path
         self._check: StatesCheck | None = None  # the self-check of the job of _output
         self._check_of_job: tuple[str, str] = ("", "")  # (output uri, mode) it checks
-        self._head: FinalHead | None = None  # the target's head, read once (headcheck.py)
+        # The target's head (headcheck.py), read while the engine starts: the default
+        # `checks: on` compares id N with it from a job's first unit.
+        self._head: Future[FinalHead] | None = head_ahead(
+            engine_config.model, engine_config.options.get("engine_args") or {}
+        ) if engine_config.num_layers in engine_config.layers else None
         self.engine = create_engine(engine, engine_config)
 
     def pid(self) -> int:
@@ -238,12 +242,9 @@ class ExtractionWorker:
         reference is what this job's first samples here showed."""
         with self._lock:
             if self._check is None or self._check_of_job != (output.uri, mode):
-                n = self.config.num_layers
-                head = self._head
-                if mode != "off" and n in self.config.layers and head is None:
-                    head = self._head = FinalHead.of_engine(
-                        self.config.model, self.config.options.get("engine_args") or {})
-                self._check = StatesCheck(mode, list(self.config.layers), n, head)
+                head = self._head.result() if mode != "off" and self._head else None
+                self._check = StatesCheck(mode, list(self.config.layers),
+                                          self.config.num_layers, head)
                 self._check_of_job = (output.uri, mode)
             return self._check
 
@@ -467,7 +468,8 @@ class ExtractionWorker:
 
                         states, scales = state_faults.apply(
                             run.fault, result.sample_index, states, scales,
-                            head=self._head, last=run.check.last if run.check else None,
+                            head=run.check.head if run.check else None,
+                            last=run.check.last if run.check else None,
                             memory=run.fault_memory)
                     if run.check is not None:  # a fault's states have norms of their own
                         run.check.check(result.sample_index, states, scales,
