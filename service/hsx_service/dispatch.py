@@ -237,10 +237,17 @@ class Dispatch:
     def stop_for_check(self, slot: EngineSlot, ref: Any, err: BaseException) -> None:
         """A unit's self-check tripped: the states are wrong, and a retry would capture
         them the same way. The job fails at once with the check's message: nothing is
-        retried or dispatched, the worker already stopped the job's other units it held
-        (units on other workers end as they are)."""
+        retried or dispatched; the worker already stopped the job's other units it held,
+        and the other workers are told to stop theirs (their units then fail here with
+        the same words)."""
         unit = slot.inflight.pop(ref)
         message = _first_line(err)
+        if self.result.fatal is None:
+            where = (self.job.output if self.online is None
+                     else str(self.online.stream.path))
+            for other in self.slots:
+                if other is not slot and other.inflight:
+                    other.actor.stop_job.remote(where, message)
         logger.error("%s", message)
         self.live.pop(unit.unit, None)
         self.result.failed_units[unit.unit] = message

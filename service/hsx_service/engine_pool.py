@@ -269,7 +269,8 @@ class EnginePool:
             options: dict[str, Any] = {
                 "max_restarts": -1,
                 "max_task_retries": 0,
-                # run_unit calls wait side by side (DISPATCH_DEPTH); progress() answers.
+                # run_unit calls wait side by side (DISPATCH_DEPTH); progress() and
+                # stop_job() answer meanwhile.
                 "max_concurrency": DISPATCH_DEPTH + 2,
                 "runtime_env": {"env_vars": env},
                 "scheduling_strategy": in_group(pg),

@@ -41,6 +41,7 @@ class _Actor:
         self.run_unit = _Method()
         self.ready = _Method()
         self.progress = _Method()
+        self.stop_job = _Method()
 
 
 @dataclass
@@ -234,6 +235,23 @@ def test_a_full_disk_stops_dispatch_and_names_enospc() -> None:
     assert run.working()  # the unit out is still waited for, and no other goes out
     run.unit_done(slot, next(iter(slot.inflight)), _report(1))
     assert not run.working()
+
+
+def test_a_tripped_check_fails_the_job_and_stops_the_other_workers_units() -> None:
+    heard = _Heard()
+    run = _dispatch(6, heard, workers=2)
+    first, second = run.slots
+    run.dispatch(first)
+    run.dispatch(second)
+    tripped = "unit 0: self-check failed: sample 2 (dataset row 2), layer 4: all zeros"
+    run.stop_for_check(first, next(iter(first.inflight)), RuntimeError(tripped))
+    assert run.result.fatal == tripped and not run.queue
+    assert second.actor.stop_job.calls == [(run.job.output, tripped)]
+    assert first.actor.stop_job.calls == []  # its worker stopped its own units
+    # The other worker's units then fail with the same words; nobody is told twice.
+    run.stop_for_check(second, next(iter(second.inflight)), RuntimeError(tripped))
+    assert len(second.actor.stop_job.calls) == 1 and len(first.actor.stop_job.calls) == 0
+    assert [e[0] for e in heard.errors] == [0, DISPATCH_DEPTH]
 
 
 def test_engines_that_start_together_begin_together() -> None:

@@ -188,3 +188,28 @@ def test_engine_death_fails_every_unit_held(tmp_path: Path,
     with pytest.raises(EngineDead, match="engine is gone"):
         worker.run_unit(str(out), "bf16", _units(12, 4)[1])
     assert not list((out / ".tmp").iterdir())
+
+
+def test_a_trip_on_another_worker_stops_every_unit_of_the_job_held_here(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsx_workers.selfcheck import StatesCheckFailed
+
+    out = _output(tmp_path)
+    engine = WindowEngine(window=2)
+    worker = _worker(monkeypatch, engine)
+    engine.go.clear()  # no result comes back before the stop
+    reason = "unit 7: self-check failed: sample 30 (dataset row 30), layer 2: ..."
+    with ThreadPoolExecutor(3) as pool:
+        futures = []
+        for unit in _units(12, 4):
+            futures.append(pool.submit(worker.run_unit, str(out), "bf16", unit))
+            time.sleep(0.05)
+        assert worker.stop_job(str(out), reason) == 3  # computing, or queued behind
+        engine.go.set()
+        for f in futures:
+            with pytest.raises(StatesCheckFailed, match="unit 7: self-check failed"):
+                f.result(timeout=30)
+    assert Output(out).commits() == []
+    assert not list((out / ".tmp").iterdir())  # no half-written shard left
+    worker.stop_job(str(out), reason)  # nothing held: nothing to stop
+    worker.shutdown()

@@ -23,9 +23,10 @@ knows) and the head's weights from the model's safetensors (the head tied to the
 embeddings where the checkpoint says so; a wrapper's language model under its prefix).
 Anything else leaves the head check out, and the unit's record says why
 (`FinalHead.missing`). The weights stay on the worker's host in the checkpoint's dtype
-(the head of an 8B model is 1.2 GB) and, once the first sample is checked, in float32 too
-(2.1 GB): the product runs in float32 through numpy's BLAS (its own threads: the engine's
-actor keeps torch on one), on the rows checked only.
+(the head of an 8B model is 1.2 GB) and in float32 too (2.1 GB), both read while the
+engine starts (selfcheck.head_ahead): the product runs in float32 through numpy's BLAS
+(its own threads: the engine's actor keeps torch on one), on the rows checked only, and
+`check_samples` takes several samples' rows through the head at once.
 """
 
 from __future__ import annotations

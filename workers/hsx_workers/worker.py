@@ -31,11 +31,12 @@ retries them.
 Every sample's states pass the job's self-check (selfcheck.py) on their way to the
 writer. Under `checks: on` a tripped check fails its unit at once, and every other unit
 of that job this worker holds, with `StatesCheckFailed` (their writers aborted: nothing
-more is written, no shard of theirs becomes visible); the driver ends the job and
-retries none of them. The checks run on threads of their own: the committer waits for a
-unit's before it commits (the capture goes on meanwhile), and one that trips fails the
-unit there; the capture thread stops the job at its next sample. The unit's check
-numbers go into its commit record.
+more is written, no shard of theirs becomes visible); the driver ends the job, retries
+none of them, and has the job's other workers stop theirs the same way (`stop_job`).
+The checks run on threads of their own: the committer waits for a unit's before it
+commits (the capture goes on meanwhile), and one that trips fails the unit there; the
+capture thread stops the job at its next sample. The unit's check numbers go into its
+commit record.
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ class ExtractionWorker:
         self._output: Output | None = None
         self._queued: deque[_UnitRun] = deque()  # waiting for the capture loop
         self._routing: deque[_UnitRun] = deque()  # fed to the engine, results pending
+        self._settling: list[_UnitRun] = []  # every result taken, at the committer
         self._loop: threading.Thread | None = None  # the capture loop taking units
         self._last_loop: threading.Thread | None = None  # a new one waits for it to end
         self._stopping = False
@@ -346,6 +348,7 @@ class ExtractionWorker:
                     if not run.rows:  # every answer failed: nothing to capture
                         with self._lock:
                             self._routing.remove(run)
+                            self._settling.append(run)
                         self._committer.submit(self._commit, run)
                         run = None
                         continue
@@ -493,6 +496,7 @@ class ExtractionWorker:
                 run.tally = run.check.finish()
             with self._lock:
                 self._routing.popleft()
+                self._settling.append(run)
             self._committer.submit(self._commit, run)
 
     def _stop_job(self, run: _UnitRun, err: StatesCheckFailed) -> None:
@@ -501,17 +505,35 @@ class ExtractionWorker:
         remaining results are dropped as they come (results come in request order)."""
         failed = StatesCheckFailed(f"unit {run.unit.unit}: {err}")
         run.fail(failed)
+        self._stop_units(run.output.uri, str(failed), run)
+
+    def stop_job(self, output: Output | str, reason: str) -> int:
+        """A unit of the job writing into `output` tripped its self-check on another
+        worker (the driver asks, dispatch.py): every unit of it this worker holds fails
+        now with `reason`, as a trip here would fail them. Returns how many."""
+        return self._stop_units(Output.of(output).uri, reason)
+
+    def _stop_units(self, uri: str, reason: str, tripped: _UnitRun | None = None) -> int:
         with self._lock:
-            queued = [r for r in self._queued if r.output.uri == run.output.uri]
+            queued = [r for r in self._queued if r.output.uri == uri]
             for other in queued:
                 self._queued.remove(other)
-            for other in self._routing:  # failed by the capture thread, at their next result
-                if other is not run and other.output.uri == run.output.uri:
-                    other.stop = StatesCheckFailed(str(failed))
+            routing = [r for r in (*self._routing, *self._settling)
+                       if r is not tripped and r.output.uri == uri]
+            for other in routing:  # failed at their next result, or before their commit
+                other.stop = StatesCheckFailed(reason)
         for other in queued:  # the same words: the job's error is the one that tripped
-            other.fail(StatesCheckFailed(str(failed)))
+            other.fail(StatesCheckFailed(reason))
+        return len(queued) + len(routing)
 
     def _commit(self, run: _UnitRun) -> None:
+        try:
+            self._settle_and_commit(run)
+        finally:
+            with self._lock:
+                self._settling.remove(run)
+
+    def _settle_and_commit(self, run: _UnitRun) -> None:
         writer = run.writer
         if run.check is not None and run.tally is not None and run.failure is None:
             try:  # the unit's checks, awaited here: the capture goes on meanwhile
@@ -521,6 +543,8 @@ class ExtractionWorker:
             except BaseException as err:  # the check itself failed: the unit with it
                 run.fail(err)
         try:
+            if run.stop is not None and run.failure is None:
+                run.fail(run.stop)  # another unit of the job tripped: nothing of it commits
             if run.failure is not None:
                 raise run.failure
             if writer is None:
