@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
 from pydantic import (
@@ -32,6 +32,8 @@ from hsx.methods import METHODS, DraftMethod, MethodName
 
 EngineName = Literal["vllm", "hf"]
 StorageDtype = Literal["bf16", "fp8"]
+CheckMode = Literal["on", "warn", "off"]
+CHECK_MODES: tuple[str, ...] = get_args(CheckMode)  # the self-check's modes (docs/MODELS.md)
 
 
 class SpecError(ValueError):
@@ -482,7 +484,7 @@ class JobSpec(BaseModel):
             "`blake3` (several GB/s per core) or `sha256`."
         ),
     )
-    checks: Literal["on", "warn", "off"] = Field(
+    checks: CheckMode = Field(
         "on",
         description=(
             "The self-check of every captured state (docs/MODELS.md): `on` fails the job "

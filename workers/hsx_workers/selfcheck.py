@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from hsx.spec import CHECK_MODES
 from hsx_workers.headcheck import (
     BF16_ROUNDOFF,
     FP8_ROUNDOFF,
@@ -59,7 +60,6 @@ from hsx_workers.headcheck import (
     pooled_problem,
 )
 
-CHECK_MODES = ("on", "warn", "off")
 CHECKS_DONE = ("nonfinite", "zero", "identical", "scale", "prenorm", "agreement")
 REFERENCE_SAMPLES = 8
 SCALE_FACTOR = 1e3

@@ -50,7 +50,10 @@ def forward_kwargs(spec: TrainSpec, kernels: str, anchors: int | None = None
     if not spec.draft.block:
         return {"ttt_steps": spec.ttt_steps, "loss_config": loss_config,
                 "ttt_step_loss_decay": spec.ttt_step_loss_decay}
-    out = {"loss_config": loss_config, "max_anchors": anchors or spec.max_anchors or 512,
+    if anchors is None:
+        raise ValueError(f"a {spec.method} draft trains on the plan's anchors per pack; "
+                         "none were given")
+    out = {"loss_config": loss_config, "max_anchors": anchors,
            "per_position_loss_weight": "dpace" if spec.loss_fn == "ce" else "fixed-exp-decay"}
     if spec.method == "dspark":  # its total-variation term, with the same kernels
         out["tv_loss_fn"] = resolve_loss_config("tv", kernels)["tv"][0]
