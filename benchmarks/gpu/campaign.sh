@@ -161,7 +161,7 @@ for s in "$@"; do
       # The self-check's cost on the 8B shape, `checks: on` against `off` in one run, then
       # each injected fault (benchmarks/bench_selfcheck.py; SELFCHECK_FLAGS sets the size).
       timeout 1200 python3 -m benchmarks.bench_selfcheck --model 8b --faults \
-        ${SELFCHECK_FLAGS:---reps 2 --prompts 800} --workdir /tmp \
+        ${SELFCHECK_FLAGS:---reps 3 --prompts 600} --workdir /tmp \
         --out "$RES/selfcheck.json" > "$RES/selfcheck-log.txt" 2>&1
       echo "selfcheck: rc=$? $(tail -3 "$RES/selfcheck-log.txt")" ;;
     *) echo "unknown step $s" ;;

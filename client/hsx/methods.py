@@ -30,7 +30,6 @@ class DraftMethod:
     name: str
     block: bool  # proposes a block of tokens in one forward pass (no TTT steps)
     default_draft_layers: int  # decoder layers of a new draft (TrainSpec.num_layers unset)
-    from_anchor: bool = False  # a block's first slot is proposed too (DSpark), not given
     loss: str = "kl_div"  # speculators' default loss of the method
 
     def aux_layers(self, num_layers: int) -> list[int]:
@@ -57,8 +56,8 @@ METHODS: dict[str, DraftMethod] = {
     # almost none after it), cross-entropy with D-PACE position weights.
     "dflash": DraftMethod("dflash", block=True, default_draft_layers=5, loss="ce"),
     # DFlash's layers and blocks, plus a Markov head over the block's earlier tokens and
-    # a confidence head; it proposes from the anchor's slot too.
-    "dspark": DraftMethod("dspark", block=True, default_draft_layers=5, from_anchor=True),
+    # a confidence head. Its anchor is given, as DFlash's (trainer/draft_model.py says why).
+    "dspark": DraftMethod("dspark", block=True, default_draft_layers=5),
 }
 
 

