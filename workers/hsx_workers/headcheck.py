@@ -176,36 +176,49 @@ def check_samples(head: FinalHead, samples: list[tuple[Any, list[int] | None, in
     product of 512 rows took 3.2 s on 2 cores where eight of 64 took 7.5 s)."""
     import torch
 
-    picks = []
+    picks = []  # per sample: its rows checked, the engine's tokens there (or None), words
     for last, predicted, layer, roundoff in samples:
         t = int(last.shape[0])
         rows = torch.linspace(0, t - 1, steps=min(t, HEAD_ROWS)).round().long().unique()
-        picks.append((last[rows].float(), rows, predicted, layer, roundoff, t))
-    compared = [(p[0], torch.tensor(p[2], dtype=torch.long)[p[1]], p[4]) for p in picks
-                if p[2] is not None and len(p[2]) == p[5]]
-    agreed_rows = iter(head.agrees(torch.cat([c[0] for c in compared]),
-                                   torch.cat([c[1] for c in compared]),
-                                   torch.cat([torch.full((len(c[1]),), c[2]) for c in compared]))
-                       .split([len(c[1]) for c in compared]) if compared else [])
+        engine = (torch.tensor(predicted, dtype=torch.long)[rows]
+                  if predicted is not None and len(predicted) == t else None)
+        picks.append((last[rows].float(), engine, layer, roundoff))
+    compared = [(states, engine, roundoff) for states, engine, _, roundoff in picks
+                if engine is not None]
+    agreed_rows = iter(_agreement(head, compared))
     verdicts = []
-    for picked, rows, predicted, layer, _, t in picks:
+    for states, engine, layer, _ in picks:
         problems = []
-        rms = _rms_after_unscaling(picked, head.scale)
-        if len(rows) >= 4 and bool(((rms - 1).abs() < PRENORM_TOLERANCE).all()):
+        rms = _rms_after_unscaling(states, head.scale)
+        if len(states) >= 4 and bool(((rms - 1).abs() < PRENORM_TOLERANCE).all()):
             problems.append(f"layer {layer}: every row already has the RMS the final norm "
                             f"gives ({float(rms.min()):.4f}-{float(rms.max()):.4f}): it holds "
                             "the state after the final norm, where the format stores the one "
                             "before it")
-        if predicted is None or len(predicted) != t:
+        if engine is None:
             verdicts.append(HeadVerdict(0, 0, problems))
             continue
-        agreed = int(next(agreed_rows).sum())
-        if len(rows) >= SAMPLE_MIN_ROWS and agreed < SAMPLE_AGREEMENT_MIN * len(rows):
+        agreed, rows = int(next(agreed_rows).sum()), len(engine)
+        if rows >= SAMPLE_MIN_ROWS and agreed < SAMPLE_AGREEMENT_MIN * rows:
             problems.append(f"layer {layer}: lm_head(norm(state)) agrees with the engine's "
-                            f"own next token on {agreed} of {len(rows)} rows (states of "
+                            f"own next token on {agreed} of {rows} rows (states of "
                             "another request, or of another layer?)")
-        verdicts.append(HeadVerdict(len(rows), agreed, problems))
+        verdicts.append(HeadVerdict(rows, agreed, problems))
     return verdicts
+
+
+def _agreement(head: FinalHead, compared: list[tuple[Any, Any, float]]) -> list[Any]:
+    """Per (states, engine's tokens, roundoff): `head.agrees` of its rows, all of them in
+    one product."""
+    import torch
+
+    if not compared:
+        return []
+    agreed = head.agrees(torch.cat([states for states, _, _ in compared]),
+                         torch.cat([tokens for _, tokens, _ in compared]),
+                         torch.cat([torch.full((len(tokens),), roundoff)
+                                    for _, tokens, roundoff in compared]))
+    return list(agreed.split([len(tokens) for _, tokens, _ in compared]))
 
 
 def pooled_problem(rows: int, agreed: int, layer: int) -> str | None:
