@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A job with `train: {method: dspark${DSPARK_TRAIN:-}}` and no other option, on the learnable target, on
+# A job with `train: {method: dspark}` and no other option, on the learnable target, on
 # one GPU: `hsx extract` captures the method's layers, trains a DSpark draft with its
 # defaults, and vLLM measures it with `method: dspark` (vLLM's CPU build cannot).
 # Usage (GPU machine, PYTHONPATH as in benchmarks/gpu/README.md): bash dspark_job.sh WORK
