@@ -57,7 +57,7 @@ class FinalHead:
     final_norm: FinalNorm | None
     head_weight: Any  # [V, H] torch tensor
     missing: str = ""  # why there is no head (the fields above are None then)
-    _head32: Any = field(default=None, repr=False)  # head_weight in float32, once used
+    _head32: Any = field(default=None, repr=False)  # head_weight in float32 (head32)
 
     @classmethod
     def unavailable(cls, reason: str) -> FinalHead:

@@ -129,8 +129,6 @@ class StatesCheck:
     def __post_init__(self) -> None:
         if self.mode not in CHECK_MODES:
             raise ValueError(f"checks must be one of {CHECK_MODES}, got {self.mode!r}")
-        if not self.head_missing and self.head is not None:
-            _head_pool().submit(self.head.head32)  # made while the first samples compute
 
     @property
     def last(self) -> int | None:

@@ -242,9 +242,10 @@ class ExtractionWorker:
     def _check_of(self, output: Output, mode: str) -> StatesCheck:
         """The self-check of `output`'s job: one per job on this worker, so its scale
         reference is what this job's first samples here showed."""
+        # Waited for outside the lock: progress() answers meanwhile (done once it is read).
+        head = self._head.result() if mode != "off" and self._head else None
         with self._lock:
             if self._check is None or self._check_of_job != (output.uri, mode):
-                head = self._head.result() if mode != "off" and self._head else None
                 self._check = StatesCheck(mode, list(self.config.layers),
                                           self.config.num_layers, head)
                 self._check_of_job = (output.uri, mode)
