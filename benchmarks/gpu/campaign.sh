@@ -15,7 +15,8 @@
 # see below; ~15 minutes), ingest (ingestion on 2 and 8 processes against 1:
 # bench_ingest.py), first-commit (submit → first committed shard on a million chats:
 # bench_first_commit.py), dspark (a DSpark job, trained and measured by vLLM:
-# dspark_job.sh), selfcheck (the self-check's cost on the 8B shape and its faults:
+# dspark_job.sh), dflash-loss (DFlash with each loss on the dspark step's capture,
+# measured by vLLM), selfcheck (the self-check's cost on the 8B shape and its faults:
 # bench_selfcheck.py --model 8b --faults). Each step writes into
 # /tmp/hsx-gpu/results; one failing step does not stop the next.
 set -uo pipefail
@@ -156,6 +157,23 @@ for s in "$@"; do
       echo "dspark: rc=$? $(tail -1 "$RES/dspark-log.txt")"
       mkdir -p "$RES/dspark"
       find /tmp/dspark/out/draft -maxdepth 1 -type f -size -4M -exec cp {} "$RES/dspark/" \; ;;
+    dflash-loss)
+      step dflash-loss
+      # DFlash's two losses on the GPU, on the dspark step's capture (its layers hold
+      # DFlash's): `hsx train --method dflash` with the default (ce) and with
+      # `--set loss=kl_div`, trained side by side, then each measured by vLLM.
+      for loss in ce kl_div; do
+        timeout 900 python3 -m hsx.cli train /tmp/dspark/out --method dflash \
+          --set loss=$loss --draft-dir /tmp/dflash-$loss > "$RES/dflash-$loss-train.txt" 2>&1 &
+      done
+      wait
+      for loss in ce kl_div; do
+        timeout 600 python3 -m hsx.cli eval-draft /tmp/dspark/out --draft-dir /tmp/dflash-$loss \
+          --json > "$RES/dflash-$loss-eval.json" 2> "$RES/dflash-$loss-eval.log"
+        echo "dflash $loss: rc=$? $(tail -c 300 "$RES/dflash-$loss-eval.json")"
+        mkdir -p "$RES/dflash-$loss"
+        find /tmp/dflash-$loss -maxdepth 2 -type f -size -4M -exec cp {} "$RES/dflash-$loss/" \;
+      done ;;
     selfcheck)
       step selfcheck
       # The self-check's cost on the 8B shape, `checks: on` against `off` in one run, then
