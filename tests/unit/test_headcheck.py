@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from hsx_workers import state_faults
-from hsx_workers.headcheck import FinalHead, check_sample, check_samples, pooled_problem
+from hsx_workers.headcheck import (
+    AGREEMENT_ROWS,
+    HEAD_FIRST_ROWS,
+    HEAD_ROWS,
+    FinalHead,
+    HeadSample,
+    check_sample,
+    check_samples,
+    pooled_problem,
+)
 from hsx_workers.selfcheck import StatesCheck, StatesCheckFailed
 from hsx_workers.tiny_models import make_tiny_model
 
@@ -89,10 +98,12 @@ def test_samples_checked_in_one_product_get_each_its_own_verdict(llama: Path) ->
     vocab = head.head_weight.shape[0]
     last, top1 = _forward(llama, torch.randint(0, vocab, (80,), generator=g))
     other, _ = _forward(llama, torch.randint(0, vocab, (40,), generator=g))
-    samples = [(last, top1, 2, 2.0**-8), (other, top1[:40], 2, 2.0**-4),
-               (head.norm(last).to(last.dtype), None, 2, 2.0**-8), (last[:30], top1[:30], 2, 0.0)]
-    together = check_samples(head, samples)
-    assert together == [check_sample(head, *sample) for sample in samples]
+    samples = [HeadSample(last, top1, 2, 2.0**-8), HeadSample(other, top1[:40], 2, 2.0**-4),
+               HeadSample(head.norm(last).to(last.dtype), None, 2, 2.0**-8),
+               HeadSample(last[:30], top1[:30], 2, 0.0)]
+    together = check_samples(head, [*samples, HeadSample(last, top1, 2, rows=32)])
+    assert together[:4] == [check_sample(head, *sample[:4]) for sample in samples]
+    assert together[4].rows == 32 and together[4].agreed >= 31
     assert together[0].problems == [] and together[0].rows == 64
     assert "agrees with the engine's own next token" in together[1].problems[0]
     assert together[2].rows == 0 and "after the final norm" in together[2].problems[0]
@@ -112,6 +123,9 @@ def test_the_self_check_takes_the_first_requests_then_one_in_a_thousand(llama: P
     check = StatesCheck("on", [1, 2], num_layers=2, head=head)
     picked = [i for i in range(3000) if check.picks(i)]
     assert picked == [0, 1, 2, 3, 4, 5, 6, 7, 999, 1999, 2999]
+    # the first ones' rows are together what the pooled agreement is judged from
+    assert [check._picked[i] for i in picked] == [HEAD_FIRST_ROWS] * 8 + [HEAD_ROWS] * 3
+    assert HEAD_FIRST_ROWS * 8 == AGREEMENT_ROWS
     assert StatesCheck("on", [0, 1], num_layers=2, head=head).head_missing == \
         "id N (2) is not captured"
     assert not StatesCheck("off", [1, 2], num_layers=2, head=head).picks(0)

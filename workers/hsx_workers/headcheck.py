@@ -6,7 +6,8 @@ engine itself picks there. A capture taken at the wrong point (after the norm, a
 early, another request's rows: vLLM #50815, speculators #279) drifts from it. On a
 sample of requests (`HEAD_FIRST` first, then one in `HEAD_EVERY`) the engine is asked
 for its top-1 at every prompt position (vLLM's prompt logprobs, greedy on the last), and
-this module compares, on up to `HEAD_ROWS` rows of each such sample:
+this module compares, on up to `HEAD_ROWS` rows of each such sample (`HEAD_FIRST_ROWS` of
+each of the first):
 
 - `agreement`: the share of rows where the engine's top-1 is the argmax of
   `lm_head(norm(h_N))`, or within `TIE_ULPS` bf16 steps of it (the engine's logits are
@@ -32,13 +33,17 @@ engine starts (selfcheck.head_ahead): the product runs in float32 through numpy'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from hsx.finalnorm import Checkpoint, FinalNorm, FinalNormUnavailable
 
 HEAD_FIRST = 8  # requests of a job on an engine checked first
 HEAD_EVERY = 1000  # after them, one request in this many
 HEAD_ROWS = 64  # rows of a checked sample compared, spread over it
+# and of each of the first HEAD_FIRST: together the AGREEMENT_ROWS the pooled judgement
+# needs. A job's first commit on an engine waits for their product, its one fixed cost
+# (on one H100's host, 0.6 s a job with 64 rows each: the product is bound by its rows).
+HEAD_FIRST_ROWS = 32
 AGREEMENT_MIN = 0.98
 AGREEMENT_ROWS = 256  # rows pooled before the agreement is judged
 SAMPLE_AGREEMENT_MIN = 0.5
@@ -150,6 +155,19 @@ class FinalHead:
         return self._head32
 
 
+class HeadSample(NamedTuple):
+    """One sample for the head check: its id-N states `last` [T, H] (torch, dequantized),
+    the engine's top-1 per position `predicted` [T] (None: the engine gave none; only the
+    pre-norm check runs), N for the words, the states' storage's relative rounding, and
+    how many of its rows to compare (spread over it)."""
+
+    last: Any
+    predicted: list[int] | None
+    layer: int
+    roundoff: float = BF16_ROUNDOFF
+    rows: int = HEAD_ROWS
+
+
 @dataclass
 class HeadVerdict:
     """One checked sample: rows compared, rows agreed, and problems in words."""
@@ -161,25 +179,21 @@ class HeadVerdict:
 
 def check_sample(head: FinalHead, last: Any, predicted: list[int] | None,
                  layer: int, roundoff: float = BF16_ROUNDOFF) -> HeadVerdict:
-    """Compare one sample's id-N states `last` [T, H] (torch, dequantized) with the
-    engine's top-1 per position `predicted` [T] (None: the engine gave none; only the
-    pre-norm check runs). `layer` is N, for the words; `roundoff` the states' storage's
-    relative rounding."""
-    return check_samples(head, [(last, predicted, layer, roundoff)])[0]
+    """`check_samples` of one sample (HeadSample's fields)."""
+    return check_samples(head, [HeadSample(last, predicted, layer, roundoff)])[0]
 
 
-def check_samples(head: FinalHead, samples: list[tuple[Any, list[int] | None, int, float]]
-                  ) -> list[HeadVerdict]:
-    """`check_sample` of several samples ((last, predicted, layer, roundoff) each), their
-    rows through the head in one product: the head's float32 copy (2.1 GB for an 8B
-    model) is streamed once for all of them, not once a sample (8 samples of 64 rows: one
-    product of 512 rows took 3.2 s on 2 cores where eight of 64 took 7.5 s)."""
+def check_samples(head: FinalHead, samples: list[HeadSample]) -> list[HeadVerdict]:
+    """Each sample's verdict, their rows through the head in one product: the head's
+    float32 copy (2.1 GB for an 8B model) is streamed once for all of them, not once a
+    sample (8 samples of 64 rows: one product of 512 rows took 3.2 s on 2 cores where
+    eight of 64 took 7.5 s)."""
     import torch
 
     picks = []  # per sample: its rows checked, the engine's tokens there (or None), words
-    for last, predicted, layer, roundoff in samples:
+    for last, predicted, layer, roundoff, count in samples:
         t = int(last.shape[0])
-        rows = torch.linspace(0, t - 1, steps=min(t, HEAD_ROWS)).round().long().unique()
+        rows = torch.linspace(0, t - 1, steps=min(t, count)).round().long().unique()
         engine = (torch.tensor(predicted, dtype=torch.long)[rows]
                   if predicted is not None and len(predicted) == t else None)
         picks.append((last[rows].float(), engine, layer, roundoff))

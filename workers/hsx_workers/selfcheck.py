@@ -54,7 +54,10 @@ from hsx_workers.headcheck import (
     FP8_ROUNDOFF,
     HEAD_EVERY,
     HEAD_FIRST,
+    HEAD_FIRST_ROWS,
+    HEAD_ROWS,
     FinalHead,
+    HeadSample,
     HeadVerdict,
     check_samples,
     pooled_problem,
@@ -116,9 +119,9 @@ class StatesCheck:
     # (with the unit they count for); rows compared and agreed since the job started on
     # this engine. A unit's verdicts are taken when it is settled (the committer's thread).
     _fed: int = 0
-    _picked: set[int] = field(default_factory=set)
+    _picked: dict[int, int] = field(default_factory=dict)  # sample -> its rows to compare
     _verdicts: list[tuple[int, Future[HeadVerdict], UnitTally]] = field(default_factory=list)
-    _head_queue: list[tuple[Any, list[int] | None, int, float, Future[HeadVerdict]]] = field(
+    _head_queue: list[tuple[HeadSample, Future[HeadVerdict]]] = field(
         default_factory=list)  # id-N rows copied out, for the head's thread
     _job_rows: int = 0
     _job_agreed: int = 0
@@ -149,14 +152,16 @@ class StatesCheck:
 
     def picks(self, sample_index: int) -> bool:
         """Whether the request of `sample_index`, now fed, is one the head check takes
-        (the job's first HEAD_FIRST on this engine, then one in HEAD_EVERY): its engine
-        should report its own top-1 per position."""
+        (the job's first HEAD_FIRST on this engine, HEAD_FIRST_ROWS rows of each, then one
+        in HEAD_EVERY, HEAD_ROWS of it): its engine should report its own top-1 per
+        position."""
         if self.head_missing:
             return False
         self._fed += 1
-        picked = self._fed <= HEAD_FIRST or self._fed % HEAD_EVERY == 0
+        first = self._fed <= HEAD_FIRST
+        picked = first or self._fed % HEAD_EVERY == 0
         if picked:
-            self._picked.add(sample_index)
+            self._picked[sample_index] = HEAD_FIRST_ROWS if first else HEAD_ROWS
         return picked
 
     def check(self, sample_index: int, states: Any, scales: Any = None,
@@ -178,17 +183,16 @@ class StatesCheck:
             return  # not [T, L, H]: the shard writer refuses it with its own words
         if self._tripped is not None:
             raise self._tripped
-        head = sample_index in self._picked
-        self._picked.discard(sample_index)
+        head_rows = self._picked.pop(sample_index, 0)
         tally = self.tally
         tally.checks.append(_check_pool().submit(
-            self._check_one, sample_index, states, scales, predicted if head else None, head,
-            tally, norms))
+            self._check_one, sample_index, states, scales, predicted if head_rows else None,
+            head_rows, tally, norms))
 
     def _check_one(self, sample_index: int, states: Any, scales: Any,
-                   predicted: list[int] | None, head: bool, tally: UnitTally,
+                   predicted: list[int] | None, head_rows: int, tally: UnitTally,
                    norms: Any = None) -> None:
-        """One sample, on the checking thread."""
+        """One sample, on the checking thread (`head_rows` of it for the head check)."""
         import torch
 
         # On one thread: on a CPU host the engine keeps every core busy, and torch's
@@ -199,8 +203,8 @@ class StatesCheck:
             torch.set_num_threads(1)
         try:
             self._check(sample_index, states, scales, tally, norms)
-            if head:
-                self._head_check(sample_index, states, scales, predicted, tally)
+            if head_rows:
+                self._head_check(sample_index, states, scales, predicted, head_rows, tally)
         except StatesCheckFailed as err:
             self._tripped = self._tripped or err
             raise
@@ -209,8 +213,9 @@ class StatesCheck:
                 torch.set_num_threads(threads)
 
     def _head_check(self, sample_index: int, states: Any, scales: Any,
-                    predicted: list[int] | None, tally: UnitTally) -> None:
-        """Copy the sample's id-N rows out and compare them on the head's thread."""
+                    predicted: list[int] | None, rows: int, tally: UnitTally) -> None:
+        """Copy the sample's id-N rows out and compare `rows` of them on the head's
+        thread."""
         head, li = self.head, self.last
         if head is None or li is None:
             return
@@ -225,7 +230,8 @@ class StatesCheck:
         future: Future[HeadVerdict] = Future()
         with self._lock:
             self._verdicts.append((sample_index, future, tally))
-            self._head_queue.append((last, predicted, self.layers[li], roundoff, future))
+            self._head_queue.append(
+                (HeadSample(last, predicted, self.layers[li], roundoff, rows), future))
         _head_pool().submit(self._run_heads)
 
     def _run_heads(self) -> None:
@@ -237,13 +243,13 @@ class StatesCheck:
             return  # an earlier call took them
         assert self.head is not None
         try:
-            verdicts = check_samples(self.head, [q[:4] for q in queued])
+            verdicts = check_samples(self.head, [sample for sample, _ in queued])
         except BaseException as err:  # each sample's verdict carries it to its unit
-            for q in queued:
-                q[4].set_exception(err)
+            for _, future in queued:
+                future.set_exception(err)
             return
-        for q, verdict in zip(queued, verdicts, strict=True):
-            q[4].set_result(verdict)
+        for (_, future), verdict in zip(queued, verdicts, strict=True):
+            future.set_result(verdict)
 
     def _drain(self, unit: UnitTally, block: bool) -> None:
         """Take the head check's verdicts of `unit` that are in (all of them, waiting, when
