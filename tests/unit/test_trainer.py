@@ -14,6 +14,7 @@ target's language, and the coordinator's status read from the draft folder.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -899,3 +900,31 @@ def test_a_trainer_out_of_its_gpu_share_says_what_to_change(
         shared.run()
     with pytest.raises(torch.OutOfMemoryError):
         DraftTrainer(tmp_path, spec()).run()
+
+
+def test_a_frame_torch_compile_runs_eagerly_is_reported_in_one_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """On a GPU the trainer lets dynamo run a frame it cannot compile eagerly (speculators'
+    fused loss, torch 2.11); dynamo's note of it, ~420 lines of traceback a frame, is cut
+    to the frame and why."""
+    from torch._dynamo import config as dynamo_config
+
+    from hsx_workers.trainer.draft_model import eager_frames_in_one_line
+
+    def refuse(gm: Any, inputs: Any) -> Any:
+        raise RuntimeError("this backend compiles nothing\nits second line")
+
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    eager_frames_in_one_line()
+    eager_frames_in_one_line()  # once a process, however often asked
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"), \
+            dynamo_config.patch(suppress_errors=True):
+        assert torch.compile(twice, backend=refuse)(torch.ones(2)).tolist() == [2.0, 2.0]
+    notes = [r for r in caplog.records if "eagerly" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].exc_info is None
+    text = notes[0].getMessage()
+    assert "\n" not in text and "twice" in text and "this backend compiles nothing" in text
+    assert "Traceback" not in caplog.text

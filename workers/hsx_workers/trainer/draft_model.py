@@ -11,6 +11,7 @@ loss-masked tokens of the training samples (speculators'
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,31 @@ from hsx.methods import draft_aux_layers
 from hsx.output import Manifest, Output
 from hsx.spec import TrainSpec
 from hsx_workers.trainer.plan import TrainRefused
+
+
+class _EagerFrameInOneLine(logging.Filter):
+    """dynamo's warning that it runs a frame eagerly, cut to one line: the frame and the
+    exception's first two lines. dynamo writes the whole traceback twice into it; a GPU DSpark
+    training's log held 2,522 such lines for six frames."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.msg if isinstance(record.msg, str) else ""
+        if text.startswith("WON'T CONVERT"):
+            error = record.exc_info[1] if record.exc_info else None
+            lines = [x.strip() for x in str(error or "").splitlines() if x.strip()]
+            why = " ".join(lines[:2])[:300]
+            record.msg = "torch.compile runs %s eagerly: %s: %s"
+            record.args = (text.splitlines()[0].removeprefix("WON'T CONVERT ").strip(),
+                           type(error).__name__, why)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def eager_frames_in_one_line() -> None:
+    """Make dynamo's notes of frames it runs eagerly one line each (in this process)."""
+    log = logging.getLogger("torch._dynamo.convert_frame")
+    if not any(isinstance(f, _EagerFrameInOneLine) for f in log.filters):
+        log.addFilter(_EagerFrameInOneLine())
 
 
 def draft_layout(manifest: Manifest, method: str = "eagle3") -> tuple[list[int], int]:
@@ -160,6 +186,7 @@ def build_draft_model(output: Output, manifest: Manifest, spec: TrainSpec,
         from torch._dynamo import config as dynamo_config
 
         dynamo_config.suppress_errors = True
+        eager_frames_in_one_line()
     if spec.draft.block:
         model = _block_drafter(text_config, spec, layers, aux, t2d, d2t, draft_vocab,
                                model_path, trust, attn)
