@@ -1,7 +1,7 @@
-"""Draft methods compared on one capture: EAGLE-3 and DFlash on the learnable target.
+"""Draft methods compared on one capture: EAGLE-3, DFlash and DSpark on the learnable target.
 
-One extraction with `layers: [eagle3, dflash]` (the union of both methods' ids) of the
-learnable target's 3,000 samples; then, for each method, `hsx train OUTPUT --method M`
+One extraction with `layers: [eagle3, dflash, dspark]` (the union of the methods' ids) of
+the learnable target's 3,000 samples; then, for each method, `hsx train OUTPUT --method M`
 with no other option (each in a draft folder of its own), `hsx eval-draft` (vLLM loads
 the draft with its method and answers the held-out prompts greedily), and vLLM without a
 draft on the same prompts. Reported per method: the best held-out validation (expected
@@ -9,10 +9,13 @@ acceptance length), vLLM's mean acceptance length and per-position acceptance,
 generation tokens/s with the draft over the target alone (the speedup: both timed on
 their engine's first call, as eval-draft times it; on CPU vLLM's drafting costs more than
 on a GPU), training seconds, and the bytes the capture stores
-per token for that method's layers.
+per token for that method's layers. Where this vLLM cannot serve a method's draft (DSpark
+on vLLM's CPU build), its row holds the training's figures and the reason in place of
+vLLM's.
 
-Run: `python -m benchmarks.bench_methods [--methods eagle3,dflash] [--work DIR]`
-(~25 minutes on 2 cores). Results: benchmarks/results/<date>-methods/methods.json.
+Run: `python -m benchmarks.bench_methods [--methods eagle3,dflash,dspark] [--work DIR]`
+(~25 minutes on 2 cores for EAGLE-3 and DFlash). Results:
+benchmarks/results/<date>-methods/methods.json.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from hsx.methods import METHOD_NAMES
 
 SAMPLES = 3000  # the learnable language's samples, as the integration tests use
 CPU_ENV = {  # vLLM's CPU CI switches, as tests/conftest.py sets them
@@ -60,7 +64,7 @@ def capture(work: Path) -> tuple[Path, float]:
     job = work / "job.json"
     job.write_text(json.dumps({
         "model": str(target), "dataset": str(dataset), "output": str(output),
-        "layers": ["eagle3", "dflash"], "max_seq_len": 256, "unit_tokens": 8192,
+        "layers": list(METHOD_NAMES), "max_seq_len": 256, "unit_tokens": 8192,
         "ray_address": "local",
     }))
     seconds, _ = _hsx("extract", str(job))
@@ -107,19 +111,30 @@ def run_method(output: Path, method: str, work: Path, alone: dict[str, Any]) -> 
     draft_dir = work / f"draft-{method}"
     shutil.rmtree(draft_dir, ignore_errors=True)  # trained from nothing, not resumed
     train_s, _ = _hsx("train", str(output), "--method", method, "--draft-dir", str(draft_dir))
-    _, done = _hsx("eval-draft", str(output), "--draft-dir", str(draft_dir), "--json")
-    acc = json.loads([x for x in done.stdout.splitlines() if x.startswith('{"k"')][-1])
     rows = [json.loads(x) for x in
             (draft_dir / "draft" / "validation.jsonl").read_text().splitlines()]
     best = max(rows, key=lambda r: r["expected_acceptance_length"])
     manifest = Output(output).manifest()
     layers = len(draft_aux_layers(manifest.layers, manifest.num_layers, method)) + 1
+    trained = {
+        "method": method, "train_seconds": round(train_s, 1),
+        "validation_expected_acceptance_length": round(best["expected_acceptance_length"], 3),
+        "validation_step": best["step"],
+        "stored_bytes_per_token_bf16": layers * manifest.hidden_size * 2,
+    }
+    try:
+        _, done = _hsx("eval-draft", str(output), "--draft-dir", str(draft_dir), "--json")
+    except RuntimeError as err:
+        if "cannot serve" not in str(err):
+            raise
+        why = next(x for x in str(err).splitlines() if "cannot serve" in x)
+        return {**trained, "k": None, "vllm_mean_acceptance_length": None,
+                "speedup": None, "vllm_unavailable": why.strip()}
+    acc = json.loads([x for x in done.stdout.splitlines() if x.startswith('{"k"')][-1])
     with_draft = acc["generated_tokens"] / acc["seconds"]
     without = alone["generated_tokens"] / alone["seconds"]
     return {
-        "method": method, "k": acc["k"], "train_seconds": round(train_s, 1),
-        "validation_expected_acceptance_length": round(best["expected_acceptance_length"], 3),
-        "validation_step": best["step"],
+        **trained, "k": acc["k"],
         "vllm_mean_acceptance_length": round(acc["mean_acceptance_length"], 3),
         "vllm_acceptance_per_position": [round(a, 3) for a in acc["acceptance_per_position"]],
         "tokens_per_s_with_draft": round(with_draft, 1),
@@ -127,13 +142,12 @@ def run_method(output: Path, method: str, work: Path, alone: dict[str, Any]) -> 
         "speedup": round(with_draft / without, 3),
         "speedup_vs_target_again": round(
             with_draft / (alone["generated_tokens"] / alone["seconds_again"]), 3),
-        "stored_bytes_per_token_bf16": layers * manifest.hidden_size * 2,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default="eagle3,dflash")
+    parser.add_argument("--methods", default=",".join(METHOD_NAMES))
     parser.add_argument("--work", type=Path, default=None, help="working folder (kept)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" /
                         f"{time.strftime('%Y-%m-%d')}-methods" / "methods.json")
@@ -146,7 +160,7 @@ def main() -> None:
     result = {
         "command": "python -m benchmarks.bench_methods " + " ".join(sys.argv[1:]),
         "date": common.now_iso(), "machine": common.machine_info(),
-        "capture": {"layers": ["eagle3", "dflash"], "samples": SAMPLES,
+        "capture": {"layers": list(METHOD_NAMES), "samples": SAMPLES,
                     "extract_seconds": round(extract_s, 1)},
         "target_alone": alone, "methods": rows,
     }

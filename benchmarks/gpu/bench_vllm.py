@@ -81,7 +81,7 @@ class Bench:
         self.result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                        "args": vars(args), "phases": {}, "errors": {}}
         self.model = self.work / "model"
-        self.layers = [2, 16, 29, 32] if not self.cpu else [1, 2, 3, 4]
+        self.layers = bench_layers(args)
         self.length = args.length
         self.max_seq_len = args.length + 64  # the jobs' max_seq_len
         self.prompts = args.prompts
@@ -161,7 +161,8 @@ class Bench:
             [str(BENCH.parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
         cmd = [sys.executable, "-m", __spec__.name, "--child", variant, "--workdir", str(self.work),
                "--reps", str(self.args.reps), "--length", str(self.length),
-               "--prompts", str(self.prompts)] + (["--cpu"] if self.cpu else [])
+               "--prompts", str(self.prompts), "--layers", *map(str, self.layers)
+               ] + (["--cpu"] if self.cpu else [])
         if rows:
             cmd += ["--rows", *rows]
         if max_model_len:
@@ -497,7 +498,7 @@ def child(args: argparse.Namespace) -> int:
     from vllm.inputs import TokensPrompt
 
     work = Path(args.workdir)
-    layers = [1, 2, 3, 4] if args.cpu else [2, 16, 29, 32]
+    layers = bench_layers(args)
     max_model_len = args.max_model_len or args.length + 66
     engine: dict[str, Any] = {"model": str(work / "model"), "max_model_len": max_model_len,
                               "enable_prefix_caching": False, "disable_log_stats": True,
@@ -568,6 +569,16 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def bench_layers(args: argparse.Namespace) -> list[int]:
+    """The ids every phase captures: --layers as a job's `layers:` reads it."""
+    from hsx.methods import resolve_layers
+
+    if not args.layers:
+        return [1, 2, 3, 4] if args.cpu else [2, 16, 29, 32]
+    n = 4 if args.cpu else int(SHAPE_8B["num_hidden_layers"])
+    return resolve_layers([int(x) if x.isdigit() else x for x in args.layers], n)
+
+
 def log(msg: str) -> None:
     sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
     sys.stderr.flush()
@@ -587,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inflight", type=int, default=262144,
                    help="max_inflight_tokens of the `inflight` phase")
     p.add_argument("--cpu", action="store_true", help="check the script on CPU (tiny model)")
+    p.add_argument("--layers", nargs="+", default=None,
+                   help="ids captured, or draft methods standing for theirs (`dflash`), as a "
+                        "job's `layers:` (default EAGLE-3's: 2 16 29 32; 1-4 with --cpu)")
     p.add_argument("--profile", action="store_true",
                    help="one more tmpfs run per dtype under py-spy: where the actor and the "
                         "engine spend their CPU time")

@@ -15,7 +15,8 @@
 # see below; ~15 minutes), ingest (ingestion on 2 and 8 processes against 1:
 # bench_ingest.py), first-commit (submit → first committed shard on a million chats:
 # bench_first_commit.py), dspark (a DSpark job, trained and measured by vLLM:
-# dspark_job.sh), dflash-loss (DFlash with each loss on the dspark step's capture,
+# dspark_job.sh), methods (the draft methods on one capture, each measured by vLLM:
+# bench_methods.py), dflash-loss (DFlash with each loss on the dspark step's capture,
 # measured by vLLM), selfcheck (the self-check's cost on the 8B shape and its faults:
 # bench_selfcheck.py --model 8b --faults). Each step writes into
 # /tmp/hsx-gpu/results; one failing step does not stop the next.
@@ -61,7 +62,8 @@ for s in "$@"; do
     bench)
       step bench
       # BENCH_PHASES / BENCH_FLAGS choose what runs, e.g. BENCH_PHASES="disk drop hsx tp2"
-      # puts TP=2 against TP=1 and the capture ceiling into one results file.
+      # puts TP=2 against TP=1 and the capture ceiling into one results file, and
+      # BENCH_FLAGS="--layers dflash" captures a draft method's layers instead of EAGLE-3's.
       timeout 1200 python3 -m benchmarks.gpu.bench_vllm --phases ${BENCH_PHASES:-disk drop hsx} \
         ${BENCH_FLAGS:---profile} --reps 1 --child-timeout 420 \
         --out "$RES/vllm-single.json" 2> "$RES/vllm-single.log"
@@ -157,6 +159,18 @@ for s in "$@"; do
       echo "dspark: rc=$? $(tail -1 "$RES/dspark-log.txt")"
       mkdir -p "$RES/dspark"
       find /tmp/dspark/out/draft -maxdepth 1 -type f -size -4M -exec cp {} "$RES/dspark/" \; ;;
+    methods)
+      step methods
+      # The draft methods on one capture of the learnable target (bench_methods.py), each
+      # trained with its GPU defaults and measured by vLLM 0.25.1, DSpark too (vLLM's CPU
+      # build cannot serve it). METHODS picks them (default all three).
+      timeout 2400 python3 -m benchmarks.bench_methods --methods ${METHODS:-eagle3,dflash,dspark} \
+        --work /tmp/mwork --out "$RES/methods.json" > "$RES/methods-log.txt" 2>&1
+      echo "methods: rc=$? $(tail -8 "$RES/methods-log.txt")"
+      for d in /tmp/mwork/draft-*; do
+        mkdir -p "$RES/$(basename "$d")"
+        find "$d/draft" -maxdepth 1 -type f -size -4M -exec cp {} "$RES/$(basename "$d")/" \;
+      done ;;
     dflash-loss)
       step dflash-loss
       # DFlash's two losses on the GPU, on the dspark step's capture (its layers hold

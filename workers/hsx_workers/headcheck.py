@@ -40,9 +40,9 @@ from hsx.finalnorm import Checkpoint, FinalNorm, FinalNormUnavailable
 HEAD_FIRST = 8  # requests of a job on an engine checked first
 HEAD_EVERY = 1000  # after them, one request in this many
 HEAD_ROWS = 64  # rows of a checked sample compared, spread over it
-# and of each of the first HEAD_FIRST: together the AGREEMENT_ROWS the pooled judgement
-# needs. A job's first commit on an engine waits for their product, its one fixed cost
-# (on one H100's host: 0.6 s with 64 rows each, 0.47 s with 32).
+# Rows of each of the first HEAD_FIRST samples: together the AGREEMENT_ROWS the pooled
+# judgement needs. A job's first commit on an engine waits for their product, its one
+# fixed cost (on one H100's host: 0.6 s with 64 rows each, 0.47 s with 32).
 HEAD_FIRST_ROWS = 32
 AGREEMENT_MIN = 0.98
 AGREEMENT_ROWS = 256  # rows pooled before the agreement is judged

@@ -26,8 +26,8 @@ from hsx_workers.trainer.plan import TrainRefused
 
 class _EagerFrameInOneLine(logging.Filter):
     """dynamo's warning that it runs a frame eagerly, cut to one line: the frame and the
-    exception's first two lines. dynamo writes the whole traceback twice into it; a GPU DSpark
-    training's log held 2,522 such lines for six frames."""
+    exception's first two lines. dynamo writes the whole traceback twice into it; a GPU
+    DSpark training's log held 2,522 such lines for six frames."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.msg if isinstance(record.msg, str) else ""
