@@ -129,7 +129,7 @@ def run_method(output: Path, method: str, work: Path, alone: dict[str, Any]) -> 
             raise
         why = next(x for x in str(err).splitlines() if "cannot serve" in x)
         return {**trained, "k": None, "vllm_mean_acceptance_length": None,
-                "speedup": None, "vllm_unavailable": why.strip()}
+                "speedup": None, "vllm_unavailable": why.strip().removeprefix("hsx: error: ")}
     acc = json.loads([x for x in done.stdout.splitlines() if x.startswith('{"k"')][-1])
     with_draft = acc["generated_tokens"] / acc["seconds"]
     without = alone["generated_tokens"] / alone["seconds"]
@@ -168,9 +168,10 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(common.table(
         ["method", "k", "val EAL", "vLLM accept", "speedup", "train s", "B/token"],
-        [[r["method"], r["k"], r["validation_expected_acceptance_length"],
-          r["vllm_mean_acceptance_length"], r["speedup"], r["train_seconds"],
-          r["stored_bytes_per_token_bf16"]] for r in rows]))
+        [[r["method"], *("-" if v is None else v for v in (
+            r["k"], r["validation_expected_acceptance_length"], r["vllm_mean_acceptance_length"],
+            r["speedup"], r["train_seconds"], r["stored_bytes_per_token_bf16"]))]
+         for r in rows]))
 
 
 if __name__ == "__main__":
