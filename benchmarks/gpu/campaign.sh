@@ -48,6 +48,9 @@ if [ "${1:-}" = "--collect" ]; then
 fi
 
 step() { echo "=== $1 $(date +%T)"; }
+# keep FROM DEST [DEPTH]: the small files of a draft folder (configs, JSON, logs; not the
+# weights) copied into the results.
+keep() { mkdir -p "$2"; find "$1" -maxdepth "${3:-1}" -type f -size -4M -exec cp {} "$2/" \; ; }
 rm -f /tmp/hsx-gpu/DONE
 for s in "$@"; do
   case $s in
@@ -157,8 +160,7 @@ for s in "$@"; do
       # extraction, training and vLLM's measurement of the draft (dspark_job.sh).
       timeout 1200 bash benchmarks/gpu/dspark_job.sh /tmp/dspark > "$RES/dspark-log.txt" 2>&1
       echo "dspark: rc=$? $(tail -1 "$RES/dspark-log.txt")"
-      mkdir -p "$RES/dspark"
-      find /tmp/dspark/out/draft -maxdepth 1 -type f -size -4M -exec cp {} "$RES/dspark/" \; ;;
+      keep /tmp/dspark/out/draft "$RES/dspark" ;;
     methods)
       step methods
       # The draft methods on one capture of the learnable target (bench_methods.py), each
@@ -167,10 +169,7 @@ for s in "$@"; do
       timeout 2400 python3 -m benchmarks.bench_methods --methods ${METHODS:-eagle3,dflash,dspark} \
         --work /tmp/mwork --out "$RES/methods.json" > "$RES/methods-log.txt" 2>&1
       echo "methods: rc=$? $(tail -8 "$RES/methods-log.txt")"
-      for d in /tmp/mwork/draft-*; do
-        mkdir -p "$RES/$(basename "$d")"
-        find "$d/draft" -maxdepth 1 -type f -size -4M -exec cp {} "$RES/$(basename "$d")/" \;
-      done ;;
+      for d in /tmp/mwork/draft-*; do keep "$d/draft" "$RES/$(basename "$d")"; done ;;
     dflash-loss)
       step dflash-loss
       # DFlash's two losses on the GPU, on the dspark step's capture (its layers hold
@@ -185,8 +184,7 @@ for s in "$@"; do
         timeout 600 python3 -m hsx.cli eval-draft /tmp/dspark/out --draft-dir /tmp/dflash-$loss \
           --json > "$RES/dflash-$loss-eval.json" 2> "$RES/dflash-$loss-eval.log"
         echo "dflash $loss: rc=$? $(tail -c 300 "$RES/dflash-$loss-eval.json")"
-        mkdir -p "$RES/dflash-$loss"
-        find /tmp/dflash-$loss -maxdepth 2 -type f -size -4M -exec cp {} "$RES/dflash-$loss/" \;
+        keep /tmp/dflash-$loss "$RES/dflash-$loss" 2
       done ;;
     selfcheck)
       step selfcheck

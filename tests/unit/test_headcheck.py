@@ -17,12 +17,17 @@ from hsx_workers.headcheck import (
     HEAD_ROWS,
     FinalHead,
     HeadSample,
-    check_sample,
+    HeadVerdict,
     check_samples,
     pooled_problem,
 )
 from hsx_workers.selfcheck import StatesCheck, StatesCheckFailed
 from hsx_workers.tiny_models import make_tiny_model
+
+
+def _check_one(head: FinalHead, *fields: Any, **named: Any) -> HeadVerdict:
+    """The head check of one sample (HeadSample's fields)."""
+    return check_samples(head, [HeadSample(*fields, **named)])[0]
 
 
 def _forward(model_dir: Path, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -52,7 +57,7 @@ def test_the_head_read_from_the_checkpoint_gives_the_models_next_token(
     ids = torch.randint(0, head.head_weight.shape[0], (96,), generator=torch.Generator()
                         .manual_seed(0))
     last, top1 = _forward(model, ids)
-    verdict = check_sample(head, last, top1, layer=2)
+    verdict = _check_one(head, last, top1, layer=2)
     assert verdict.problems == [] and verdict.rows == 64
     assert verdict.agreed >= 0.98 * verdict.rows
 
@@ -85,10 +90,10 @@ def test_a_normed_last_state_and_another_requests_states_are_found(llama: Path) 
     g = torch.Generator().manual_seed(1)
     vocab = head.head_weight.shape[0]
     last, top1 = _forward(llama, torch.randint(0, vocab, (80,), generator=g))
-    normed = check_sample(head, head.norm(last).to(last.dtype), top1, layer=2)
+    normed = _check_one(head, head.norm(last).to(last.dtype), top1, layer=2)
     assert any("after the final norm" in p for p in normed.problems)
     other, _ = _forward(llama, torch.randint(0, vocab, (80,), generator=g))
-    swapped = check_sample(head, other, top1, layer=2)
+    swapped = _check_one(head, other, top1, layer=2)
     assert any("agrees with the engine's own next token" in p for p in swapped.problems)
 
 
@@ -102,7 +107,7 @@ def test_samples_checked_in_one_product_get_each_its_own_verdict(llama: Path) ->
                HeadSample(head.norm(last).to(last.dtype), None, 2, 2.0**-8),
                HeadSample(last[:30], top1[:30], 2, 0.0)]
     together = check_samples(head, [*samples, HeadSample(last, top1, 2, rows=32)])
-    assert together[:4] == [check_sample(head, *sample[:4]) for sample in samples]
+    assert together[:4] == [_check_one(head, *sample) for sample in samples]
     assert together[4].rows == 32 and together[4].agreed >= 31
     assert together[0].problems == [] and together[0].rows == 64
     assert "agrees with the engine's own next token" in together[1].problems[0]

@@ -177,12 +177,6 @@ class HeadVerdict:
     problems: list[str]
 
 
-def check_sample(head: FinalHead, last: Any, predicted: list[int] | None,
-                 layer: int, roundoff: float = BF16_ROUNDOFF) -> HeadVerdict:
-    """`check_samples` of one sample (HeadSample's fields)."""
-    return check_samples(head, [HeadSample(last, predicted, layer, roundoff)])[0]
-
-
 def check_samples(head: FinalHead, samples: list[HeadSample]) -> list[HeadVerdict]:
     """Each sample's verdict, their rows through the head in one product: the head's
     float32 copy (2.1 GB for an 8B model) is streamed once for all of them, not once a

@@ -34,10 +34,9 @@ class _EagerFrameInOneLine(logging.Filter):
         if text.startswith("WON'T CONVERT"):
             error = record.exc_info[1] if record.exc_info else None
             lines = [x.strip() for x in str(error or "").splitlines() if x.strip()]
-            why = " ".join(lines[:2])[:300]
-            record.msg = "torch.compile runs %s eagerly: %s: %s"
-            record.args = (text.splitlines()[0].removeprefix("WON'T CONVERT ").strip(),
-                           type(error).__name__, why)
+            why = f"{type(error).__name__}: {' '.join(lines[:2])[:300]}" if error else "?"
+            record.msg = "torch.compile runs %s eagerly: %s"
+            record.args = (text.splitlines()[0].removeprefix("WON'T CONVERT ").strip(), why)
             record.exc_info = record.exc_text = None
         return True
 
