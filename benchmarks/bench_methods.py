@@ -156,16 +156,19 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     output, extract_s = capture(work)
     alone = target_alone(output, work)
-    rows = [run_method(output, m, work, alone) for m in args.methods.split(",")]
-    result = {
+    result: dict[str, Any] = {
         "command": "python -m benchmarks.bench_methods " + " ".join(sys.argv[1:]),
         "date": common.now_iso(), "machine": common.machine_info(),
         "capture": {"layers": list(METHOD_NAMES), "samples": SAMPLES,
                     "extract_seconds": round(extract_s, 1)},
-        "target_alone": alone, "methods": rows,
+        "target_alone": alone, "methods": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    rows = result["methods"]
+    for method in args.methods.split(","):
+        rows.append(run_method(output, method, work, alone))
+        # written after each method: a run cut short (a lent GPU's time) keeps its rows
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(common.table(
         ["method", "k", "val EAL", "vLLM accept", "speedup", "train s", "B/token"],
         [[r["method"], *("-" if v is None else v for v in (
