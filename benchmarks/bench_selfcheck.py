@@ -17,8 +17,7 @@ Reported:
   also counts waits for the GIL and for a core).
 
 - `head_s`: the seconds the head check's thread spent comparing id N with the engine's
-  own next token (headcheck.py; its first sample also makes the head's float32 copy),
-  and the rows it compared and found agreeing.
+  own next token (headcheck.py), and the rows it compared and found agreeing.
 
 The model is the tests' tiny Llama by default (H 256: next to its compute, per-token
 I/O and the check's pass over the states weigh the most of any model: the worst case);

@@ -148,3 +148,53 @@ def test_a_postnorm_fault_trips_the_check_before_the_unit_commits(llama: Path) -
     with pytest.raises(StatesCheckFailed, match=r"sample 7 .*layer 2: every row"):
         check.check(7, faulty, None, top1)
         check.settle(check.finish())  # as the worker's committer does
+
+
+def _float32_agrees(head: FinalHead, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The check as a float32 product of the whole head computes it (bf16 states)."""
+    from hsx_workers.headcheck import BF16_ROUNDOFF, TIE_SIGMAS, TIE_ULPS
+
+    normed = head.norm(states).to(head.head_weight.dtype).float()
+    weight = head.head_weight.float()
+    logits = normed @ weight.T
+    best, best_id = logits.max(-1)
+    theirs = logits.gather(1, tokens[:, None])[:, 0]
+    step = torch.exp2(torch.floor(torch.log2(best.abs().clamp_min(1e-30))) - 7)
+    noise = torch.linalg.vector_norm(weight[best_id] * normed, dim=-1) * BF16_ROUNDOFF / 3**0.5
+    return theirs >= best - TIE_ULPS * step - TIE_SIGMAS * noise
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # the worker's one thread: vocabulary slices
+def test_the_head_dtype_product_gives_the_float32_products_verdicts(
+    threads: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bf16 head (the product in bf16, split over threads when torch keeps one; the
+    top logits again in float32) agrees with a float32 product of the whole head on every
+    row: the argmax tokens, near-ties just inside and outside the tolerance, and random
+    tokens. A candidate list that missed the true argmax would pass random tokens."""
+    import hsx_workers.headcheck as headcheck
+    from hsx.finalnorm import FinalNorm
+
+    gen = torch.Generator().manual_seed(1)
+    vocab, hidden, rows = 5003, 64, 300
+    weight = torch.randn(vocab, hidden, generator=gen).bfloat16()
+    head = FinalHead(FinalNorm(torch.ones(hidden).bfloat16(), 1e-6, False), weight)
+    states = (torch.randn(rows, hidden, generator=gen) * 3).bfloat16()
+    logits = head.norm(states).bfloat16().float() @ weight.float().T
+    ranked = logits.argsort(-1, descending=True)
+    # Per row: the argmax, the 2nd..9th largest (near-ties), or a random token.
+    kind = torch.arange(rows) % 3
+    tokens = torch.where(kind == 0, ranked[:, 0],
+                         torch.where(kind == 1, ranked[torch.arange(rows), 1 + torch.arange(rows) % 8],
+                                     torch.randint(0, vocab, (rows,), generator=gen)))
+    monkeypatch.setattr(headcheck, "_product_threads", lambda: 3)  # slices of 1,668
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = head.agrees(states, tokens)
+    finally:
+        torch.set_num_threads(previous)
+    expected = _float32_agrees(head, states, tokens)
+    assert torch.equal(got, expected)
+    assert bool(got[kind == 0].all()) and not bool(got[kind == 2].any())
+    assert 0 < int(got[kind == 1].sum()) < int((kind == 1).sum())  # some ties, not all

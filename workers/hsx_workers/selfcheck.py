@@ -426,16 +426,13 @@ def _head_pool() -> ThreadPoolExecutor:
 
 
 def head_ahead(model_path: str, engine_args: dict[str, Any]) -> Future[FinalHead]:
-    """The target's head read, and its float32 copy made, on the head's thread from now on:
-    a worker asks while its engine starts (20-90 s on a GPU), so that a job's first head
-    check does not wait for them (an 8B model's head: 1.2 GB read, 2.1 GB in float32)."""
+    """The target's head read on the head's thread from now on: a worker asks while its
+    engine starts (20-90 s on a GPU), so that a job's first head check does not wait for
+    it (an 8B model's head: 1.2 GB)."""
     import torch  # noqa: F401  here first: torch imported by two threads at once can fail
 
     def read() -> FinalHead:
-        head = FinalHead.of_engine(model_path, engine_args)
-        if not head.missing:
-            head.head32()
-        return head
+        return FinalHead.of_engine(model_path, engine_args)
 
     return _head_pool().submit(read)
 
