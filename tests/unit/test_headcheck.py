@@ -184,8 +184,9 @@ def test_the_head_dtype_product_gives_the_float32_products_verdicts(
     ranked = logits.argsort(-1, descending=True)
     # Per row: the argmax, the 2nd..9th largest (near-ties), or a random token.
     kind = torch.arange(rows) % 3
+    near = ranked[torch.arange(rows), 1 + torch.arange(rows) % 8]
     tokens = torch.where(kind == 0, ranked[:, 0],
-                         torch.where(kind == 1, ranked[torch.arange(rows), 1 + torch.arange(rows) % 8],
+                         torch.where(kind == 1, near,
                                      torch.randint(0, vocab, (rows,), generator=gen)))
     monkeypatch.setattr(headcheck, "_product_threads", lambda: 3)  # slices of 1,668
     previous = torch.get_num_threads()
