@@ -25,10 +25,11 @@ embeddings where the checkpoint says so; a wrapper's language model under its pr
 Anything else leaves the head check out, and the unit's record says why
 (`FinalHead.missing`). The weights stay on the worker's host in the checkpoint's dtype
 (the head of an 8B model is 1.2 GB), read while the engine starts (selfcheck.head_ahead).
-The product runs on the rows checked only, in the head's dtype (bf16: 2.5x faster than
-float32 on a 2-core AVX-512 host, and no float32 copy), split over the host's cores; each
-row's few largest logits and the engine token's are then computed again in float32
-(`FinalHead.agrees`). `check_samples` takes several samples' rows through the head at once.
+The product runs on the rows checked only, in the head's dtype (bf16: the check 2.2x
+faster than in float32 on a 2-core AVX-512 host, and no float32 copy), split over the
+host's cores; each row's few largest logits and the engine token's are then computed
+again in float32 (`FinalHead.agrees`). `check_samples` takes several samples' rows
+through the head at once.
 """
 
 from __future__ import annotations
@@ -148,12 +149,13 @@ class FinalHead:
         """[R, CANDIDATES] ids of each row's largest logits, from `normed @ head.T` in the
         head's dtype where the CPU has a fast product for it (bf16, float32; a float16
         head goes through a float32 copy, made once), a slice of the vocabulary on each
-        of `PRODUCT_THREADS` threads. The worker keeps torch on one thread (its engine's
-        cores), so each slice runs on the thread that asks for it; a process with torch's
-        own thread team (tests, the hf engine) takes the whole product on it instead."""
+        of the host's cores (`MAX_PRODUCT_THREADS` at most). The worker keeps torch on
+        one thread (its engine's cores), so each slice runs on the thread that asks for
+        it; a process with torch's own thread team (tests, the hf engine) takes the whole
+        product on it instead."""
         import torch
 
-        weight = self._product_weight()
+        weight = self.product_weight()
         rows = normed.to(weight.dtype)
         vocab = weight.shape[0]
         slices = _product_threads() if torch.get_num_threads() == 1 else 1
@@ -170,7 +172,7 @@ class FinalHead:
         ids = torch.cat([i for _, i in parts], dim=1)
         return ids.gather(1, values.topk(min(CANDIDATES, ids.shape[1]), dim=-1).indices)
 
-    def _product_weight(self) -> Any:
+    def product_weight(self) -> Any:
         """The head in the dtype of the logits product: its own where the CPU multiplies
         it fast, float32 otherwise (float16: 10x slower than bf16 on an AVX-512 host)."""
         import torch

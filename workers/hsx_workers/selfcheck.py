@@ -426,13 +426,16 @@ def _head_pool() -> ThreadPoolExecutor:
 
 
 def head_ahead(model_path: str, engine_args: dict[str, Any]) -> Future[FinalHead]:
-    """The target's head read on the head's thread from now on: a worker asks while its
-    engine starts (20-90 s on a GPU), so that a job's first head check does not wait for
-    it (an 8B model's head: 1.2 GB)."""
+    """The target's head read (and a float16 one's float32 copy made) on the head's
+    thread from now on: a worker asks while its engine starts (20-90 s on a GPU), so that
+    a job's first head check does not wait for it (an 8B model's head: 1.2 GB)."""
     import torch  # noqa: F401  here first: torch imported by two threads at once can fail
 
     def read() -> FinalHead:
-        return FinalHead.of_engine(model_path, engine_args)
+        head = FinalHead.of_engine(model_path, engine_args)
+        if not head.missing:
+            head.product_weight()
+        return head
 
     return _head_pool().submit(read)
 
