@@ -29,8 +29,17 @@ checkpoint of random weights (the head check reads the head vLLM runs: no
 `--faults` then runs each of HSX_FAULT_STATES's faults on a small job on the same
 engine and records the message each fails with (or that it did not).
 
-Run: `python -m benchmarks.bench_selfcheck [--quick] [--model tiny|large|8b] [--faults]`;
-results into benchmarks/results/<date>-selfcheck/selfcheck.json with the command.
+`--head-product` instead times the head check alone, without an engine: the verdicts
+of a job's first 8 samples (32 rows each) on an 8B-shaped head (128,256 x 4,096, bf16),
+torch on one thread as in the worker, through `headcheck.check_samples` (the product in
+the head's dtype over the host's cores, the top logits again in float32) against the
+float32 product of the whole head it replaced (numpy's BLAS on a float32 copy of the
+head), alternating; `float32/bf16` is the speedup (the first commit of a job waits for
+this product on each engine).
+
+Run: `python -m benchmarks.bench_selfcheck [--quick] [--model tiny|large|8b] [--faults]`
+or `--head-product`; results into benchmarks/results/<date>-selfcheck/selfcheck.json
+with the command.
 """
 
 from __future__ import annotations
@@ -278,6 +287,56 @@ def run(model: str, prompts_n: int, reps: int, work: Path, faults: bool = False
     }
 
 
+def head_product(reps: int) -> dict[str, Any]:
+    """The head check of 8 samples x 32 rows on an 8B-shaped bf16 head: this tree's
+    check_samples against a float32 product of the whole head (numpy's BLAS), the same
+    rows, torch on one thread (as the worker keeps it)."""
+    import torch
+
+    from hsx.finalnorm import FinalNorm
+    from hsx_workers.headcheck import (
+        HEAD_FIRST,
+        HEAD_FIRST_ROWS,
+        FinalHead,
+        HeadSample,
+        check_samples,
+    )
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden = 128256, 4096
+    weight = (torch.randn(vocab, hidden, generator=gen) * 0.02).bfloat16()
+    head = FinalHead(FinalNorm(torch.ones(hidden).bfloat16(), 1e-5, False), weight)
+    samples = [HeadSample(torch.randn(1024, hidden, generator=gen).bfloat16(),
+                          torch.randint(0, vocab, (1024,), generator=gen).tolist(), 32,
+                          rows=HEAD_FIRST_ROWS) for _ in range(HEAD_FIRST)]
+    rows = torch.cat([s.last[torch.linspace(0, 1023, HEAD_FIRST_ROWS).round().long()]
+                      for s in samples])
+    made = time.perf_counter()
+    head32 = weight.float().numpy()
+    copy_s = time.perf_counter() - made
+
+    def float32_product() -> None:  # the product before: a float32 copy through numpy
+        normed = head.norm(rows).bfloat16().float().numpy()
+        (normed @ head32.T).argmax(-1)
+
+    runs: dict[str, list[dict[str, float]]] = {"bf16": [], "float32": []}
+    ways = {"bf16": lambda: check_samples(head, samples), "float32": float32_product}
+    for name in ways:  # warm: the threads, the pages
+        ways[name]()
+    for rep in range(reps):
+        for name in common.alternating(list(ways), rep):
+            start = time.perf_counter()
+            ways[name]()
+            seconds = time.perf_counter() - start
+            runs[name].append({"seconds": seconds, "rate": 1 / seconds})
+    return {
+        "rows": len(rows), "head": [vocab, hidden], "float32_copy_s": copy_s,
+        "runs": runs,
+        "ratios": {"float32/bf16": common.compare(runs["bf16"], runs["float32"], "rate")},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
@@ -287,12 +346,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=None, help="scratch (default: a temp dir)")
     p.add_argument("--faults", action="store_true", help="then each fault, on a small job")
     p.add_argument("--prompts", type=int, default=None)
+    p.add_argument("--head-product", action="store_true",
+                   help="time the head check's product alone (no engine)")
     args = p.parse_args(argv)
+    out = args.out or (common.RESULTS_DIR / f"{dt.date.today().isoformat()}-selfcheck"
+                       / "selfcheck.json")
+    if args.head_product:
+        result = head_product(args.reps or 5)
+        result["command"] = " ".join(["python", "-m", "benchmarks.bench_selfcheck",
+                                      *sys.argv[1:]])
+        common.save_section(out, "head-product", result, common.machine_info())
+        print(common.table(common.RATIO_HEADERS, [common.ratio_row(name, entry)
+                                                  for name, entry in result["ratios"].items()]))
+        print({k: [round(r["seconds"], 3) for r in v] for k, v in result["runs"].items()},
+              f"float32 copy {result['float32_copy_s']:.2f} s; results in {out}")
+        return 0
     prompts_n, reps = (96, 2) if args.quick else (240, 3)
     prompts_n = args.prompts or prompts_n
     reps = args.reps or reps
-    out = args.out or (common.RESULTS_DIR / f"{dt.date.today().isoformat()}-selfcheck"
-                       / "selfcheck.json")
     with tempfile.TemporaryDirectory(prefix="hsx-bench-selfcheck-", dir=args.workdir) as tmp:
         payload = run(args.model, prompts_n, reps, Path(tmp), faults=args.faults)
     payload["command"] = " ".join(["python", "-m", "benchmarks.bench_selfcheck", *sys.argv[1:]])

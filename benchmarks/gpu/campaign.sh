@@ -18,7 +18,7 @@
 # dspark_job.sh), methods (the draft methods on one capture, each measured by vLLM:
 # bench_methods.py), dflash-loss (DFlash with each loss on the dspark step's capture,
 # measured by vLLM), selfcheck (the self-check's cost on the 8B shape and its faults:
-# bench_selfcheck.py --model 8b --faults). Each step writes into
+# bench_selfcheck.py --model 8b --faults, then --head-product). Each step writes into
 # /tmp/hsx-gpu/results; one failing step does not stop the next.
 set -uo pipefail
 RES=/tmp/hsx-gpu/results
@@ -193,7 +193,11 @@ for s in "$@"; do
       timeout 1200 python3 -m benchmarks.bench_selfcheck --model 8b --faults \
         ${SELFCHECK_FLAGS:---reps 3 --prompts 600} --workdir /tmp \
         --out "$RES/selfcheck.json" > "$RES/selfcheck-log.txt" 2>&1
-      echo "selfcheck: rc=$? $(tail -3 "$RES/selfcheck-log.txt")" ;;
+      echo "selfcheck: rc=$? $(tail -3 "$RES/selfcheck-log.txt")"
+      # The head check's product alone on the node's cores: bf16 against float32.
+      timeout 600 python3 -m benchmarks.bench_selfcheck --head-product \
+        --out "$RES/selfcheck.json" > "$RES/head-product-log.txt" 2>&1
+      echo "head-product: rc=$? $(tail -2 "$RES/head-product-log.txt")" ;;
     *) echo "unknown step $s" ;;
   esac
 done
