@@ -134,14 +134,14 @@ class FinalHead:
         normed = self.norm(states).to(self.head_weight.dtype)  # as the engine rounds them
         ids = self.candidates(normed)  # [R, CANDIDATES]
         exact = normed.float()
-        logits = torch.einsum("rkh,rh->rk", self.head_weight[ids].float(), exact)
-        pick = logits.argmax(-1, keepdim=True)
-        best_id = ids.gather(1, pick)[:, 0]
-        best = logits.gather(1, pick)[:, 0]
+        heads = self.head_weight[ids].float()  # [R, CANDIDATES, H]
+        logits = torch.einsum("rkh,rh->rk", heads, exact)
+        best, pick = logits.max(-1)
+        best_head = heads[torch.arange(len(ids)), pick]
         theirs = (self.head_weight[torch.as_tensor(tokens)].float() * exact).sum(-1)
         step = torch.exp2(torch.floor(torch.log2(best.abs().clamp_min(1e-30))) - 7)
         # A value rounded to within +-u of itself errs by u/sqrt(3) of it (uniform).
-        noise = (torch.linalg.vector_norm(self.head_weight[best_id].float() * exact, dim=-1)
+        noise = (torch.linalg.vector_norm(best_head * exact, dim=-1)
                  * torch.as_tensor(roundoff, dtype=torch.float32) / 3**0.5)
         return theirs >= best - TIE_ULPS * step - TIE_SIGMAS * noise
 
