@@ -76,7 +76,8 @@ for s in "$@"; do
       step tests
       # One pytest per file, each under its own limit, verbose: a hung test costs its file,
       # and what passed or failed before it is in the log as it happens.
-      # GPU_TESTS picks files or test ids (default: every file of tests/gpu).
+      # GPU_TESTS picks files or test ids (default: every file of tests/gpu); a test
+      # marked slow (the architectures beyond `make test`'s) needs PYTEST_ADDOPTS="-m slow".
       for f in ${GPU_TESTS:-tests/gpu/test_*.py}; do
         name=$(echo "$f" | sed 's|.*/||; s|\.py||; s|::|-|g')
         timeout $(( ${GPU_TEST_TIMEOUT:-600} + 300 )) python3 -m pytest "$f" -p no:cacheprovider \
