@@ -210,6 +210,15 @@ class EnginePool:
     restarts: int = 0
     arbiter: GpuArbiter = field(default_factory=GpuArbiter)
 
+    def __post_init__(self) -> None:
+        # In the service the scheduler hands idle engines' GPUs on (its loop calls
+        # release_idle when the arbiter says a request waits). A pool without one
+        # (run_job(pool=...), jobs one after another in one process) does it itself, on
+        # the waiting thread: else a job would wait forever for the GPU of an engine the
+        # pool keeps warm for a job that has ended.
+        if self.arbiter.on_waiter is None:
+            self.arbiter.on_waiter = self.release_idle
+
     def slots(self, engine: str, config: Any, replicas: int, spec: JobSpec, *,
               job: str = "local", order: float = 0.0, waits: Waits | None = None,
               part: float = 1.0) -> list[EngineSlot]:
@@ -326,12 +335,15 @@ class EnginePool:
             return False
         waiters = ", ".join(h.describe() for h in self.arbiter.waiters())
         for key in list(self.actors):
-            idle = [s for s in self.actors[key] if s.holder is not None and s.holder.idle]
+            slots = self.actors[key]
+            idle = [s for s in slots if s.holder is not None and s.holder.idle]
+            if not idle:  # (an empty list may be one that a job's `slots` call is filling)
+                continue
             for slot in idle:
                 logger.info("%s yields its GPU to %s", slot.name, waiters)
             self._stop(idle)
-            self.actors[key] = [s for s in self.actors[key] if s not in idle]
-            if not self.actors[key]:
+            slots[:] = [s for s in slots if s not in idle]  # in place: that call may hold it
+            if not slots:
                 del self.actors[key]
         return True
 

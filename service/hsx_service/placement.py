@@ -242,7 +242,7 @@ class GpuArbiter:
     _cond: threading.Condition = field(default_factory=threading.Condition)
     # Called (outside the arbiter's lock) when a request starts waiting: the job thread
     # wakes up to release idle engines.
-    on_waiter: Callable[[], None] | None = None
+    on_waiter: Callable[[], object] | None = None
 
     def enqueue(self, holder: Holder) -> None:
         """Take `holder`'s place in line now (`acquire` then waits from there): what it

@@ -128,13 +128,11 @@ def test_vllm_matches_hf(arch: str, small_dataset: ChatDataset, arch_pool: Any,
     for engine, dtype in (("vllm", case.vllm_dtype), ("hf", case.hf_dtype)):
         summary = run_job(_job(model, small_dataset, tmp_path / engine, layers, engine, dtype),
                           pool=arch_pool)
-        # Free the engine for the next one: the 2 cores hold one at a time, and on a
-        # GPU the next engine would wait for this idle one's GPU (only the service's
-        # scheduler hands idle engines' GPUs on: EnginePool.release_idle).
-        arch_pool.keep_only(None)
         assert summary.samples == len(small_dataset.good_indices)
         _assert_checked(summary, tmp_path / engine)
         outputs[engine] = by_sample(tmp_path / engine)
+    # Free the engine for the next architecture: the 2 cores hold one at a time.
+    arch_pool.keep_only(None)
     got, ref = outputs["vllm"], outputs["hf"]
     assert sorted(got) == sorted(ref) == small_dataset.good_indices
     for index, expected in ref.items():

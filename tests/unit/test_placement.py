@@ -380,3 +380,63 @@ def test_online_training_refuses_what_it_cannot_do() -> None:
         _spec(train={"online": True, "workers": 2})
     with pytest.raises(ValueError, match=r"train\.online with regenerate is not built"):
         _spec(train={"online": True}, regenerate={"max_tokens": 8})
+
+
+def test_a_pool_without_a_scheduler_hands_its_idle_engines_gpu_to_its_next_job(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs one after another on one pool and one GPU (run_job(pool=...)), each on an
+    engine of its own configuration: the second's engine gets the GPU the first's idle
+    engine held, which the pool stops (seen on one H200: the second waited forever). A
+    pool in the service leaves that to the scheduler (its arbiter's on_waiter)."""
+    import types
+
+    import ray
+
+    from hsx_service import engine_pool
+    from hsx_service.engine_pool import EnginePool, EngineSlot
+
+    stopped: list[str] = []
+
+    class Actor:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.ready = types.SimpleNamespace(remote=lambda: f"ready-{name}")
+
+    class Remote:
+        def options(self, **options: Any) -> Any:
+            return types.SimpleNamespace(remote=lambda engine, config, name: Actor(name))
+
+    def stop(pool: EnginePool, slots: list[EngineSlot]) -> None:
+        for slot in slots:  # as EnginePool._stop ends: the arbiter's books last
+            stopped.append(slot.name)
+            if slot.holder is not None:
+                pool.arbiter.release(slot.holder)
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    monkeypatch.setattr(ray, "remote", lambda cls: Remote())
+    monkeypatch.setattr(engine_pool, "place", lambda *a, **k: "group")
+    monkeypatch.setattr(engine_pool, "in_group", lambda group: None)
+    monkeypatch.setattr(EnginePool, "_stop", stop)
+    config = types.SimpleNamespace(tensor_parallel_size=1, options={})
+
+    pool = EnginePool(arbiter=GpuArbiter(total=lambda: 1))
+    first = pool.slots("vllm", config, 1, _spec(), job="a")
+    assert [h.job for h in pool.arbiter.holders()] == ["a"]
+    pool.park()  # job a ended; its engine is kept warm
+
+    got: list[list[EngineSlot]] = []
+    other = types.SimpleNamespace(tensor_parallel_size=1, options={"dtype": "float32"})
+    thread = threading.Thread(target=lambda: got.append(pool.slots("hf", other, 1, _spec(),
+                                                                   job="b")), daemon=True)
+    thread.start()
+    thread.join(5)
+    assert got, "job b's engine still waits for the GPU of job a's idle engine"
+    assert stopped == [first[0].name]
+    assert [h.job for h in pool.arbiter.holders()] == ["b"]
+    assert list(pool.actors) == [("hf", repr(other))]
+
+    # The service's pool leaves it to the scheduler's loop, which its arbiter wakes.
+    def wake_the_scheduler() -> None: ...
+
+    arbiter = GpuArbiter(total=lambda: 1, on_waiter=wake_the_scheduler)
+    assert EnginePool(arbiter=arbiter).arbiter.on_waiter is wake_the_scheduler
