@@ -8,7 +8,9 @@ queue, the attempts, the live counts, the job's progress and result):
   never holds up the others); a unit retried `alone` gets a worker to itself;
 - `unit_done` counts a committed unit into the progress;
 - `fail_slot` fails an attempt of every unit a dead worker held, queues them again (or
-  gives one up after `max_attempts`), and `restart`s the worker;
+  gives one up after `max_attempts`), and `restart`s the worker; when the first
+  SAME_FAILURE_UNITS units given up all failed alike and none committed, the engines
+  cannot run the job, and dispatch stops;
 - `stop_for_full_disk` stops dispatch when the output's disk is full, `stop_for_check`
   when a unit's self-check tripped (`checks: on`; no retry: the same states trip again);
 - `emit` tells `hooks.on_progress` where the job stands;
@@ -52,6 +54,10 @@ START_GRACE_S = 120.0  # the longest the first ready engine waits for the others
 READY_CHECKS = 100
 READY_PAUSE_S = 0.2
 READY_PAUSE_MAX_S = 2.0
+# Units given up with one and the same error before any unit committed: what every unit
+# meets is the engines' environment (a package missing, a kernel the GPU lacks), not
+# the units, so the job stops there instead of restarting engines for each of its units.
+SAME_FAILURE_UNITS = 2
 
 
 @dataclass
@@ -115,6 +121,7 @@ class Dispatch:
             self.feed.dispatching = True
             self.progress.ingesting = True
         self.attempts: dict[int, int] = {}
+        self.committed_here = 0  # units this run committed (SAME_FAILURE_UNITS)
         self.alone: set[int] = set()  # units that were on a failed worker: retried one at a time
         # unit -> (samples, tokens) captured, (samples, tokens) regenerated, while it runs
         self.live: dict[int, tuple[int, int, int, int]] = {}
@@ -215,9 +222,26 @@ class Dispatch:
             else:
                 self.alone.add(unit.unit)
                 retry.append(unit)
+        if self.failing_alike() and self.result.fatal is None:
+            failed = self.result.failed_units
+            self.result.fatal = (
+                f"{failed_units_message(failed, len(self.job.units), self.max_attempts)}; "
+                "none committed and each failed the same way, so the engines cannot run "
+                "this job and dispatch stopped (a rerun, once the cause is fixed, captures "
+                "every uncommitted unit)")
+            logger.error("%s", self.result.fatal)
+            self.queue.clear()
+            retry.clear()
         self.queue.extendleft(reversed(retry))
         slot.inflight.clear()
         self.restart(slot, kill)
+
+    def failing_alike(self) -> bool:
+        """SAME_FAILURE_UNITS units or more were given up, all with one error, and no
+        unit has committed in this run."""
+        failed = self.result.failed_units
+        return (not self.committed_here and len(failed) >= SAME_FAILURE_UNITS
+                and len(set(failed.values())) == 1)
 
     def stop_for_full_disk(self, slot: EngineSlot, ref: Any, err: BaseException) -> None:
         """The output's disk is full: no unit can commit. Dispatch stops, the units
@@ -261,6 +285,7 @@ class Dispatch:
 
     def unit_done(self, slot: EngineSlot, ref: Any, report: Any) -> None:
         unit = slot.inflight.pop(ref)
+        self.committed_here += 1
         self.alone.discard(unit.unit)
         slot.state = "busy" if slot.inflight else "idle"
         slot.units_run += 1
@@ -563,3 +588,11 @@ def _first_line(err: BaseException) -> str:
             return stripped
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return lines[0] if lines else type(err).__name__
+
+
+def failed_units_message(failed: dict[int, str], total: int, max_attempts: int) -> str:
+    last = failed[max(failed)]
+    return (
+        f"{len(failed)} of {total} units failed {max_attempts} times and were given up "
+        f"(units {sorted(failed)[:10]}); last error: {last}"
+    )

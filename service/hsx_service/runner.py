@@ -37,6 +37,7 @@ from hsx_service.dispatch import (
     DispatchHooks,
     DispatchResult,
     disk_full_message,
+    failed_units_message,
 )
 from hsx_service.engine_config import engine_config_for
 from hsx_service.engine_pool import EnginePool, Waits, connect_ray
@@ -188,14 +189,6 @@ def finish_online(job: PreparedJob, started: float, result: DispatchResult) -> J
                                         "trainer": online.ended},
         "hsx_version": __version__, "completed_at": time.time()})
     return summary
-
-
-def failed_units_message(failed: dict[int, str], total: int, max_attempts: int) -> str:
-    last = failed[max(failed)]
-    return (
-        f"{len(failed)} of {total} units failed {max_attempts} times and were given up "
-        f"(units {sorted(failed)[:10]}); last error: {last}"
-    )
 
 
 def execute(

@@ -175,6 +175,52 @@ def test_a_unit_is_given_up_after_max_attempts() -> None:
     assert [e[3] for e in heard.errors] == [False, False, True, True]
 
 
+def test_units_that_all_fail_alike_before_any_commit_stop_the_job() -> None:
+    """An engine that fails every unit the same way (seen on one H200: a package its
+    kernel needs was missing) stops the job after SAME_FAILURE_UNITS units, not after
+    restarting engines max_attempts times for each of its units."""
+    heard = _Heard()
+    run = _dispatch(50, heard, max_attempts=2)
+    slot = run.slots[0]
+    error = RuntimeError("vLLM engine failed: ModuleNotFoundError: No module named 'x'")
+    for _ in range(2):
+        slot.state = "idle"
+        run.alone.clear()
+        run.dispatch(slot)
+        run.fail_slot(slot, error, kill=False)
+    assert run.result.failed_units == {0: str(error), 1: str(error)}
+    assert not run.queue and not run.working()  # units 2..49 are not tried
+    fatal = run.result.fatal or ""
+    assert fatal.startswith("2 of 50 units failed 2 times and were given up (units [0, 1])")
+    assert "No module named 'x'" in fatal and "none committed" in fatal
+    assert len(heard.restarts) == 2
+
+
+def test_units_failing_after_a_commit_or_in_different_ways_do_not_stop_the_job() -> None:
+    def fail_next_alone(run: Dispatch, message: str) -> None:
+        slot = run.slots[0]
+        slot.state = "idle"
+        run.alone.add(run.queue[0].unit)  # out on its own
+        run.dispatch(slot)
+        run.fail_slot(slot, RuntimeError(message), kill=False)
+
+    # One unit committed: the engines can run the job; those given up are the units'.
+    run = _dispatch(6, max_attempts=1)
+    run.dispatch(run.slots[0])
+    slot = run.slots[0]
+    run.unit_done(slot, next(iter(slot.inflight)), _report(0))
+    run.fail_slot(slot, RuntimeError("boom"), kill=False)  # unit 1
+    fail_next_alone(run, "boom")
+    assert sorted(run.result.failed_units) == [1, 2] and run.result.fatal is None
+    assert [u.unit for u in run.queue] == [3, 4, 5]
+    # Nothing committed, but each failed its own way: the units, not the engines.
+    run = _dispatch(6, max_attempts=1)
+    fail_next_alone(run, "row 3 does not fit the KV cache")
+    fail_next_alone(run, "boom")
+    assert sorted(run.result.failed_units) == [0, 1] and run.result.fatal is None
+    assert [u.unit for u in run.queue] == [2, 3, 4, 5]
+
+
 def test_a_unit_committed_before_its_worker_died_is_done_not_failed() -> None:
     record = CommitRecord(unit=0, shard="shards/unit-000000.bin", attempt="a", samples=4,
                           tokens=40, bytes=320)
