@@ -351,7 +351,9 @@ def export_output(
         source_storage_dtype=ds.manifest.storage_dtype,
         source_complete=ds.complete, not_exported=len(ds.errors()),
         seconds=time.monotonic() - started, model=ds.manifest.model,
-        trust_remote_code=ds.manifest.trust_remote_code, method=method, format=fmt,
+        # Printed in the command the user runs (`train_command`), never run here.
+        trust_remote_code=bool(ds.manifest.spec.get("trust_remote_code")), method=method,
+        format=fmt,
     )
 
 

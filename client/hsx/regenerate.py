@@ -8,7 +8,10 @@ engine in it:
   sample index and the turn, so a retried unit asks vLLM the same question with the same
   seed wherever it runs;
 - `Conversation`: one sample's messages as the regeneration walks them, turn by turn
-  (`turns: last` or `each`), and the result, with its provenance per turn.
+  (`turns: last` or `each`), and the result, with its provenance per turn;
+- `Regeneration`: what a worker regenerates with, taken from the admitted job spec and
+  handed to it with each unit (never read back from the output, whose files whoever can
+  write there controls).
 """
 
 from __future__ import annotations
@@ -21,6 +24,36 @@ from typing import Any, Literal
 Turns = Literal["last", "each"]
 
 SEED_BITS = 63
+
+
+@dataclass(frozen=True)
+class Regeneration:
+    """A job's regeneration as its workers run it: its `regenerate:` section, the
+    tokenizer (and whether its own code may run) that renders the conversations, the
+    chat template's arguments and the length a conversation is cut to. The driver makes
+    it from the job spec that passed the checks (`of`)."""
+
+    settings: dict[str, Any]  # the job's `regenerate:` section
+    model: str
+    tokenizer: str  # the job's `tokenizer`, else its model
+    trust_remote_code: bool
+    max_seq_len: int
+    chat_template_kwargs: dict[str, Any]
+
+    @property
+    def turns(self) -> Turns:
+        turns: Turns = self.settings.get("turns", "last")
+        return turns
+
+    @classmethod
+    def of(cls, spec: Any) -> Regeneration | None:
+        """The regeneration of job spec `spec` (a JobSpec), None when it regenerates
+        nothing."""
+        if spec.regenerate is None:
+            return None
+        return cls(spec.regenerate.model_dump(mode="json"), spec.model,
+                   spec.tokenizer or spec.model, spec.trust_remote_code, spec.max_seq_len,
+                   dict(spec.chat_template_kwargs))
 
 
 def sample_seed(job_seed: int, sample_index: int, turn: int = 0) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
@@ -408,6 +409,18 @@ DatasetField = Annotated[
 ]
 
 
+@dataclass(frozen=True)
+class TargetModel:
+    """The target a draft is trained against and measured with: its model (config,
+    embeddings, head) and whether its own code may run. It comes from the job that
+    passed the checks (`JobSpec.target`), or from the person who runs `hsx train`
+    (`--trust-remote-code`), never from an output's manifest, which whoever can write
+    the output controls."""
+
+    model: str
+    trust_remote_code: bool = False
+
+
 class JobSpec(BaseModel):
     """One extraction job: model x dataset -> per-layer hidden states in `output`."""
 
@@ -438,6 +451,19 @@ class JobSpec(BaseModel):
         description=(
             "Output location: a directory path, a file:// URI, or an object-store prefix "
             "(s3://bucket/prefix; credentials and endpoint from the AWS_* variables)."
+        ),
+    )
+    resume_foreign: bool = Field(
+        False,
+        description=(
+            "On a coordinator: adopt an `output` that holds a job (its manifest or its "
+            "ingestion) which no job of yours on this coordinator made (`hsx extract`, "
+            "another coordinator, or anyone who can write that folder). Its manifest must "
+            "then equal this job field by field (model, tokenizer, trust_remote_code, "
+            "dataset, layers, engine, max_seq_len, storage_dtype, unit_tokens, "
+            "chat_template_kwargs, regenerate); its committed shards are kept as they are. "
+            "Off: such an output is refused. `hsx extract` resumes any output of the same "
+            "job (its user's own folder)."
         ),
     )
     layers: list[int | str] | None = Field(
@@ -575,6 +601,11 @@ class JobSpec(BaseModel):
     def layers_method(self) -> str:
         """The method whose ids a job without `layers:` captures."""
         return self.train.method if self.train is not None else "eagle3"
+
+    @property
+    def target(self) -> TargetModel:
+        """The target its draft is trained against and measured with."""
+        return TargetModel(self.model, self.trust_remote_code)
 
     @property
     def trains_online(self) -> bool:

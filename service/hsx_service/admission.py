@@ -4,7 +4,9 @@ weigh it against the jobs already there (policy.py judges the job alone).
 - A user has at most `max_active_jobs` jobs queued or running.
 - An output is a job's own: not inside or around another job's output, not at the
   output of a job still running, nor at the output of another user's job (a rerun of
-  one's own job at its output resumes it).
+  one's own job at its output resumes it), nor at an output holding a job that none of
+  the user's jobs here made (`hsx extract`'s, another coordinator's, or planted by
+  whoever can write the folder), unless the job says `resume_foreign: true`.
 - A user's jobs hold at most `user_quota_bytes` together: the bytes their jobs have
   committed plus the new job's estimate (`prepare.check_estimated_output`, which is given
   what is left as the job's quota).
@@ -54,8 +56,11 @@ class Admission:
 
     def check_output_place(self, spec: JobSpec) -> None:
         """Refuse an output inside or around another job's, at the output of a job still
-        running, or at another user's job's."""
-        location = open_output(spec.output).location
+        running, at another user's job's, or holding a job that none of this user's jobs
+        here made (unless the job asks `resume_foreign`)."""
+        output = open_output(spec.output)
+        location = output.location
+        ours = False
         for other in self.ledger.jobs():
             theirs = open_output(other.output).location
             if theirs == location:
@@ -64,10 +69,16 @@ class Admission:
                 if other.owner != self.owner:
                     raise JobConflict(f"output {spec.output} holds the output of another "
                                       "user's job; choose another location")
+                ours = True
             elif nested(location, theirs) or nested(theirs, location):
                 raise JobConflict(f"output {spec.output} would lie inside or around the "
                                   f"output of job {other.id} ({other.output}); choose a "
                                   "location of its own")
+        if not ours and not spec.resume_foreign and output.holds_job():
+            raise JobConflict(
+                f"output {spec.output} holds a job that no job of yours on this coordinator "
+                "made; choose another location, or set `resume_foreign: true` to adopt it "
+                "(its manifest must then equal this job field by field)")
 
     def job_quota(self) -> int | None:
         """The quota of the new job's output: the tighter of the per-job quota and what

@@ -35,6 +35,7 @@ from hsx.output import CommitRecord
 from hsx.output.storage import is_disk_full
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
+from hsx.regenerate import Regeneration
 from hsx.wire import ResourcePlan
 from hsx_service.engine_pool import DISPATCH_DEPTH, EnginePool, EngineSlot
 from hsx_service.errors import JobFailed
@@ -333,7 +334,9 @@ class Dispatch:
     def dispatch(self, slot: EngineSlot) -> bool:
         """Hand the slot units up to its depth; a unit retried alone gets a slot to itself."""
         spec = self.job.spec
-        checks = {"checks": spec.checks, "fault": fault_of_environment()}
+        # What a worker takes from the job: the admitted spec's, never its output's.
+        job = {"checks": spec.checks, "fault": fault_of_environment(),
+               "regenerate": Regeneration.of(spec)}
         sent = False
         while self.queue and len(slot.inflight) < DISPATCH_DEPTH:
             if any(u.unit in self.alone for u in slot.inflight.values()):
@@ -343,11 +346,11 @@ class Dispatch:
             unit = self.queue.popleft()
             if self.online is None:
                 ref = slot.actor.run_unit.remote(self.job.output, spec.storage_dtype, unit,
-                                                 spec.checksum, **checks)
+                                                 spec.checksum, **job)
             else:
                 ref = slot.actor.run_unit.remote(
                     self.job.output, spec.storage_dtype, unit, spec.checksum,
-                    str(self.online.stream.path), self.online.rows_of(unit.unit), **checks)
+                    str(self.online.stream.path), self.online.rows_of(unit.unit), **job)
             slot.inflight[ref] = unit
             slot.state = "busy"
             sent = True

@@ -71,7 +71,8 @@ class PreparedJob:
 
     @classmethod
     def of(cls, spec: JobSpec, model: ModelInfo, output: Output) -> PreparedJob:
-        """The job as its output says: planned units, those without a commit record."""
+        """The job as its output says: planned units, those without a commit record.
+        Its manifest holds this very job (`check_same_job`): its layers are the spec's."""
         manifest = output.manifest()
         units = manifest.work_units
         done = output.committed_units()
@@ -94,6 +95,52 @@ class PreparedJob:
     @property
     def tokens_total(self) -> int:
         return self.manifest.tokens_total
+
+
+# The job fields a manifest records that a job must equal, field by field, to resume its
+# output: what decides the content, and what runs (the tokenizer and whether its own code
+# may run, the chat template's arguments, the regeneration).
+RESUMED_SPEC_FIELDS = ("model", "tokenizer", "trust_remote_code", "dataset", "layers",
+                       "engine", "max_seq_len", "storage_dtype", "unit_tokens",
+                       "chat_template_kwargs", "regenerate")
+
+
+def manifest_expected(spec: JobSpec, info: ModelInfo, layers: list[int]) -> dict[str, Any]:
+    """What the manifest of `spec`'s job holds (`Manifest.differences` names): the one
+    definition of "the same job" that a found manifest is held to."""
+    written = spec.model_dump(mode="json")
+    return {
+        "job_fingerprint": spec.data_fingerprint(),
+        "model": spec.model,
+        "architecture": info.architecture,
+        "num_layers": info.num_layers,
+        "hidden_size": info.hidden_size,
+        "layers": list(layers),
+        "storage_dtype": spec.storage_dtype,
+        "engine": spec.engine,
+        "max_seq_len": spec.max_seq_len,
+        **{f"spec.{name}": written.get(name) for name in RESUMED_SPEC_FIELDS},
+    }
+
+
+def check_same_job(manifest: Manifest | None, spec: JobSpec, info: ModelInfo,
+                   layers: list[int], output: Output) -> None:
+    """JobRefused naming the fields, unless `manifest` (found in the job's output; None:
+    none is there) holds this very job (`manifest_expected`) over an unchanged dataset.
+    The coordinator asks at submit, the driver again before it resumes the output."""
+    if manifest is None:
+        return
+    from hsx.ingest import DatasetError, dataset_fingerprint
+
+    try:
+        data_fp = dataset_fingerprint(spec.dataset_spec)
+    except DatasetError as err:
+        raise JobRefused(f"dataset: {err}") from err
+    try:
+        manifest.check_same_job(manifest_expected(spec, info, layers), data_fp,
+                                output=str(output), dataset=str(spec.dataset_spec))
+    except JobMismatch as err:
+        raise JobRefused(str(err)) from None
 
 
 def open_output(output: str) -> Output:
@@ -386,11 +433,11 @@ def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None
     returned once the first part of its inputs is published (what the first rows show
     refuses it before any engine starts): its units come as the parts are published,
     while its engines start. A dataset whole by then is prepared as any other. A
-    regenerating job is ingested whole first (its workers read the manifest), and so is
-    any with `stream=False`. `on_ingest` hears how far the
-    ingestion is (rows tokenized); `cancelled` stops it. `while_first_part` is called
-    here while a streamed ingestion tokenizes its first part (after the preflight, and
-    after the ingestion chose where it tokenizes): `run_job` starts Ray then."""
+    regenerating job is ingested whole first, and so is any with `stream=False`.
+    `on_ingest` hears how far the ingestion is (rows tokenized); `cancelled` stops it.
+    `while_first_part` is called here while a streamed ingestion tokenizes its first
+    part (after the preflight, and after the ingestion chose where it tokenizes):
+    `run_job` starts Ray then."""
     info, layers, output = preflight(spec)
     workers = ingest_workers()
     manifest = output.read_manifest()
@@ -418,17 +465,7 @@ def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None
                                manifest=ingestion.manifest, units=[], pending=[],
                                complete=False, committed=output.committed_units(),
                                ingestion=ingestion)
-    from hsx.ingest import DatasetError, dataset_fingerprint
-
-    try:
-        data_fp = dataset_fingerprint(spec.dataset_spec)
-    except DatasetError as err:
-        raise JobRefused(f"dataset: {err}") from err
-    try:
-        manifest.check_same_job(spec.data_fingerprint(), data_fp, output=str(output),
-                                dataset=str(spec.dataset_spec))
-    except JobMismatch as err:
-        raise JobRefused(str(err)) from None
+    check_same_job(manifest, spec, info, layers, output)
     job = PreparedJob.of(spec, info, output)
     check_output_size(job)
     return job
@@ -554,8 +591,9 @@ class Ingestion:
             # Another driver may have prepared the same output at the same moment: the
             # manifest published first is the one, and it must be this same job.
             manifest = self.output.publish_manifest(self._manifest(self.units, result))
-            manifest.check_same_job(spec.data_fingerprint(), result.dataset_fingerprint,
-                                    output=str(self.output), dataset=str(spec.dataset_spec))
+            manifest.check_same_job(manifest_expected(spec, self.info, self.layers),
+                                    result.dataset_fingerprint, output=str(self.output),
+                                    dataset=str(spec.dataset_spec))
             self.manifest = manifest
             self._check_size()
         except DatasetError as err:  # found while reading it

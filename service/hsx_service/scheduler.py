@@ -52,6 +52,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from hsx.draft import draft_view
+from hsx.modelinfo import ModelConfigError, read_model_info
 from hsx.output.layout import DRAFT_DIR
 from hsx.plan import WorkUnit
 from hsx.progress import JobProgress
@@ -85,6 +86,8 @@ from hsx_service.placement import GpuArbiter, plan_for_cluster, trains_on_gpus
 from hsx_service.prepare import (
     PreparedJob,
     check_estimated_output,
+    check_same_job,
+    manifest_expected,
     open_output,
     preflight,
     warm_preflight,
@@ -301,7 +304,9 @@ class Scheduler:
         admission.check_active_jobs()
         admission.check_output_place(spec)
         admission.check_quota(None)
-        estimate = check_estimated_output(spec, *preflight(spec),
+        info, layers, output = preflight(spec)
+        check_same_job(output.read_manifest(), spec, info, layers, output)
+        estimate = check_estimated_output(spec, info, layers, output,
                                           quota_bytes=admission.job_quota())
         admission.check_quota(estimate)
         plan_for_cluster(spec)  # what this cluster can never provide is refused now
@@ -616,23 +621,24 @@ def _ray_lost(err: BaseException) -> bool:
 
 
 def check_manifest_is_the_jobs(row: JobRow) -> None:
-    """Refuse to train on an output whose manifest names another model, tokenizer or
-    `trust_remote_code` than the job that was submitted: the trainer loads the model's
-    config from the manifest, and whoever can write the output could otherwise point it
-    at code of theirs (policy.py checked the job, not the file)."""
+    """Refuse to train on an output whose manifest is not the job's own, field by field
+    (`prepare.manifest_expected`): the trainer reads the layers, the sizes and the plan
+    from it (the model and its code come from the job itself), and whoever can write the
+    output could otherwise have changed it since the extraction."""
     manifest = open_output(row.output).read_manifest()
     if manifest is None:
         return
     spec = row.spec
-    differs = [name for name, theirs, ours in (
-        ("model", manifest.model, spec.model),
-        ("tokenizer", manifest.spec.get("tokenizer"), spec.tokenizer),
-        ("trust_remote_code", manifest.trust_remote_code, spec.trust_remote_code))
-        if theirs != ours]
+    try:
+        info = read_model_info(spec.model)
+    except ModelConfigError as err:
+        raise JobRefused(str(err)) from None
+    layers = info.job_layers(spec.layers, spec.engine, spec.layers_method)
+    differs = manifest.differences(manifest_expected(spec, info, layers))
     if differs:
         raise JobRefused(f"{row.output}: its manifest's {', '.join(differs)} differ from job "
                          f"{row.id}'s (another job wrote it, or it was changed since); the "
-                         "coordinator trains only on what the job itself names")
+                         "coordinator trains only on what the job itself made")
 
 
 def thin_curve(points: builtins.list[tuple[float, float, int]],

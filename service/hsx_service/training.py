@@ -91,12 +91,13 @@ class Trainings:
               share: float = 0.0) -> None:
         """Train the draft of `output` (a job's output path or URI) in a new actor.
 
-        `job`: the job whose target the evaluation runs as it does (default: the output's
-        model, TP 1); `order`: the job's place in line for GPUs (its submission time);
-        `after`: an event the training waits for before it asks for GPUs (the job's end,
-        when its plan trains after the extraction); `share`: the part of a GPU an online
-        trainer takes beside the job's engine on it (the plan's `train_share`; 0: GPUs of
-        its own).
+        `job`: the job as it passed the checks, whose target (model, remote code) the
+        trainer and the evaluation load and run as its engines do (default: the output's
+        model without its own code, TP 1); `order`: the job's place in line for GPUs
+        (its submission time); `after`: an event the training waits for before it asks
+        for GPUs (the job's end, when its plan trains after the extraction); `share`: the
+        part of a GPU an online trainer takes beside the job's engine on it (the plan's
+        `train_share`; 0: GPUs of its own).
         """
         with self._lock:
             thread = self._threads.get(job_id)
@@ -340,7 +341,8 @@ class Trainings:
             task: Any = ray.remote(max_calls=1)(evaluate_draft)
             ref = task.options(**options).remote(
                 Output(output), prompts=spec.eval_prompts, max_tokens=spec.eval_max_tokens,
-                k=spec.proposed_tokens, engine=engine)
+                k=spec.proposed_tokens, engine=engine,
+                target=run.job.model if run.job is not None else None)
             while True:
                 ready, _ = ray.wait([ref], timeout=POLL_S)
                 if ready:
@@ -375,9 +377,12 @@ class Trainings:
             options.update(num_gpus=run.share or 1, scheduling_strategy=in_group(seat.pg))
         actor_cls: Any = ray.remote(TrainerActor)
         # The Output carries the endpoint and credentials resolved here to the actor.
-        return actor_cls.options(**options).remote(Output(run.output),
-                                                   run.spec.model_dump(mode="json"),
-                                                   memory_share=run.share or None)
+        # The target is the job's as the ledger holds it (what passed the checks), not
+        # what the output's manifest says.
+        return actor_cls.options(**options).remote(
+            Output(run.output), run.spec.model_dump(mode="json"),
+            memory_share=run.share or None,
+            target=run.job.target if run.job is not None else None)
 
     def _follow(self, job_id: str, actor: Any) -> tuple[str, str | None]:
         """Poll the actor until `run` ends: (done | stopped | failed | died, error)."""

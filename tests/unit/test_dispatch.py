@@ -84,7 +84,7 @@ def _dispatch(units: int, heard: _Heard | None = None, *, workers: int = 1,
               ingestion: Any = None) -> Dispatch:
     out = output or _Output()
     job: Any = SimpleNamespace(spec=SimpleNamespace(storage_dtype="bfloat16", checksum="xxh3",
-                                                    checks="on"),
+                                                    checks="on", regenerate=None),
                                output=out, pending=_units(units), units=_units(units),
                                totals=out.totals, ingestion=ingestion, committed=set(),
                                manifest=None)

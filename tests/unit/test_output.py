@@ -113,11 +113,19 @@ def test_manifest_is_published_once_and_names_the_job(tmp_path: Path) -> None:
     other = make_manifest(layers=[2, 4], hidden_size=8, num_layers=4, units={0: [0]},
                           job_fingerprint="another")
     assert Output(tmp_path / "out").publish_manifest(other) == first  # the first one stays
-    first.check_same_job("job", "data", output="OUT", dataset="DATA")
-    with pytest.raises(JobMismatch, match="output: OUT already holds a different job"):
-        first.check_same_job("another", "data", output="OUT", dataset="DATA")
+    same = {"job_fingerprint": first.job_fingerprint, "layers": [1, 4],
+            "spec.trust_remote_code": first.spec.get("trust_remote_code")}
+    first.check_same_job(same, first.dataset_fingerprint, output="OUT", dataset="DATA")
+    with pytest.raises(JobMismatch, match="output: OUT already holds a different job "
+                       r"\(job_fingerprint differ"):
+        first.check_same_job({**same, "job_fingerprint": "another"}, first.dataset_fingerprint,
+                             output="OUT", dataset="DATA")
+    # Field by field: a fingerprint copied beside another spec does not pass.
+    with pytest.raises(JobMismatch, match=r"\(layers, spec.trust_remote_code differ"):
+        first.check_same_job({**same, "layers": [2, 4], "spec.trust_remote_code": True},
+                             first.dataset_fingerprint, output="OUT", dataset="DATA")
     with pytest.raises(JobMismatch, match="dataset: DATA changed since OUT was started"):
-        first.check_same_job("job", "changed", output="OUT", dataset="DATA")
+        first.check_same_job(same, "changed", output="OUT", dataset="DATA")
     # Unknown fields are kept (the format adds fields without a version change).
     data = json.loads((tmp_path / "out" / MANIFEST).read_text())
     (tmp_path / "newer").mkdir()

@@ -29,7 +29,7 @@ from hsx.cli import main
 from hsx.output import Output, ShardWriter
 from hsx.output.layout import COMPLETE, DRAFT_CHECKPOINTS, DRAFT_DIR, DRAFT_METRICS
 from hsx.output.local_storage import output_file_mode
-from hsx.spec import JobSpec, SpecError, TrainSpec, parse_job
+from hsx.spec import JobSpec, SpecError, TargetModel, TrainSpec, parse_job
 from hsx_workers.learnable import COPY_ID, MAP_ID, SEP_ID, TaskLanguage
 from hsx_workers.trainer import (
     DraftTrainer,
@@ -502,8 +502,10 @@ def test_hsx_extract_measures_its_draft_as_the_coordinator_does(
                   train={"eval_prompts": 5, "eval_max_tokens": 9, "ttt_steps": 2})
     trained: list[Any] = []
     measured: dict[str, Any] = {}
+    targets: list[Any] = []
     monkeypatch.setattr(cli_training, "_train_local",
-                        lambda target, spec, draft_dir: trained.append(spec) or 0)
+                        lambda target, spec, draft_dir, model: trained.append(spec)
+                        or targets.append(model) or 0)
 
     def evaluate(output: Any, **kwargs: Any) -> dict[str, Any]:
         measured.update(kwargs, output=str(output))
@@ -514,7 +516,10 @@ def test_hsx_extract_measures_its_draft_as_the_coordinator_does(
     monkeypatch.setattr(acceptance, "evaluate_draft", evaluate)
     assert cli_training.train_after_extraction(job, str(root)) == 0
     assert [s.follow for s in trained] == [False]
+    # The target, its code included, is the job's, never what the output's manifest says.
+    assert targets == [TargetModel(str(tiny_llama), trust_remote_code=False)]
     assert measured["engine"] == target_engine_args(job)
+    assert measured["target"] == str(tiny_llama)
     assert measured["engine"]["tensor_parallel_size"] == 2
     assert measured["engine"]["max_model_len"] == 512
     assert (measured["prompts"], measured["max_tokens"], measured["k"]) == (5, 9, 2)

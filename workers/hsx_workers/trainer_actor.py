@@ -14,7 +14,7 @@ from typing import Any
 from hsx.draft import draft_folder, last_record, read_train_state
 from hsx.output import Output
 from hsx.output.layout import DRAFT_METRICS
-from hsx.spec import TrainSpec
+from hsx.spec import TargetModel, TrainSpec
 from hsx_workers.trainer import DraftTrainer, StepMetrics, train_distributed
 
 
@@ -24,8 +24,10 @@ class TrainerActor:
     folder and uploaded; see hsx.draft)."""
 
     def __init__(self, output: Output | str, spec: dict[str, Any],
-                 memory_share: float | None = None) -> None:
+                 memory_share: float | None = None, target: TargetModel | None = None
+                 ) -> None:
         self.output = Output.of(output)
+        self.target = target  # the job's (DraftTrainer's `target`)
         self.memory_share = memory_share  # of the GPU's memory: it shares it with an engine
         self.root = draft_folder(self.output)  # where this node trains it
         self.spec = TrainSpec.model_validate(spec)
@@ -35,11 +37,13 @@ class TrainerActor:
 
     def run(self) -> dict[str, Any]:
         if self.spec.workers > 1:
-            state = train_distributed(self.output, self.spec, stop=self._stop)
+            state = train_distributed(self.output, self.spec, stop=self._stop,
+                                      target=self.target)
             return {"step": state["step"], "epoch": state["epoch"],
                     "stopped": state["state"] == "stopped"}
         self._trainer = DraftTrainer(self.output, self.spec, on_metrics=self._on_metrics,
-                                     stop=self._stop, memory_share=self.memory_share)
+                                     stop=self._stop, memory_share=self.memory_share,
+                                     target=self.target)
         result = self._trainer.run()
         return {"step": result.step, "epoch": result.epoch, "stopped": self._stop.is_set()}
 

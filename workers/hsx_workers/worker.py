@@ -57,7 +57,14 @@ from hsx.output import Output, ShardWriter
 from hsx.output.shards import DEFAULT_CHECKSUM, background_priority
 from hsx.output.tables import MESSAGES_COLUMN, REGENERATIONS_SCHEMA
 from hsx.plan import WorkUnit
-from hsx.regenerate import Conversation, GeneratedTurn, dumps_messages, loads_messages, sample_seed
+from hsx.regenerate import (
+    Conversation,
+    GeneratedTurn,
+    Regeneration,
+    dumps_messages,
+    loads_messages,
+    sample_seed,
+)
 from hsx_workers.engines.base import (
     WAIT,
     CaptureRequest,
@@ -251,37 +258,35 @@ class ExtractionWorker:
                 self._check_of_job = (output.uri, mode)
             return self._check
 
-    def _regen_of(self, output: Output, table: pa.Table) -> _Regen | None:
-        """The unit's regeneration, when its job regenerates: ingestion kept the
-        conversations, and the manifest holds the job's `regenerate:` section."""
+    def _regen_of(self, job: Regeneration | None, table: pa.Table) -> _Regen | None:
+        """The unit's regeneration, when its job (`job`, from the admitted spec)
+        regenerates: ingestion kept the conversations in the inputs."""
+        if job is None:
+            return None
         if MESSAGES_COLUMN not in table.column_names:
-            return None
-        manifest = output.manifest()
-        spec = manifest.spec.get("regenerate")
-        if not spec:
-            return None
-        path = manifest.spec.get("tokenizer") or manifest.model
-        tokenizer = self._tokenizers.get(path)
+            raise ValueError("the job regenerates but its inputs hold no conversations "
+                             "(an output ingested without them)")
+        tokenizer = self._tokenizers.get(job.tokenizer)
         if tokenizer is None:
             from hsx.ingest import load_tokenizer
 
-            tokenizer = load_tokenizer(path, trust_remote_code=manifest.trust_remote_code)
-            self._tokenizers = {path: tokenizer}
+            tokenizer = load_tokenizer(job.tokenizer, trust_remote_code=job.trust_remote_code)
+            self._tokenizers = {job.tokenizer: tokenizer}
         conversations = [
-            Conversation(int(i), loads_messages(m), spec.get("turns", "last"))
+            Conversation(int(i), loads_messages(m), job.turns)
             for i, m in zip(table.column("sample_index").to_pylist(),
                             table.column(MESSAGES_COLUMN).to_pylist(), strict=True)
         ]
-        provenance = {"model": manifest.model, "engine": "vllm", **spec,
+        provenance = {"model": job.model, "engine": "vllm", **job.settings,
                       "vllm_version": _vllm_version()}
-        return _Regen(spec, tokenizer, manifest.max_seq_len,
-                      dict(manifest.spec.get("chat_template_kwargs") or {}), provenance,
-                      conversations)
+        return _Regen(job.settings, tokenizer, job.max_seq_len,
+                      dict(job.chat_template_kwargs), provenance, conversations)
 
     def run_unit(self, output: Output | str, storage_dtype: str, unit: WorkUnit,
                  checksum: str = DEFAULT_CHECKSUM, stream: str | None = None,
                  rows_of: WorkUnit | None = None, checks: str = "on",
-                 fault: str | None = None) -> UnitReport:
+                 fault: str | None = None, regenerate: Regeneration | None = None
+                 ) -> UnitReport:
         """Extract one unit into its shard and commit it; blocks until it is committed.
 
         `output` is the job's Output (it carries the storage settings the driver
@@ -290,12 +295,14 @@ class ExtractionWorker:
         into `stream` (a folder, hsx.online) as stream unit `unit`; its rows are those
         of the job's unit `rows_of`. `checks` is the job's self-check mode; `fault`
         puts wrong states in on purpose (state_faults.py: the driver's
-        HSX_FAULT_STATES, for tests).
+        HSX_FAULT_STATES, for tests). `regenerate`: the job's regeneration, made by the
+        driver from the admitted spec (nothing in the output decides what runs here).
         """
         out, rows, table = self._rows(Output.of(output), rows_of or unit)
         dest = out if stream is None else Output(stream)
         run = _UnitRun(dest, storage_dtype, checksum, unit, rows,
-                       regen=self._regen_of(out, table), check=self._check_of(out, checks),
+                       regen=self._regen_of(regenerate, table),
+                       check=self._check_of(out, checks),
                        fault=fault)
         with self._lock:
             if self._dead is not None:

@@ -68,7 +68,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except SpecError as err:
         return error(str(err), EXIT_REFUSED)
     if _is_output(args.target):
-        return _train_local(args.target, spec, args.draft_dir)
+        return _train_local(args.target, spec, args.draft_dir,
+                            trust_remote_code=args.trust_remote_code)
     return remote(lambda a: _train_remote(a, spec))(args)
 
 
@@ -82,12 +83,16 @@ def _plan_line(plan: Any) -> str:
 
 
 def _train_local(target: str, spec: Any, draft_dir: str | None,
-                 memory_share: float | None = None) -> int:
+                 memory_share: float | None = None, *, model: Any = None,
+                 trust_remote_code: bool = False) -> int:
     """Train here; `memory_share`: of the GPU's memory, at most (an online trainer
-    sharing the GPU with the job's engine)."""
+    sharing the GPU with the job's engine). `model`: the job's TargetModel; None: the
+    model the output's manifest names, its own code run only with `trust_remote_code`
+    (the person's word, never the manifest's)."""
     from hsx.draft import draft_folder
     from hsx.output import Output, StorageError
     from hsx.output.layout import DRAFT_DIR
+    from hsx.spec import TargetModel
     from hsx_workers.trainer import ShareTooSmall, TrainRefused
 
     out = console()
@@ -97,13 +102,15 @@ def _train_local(target: str, spec: Any, draft_dir: str | None,
             return error(f"{target}: the extraction is not complete; pass --follow to train "
                           "while it runs", EXIT_REFUSED)
         root = draft_folder(output, draft_dir)
+        if model is None and trust_remote_code:
+            model = TargetModel(output.manifest().model, trust_remote_code=True)
     except (StorageError, ValueError) as err:
         return error(str(err), EXIT_REFUSED)
     try:
         if spec.workers == 1:
-            summary = _train_here(output, root, spec, out, memory_share)
+            summary = _train_here(output, root, spec, out, memory_share, model)
         else:
-            summary = _train_workers(output, root, spec, out)
+            summary = _train_workers(output, root, spec, out, model)
     except TrainRefused as err:
         return error(str(err), EXIT_REFUSED)
     except ShareTooSmall as err:
@@ -133,7 +140,7 @@ def _train_local(target: str, spec: Any, draft_dir: str | None,
 
 
 def _train_here(output: Any, root: Path, spec: Any, out: Any,
-                memory_share: float | None = None) -> dict[str, Any]:
+                memory_share: float | None = None, model: Any = None) -> dict[str, Any]:
     """One process: DraftTrainer, each step printed."""
     from hsx_workers.trainer import DraftTrainer
 
@@ -145,7 +152,7 @@ def _train_here(output: Any, root: Path, spec: Any, out: Any,
             out.print(f"[yellow]warning:[/] {plan.warning}")
 
     trainer = DraftTrainer(output, spec, draft_root=root, on_plan=on_plan,
-                           memory_share=memory_share,
+                           memory_share=memory_share, target=model,
                            on_metrics=lambda m: out.print(
                                _train_line(m.step, m.epoch, m.loss, m.acc, m.tokens_per_s,
                                            m.wait_fraction),
@@ -155,7 +162,8 @@ def _train_here(output: Any, root: Path, spec: Any, out: Any,
             "best": trainer.best}
 
 
-def _train_workers(output: Any, root: Path, spec: Any, out: Any) -> dict[str, Any]:
+def _train_workers(output: Any, root: Path, spec: Any, out: Any, model: Any = None
+                   ) -> dict[str, Any]:
     """`spec.workers` Ray Train workers on a local (or RAY_ADDRESS's) Ray; the main
     worker's step records are printed as they are written."""
     import threading
@@ -190,7 +198,7 @@ def _train_workers(output: Any, root: Path, spec: Any, out: Any) -> dict[str, An
     printer = threading.Thread(target=show, name="hsx-train-print", daemon=True)
     printer.start()
     try:
-        return train_distributed(output, spec, draft_root=root)
+        return train_distributed(output, spec, draft_root=root, target=model)
     finally:
         done.set()
         printer.join(timeout=5)
@@ -234,7 +242,7 @@ def train_after_extraction(job: Any, output: str) -> int:
     the GPU they used), then measured by vLLM as the coordinator measures it: the target
     loaded as the job loads it, on `eval_prompts` held-out prompts (draft/eval.json)."""
     spec = job.train.model_copy(update={"follow": False})
-    code = _train_local(output, spec, None)
+    code = _train_local(output, spec, None, model=job.target)
     if code != 0 or spec.eval_prompts == 0:
         return code
     return _measure_draft(job, output)
@@ -265,7 +273,8 @@ def train_online(job: Any, extract: Callable[[], int]) -> int:
 
     def train() -> None:
         try:
-            outcome["code"] = _train_local(job.output, job.train, None, share)
+            outcome["code"] = _train_local(job.output, job.train, None, share,
+                                           model=job.target)
         except BaseException as err:  # the engines must hear of it, whatever it is
             outcome["code"] = EXIT_FAILED
             outcome["error"] = f"{type(err).__name__}: {err}"
@@ -299,7 +308,7 @@ def _measure_draft(job: Any, output: str) -> int:
     try:
         result = evaluate_draft(trained, prompts=spec.eval_prompts,
                                 max_tokens=spec.eval_max_tokens, k=spec.proposed_tokens,
-                                engine=target_engine_args(job))
+                                engine=target_engine_args(job), target=job.model)
     except (StorageError, ValueError, FileNotFoundError) as err:
         return error(f"the draft was trained but could not be measured: {err}; "
                      f"run `hsx eval-draft {output}` to measure it", EXIT_FAILED)
@@ -388,6 +397,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--draft-dir", help="output only: the local folder to train the draft "
                                        "in (default the output's; for s3:// a folder in "
                                        "$HSX_CACHE, ~/.cache/hsx, uploaded to the bucket)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="output only: the target's own code may run (a model that needs "
+                        "it); never taken from the output's manifest")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(

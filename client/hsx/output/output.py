@@ -222,6 +222,10 @@ class Output:
             raise OutputNotFound(f"no hsx output at {self}: {self.url(MANIFEST)} does not exist")
         return manifest
 
+    def holds_job(self) -> bool:
+        """Whether a job began here: its manifest, or the record of its ingestion."""
+        return self.has_manifest() or self.read_ingest_record() is not None
+
     def has_manifest(self) -> bool:
         return self._manifest is not None or self.storage.exists(MANIFEST)
 

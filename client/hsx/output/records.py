@@ -11,6 +11,7 @@ readable. What they do name is checked, and a file that does not parse raises
 from __future__ import annotations
 
 import builtins
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -112,19 +113,28 @@ class Manifest(BaseModel):
         """Tokens of every planned unit (equals num_tokens)."""
         return sum(u.tokens for u in self.units)
 
-    @property
-    def trust_remote_code(self) -> bool:
-        """Whether the job that prepared the output allowed the model's own code."""
-        return bool(self.spec.get("trust_remote_code", False))
+    def differences(self, expected: Mapping[str, Any]) -> list[str]:
+        """The names in `expected` whose value this manifest does not hold: a field of the
+        manifest, or `spec.NAME` for a field of the job spec it records."""
+        def held(name: str) -> Any:
+            if name.startswith("spec."):
+                return self.spec.get(name.removeprefix("spec."))
+            return getattr(self, name, None)
 
-    def check_same_job(self, job_fingerprint: str, dataset_fingerprint: str, *, output: str,
-                       dataset: str) -> None:
-        """JobMismatch unless a job with these fingerprints may resume this output."""
-        if self.job_fingerprint != job_fingerprint:
+        return [name for name, value in expected.items() if held(name) != value]
+
+    def check_same_job(self, expected: Mapping[str, Any], dataset_fingerprint: str, *,
+                       output: str, dataset: str) -> None:
+        """JobMismatch unless the job of `expected` (the fields a manifest of it holds,
+        as `differences` names them) may resume this output: every one equal, field by
+        field, and the dataset unchanged. A fingerprint alone is not enough: whoever can
+        write the output can copy the fingerprint of a harmless job beside a spec of
+        their own, and the manifest's spec is what an earlier hsx ran from."""
+        differ = self.differences(expected)
+        if differ:
             raise JobMismatch(
-                f"output: {output} already holds a different job (model, dataset, layers, "
-                "engine, max_seq_len, storage_dtype or unit_tokens differ); choose another "
-                "output or remove that one"
+                f"output: {output} already holds a different job ({', '.join(differ)} "
+                "differ from this job's); choose another output or remove that one"
             )
         if self.dataset_fingerprint != dataset_fingerprint:
             raise JobMismatch(

@@ -3,6 +3,7 @@ on GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -16,7 +17,7 @@ from hsx.draft import draft_folder
 from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_STATE, DRAFT_STOP
 from hsx.output.local_storage import make_output_dirs
-from hsx.spec import TrainSpec
+from hsx.spec import TargetModel, TrainSpec
 from hsx_workers.trainer.draft_trainer import DraftTrainer
 from hsx_workers.trainer.plan import TrainRefused
 
@@ -32,6 +33,7 @@ def _train_worker(config: dict[str, Any]) -> None:
 
     ctx = ray.train.get_context()
     spec = TrainSpec.model_validate(config["spec"])
+    target = TargetModel(**config["target"]) if config.get("target") else None
     device = ray.train.torch.get_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -40,14 +42,15 @@ def _train_worker(config: dict[str, Any]) -> None:
     trainer = DraftTrainer(config["output"], spec, draft_root=config["draft_root"],
                            rank=ctx.get_world_rank(),
                            world=ctx.get_world_size(), device=device,
-                           poll_interval=float(config.get("poll_interval", 0.5)))
+                           poll_interval=float(config.get("poll_interval", 0.5)),
+                           target=target)
     trainer.run()
 
 
 def train_distributed(
     output: str | Path | Output, spec: TrainSpec, *, draft_root: str | Path | None = None,
     use_gpu: bool | None = None, stop: threading.Event | None = None,
-    poll_interval: float = 0.5,
+    poll_interval: float = 0.5, target: TargetModel | None = None,
 ) -> dict[str, Any]:
     """Train on `spec.workers` Ray Train workers (DDP; gloo on CPU, NCCL on GPU).
 
@@ -55,7 +58,7 @@ def train_distributed(
     metrics, validations and checkpoints into `<output>/draft/` (or `<draft_root>/draft/`)
     as `DraftTrainer` does alone; every worker must reach that folder (one host, or a
     shared file system). `stop` asks the workers to checkpoint and stop (through
-    draft/.stop). Returns train.json's final content.
+    draft/.stop); `target` is `DraftTrainer`'s. Returns train.json's final content.
     """
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -74,6 +77,7 @@ def train_distributed(
         # The Output itself: it carries the storage settings resolved here.
         train_loop_config={"output": output, "draft_root": str(root),
                            "spec": spec.model_dump(mode="json"),
+                           "target": dataclasses.asdict(target) if target else None,
                            "poll_interval": poll_interval, "threads": 1},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=spec.workers, use_gpu=use_gpu,

@@ -20,7 +20,7 @@ import torch
 
 from hsx.methods import draft_aux_layers
 from hsx.output import Manifest, Output
-from hsx.spec import TrainSpec
+from hsx.spec import TargetModel, TrainSpec
 from hsx_workers.trainer.plan import TrainRefused
 
 
@@ -156,15 +156,16 @@ def vocab_mappings(
 
 
 def build_draft_model(output: Output, manifest: Manifest, spec: TrainSpec,
-                      device: torch.device, exclude: Sequence[int]) -> Any:
-    """A new draft for this output's target, its vocabulary mapped from the loss-masked
-    tokens of every sample but `exclude` (the held-out ones); on the CPU until moved."""
+                      device: torch.device, exclude: Sequence[int],
+                      target: TargetModel) -> Any:
+    """A new draft for `target` (the job's model, trained on this output), its
+    vocabulary mapped from the loss-masked tokens of every sample but `exclude` (the
+    held-out ones); on the CPU until moved."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from transformers import AutoConfig
 
     aux, _ = draft_layout(manifest, spec.method)
-    model_path = manifest.model
-    trust = manifest.trust_remote_code
+    model_path, trust = target.model, target.trust_remote_code
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
     text_config = getattr(config, "text_config", None) or config
     layers = spec.num_layers or spec.draft.default_draft_layers

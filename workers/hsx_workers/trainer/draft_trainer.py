@@ -51,7 +51,7 @@ from hsx.output.local_storage import (
 )
 from hsx.output.quota import QUOTA_ENV, folder_bytes, output_quota
 from hsx.output.shards.encoding import HIDDEN_DTYPE, NUMPY_DTYPES
-from hsx.spec import TrainSpec
+from hsx.spec import TargetModel, TrainSpec
 from hsx_workers.trainer.data import EpochEnd, StepBatch, TrainingData
 from hsx_workers.trainer.draft_model import build_draft_model, draft_layout, forward_kwargs
 from hsx_workers.trainer.group import WorkerGroup
@@ -159,8 +159,13 @@ class DraftTrainer:
         device: torch.device | None = None,
         validate: Callable[[Any], Scores] | None = None,
         memory_share: float | None = None,
+        target: TargetModel | None = None,
     ) -> None:
         self.output = Output.of(output)
+        # The target as the job (or the person training) names it; None: the model the
+        # output's manifest names, never with its own code (the manifest is the
+        # output's, and whoever can write there could name any).
+        self.target = target
         self.root = draft_folder(self.output, draft_root)
         self.spec = spec
         self.on_metrics = on_metrics
@@ -347,8 +352,9 @@ class DraftTrainer:
         if self.device is None or manifest is None:
             raise RuntimeError("prepare() reads the manifest and picks the device")
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        target = self.target or TargetModel(manifest.model)
         model = build_draft_model(self.output, manifest, self.spec, self.device,
-                                  exclude=self.val_indices).to(self.device)
+                                  exclude=self.val_indices, target=target).to(self.device)
         opt, sched = self._optimizer(model, plan)
         self._resume(model, opt, sched, plan)
         if self.group.main:
