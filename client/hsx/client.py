@@ -18,6 +18,7 @@ the server's message, as an `ApiError` subclass chosen by the HTTP status:
 | 404 | `NotFoundError` |
 | 409 | `ConflictError` |
 | 422 | `JobRefusedError` (`field` names the culprit, e.g. `spec.layers`) |
+| 429 | `TooBusyError` (raised once `busy_wait` seconds of tries did not get through) |
 | 503 | `NotReadyError` |
 | no answer | `ConnectionFailedError` (also a `ConnectionError`), naming the URL |
 
@@ -102,6 +103,16 @@ class NotReadyError(ApiError):
     """503: the coordinator is still starting; try again shortly."""
 
 
+class TooBusyError(ApiError):
+    """429: the coordinator checks as many submits and inspects as it may at once (the
+    caller's, or in all); `retry_after` seconds later it may take this one. The client
+    waits and tries again for up to `busy_wait` seconds before it raises this."""
+
+    @property
+    def retry_after(self) -> float:
+        return float(self.detail or 5)
+
+
 class ConnectionFailedError(ApiError, ConnectionError):
     """No answer from the server: not running, wrong URL, or the connection broke."""
 
@@ -111,6 +122,7 @@ _BY_STATUS: dict[int, type[ApiError]] = {
     404: NotFoundError,
     409: ConflictError,
     422: JobRefusedError,
+    429: TooBusyError,
     503: NotReadyError,
 }
 
@@ -125,7 +137,10 @@ def _raise_for(response: httpx.Response) -> None:
         text = response.text.strip()[:500] or response.reason_phrase
         body = ErrorBody(type=f"HTTP {response.status_code}", message=text)
     cls = _BY_STATUS.get(response.status_code, ApiError)
-    raise cls(response.status_code, body.type, body.message, body.field, body.detail)
+    detail = body.detail
+    if cls is TooBusyError:
+        detail = response.headers.get("Retry-After") or detail
+    raise cls(response.status_code, body.type, body.message, body.field, detail)
 
 
 def sse_events(lines: Iterable[str]) -> Iterator[tuple[str, str]]:
@@ -164,11 +179,13 @@ class Client:
         timeout: float = 30.0,
         *,
         transport: httpx.BaseTransport | None = None,
+        busy_wait: float = 120.0,
     ) -> None:
         self.base_url = (base_url or settings.URL.raw() or DEFAULT_URL).rstrip("/")
         token = token if token is not None else settings.API_TOKEN.get()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = timeout
+        self._busy_wait = busy_wait  # seconds of 429s a call waits through before raising
         self._http = httpx.Client(
             base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
         )
@@ -338,12 +355,20 @@ class Client:
     # --- plumbing ---------------------------------------------------------------------
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as err:
-            raise self._unreachable(err, f"{method} {path}") from err
-        _raise_for(response)
-        return response
+        deadline = time.monotonic() + self._busy_wait
+        while True:
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as err:
+                raise self._unreachable(err, f"{method} {path}") from err
+            try:
+                _raise_for(response)
+                return response
+            except TooBusyError as busy:  # nothing was done: the same call again, later
+                wait = min(busy.retry_after, _left(deadline))
+                if wait <= 0:
+                    raise
+                time.sleep(wait)
 
     def _unreachable(self, err: httpx.TransportError, what: str) -> ConnectionFailedError:
         reason = str(err) or type(err).__name__

@@ -190,6 +190,18 @@ class Settings(BaseSettings):
         1000, ge=1,
         description="Queued and running jobs one user may have at once; more are refused.",
     )
+    max_checks: int = Field(
+        8, ge=1,
+        description=(
+            "Submits and inspects checked at once, in all (each holds a request thread and "
+            "a child process that estimates the dataset); one more is answered 429 with "
+            "Retry-After (throttle.py)."
+        ),
+    )
+    max_user_checks: int = Field(
+        2, ge=1,
+        description="Submits and inspects of one user checked at once; one more is a 429.",
+    )
     user_quota_bytes: int | None = Field(
         None, ge=0,
         description=(

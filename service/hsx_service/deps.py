@@ -27,6 +27,7 @@ from hsx.wire import ErrorPage, JobStatus, Throughput, TrainStatus
 from hsx_service.board import StatusBoard
 from hsx_service.config import Settings
 from hsx_service.errors import NotReady
+from hsx_service.throttle import Checks
 from hsx_service.users import EVERYONE, Caller, TokenTable, Unauthorized, check_name
 
 
@@ -115,6 +116,13 @@ async def authenticate(
     return caller
 
 
+async def get_checks(request: Request) -> Checks:
+    """The coordinator's check slots (throttle.py): submits and inspects take one."""
+    checks: Checks = request.app.state.checks
+    return checks
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+ChecksDep = Annotated[Checks, Depends(get_checks)]
 SchedulerDep = Annotated[SchedulerAPI, Depends(get_scheduler)]
 CallerDep = Annotated[Caller, Depends(authenticate)]

@@ -4,16 +4,17 @@ says when the ingestion of a job uses it and where its tasks may run.
 
 `prepare.Ingestion` asks `tokenizing_tasks` before it ingests. Ray tasks are used when
 Ray is connected in the process that ingests (a coordinator connects before its first
-job; `hsx extract` only after its ingestion has started, so it takes the local path: in
-its own process, or a pool of processes with HSX_INGEST_WORKERS) and more than one
+job; `hsx extract` only after its ingestion has started, so it takes the local path: a
+child process of its own, or a pool of them with HSX_INGEST_WORKERS) and more than one
 slice at a time is asked for (one at a time beside a streamed job's CPU engines, on a
 cluster without GPUs: they take every core). Each task takes one of Ray's CPUs, so
 Ray's accounting keeps them off the CPUs that the engines' placement groups hold. A
 slice of a local file can only be read where the file is: those tasks run on the
 driver's node; a dataset in a bucket is read from any node (its slices carry the
-credentials resolved here), so its tasks run anywhere in the cluster. The tokenizer is
-loaded by the task's process: a node that runs them must see `tokenizer` (or `model`)
-at its path, as the engines' nodes see the model. The tables are byte for byte those
+credentials resolved here), so its tasks run anywhere in the cluster. A task tokenizes
+in a child process of its own (hsx.ingest.bounded: killed when a row will not end), which
+loads the tokenizer: a node that runs them must see `tokenizer` (or `model`) at its
+path, as the engines' nodes see the model. The tables are byte for byte those
 of one process whatever runs the slices (`ingest` writes the results in slice order).
 """
 
@@ -110,7 +111,7 @@ def tokenizing_tasks(dataset: DatasetSpec, workers: int | None, *,
 
     `workers` (HSX_INGEST_WORKERS, `prepare.ingest_workers`): None (unset) for as many
     at once as Ray has CPUs for them (`tokenizing_cpus`), N for N; 1 is the sequential
-    path, in the process that ingests. None too when Ray is not connected here, and
+    path, in a child of the process that ingests. None too when Ray is not connected here, and
     when the tasks would have fewer than 2 CPUs (or none on the driver's node for a
     local dataset: a task pinned there would never start).
 
@@ -118,12 +119,10 @@ def tokenizing_tasks(dataset: DatasetSpec, workers: int | None, *,
     cluster without GPUs they are vLLM's CPU build, which computes on every core of its
     node: with `workers` unset one task at a time then, behind them. More tasks take
     cores from a starting engine and delay the first commit (benchmarks/
-    bench_first_commit.py); tokenizing on a thread of the coordinator's own process
-    instead (at the lowest priority, holding the GIL when the engines take its core)
-    keeps its API waiting (benchmarks/bench_api.py). One task keeps ahead of a CPU
-    engine: it tokenizes rows faster than the engine captures their tokens. The
-    first part is tokenized in the coordinator's process either way, before the engines
-    start (`hsx.ingest.pipeline._tokenized`).
+    bench_first_commit.py). One task keeps ahead of a CPU engine: it tokenizes rows
+    faster than the engine captures their tokens. The first part is tokenized by the
+    coordinator's own tokenizing child either way, before the engines start
+    (`hsx.ingest.pipeline._tokenized`).
     """
     if workers == 1 or "ray" not in sys.modules:  # not connected: not imported for this
         return None
@@ -131,7 +130,7 @@ def tokenizing_tasks(dataset: DatasetSpec, workers: int | None, *,
 
     if not ray.is_initialized():
         return None
-    from hsx.ingest.pipeline import TOKENIZING_PROCESS_ENV
+    from hsx.ingest.slices import TOKENIZING_PROCESS_ENV
     from hsx.ingest.sources import is_bucket_uri
 
     anywhere = is_bucket_uri(dataset.path)

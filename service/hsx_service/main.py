@@ -53,6 +53,7 @@ from hsx_service.errors import JobConflict, JobNotFound, JobRefused, NotReady, r
 from hsx_service.ledger import LeaseLost
 from hsx_service.routes import jobs, models, ops
 from hsx_service.routes.ops import SchedulerCollector
+from hsx_service.throttle import Checks, TooBusy
 from hsx_service.users import TokenTable, Unauthorized
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ def create_app(settings: Settings | None = None, scheduler: Any | None = None) -
     app.state.settings = settings
     app.state.tokens = tokens
     app.state.scheduler = scheduler
+    app.state.checks = Checks(settings.max_checks, settings.max_user_checks)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(HostCheck, settings=settings)
     app.state.registry = CollectorRegistry(auto_describe=False)
@@ -320,6 +322,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(
             503, "NotReady", str(exc), headers={"Retry-After": str(NOT_READY_RETRY_S)}
         )
+
+    @app.exception_handler(TooBusy)
+    async def too_busy(request: Request, exc: TooBusy) -> JSONResponse:
+        return _error(429, "TooBusy", str(exc), headers={"Retry-After": str(exc.retry_after)})
 
     @app.exception_handler(BodyTooLarge)
     async def too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:

@@ -280,7 +280,7 @@ def warm_preflight() -> None:
     tens of seconds of imports inside its request. The coordinator calls it before it
     says it is ready. The fork server that the estimate's child processes come from
     (hsx.ingest.bounded_estimate) starts now too: it imports transformers meanwhile."""
-    from hsx.ingest.pipeline import pool_context
+    from hsx.ingest.bounded import pool_context
 
     pool_context()
     try:
@@ -490,13 +490,12 @@ class Ingestion:
     out units, the units out end, the job fails with it.
 
     The plan ramps up (hsx.plan: the first unit small, so the first commit comes soon
-    after an engine starts). Once the first part is published (a `streamed` one: the
-    engines start then), this process tokenizes on one thread (`tokenize_on_one_thread`),
-    and an ingestion that tokenizes on this thread goes behind the engines at the
-    lowest priority. One whose slices other processes tokenize (Ray tasks, a pool: they
-    lower themselves) keeps this thread's priority: it only writes their tables, and at
-    the lowest priority it held the GIL while the engines took its core, which kept a
-    coordinator's API waiting (benchmarks/bench_api.py measures its latency).
+    after an engine starts). The rows are tokenized in child processes (hsx.ingest.
+    bounded: this process's own, a pool's or Ray tasks'), which run behind the engines
+    at the lowest priority and are killed when a row will not end; this thread only
+    writes their tables, at its own priority (at the lowest it held the GIL while the
+    engines took its core, which kept a coordinator's API waiting: benchmarks/
+    bench_api.py measures its latency).
 
     A driver killed while ingesting left the parts it published; this one goes on after
     the last (ingest.json says it is the same job), tokenizing nothing twice, and plans
@@ -629,16 +628,6 @@ class Ingestion:
         self._planner = UnitPlanner(self.spec.unit_tokens, record.first_unit_tokens)
 
     def _part(self, record: PartRecord, lengths: Any) -> None:
-        if self.streamed and not self.parts:
-            # The engines start now (on cores they may share with what this process
-            # still tokenizes: vLLM's CPU build, the actors that feed GPUs): behind them.
-            from hsx.ingest.pipeline import tokenize_on_one_thread
-
-            tokenize_on_one_thread()
-            if self._tokenizes_here():
-                from hsx.output.shards import background_priority
-
-                background_priority()
         units = self._planner.add(lengths.tolist())
         if record.last:
             units += self._planner.finish()
@@ -655,10 +644,6 @@ class Ingestion:
             self.parts += 1
             self._last_part = record.last
             self._cv.notify_all()
-
-    def _tokenizes_here(self) -> bool:
-        """The slices are tokenized on the ingesting thread (no Ray tasks, no pool)."""
-        return self._tasks is None and (self.workers or 1) <= 1
 
     def _measure_room(self) -> None:
         """What the plan may take, as the ingestion starts: the quota or the output's

@@ -21,6 +21,7 @@ from tests.integration.test_service import Coordinator, start_coordinator
 # Small enough for the tiny model's jobs, too small for a job over the big dataset.
 USER_QUOTA_BYTES = 400 << 20
 MAX_ACTIVE_JOBS = 2
+TEMPLATE_SECONDS = 2
 
 
 @dataclass
@@ -74,6 +75,9 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredCoo
         "HSX_TOKENS_FILE": str(users.tokens_file(home / "tokens.yaml")),
         "HSX_USER_QUOTA_BYTES": str(USER_QUOTA_BYTES),
         "HSX_MAX_ACTIVE_JOBS": str(MAX_ACTIVE_JOBS),
+        # A chat template's seconds (its CPU per row; a row's process killed after 3 x
+        # (this + 2) s without a row): short, so the template attacks end soon.
+        "HSX_TEMPLATE_SECONDS": str(TEMPLATE_SECONDS),
     }
     server = start_coordinator(home / "ledger.sqlite", roots, home / "serve.log", env=env)
     yield SecuredCoordinator(server, users, roots)

@@ -681,3 +681,47 @@ def test_access_log_hides_the_token(fake: FakeScheduler) -> None:
     )
     assert all(f.filter(page) for f in access.filters)  # type: ignore[union-attr]
     assert TOKEN not in page.getMessage() and "/?token=***" in page.getMessage()
+
+
+def test_checks_past_their_limits_are_429_with_retry_after(
+    fake: FakeScheduler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A submit's checks hold a request thread (and a child process) for seconds: at
+    most HSX_MAX_USER_CHECKS of one user's and HSX_MAX_CHECKS in all run at once; the
+    next is a 429 with Retry-After before it does any work, and the client waits it out
+    and gets through."""
+    from hsx.client import Client, TooBusyError
+
+    release = threading.Event()
+    checking = threading.Semaphore(0)
+    real_submit = fake.submit
+
+    def slow_submit(*args: Any, **kwargs: Any) -> Any:
+        checking.release()
+        release.wait(30)
+        return real_submit(*args, **kwargs)
+
+    monkeypatch.setattr(fake, "submit", slow_submit)
+    app = create_app(Settings(api_token=TOKEN, allowed_roots=[tmp_path], max_checks=2,
+                              max_user_checks=1), fake)
+    with serving(app) as url:
+        client = Client(url, token=TOKEN, busy_wait=0)
+        first = threading.Thread(target=client.submit, args=(job_fields(tmp_path),))
+        first.start()
+        assert checking.acquire(timeout=10)
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"},
+                          timeout=10) as http:
+            busy = http.post("/v1/jobs", json={"spec": job_fields(tmp_path)})
+            assert busy.status_code == 429 and busy.headers["Retry-After"] == "5"
+            assert "HSX_MAX_USER_CHECKS" in busy.json()["message"]
+            assert http.get("/healthz").status_code == 200  # the API answers meanwhile
+        with pytest.raises(TooBusyError) as raised:
+            client.submit(job_fields(tmp_path))
+        assert raised.value.retry_after == 5.0
+        # A patient client waits its turn.
+        patient = Client(url, token=TOKEN, busy_wait=30)
+        later = threading.Timer(1.0, release.set)
+        later.start()
+        assert patient.submit(job_fields(tmp_path)).state == JobState.queued
+        first.join(10)
+        assert fake.calls.count("submit") == 2  # the refused ones did no work

@@ -48,6 +48,13 @@ ON_BOOM = CHAT_TEMPLATE.replace(
     "{{ bos_token }}",
     "{{ bos_token }}{% if messages[0]['content'] == 'boom' %}" + NESTED_LOOPS + "{% endif %}")
 
+# One operation in C on the rows that say "boom" (not folded when the template compiles:
+# it depends on the row), which no line of Python interrupts: 9 ** 43046721.
+POWER_ON_BOOM = CHAT_TEMPLATE.replace(
+    "{{ bos_token }}",
+    "{{ bos_token }}{% if messages[0]['content'] == 'boom' %}"
+    "{{ 9 ** (9 ** (messages[0]['content'] | length + 4)) }}{% endif %}")
+
 
 def _chat(text: str) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": text},
@@ -96,6 +103,30 @@ def test_a_template_that_loops_on_one_row_makes_it_a_bad_row(
         3: "the chat template took more than 1 s to render the row (HSX_TEMPLATE_SECONDS)"}
 
 
+def test_a_row_that_never_ends_in_c_stops_only_its_process_and_is_a_bad_row(
+    tiny_tokenizer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A huge integer power holds the interpreter inside one call into C: nothing in the
+    tokenizing process can stop it. Its parent kills the process when no row began for
+    3 x (HSX_TEMPLATE_SECONDS + 2) s, finds the row (its batch again, a row at a time),
+    records it as bad and goes on; the thread that ingests (a coordinator's job thread)
+    never waited inside a row, and the other rows are the same samples as without it."""
+    monkeypatch.setenv("HSX_TEMPLATE_SECONDS", "0.5")
+    rows = [_chat("boom" if i == 5 else f"hi {i}") for i in range(12)]
+    data = _write_jsonl(tmp_path / "d.jsonl", rows)
+    result = ingest(str(data), str(tiny_tokenizer), 256, tmp_path / "out", batch_rows=4,
+                    chat_template_kwargs={"chat_template": POWER_ON_BOOM})
+    assert (result.num_samples, result.num_errors) == (11, 1)
+    assert _errors(tmp_path / "out") == {5: (
+        "the chat template ran for more than 7.5 s on the row without ending "
+        "(HSX_TEMPLATE_SECONDS)")}
+    plain = _write_jsonl(tmp_path / "plain.jsonl", [r for i, r in enumerate(rows) if i != 5])
+    ingest(str(plain), str(tiny_tokenizer), 256, tmp_path / "plain", batch_rows=4,
+           chat_template_kwargs={"chat_template": POWER_ON_BOOM})
+    ours = Output(tmp_path / "out").inputs().column("input_ids").to_pylist()
+    assert ours == Output(tmp_path / "plain").inputs().column("input_ids").to_pylist()
+
+
 def test_a_template_slow_on_row_after_row_ends_the_ingestion(
     tiny_tokenizer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -117,9 +148,9 @@ def test_the_limits_travel_with_the_slices_to_the_pool(
     """Slices tokenized by other processes (a pool here, Ray tasks on a coordinator) keep
     the limits of the process that ingests: those processes started with another
     environment (the fork server's)."""
-    from hsx.ingest import pipeline
+    from hsx.ingest import bounded, pipeline
 
-    pipeline.pool_context()  # the fork server starts without the limit
+    bounded.pool_context()  # the fork server starts without the limit
     monkeypatch.setenv("HSX_TEMPLATE_SECONDS", "1")
     monkeypatch.setattr(pipeline, "PARALLEL_SLICE_BYTES", 2048)
     rows = [_chat("boom" if i in (30, 170) else f"row {i}") for i in range(200)]

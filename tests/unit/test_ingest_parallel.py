@@ -191,16 +191,17 @@ def test_an_interrupted_ingestion_goes_on_after_its_last_part(
     per = {"rows_per_part": 64, "batch_rows": 50}
     ingest(data, str(tiny_tokenizer), 128, tmp_path / "whole", **per)
     monkeypatch.setattr(pipeline_module, "PARALLEL_SLICE_BYTES", 4096)
-    real = pipeline_module._tokenize_batch
+    real = pipeline_module._PartBuilder.add
     tokenized: list[int] = []
 
-    def counting(batch: list[Any], *args: Any) -> Any:
+    def counting(self: Any, batch: Any, *args: Any) -> Any:
+        # The rows tokenized (in the children), as they come to be written.
         if fail_after and sum(tokenized) >= fail_after:
             raise RuntimeError("killed")
-        tokenized.append(len(batch))
-        return real(batch, *args)
+        tokenized.append(batch.rows)
+        return real(self, batch, *args)
 
-    monkeypatch.setattr(pipeline_module, "_tokenize_batch", counting)
+    monkeypatch.setattr(pipeline_module._PartBuilder, "add", counting)
     fail_after = 250  # rows: the ingestion dies in its third or fourth part
     with ThreadPoolExecutor(2) as pool, pytest.raises(RuntimeError, match="killed"):
         ingest(data, str(tiny_tokenizer), 128, tmp_path / "out", workers=workers,

@@ -5,6 +5,7 @@ in the log."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -181,25 +182,32 @@ def test_internal_errors_keep_their_text_in_the_log(
 
 def test_training_refuses_a_manifest_changed_under_the_job(tmp_path: Path) -> None:
     """Whoever can write an output could turn `trust_remote_code` on in its manifest and
-    point the model at code of theirs; the trainer loads the model from the manifest."""
+    point the model at code of theirs: the trainer takes neither from the manifest, and
+    the coordinator trains only on a manifest that is the job's, field by field."""
     from hsx.wire import JobState
     from hsx_service.ledger import JobRow
     from hsx_service.scheduler import check_manifest_is_the_jobs
 
     from .outputs import make_manifest, write_manifest
 
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "num_hidden_layers": 4, "hidden_size": 8, "num_attention_heads": 2,
+        "vocab_size": 32}))
     spec = JobSpec(model=str(tmp_path / "model"), dataset=str(tmp_path / "d.jsonl"),
-                   output=str(tmp_path / "out"))
+                   output=str(tmp_path / "out"), layers=[1, 4])
     row = JobRow(seq=1, id="j", spec=spec, output=spec.output, state=JobState.succeeded,
                  created_at=0.0, started_at=None, finished_at=None, last_error=None,
                  cancel_requested=False, restarts=0, owner="alice")
     manifest = make_manifest(layers=[1, 4], hidden_size=8, num_layers=4, units=[(0, 1)],
-                             model=spec.model, spec=spec.model_dump(mode="json"))
+                             model=spec.model, spec=spec.model_dump(mode="json"),
+                             job_fingerprint=spec.data_fingerprint())
     write_manifest(spec.output, manifest)
     check_manifest_is_the_jobs(row)  # as the job wrote it
     changed = manifest.model_copy(update={
         "model": str(tmp_path / "evil"),
         "spec": {**manifest.spec, "trust_remote_code": True}})
     (Path(spec.output) / "manifest.json").write_text(changed.model_dump_json())
-    with pytest.raises(JobRefused, match="model, trust_remote_code differ from job j's"):
+    with pytest.raises(JobRefused, match=r"model, spec\.trust_remote_code differ from job j's"):
         check_manifest_is_the_jobs(row)

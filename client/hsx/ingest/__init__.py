@@ -50,6 +50,8 @@ imported inside the functions that load a tokenizer.
   (`tokenize_conversations`, `estimate_tokens`);
 - estimate.py: `bounded_estimate`, the estimate in a child process bounded in time and
   memory (a coordinator's submit);
+- slices.py: a slice's rows into tokenized batches (what a tokenizing process runs);
+- bounded.py: the tokenizing child processes, killed when a row will not end;
 - pipeline.py: `ingest`, batch by batch into the output's tables.
 """
 
@@ -58,13 +60,13 @@ from __future__ import annotations
 from hsx.ingest.estimate import EstimateUnavailable, bounded_estimate
 from hsx.ingest.limits import IngestLimits
 from hsx.ingest.pipeline import (
-    NOT_A_CHAT,
     IngestProgress,
     IngestResult,
     LengthSummary,
     ingest,
 )
 from hsx.ingest.samples import estimate_tokens, tokenize_conversations
+from hsx.ingest.slices import NOT_A_CHAT
 from hsx.ingest.sources import (
     DatasetAccessError,
     DatasetError,

@@ -4,7 +4,7 @@ them, can hold neither the thread that asks (an API request's) nor the coordinat
 memory.
 
 The child is forked from the fork server that ingestion's pool processes come from
-(pipeline.py, `pool_context`: transformers is imported there), so it starts in
+(bounded.py, `pool_context`: transformers is imported there), so it starts in
 milliseconds. It may map MEMORY_BYTES beyond what it has then (its RLIMIT_AS: an
 allocation past it fails). In it:
 
@@ -27,20 +27,18 @@ next estimate's.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-import resource
 import signal
 from multiprocessing.connection import Connection
 from typing import Any
 
+from hsx.ingest.bounded import exit_with_parent, limit_cpu, limit_memory, pool_context
 from hsx.ingest.limits import IngestLimits
-from hsx.ingest.pipeline import exit_with_parent, pool_context, tokenize_on_one_thread
 from hsx.ingest.samples import (
     TokenEstimate,
     estimate_from_sample,
     read_estimate_sample,
 )
+from hsx.ingest.slices import tokenize_on_one_thread
 from hsx.ingest.sources import DatasetLike, resolve_source
 from hsx.ingest.tokenizer import TemplateLimitError, load_tokenizer, timed_out
 
@@ -117,10 +115,10 @@ def _estimate_in_child(send: Connection, dataset: DatasetLike, tokenizer_path: s
     tokenize_on_one_thread()  # one thread: RLIMIT_CPU is then the sample's time
     message: tuple[str, Any]
     try:
-        _limit_memory(MEMORY_BYTES)  # the sample's rows too: up to 256 of the row limit
+        limit_memory(MEMORY_BYTES)  # the sample's rows too: up to 256 of the row limit
         sample = read_estimate_sample(resolve_source(dataset), sample_rows, limits)
         tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
-        _limit_cpu(limits.template_seconds + GRACE_SECONDS)
+        limit_cpu(limits.template_seconds + GRACE_SECONDS)
         send.send(("sampled", sample.sampled))
         estimate = estimate_from_sample(sample, tokenizer, max_seq_len, kwargs, limits)
         message = ("estimate", tuple(estimate))
@@ -130,27 +128,3 @@ def _estimate_in_child(send: Connection, dataset: DatasetLike, tokenizer_path: s
         message = ("error", f"{type(err).__name__}: {err}")
     with contextlib.suppress(OSError):  # the parent gave up on it
         send.send(message)
-
-
-def _limit_memory(more: int) -> None:
-    """From now on this process may map `more` bytes beyond what it maps now (then
-    allocations fail: MemoryError)."""
-    with contextlib.suppress(OSError, ValueError):  # no /proc: no memory limit
-        with open("/proc/self/statm") as statm:
-            mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        _lower(resource.RLIMIT_AS, mapped + more)
-
-
-def _limit_cpu(seconds: float) -> None:
-    """From now on this process may spend `seconds` more CPU; then the kernel stops it
-    (SIGXCPU), without a core file."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    _lower(resource.RLIMIT_CORE, 0)
-    _lower(resource.RLIMIT_CPU, math.ceil(usage.ru_utime + usage.ru_stime + seconds))
-
-
-def _lower(which: int, soft: int) -> None:
-    _, hard = resource.getrlimit(which)
-    if hard != resource.RLIM_INFINITY:
-        soft = min(soft, hard)
-    resource.setrlimit(which, (soft, hard))

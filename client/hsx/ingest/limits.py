@@ -31,8 +31,10 @@ The time limit is CPU time of the rendering thread, not wall time: a tokenizing
 thread runs at the lowest priority beside the engines, and a slow wall clock there is
 no sign of a template that loops. It interrupts Python code (Jinja compiles a template
 to Python: its loops, macros and recursion), not one long call into C: a single
-operation such as a huge integer power or string repetition runs to its end (at
-submit, the estimate's child process is killed instead: estimate.py).
+operation such as a huge integer power or string repetition runs to its end. So rows
+are tokenized in child processes that are killed instead (bounded.py: each rendering
+starts with `row_started`, the heartbeat its parent watches; at submit, the estimate's
+child: estimate.py).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -123,11 +125,18 @@ def _thread_clock() -> int | None:
         return None
 
 
+# Called as each row's rendering starts (`time_limit`): the heartbeat of a process that
+# tokenizes for another (bounded.py sets it in its children), None elsewhere.
+row_started: Callable[[], None] | None = None
+
+
 @contextmanager
 def time_limit(seconds: float) -> Iterator[None]:
     """Raise RenderTimeout in this thread once it spent `seconds` of CPU inside the
     block (0 or less: no limit). The exception comes at the next line of Python the
     thread runs: a call into C that never returns is not interrupted. Not nested."""
+    if row_started is not None:
+        row_started()
     if seconds <= 0:
         yield
         return

@@ -1,45 +1,39 @@
 """`ingest`: a dataset's rows, batch by batch, into the output's inputs.arrow (samples)
-and errors.arrow (bad rows and why). A batch's rows become samples in samples.py."""
+and errors.arrow (bad rows and why). The rows are tokenized in child processes that
+are killed when a row will not end (bounded.py), a batch at a time (slices.py)."""
 
 from __future__ import annotations
 
-import itertools
 import logging
-import multiprocessing
-import os
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from collections.abc import Callable, Generator, Iterable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from hsx import settings as hsx_settings
-from hsx.ingest.limits import IngestLimits
-from hsx.ingest.rows import Sample
-from hsx.ingest.samples import process_rows
+from hsx.ingest.bounded import (
+    TokenizingProcess,
+    pool_context,
+    tokenize_slice,
+    warm_tokenizer,
+)
+from hsx.ingest.slices import SliceSettings, TokenizedRows
 from hsx.ingest.sources import (
     DatasetLike,
     DatasetSource,
     FilesSource,
-    Row,
     SourceSlice,
     resolve_source,
 )
 from hsx.ingest.tokenizer import load_tokenizer, tokenizer_fingerprint
 from hsx.output import IngestRecord, Output, PartRecord
 from hsx.output.layout import ERRORS_DIR, INPUTS_DIR
-from hsx.output.tables import ERRORS_SCHEMA, INPUTS_SCHEMA, with_messages
-from hsx.regenerate import dumps_messages
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -76,20 +70,6 @@ class IngestResult:
         return asdict(self)
 
 
-MAX_REASON_CHARS = 1000
-
-
-def _reason_text(reason: str) -> str:
-    """A reason as the errors table can hold it: quoted row content may carry lone
-    surrogates (not UTF-8: shown escaped) and be megabytes long (cut)."""
-    text = reason.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 1] + "…"
-
-
-NOT_A_CHAT = ("regenerate needs a conversation (`messages` or `conversations`) to "
-              "answer; this row has none")
-
-
 @dataclass(frozen=True)
 class IngestProgress:
     """How far an ingestion is: rows read and tokenized, and the share of the dataset
@@ -111,32 +91,6 @@ class IngestProgress:
         if self.fraction <= 0 or measured <= 0:
             return 0
         return max(self.rows, round(measured / self.fraction))
-
-
-@dataclass(frozen=True)
-class _Settings:
-    """What tokenizing a slice needs besides its rows (sent to each process)."""
-
-    tokenizer_path: str
-    tokenizer_fingerprint: str  # a process that loaded another version loads it again
-    trust_remote_code: bool
-    max_seq_len: int
-    chat_template_kwargs: dict[str, Any]
-    keep_messages: bool
-    batch_rows: int
-
-
-@dataclass
-class _Part:
-    """Rows of a slice, tokenized: inputs and errors with sample_index counted from the
-    slice's first row, and which samples were truncated (the sums and the histogram
-    are taken as the rows go into parts)."""
-
-    rows: int
-    inputs: pa.RecordBatch
-    errors: pa.RecordBatch
-    truncated_rows: np.ndarray  # sample_index of each truncated sample
-    first: int  # sample_index of the batch's first row
 
 
 # Good samples in each part of the inputs table: a part is published (and its units can
@@ -194,15 +148,35 @@ def ingest(
         raise ValueError(f"workers must be >= 1, got {workers}")
     source = resolve_source(dataset)  # fail on a bad path before loading a tokenizer
     data_fp = source.fingerprint()
-    if executor is None and workers > 1:
-        pool_context()  # its server imports while this process loads the tokenizer
-    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
-    tok_fp = tokenizer_fingerprint(tokenizer_path, tokenizer=tokenizer)
-    if not getattr(tokenizer, "chat_template", None):
-        logger.warning("tokenizer %s has no chat template: rows with messages will be "
-                       "recorded as errors", tokenizer_path)
-    settings = _Settings(tokenizer_path, tok_fp, trust_remote_code, max_seq_len,
-                         dict(chat_template_kwargs or {}), keep_messages, batch_rows)
+    pool_context()  # the children's server imports meanwhile
+    # A local tokenizer's files are hashed; only a hub id's is loaded here (to hash it).
+    hub = None if Path(tokenizer_path).expanduser().is_dir() else load_tokenizer(
+        tokenizer_path, trust_remote_code=trust_remote_code)
+    tok_fp = tokenizer_fingerprint(tokenizer_path, tokenizer=hub)
+    settings = SliceSettings(tokenizer_path, tok_fp, trust_remote_code, max_seq_len,
+                             dict(chat_template_kwargs or {}), keep_messages, batch_rows)
+    here = TokenizingProcess(settings)
+    try:
+        here.start()  # the tokenizer loads in the child: a broken one fails now
+        if not here.has_chat_template:
+            logger.warning("tokenizer %s has no chat template: rows with messages will be "
+                           "recorded as errors", tokenizer_path)
+        return _ingest(source, data_fp, settings, here, output, progress=progress,
+                       workers=workers, executor=executor, rows_per_part=rows_per_part,
+                       job_fingerprint=job_fingerprint, first_unit_tokens=first_unit_tokens,
+                       on_part=on_part, on_start=on_start)
+    finally:
+        here.close()
+
+
+def _ingest(source: DatasetSource, data_fp: str, settings: SliceSettings,
+            here: TokenizingProcess, output: Output | str | Path, *,
+            progress: Callable[[IngestProgress], None] | None, workers: int,
+            executor: Executor | None, rows_per_part: int | None, job_fingerprint: str,
+            first_unit_tokens: int, on_part: Callable[[PartRecord, np.ndarray], None] | None,
+            on_start: Callable[[IngestRecord], None] | None) -> IngestResult:
+    tok_fp, max_seq_len = settings.tokenizer_fingerprint, settings.max_seq_len
+    keep_messages = settings.keep_messages
     out = Output.of(output)
     parallel = executor is not None or workers > 1  # JSON lines cut finer
     wanted = IngestRecord(
@@ -224,8 +198,8 @@ def ingest(
     start, skip = parts.next_slice, parts.next_slice_row
     weight_done = sum(s.weight for s in slices[:start])
     rows_done = parts.rows_end  # the rows of the slices weight_done covers
-    tokenized = _tokenized(slices[start:] if not parts.ended else [], settings, tokenizer,
-                           workers, executor, skip, head=parts.before_first)
+    tokenized = _tokenized(slices[start:] if not parts.ended else [], here, workers,
+                           executor, skip, head=parts.before_first)
     try:
         for index, batches in tokenized:
             index += start
@@ -319,7 +293,7 @@ class _PartBuilder:
         if self.on_part is not None:
             self.on_part(rec, lengths)
 
-    def add(self, batch: _Part, first: int, slice_index: int) -> None:
+    def add(self, batch: TokenizedRows, first: int, slice_index: int) -> None:
         """A slice's batch (its sample_index counted from the slice's row `first`)."""
         inputs, errors = _shifted(batch.inputs, first), _shifted(batch.errors, first)
         truncated = batch.truncated_rows + first
@@ -413,39 +387,39 @@ def _fraction(done: int, total: int) -> float:
     return min(done / total, 1.0) if total > 0 else 0.0
 
 
-def _tokenized(slices: list[SourceSlice], settings: _Settings,
-               tokenizer: PreTrainedTokenizerBase, workers: int, executor: Executor | None,
-               skip: int = 0, head: Callable[[], bool] = lambda: False,
-               ) -> Generator[tuple[int, Iterable[_Part]], None, None]:
-    """(slice number, its parts) in slice order: tokenized here, one batch at a time,
-    or by `executor` (else a pool of `workers` processes), a window of them at once.
-    The first slice's first `skip` rows are read but not tokenized (a resumed
-    ingestion published them).
+def _tokenized(slices: list[SourceSlice], here: TokenizingProcess, workers: int,
+               executor: Executor | None, skip: int = 0,
+               head: Callable[[], bool] = lambda: False,
+               ) -> Generator[tuple[int, Iterable[TokenizedRows]], None, None]:
+    """(slice number, its batches) in slice order: tokenized by `here` (this process's
+    child: bounded.py), one batch at a time, or by `executor` (else a pool of `workers`
+    threads, each with a child of its own), a window of slices at once. The first
+    slice's first `skip` rows are read but not tokenized (a resumed ingestion published
+    them).
 
-    With other processes, the first slices are tokenized here while `head()` holds
+    With an executor, the first slices are tokenized by `here` while `head()` holds
     (`ingest`: until its first part is published, which the caller does as it takes a
-    slice's parts), and the processes start meanwhile, each loading its tokenizer
-    (`warm_tokenizer`): this process has its tokenizer loaded, theirs begin with their
-    imports (seconds), and the
-    engines wait for the first part. Then they take the slices after the head."""
+    slice's batches), and the executor's children start meanwhile, each loading its
+    tokenizer (`warm_tokenizer`); the engines wait for the first part. Then they take
+    the slices after the head."""
     if len(slices) < 2 or (executor is None and workers <= 1):
         for index, slc in enumerate(slices):
-            yield index, _slice_parts(slc, settings, tokenizer, skip if index == 0 else 0)
+            yield index, here.batches(slc, skip if index == 0 else 0)
         return
+    settings = here.settings
     owned = executor is None
-    pool = executor or ProcessPoolExecutor(
-        max_workers=workers, mp_context=pool_context(), initializer=_pool_process)
+    pool = executor or ThreadPoolExecutor(workers, thread_name_prefix="hsx-tokenize")
     window = 2 * max(workers, 1)
-    pending: deque[Future[list[_Part]]] = deque()
+    pending: deque[Future[list[TokenizedRows]]] = deque()
     warming = [pool.submit(warm_tokenizer, settings) for _ in range(max(workers, 1))]
     try:
-        here = 0
-        while here < len(slices) and head():
-            yield here, _slice_parts(slices[here], settings, tokenizer,
-                                     skip if here == 0 else 0)
-            here += 1
-        submitted = here
-        for index in range(here, len(slices)):
+        first = 0
+        while first < len(slices) and head():
+            yield first, here.batches(slices[first], skip if first == 0 else 0)
+            first += 1
+        here.close()  # the executor's children take the rest
+        submitted = first
+        for index in range(first, len(slices)):
             while submitted < len(slices) and len(pending) < window:
                 pending.append(pool.submit(tokenize_slice, slices[submitted], settings,
                                            skip if submitted == 0 else 0))
@@ -460,179 +434,12 @@ def _tokenized(slices: list[SourceSlice], settings: _Settings,
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def pool_context() -> Any:
-    """How the pool's processes (and the estimate's at submit: estimate.py) start:
-    forked from multiprocessing's fork server, which imports what they need once
-    (pool_preload.py), and is started here, so that it imports while the ingesting
-    process loads its own tokenizer. Not forked from the ingesting process itself: a
-    coordinator's threads (Ray's, the API's) would be forked in the middle of what
-    they hold."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["hsx.ingest.pool_preload"])
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
-    return context
-
-
-# "1" in a process that tokenizes slices for the one that ingests: set by the pool's
-# initializer, and by the runtime env of Ray's tasks (hsx_service.ingest_tasks).
-TOKENIZING_PROCESS_ENV = hsx_settings.TOKENIZING_PROCESS.name
-
-
-def _pool_process() -> None:
-    """A pool's process: it tokenizes for the one that ingests, and exits with it."""
-    os.environ[hsx_settings.TOKENIZING_PROCESS.name] = "1"
-    exit_with_parent()
-
-
-def exit_with_parent() -> None:
-    """In a pool's process (or the estimate's): exit when the process that ingests (or
-    asks) is gone. A killed driver (SIGKILL, OOM) closes no queue, and its pool's
-    processes would wait on theirs forever, each holding a tokenizer."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        parent.join()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="hsx-exit-with-parent", daemon=True).start()
-
-
-# A process that tokenizes slices (a pool's, a Ray worker) loads the tokenizer once.
-_WORKER_TOKENIZER: dict[tuple[str, str, bool], PreTrainedTokenizerBase] = {}
-
-
-def tokenize_slice(slc: SourceSlice, settings: _Settings, skip: int = 0) -> list[_Part]:
-    """A slice's rows tokenized, in another process (a pool's, a Ray task's)."""
-    return list(_slice_parts(slc, settings, _worker_tokenizer(settings), skip))
-
-
-def warm_tokenizer(settings: _Settings) -> None:
-    """In a process that tokenizes slices: load the tokenizer before the first slice."""
-    _worker_tokenizer(settings)
-
-
-def _worker_tokenizer(settings: _Settings) -> PreTrainedTokenizerBase:
-    key = (settings.tokenizer_path, settings.tokenizer_fingerprint,
-           settings.trust_remote_code)
-    if hsx_settings.TOKENIZING_PROCESS.get():
-        _one_core_behind_the_engines()
-    if key not in _WORKER_TOKENIZER:
-        _WORKER_TOKENIZER.clear()
-        _WORKER_TOKENIZER[key] = load_tokenizer(
-            settings.tokenizer_path, trust_remote_code=settings.trust_remote_code)
-    return _WORKER_TOKENIZER[key]
-
-
-def _one_core_behind_the_engines() -> None:
-    """How a process that tokenizes for the one that ingests runs: on one core (the
-    processes are the parallelism, and tokenizers' own threads in every one would fight
-    over the same cores), at the lowest priority, as the ingesting thread (a pool's
-    processes inherit it; Ray starts its workers at nice 15, the engines' own). Called
-    for each slice: a priority is a thread's, and this one runs the slice."""
-    from hsx.output.shards import background_priority
-
-    tokenize_on_one_thread()  # before the tokenizer runs
-    background_priority()
-
-
-def tokenize_on_one_thread() -> None:
-    """From now on this process's tokenizers tokenize a batch on the calling thread
-    only (TOKENIZERS_PARALLELISM=false, unless set: they read it at every call), not
-    on their pool of Rust threads. For a process that tokenizes beside engines: a batch
-    on the pool takes more than a core, and even at the lowest priority those threads
-    slow a starting CPU engine (Ray runs it at nice 15, not far above;
-    benchmarks/bench_first_commit.py)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _slice_parts(slc: SourceSlice, settings: _Settings, tokenizer: PreTrainedTokenizerBase,
-                 skip: int = 0) -> Iterator[_Part]:
-    vocab_size = len(tokenizer)
-    first = skip
-    rows = itertools.islice(slc.rows(settings.batch_rows), skip, None)
-    for batch in _batched(rows, settings.batch_rows):
-        yield _tokenize_batch(batch, first, tokenizer, vocab_size, settings, slc.limits)
-        first += len(batch)
-
-
-def _tokenize_batch(batch: list[Row], first: int, tokenizer: PreTrainedTokenizerBase,
-                    vocab_size: int, settings: _Settings, limits: IngestLimits) -> _Part:
-    """One batch of rows, the first numbered `first`, within `limits` (the slice's:
-    those of the process that cut the source, wherever this runs)."""
-    results = process_rows(batch, tokenizer, vocab_size, settings.max_seq_len,
-                           settings.chat_template_kwargs, limits)
-    if settings.keep_messages:
-        results = [NOT_A_CHAT if isinstance(r, Sample) and r.messages is None
-                   else r for r in results]
-    good_idx: list[int] = []
-    good: list[Sample] = []
-    bad_idx: list[int] = []
-    bad: list[str] = []
-    cut: list[int] = []
-    for offset, outcome in enumerate(results):
-        if isinstance(outcome, str):
-            bad_idx.append(first + offset)
-            bad.append(_reason_text(outcome))
-        else:
-            good_idx.append(first + offset)
-            good.append(outcome)
-            if outcome.truncated:
-                cut.append(first + offset)
-    return _Part(
-        rows=len(batch),
-        inputs=_inputs_batch(good_idx, good, messages=settings.keep_messages),
-        errors=pa.RecordBatch.from_arrays(
-            [pa.array(bad_idx, pa.int64()), pa.array(bad, pa.string())],
-            schema=ERRORS_SCHEMA),
-        truncated_rows=np.asarray(cut, dtype=np.int64), first=first)
-
-
 def _shifted(batch: pa.RecordBatch, offset: int) -> pa.RecordBatch:
     """`batch` with `offset` added to its sample_index (column 0)."""
     if not offset or not batch.num_rows:
         return batch
     index = pc.add(batch.column(0), pa.scalar(offset, pa.int64()))
     return pa.RecordBatch.from_arrays([index, *batch.columns[1:]], schema=batch.schema)
-
-
-def _batched(rows: Iterable[Row], size: int) -> Iterator[list[Row]]:
-    batch: list[Row] = []
-    for row in rows:
-        batch.append(row)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _inputs_batch(indices: list[int], samples: list[Sample], *, messages: bool = False
-                  ) -> pa.RecordBatch:
-    lengths = np.fromiter((len(s.input_ids) for s in samples), dtype=np.int32,
-                          count=len(samples))
-    offsets = np.zeros(len(samples) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    if samples:
-        ids = np.concatenate([s.input_ids for s in samples]).astype(np.int32, copy=False)
-        mask = np.concatenate([s.loss_mask for s in samples]).astype(np.uint8, copy=False)
-    else:
-        ids, mask = np.zeros(0, np.int32), np.zeros(0, np.uint8)
-    offsets_arr = pa.array(offsets, type=pa.int32())
-    columns = [
-        pa.array(indices, type=pa.int64()),
-        pa.ListArray.from_arrays(offsets_arr, pa.array(ids, type=pa.int32())),
-        pa.ListArray.from_arrays(offsets_arr, pa.array(mask, type=pa.uint8())),
-        pa.array(lengths, type=pa.int32()),
-    ]
-    if not messages:
-        return pa.RecordBatch.from_arrays(columns, schema=INPUTS_SCHEMA)
-    texts = [dumps_messages(s.messages or []) for s in samples]
-    return pa.RecordBatch.from_arrays([*columns, pa.array(texts, type=pa.string())],
-                                      schema=with_messages(INPUTS_SCHEMA))
 
 
 def _summarize(counts: np.ndarray) -> LengthSummary:

@@ -1,5 +1,5 @@
-"""Imported once by the fork server that ingestion's pool processes are forked from
-(pipeline.py, `pool_context`): what every pool process needs to load a tokenizer.
+"""Imported once by the fork server that ingestion's tokenizing children are forked from
+(bounded.py, `pool_context`): what every child needs to load a tokenizer.
 
 transformers' AutoTokenizer imports torch. Each spawned pool process imported both
 itself (seconds of CPU and hundreds of MiB resident each); forked from a server that
@@ -9,4 +9,4 @@ imported by `import hsx`.
 
 from transformers import AutoTokenizer  # noqa: F401
 
-import hsx.ingest.pipeline  # noqa: F401
+import hsx.ingest.bounded  # noqa: F401

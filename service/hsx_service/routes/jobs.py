@@ -39,7 +39,14 @@ from hsx.wire import (
     TrainStatus,
 )
 from hsx_service.board import Post, StatusBoard
-from hsx_service.deps import CallerDep, SchedulerAPI, SchedulerDep, SettingsDep, authenticate
+from hsx_service.deps import (
+    CallerDep,
+    ChecksDep,
+    SchedulerAPI,
+    SchedulerDep,
+    SettingsDep,
+    authenticate,
+)
 from hsx_service.errors import JobConflict, JobNotFound
 from hsx_service.policy import vet_spec
 from hsx_service.users import Caller
@@ -57,10 +64,14 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorBody, "description": "No such job."},
     422: {"model": ErrorBody, "description": "Refused; `field` names the culprit."},
     413: {"model": ErrorBody, "description": "The body is over the server's size limit."},
+    429: {"model": ErrorBody, "description": "Too many submits and inspects are being "
+                                             "checked (the caller's, or in all); try "
+                                             "again after Retry-After seconds."},
     503: {"model": ErrorBody,
           "description": "The coordinator is still starting, or is a standby (the message "
                          "names the coordinator that holds the ledger)."},
 }
+TOO_BUSY = _ERRORS[429]  # what a route that runs checks (throttle.py) may answer
 # What a route that takes a body may also answer.
 BODY_ERRORS: dict[int | str, dict[str, Any]] = {k: _ERRORS[k] for k in (400, 413, 422)}
 
@@ -79,19 +90,22 @@ router = APIRouter(
     responses={
         200: {"model": JobStatus, "description": "This id already holds this same job."},
         409: {"model": ErrorBody, "description": "This id already holds a different job."},
+        429: TOO_BUSY,
         **BODY_ERRORS,
     },
 )
 def submit_job(
     body: SubmitRequest, response: Response, settings: SettingsDep, scheduler: SchedulerDep,
-    caller: CallerDep,
+    caller: CallerDep, checks: ChecksDep,
 ) -> JobStatus:
-    """Queue a job; 201 with its status, or 200 when the same id already holds it."""
+    """Queue a job; 201 with its status, or 200 when the same id already holds it; 429
+    while too many submits and inspects are being checked (throttle.py)."""
     vet_spec(body.spec, settings)
     post = scheduler.board.get(body.id) if body.id else None
     if post is not None and not caller.may_see(post.status.owner):
         raise JobConflict(f"job id {body.id} is taken; choose another")
-    job, created = scheduler.submit(body.spec, body.id, caller.user)
+    with checks.slot(caller.user, "submit"):
+        job, created = scheduler.submit(body.spec, body.id, caller.user)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     response.headers["Location"] = f"{API_PREFIX}/jobs/{job.id}"
     if created:

@@ -16,10 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from hsx.modelinfo import ModelConfigError
 from hsx.spec import DatasetSpec
 from hsx.wire import API_PREFIX, ErrorBody
-from hsx_service.deps import SettingsDep, authenticate
+from hsx_service.deps import CallerDep, ChecksDep, SettingsDep, authenticate
 from hsx_service.errors import JobRefused
 from hsx_service.paths import check_dataset_path, check_model_path
-from hsx_service.routes.jobs import BODY_ERRORS
+from hsx_service.routes.jobs import BODY_ERRORS, TOO_BUSY
 
 router = APIRouter(
     prefix=f"{API_PREFIX}/models",
@@ -47,9 +47,12 @@ class InspectRequest(BaseModel):
         None, ge=1, description="Memory of one GPU; unknown (null) by default on the coordinator.")
 
 
-@router.post("/inspect", responses=BODY_ERRORS)
-def inspect_model_route(body: InspectRequest, settings: SettingsDep) -> dict[str, Any]:
-    """The preflight report: capture path, layers, bytes per token, reasons (plain words)."""
+@router.post("/inspect", responses={**BODY_ERRORS, 429: TOO_BUSY})
+def inspect_model_route(body: InspectRequest, settings: SettingsDep, caller: CallerDep,
+                        checks: ChecksDep) -> dict[str, Any]:
+    """The preflight report: capture path, layers, bytes per token, reasons (plain
+    words); the dataset's size estimated from sample rows in a bounded child process;
+    429 while too many submits and inspects are being checked (throttle.py)."""
     if body.trust_remote_code and not settings.allow_trust_remote_code:
         raise JobRefused(
             "trust_remote_code: this server does not run models' own code "
@@ -62,12 +65,13 @@ def inspect_model_route(body: InspectRequest, settings: SettingsDep) -> dict[str
     from hsx_workers.preflight import inspect_model
 
     try:
-        report = inspect_model(
-            body.model, engine=body.engine, layers=body.layers,
-            tensor_parallel_size=body.tensor_parallel_size, dataset=body.dataset,
-            max_seq_len=body.max_seq_len, trust_remote_code=body.trust_remote_code,
-            gpu_memory_bytes=body.gpu_memory_bytes,
-        )
+        with checks.slot(caller.user, "inspect"):
+            report = inspect_model(
+                body.model, engine=body.engine, layers=body.layers,
+                tensor_parallel_size=body.tensor_parallel_size, dataset=body.dataset,
+                max_seq_len=body.max_seq_len, trust_remote_code=body.trust_remote_code,
+                gpu_memory_bytes=body.gpu_memory_bytes,
+            )
     except ModelConfigError as err:
         raise JobRefused(str(err)) from None
     return report.as_dict()

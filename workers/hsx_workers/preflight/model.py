@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -311,20 +309,24 @@ def _fit(report: ModelReport, info: ModelInfo, gpu_memory_bytes: int | None) -> 
 
 def _dataset_size(report: ModelReport, dataset: str | DatasetSpec, tokenizer: str,
                   max_seq_len: int, trust_remote_code: bool) -> None:
-    """Tokens after ingestion (chat template, truncation), and the output they make."""
-    from hsx.ingest import ingest
+    """The dataset's tokens after ingestion (chat template, truncation), estimated from
+    sample rows as a coordinator's submit estimates a job (hsx.ingest.bounded_estimate:
+    a child process bounded in CPU time and memory, so neither a huge dataset nor a chat
+    template that never ends holds this process), and the output they make."""
+    from hsx.ingest import EstimateUnavailable, TemplateLimitError, bounded_estimate
 
-    scratch = Path(tempfile.mkdtemp(prefix="hsx-preflight-"))
     try:
-        result = ingest(dataset, tokenizer, max_seq_len, scratch,
-                        trust_remote_code=trust_remote_code)
-    except Exception as err:
-        report.reasons.append(f"The dataset could not be read: {type(err).__name__}: {err}")
+        estimate = bounded_estimate(dataset, tokenizer, max_seq_len,
+                                    trust_remote_code=trust_remote_code)
+    except TemplateLimitError as err:
+        report.reasons.append(f"The dataset cannot be ingested: {err}")
         return
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    report.dataset_tokens = int(result.num_tokens)
-    report.dataset_samples = int(result.num_samples)
+    except EstimateUnavailable as err:
+        report.reasons.append(f"The dataset's size could not be estimated: {err}")
+        return
+    report.dataset_tokens = round(estimate.tokens)
+    report.dataset_rows = estimate.rows
+    report.dataset_sampled = estimate.sampled
     report.output_bytes = {k: v * report.dataset_tokens for k, v in report.bytes_per_token.items()}
 
 

@@ -40,7 +40,9 @@ class ModelReport:
     vllm_available: bool = True
     """False when vLLM cannot be imported where the preflight ran (its answer is partial)."""
     dataset_tokens: int | None = None
-    dataset_samples: int | None = None
+    """The dataset's tokens after ingestion, estimated from `dataset_sampled` rows."""
+    dataset_rows: int | None = None
+    dataset_sampled: int | None = None
     output_bytes: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -73,9 +75,10 @@ def format_report(report: ModelReport) -> str:
         lines.append(f"weights        ~{report.num_params / 1e9:.3g}B params, "
                      f"{gib(report.weight_bytes or 0)}; TP {report.tensor_parallel_size}: {fit}")
     if report.dataset_tokens is not None and report.output_bytes:
-        lines.append(f"dataset        {report.dataset_samples} samples, "
-                     f"{report.dataset_tokens} tokens -> bf16 {gib(report.output_bytes['bf16'])},"
-                     f" fp8 {gib(report.output_bytes['fp8'])}")
+        lines.append(f"dataset        {report.dataset_rows} rows, about "
+                     f"{report.dataset_tokens} tokens (from {report.dataset_sampled} sample "
+                     f"rows) -> bf16 {gib(report.output_bytes['bf16'])}, "
+                     f"fp8 {gib(report.output_bytes['fp8'])}")
     if report.trust_remote_code_needed:
         lines.append("remote code    needed (trust_remote_code)")
     lines.append("why:")
