@@ -2,7 +2,7 @@
 # Each target builds .venv first if needed (scripts/setup-env.sh; a second run is fast).
 PY := .venv/bin
 
-.PHONY: env demo test test-slow lint docs unit integration bench clean
+.PHONY: env demo test test-slow lint docs dist unit integration bench clean
 
 env:
 	@bash scripts/setup-env.sh
@@ -31,6 +31,16 @@ lint: env
 docs: env
 	NO_MKDOCS_2_WARNING=1 $(PY)/mkdocs build --strict
 
+# The sdist and the wheel into $(DIST) (the wheel from the sdist, so the sdist is proven
+# whole), with this environment's setuptools: no download. The distribution is
+# `hsx-hidden-states` (`hsx` on PyPI is another project); it installs the `hsx` command
+# and `import hsx`. tests/unit/test_packaging.py builds and installs it.
+DIST := dist
+
+dist: env
+	rm -f $(DIST)/hsx_hidden_states-*
+	$(PY)/python -m build --quiet --no-isolation --outdir $(DIST) .
+
 unit: env
 	$(PY)/pytest tests/unit
 
@@ -41,4 +51,4 @@ bench: env
 	$(PY)/python -m benchmarks.run_all
 
 clean:
-	rm -rf demo-output site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf demo-output site dist .pytest_cache .mypy_cache .ruff_cache
