@@ -2,6 +2,8 @@
 `docs/X.md, "Section"` reference names a heading of that file (or a paragraph's bold
 lead-in); every `tests/...py::name` names a test that is defined there.
 
+The reference pages are generated from the code and committed whole (scripts/reference.py).
+
 Links (`[text](path#anchor)`) are checked by the docs site's strict build instead
 (`make docs`: mkdocs fails on a link to a missing file or heading, in every page).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md"),
                *(ROOT / d / "README.md" for d in ("deploy", "benchmarks", "docker")),
                ROOT / "benchmarks" / "HISTORY.md", ROOT / "benchmarks" / "results" / "INDEX.md"])
+REFERENCE = ROOT / "scripts" / "reference.py"
 SECTION_REF = re.compile(r"((?:[\w.-]+/)*[\w.-]+\.md), \"([^\"]+)\"")
 TEST_REF = re.compile(r"(tests/[\w/]+\.py)::(test_\w+)")
 
@@ -55,38 +59,51 @@ def test_section_and_test_references_exist(doc: Path) -> None:
     assert not broken, broken
 
 
-def test_the_generated_reference_covers_the_code() -> None:
-    """The site's reference pages (scripts/mkdocs_hooks.py) name every command, every
-    route, every job field and every setting, without importing torch, vllm or ray."""
+def _reference() -> Any:
+    """scripts/reference.py, the generator of the reference pages, as a module."""
     import importlib.util
-    import subprocess
-    import sys
 
-    path = ROOT / "scripts" / "mkdocs_hooks.py"
-    spec = importlib.util.spec_from_file_location("mkdocs_hooks", path)
+    spec = importlib.util.spec_from_file_location("reference", REFERENCE)
     assert spec is not None and spec.loader is not None
-    hooks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hooks)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
+
+def test_the_generated_reference_covers_the_code() -> None:
+    """The reference pages' generators name every command, every route, every job field
+    and every setting."""
     from hsx.cli import build_parser
     from hsx.spec import JobSpec
     from hsx_service.config import Settings
 
-    cli = hooks.cli()
+    reference = _reference()
+    cli = reference.cli()
     commands = [name for action in build_parser()._actions
                 if isinstance(action, argparse._SubParsersAction) for name in action.choices]
     assert commands and all(f"### `hsx {name}`" in cli for name in commands)
-    schema = hooks.job_schema()
+    schema = reference.job_schema()
     assert all(f"| `{field}` |" in schema for field in JobSpec.model_fields)
-    api = hooks.openapi()
+    api = reference.openapi()
     assert "### `POST /v1/jobs`" in api and "### `GET /v1/jobs/{job_id}`" in api
-    settings = hooks.settings()
+    settings = reference.settings()
     assert all(f"`HSX_{name.upper()}`" in settings for name in Settings.model_fields)
-    light = subprocess.run(
+
+
+def test_the_committed_reference_is_what_the_code_generates() -> None:
+    """What `make docs` checks first (`scripts/reference.py --check`): every reference
+    page in the repository is current, so the web view shows what the site shows; and
+    generating them imports neither torch, vllm nor ray."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
         [sys.executable, "-c", "import importlib.util, sys\n"
-         f"s = importlib.util.spec_from_file_location('h', {str(path)!r})\n"
+         f"s = importlib.util.spec_from_file_location('r', {str(REFERENCE)!r})\n"
          "m = importlib.util.module_from_spec(s); s.loader.exec_module(m)\n"
-         "m.cli(); m.job_schema(); m.openapi(); m.settings(); m.python_api()\n"
-         "print(sorted(x for x in ('torch', 'vllm', 'ray') if x in sys.modules))"],
-        capture_output=True, text=True, check=True)
-    assert light.stdout.strip() == "[]", light.stdout
+         "code = m.main(['--check'])\n"
+         "print(code, sorted(x for x in ('torch', 'vllm', 'ray') if x in sys.modules))"],
+        capture_output=True, text=True, check=False)
+    assert done.stdout.strip() == "0 []", done.stdout + done.stderr
+    for page in _reference().PAGES:
+        assert "<!-- hsx:end " in (ROOT / page).read_text(), page
