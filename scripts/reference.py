@@ -127,6 +127,8 @@ def _parser_section(title: str, parser: argparse.ArgumentParser, summary: str | 
                     f"{_cell(help_text)}{choices}{default} |")
     if rows:
         lines += ["| argument | |", "|---|---|", *rows]
+    if parser.epilog:
+        lines += ["", "```text", parser.epilog.strip(), "```"]
     return "\n".join(lines)
 
 

@@ -2,6 +2,10 @@
 `docs/X.md, "Section"` reference names a heading of that file (or a paragraph's bold
 lead-in); every `tests/...py::name` names a test that is defined there.
 
+Every draft method hsx trains is named where a user looks first (the README, the CLI
+reference, `hsx train --help`, the methods pages), and each method's page gives the
+layers, the commands and the `vllm serve` line its code gives.
+
 The reference pages are generated from the code and committed whole (scripts/reference.py).
 
 Links (`[text](path#anchor)`) are checked by the docs site's strict build instead
@@ -11,11 +15,14 @@ Links (`[text](path#anchor)`) are checked by the docs site's strict build instea
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from hsx.methods import METHOD_NAMES, METHODS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md"),
@@ -107,3 +114,50 @@ def test_the_committed_reference_is_what_the_code_generates() -> None:
     assert done.stdout.strip() == "0 []", done.stdout + done.stderr
     for page in _reference().PAGES:
         assert "<!-- hsx:end " in (ROOT / page).read_text(), page
+
+
+# -- the draft methods -------------------------------------------------------------------
+
+METHODS_DIR = ROOT / "docs" / "methods"
+# The target the methods pages write for: an 8B Llama's decoder layers.
+EIGHT_B_LAYERS = 32
+SERVE = re.compile(r"vllm serve [^\n]*--speculative-config \\\n\s*'(\{[^']*\})'")
+
+
+def _train_help() -> str:
+    from hsx.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return str(sub.choices["train"].format_help())
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_every_method_is_named_where_users_look(name: str) -> None:
+    title = METHODS[name].title
+    places = {"README.md": (ROOT / "README.md").read_text(),
+              "docs/reference/cli.md": (ROOT / "docs" / "reference" / "cli.md").read_text(),
+              "docs/methods/README.md": (METHODS_DIR / "README.md").read_text(),
+              "hsx train --help": _train_help()}
+    missing = [where for where, text in places.items() if name not in text or title not in text]
+    assert not missing, f"{name} ({title}) is not named in {missing}"
+    assert (METHODS_DIR / f"{name}.md").exists()
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_each_method_page_gives_what_the_code_does(name: str) -> None:
+    """Its page: the job file's `layers: [NAME]` and the ids they are for an 8B target,
+    `hsx train --method NAME`, `hsx eval-draft`, a `vllm serve` line with the method's
+    `method` and default `num_speculative_tokens`, and its figures by a link. The
+    README's and the methods index's tables give the same serving values."""
+    from hsx.spec import TrainSpec
+
+    page = (METHODS_DIR / f"{name}.md").read_text()
+    tokens = TrainSpec(method=name).proposed_tokens
+    assert f"layers: [{name}]" in page and str(METHODS[name].layers(EIGHT_B_LAYERS)) in page
+    assert re.search(rf"hsx train \S+ --method {name}\b", page) and "hsx eval-draft " in page
+    (config,) = [json.loads(c) for c in SERVE.findall(page)]
+    assert (config["method"], config["num_speculative_tokens"]) == (name, tokens), config
+    assert "benchmarks/README.md#current-figures" in page
+    row = f'`"method": "{name}"`, `"num_speculative_tokens": {tokens}`'
+    for table in (ROOT / "README.md", METHODS_DIR / "README.md"):
+        assert row in table.read_text(), (table, row)
