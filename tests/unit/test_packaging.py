@@ -37,9 +37,8 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import tomllib
@@ -167,7 +166,7 @@ def _fresh_venv(where: Path, wheel: Path, path: Path) -> Path:
     return where / "bin"
 
 
-def _runner(bin_dir: Path, home: Path) -> Any:
+def _runner(bin_dir: Path, home: Path) -> Callable[..., tuple[int, str]]:
     """run(*args) in a folder outside the checkout, with nothing of this environment (no
     PYTHONPATH); returns (exit code, stdout + stderr)."""
     work = home / "elsewhere"
