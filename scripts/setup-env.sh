@@ -39,6 +39,9 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
 # The CPU torch first, so nothing below pulls a CUDA build.
 pip install -q "torch==2.13.0"
+# The distribution was once named `hsx` (PyPI's `hsx` is another project): an environment
+# made then holds that name's metadata beside the new one's.
+pip uninstall -q -y hsx 2>/dev/null || true
 pip install -q -e ".[cpu,test]"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-deps "speculators==0.9.0"

@@ -1,4 +1,5 @@
-"""hsx: hidden states of a target LLM, captured by vLLM engines, as EAGLE-3 training data.
+"""hsx: hidden states of a target LLM, captured by vLLM engines, as the training data of
+speculative-decoding drafts (EAGLE-3, DFlash, DSpark; hsx.methods).
 
 The public names are few and light to import (no torch, vllm or ray):
 

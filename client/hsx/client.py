@@ -325,7 +325,8 @@ class Client:
                 log.info("job %s: server unavailable (%s); retrying", job_id, err)
 
     def train(self, job_id: str, spec: TrainSpec | dict[str, Any] | None = None) -> TrainStatus:
-        """Start training an EAGLE-3 draft on the job's output (defaults when spec is None)."""
+        """Start training a draft on the job's output: the spec's method, EAGLE-3 when
+        spec is None (with the defaults)."""
         fields = spec.model_dump(mode="json", exclude_unset=True) if isinstance(
             spec, TrainSpec) else dict(spec or {})
         response = self._request("POST", _jobs(job_id, "train"), json=fields)

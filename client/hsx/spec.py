@@ -548,8 +548,9 @@ class JobSpec(BaseModel):
     train: TrainSpec | None = Field(
         None,
         description=(
-            "Train an EAGLE-3 draft on this output: with `follow` (the default) the "
-            "trainer starts with the extraction and keeps up with it."
+            "Train a draft of its `method` (EAGLE-3 by default, DFlash, DSpark) on this "
+            "output: with `follow` (the default) the trainer starts with the extraction "
+            "and keeps up with it."
         ),
     )
     regenerate: RegenerateSpec | None = Field(

@@ -97,7 +97,8 @@ def create_app(settings: Settings | None = None, scheduler: Any | None = None) -
         title="hsx coordinator",
         version=__version__,
         description=(
-            "Hidden-state extraction jobs for EAGLE-3 draft training. When the server has "
+            "Hidden-state extraction jobs: the training data of speculative-decoding "
+            "drafts (EAGLE-3, DFlash, DSpark), and the drafts' training. When the server has "
             "an API token, /v1 calls need `Authorization: Bearer <token>`."
         ),
         lifespan=lifespan,

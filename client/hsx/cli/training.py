@@ -12,7 +12,7 @@ from typing import Any
 
 from hsx.cli.jobs import client_for, remote
 from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, error
-from hsx.methods import METHOD_NAMES
+from hsx.methods import METHOD_NAMES, METHODS
 from hsx.progress import console
 
 
@@ -380,15 +380,74 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+# A target of this many layers shows the ids each method reads (an 8B Llama's 32).
+_EXAMPLE_LAYERS = 32
+
+
+def method_titles() -> str:
+    """`EAGLE-3, DFlash, DSpark`: every method hsx trains."""
+    return ", ".join(m.title for m in METHODS.values())
+
+
+def _defaults(name: str) -> Any:
+    """A new TrainSpec of the method: its own defaults."""
+    from hsx.spec import TrainSpec
+
+    return TrainSpec(method=name)
+
+
+def _methods_epilog() -> str:
+    """Every method and its own defaults, for `hsx train --help`."""
+    import textwrap
+
+    lines = ["draft methods (--method) and each one's defaults (--set and --spec override "
+             "them):"]
+    for name, m in METHODS.items():
+        spec = _defaults(name)
+        layers = f"{m.default_draft_layers} decoder layer" + "s" * (m.default_draft_layers > 1)
+        proposes = (f"block_size {spec.block_size} less the target's own token" if m.block
+                    else f"ttt_steps {spec.ttt_steps}")
+        served = "" if m.served_on_cpu else "; served by vLLM's GPU build only"
+        text = (f"{m.title}, {m.summary}: {layers}; {spec.proposed_tokens} tokens a step "
+                f"({proposes}: vLLM's num_speculative_tokens); loss {spec.loss_fn}; reads "
+                f"ids {m.layers(_EXAMPLE_LAYERS)} of a {_EXAMPLE_LAYERS}-layer target "
+                f"(`layers: [{name}]`){served}.")
+        lines += textwrap.wrap(text, 86, initial_indent=f"  {name:<8}",
+                               subsequent_indent=" " * 10)
+    lines += ["", *textwrap.wrap(
+        "The command ends by printing the line that serves the draft: vllm serve TARGET "
+        "--speculative-config '{\"method\": METHOD, \"model\": DRAFT, "
+        "\"num_speculative_tokens\": K}'.", 88)]
+    return "\n".join(lines)
+
+
+def _serving_epilog() -> str:
+    """What vLLM runs for each method's draft, for `hsx eval-draft --help`."""
+    lines = ["the draft's method (its config.json) and what vLLM runs it with by default:"]
+    for name, m in METHODS.items():
+        served = "" if m.served_on_cpu else " (vLLM's GPU build only)"
+        lines.append(f"  {name:<8}{{\"method\": \"{name}\", \"num_speculative_tokens\": "
+                     f"{_defaults(name).proposed_tokens}}}{served}")
+    return "\n".join(lines)
+
+
+def _proposed_defaults() -> str:
+    """`eagle3 3, dflash 7, dspark 7`: what each method's draft proposes a step."""
+    return ", ".join(f"{name} {_defaults(name).proposed_tokens}" for name in METHODS)
+
+
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
-        "train", help="train a draft (EAGLE-3, DFlash) on an output (a path) or a job (an id)")
+        "train", help=f"train a draft ({method_titles()}) on an output (a path) or a job "
+                      "(an id)",
+        epilog=_methods_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="an output path or URI (file://, s3://: trains here), or a "
                                   "job id (the coordinator trains it)")
     p.add_argument("--follow", action="store_true",
                    help="start on the shards committed so far and keep up with the extraction")
     p.add_argument("--method", choices=METHOD_NAMES,
-                   help="draft method (default eagle3; the spec's when it names one)")
+                   help="draft method (default eagle3; the spec's when it names one); each "
+                        "method's defaults are listed below")
     p.add_argument("--spec", help="TrainSpec file (YAML or JSON)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override one TrainSpec field, e.g. --set epochs=3 (repeatable)")
@@ -404,7 +463,8 @@ def add_parsers(sub: Any) -> None:
 
     p = sub.add_parser(
         "eval-draft", help="acceptance of an output's trained draft in vLLM (greedy, the "
-                           "draft's method)")
+                           f"draft's method: {', '.join(METHOD_NAMES)})",
+        epilog=_serving_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output", help="the output the draft was trained on (prompts come from it)")
     p.add_argument("--draft-dir", help="the local folder the draft was trained in (as "
                                        "`hsx train --draft-dir`; default the output's; for "
@@ -419,8 +479,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="GPUs the target spans (default: the job's, else 1)")
     p.add_argument("--k", type=int, default=None,
-                   help="num_speculative_tokens (default: what the training's draft proposes: "
-                        "EAGLE-3's ttt_steps, 3; a DFlash block less its anchor, 7)")
+                   help="num_speculative_tokens (default: what the trained draft proposes, "
+                        "from its training's spec; with each method's defaults: "
+                        f"{_proposed_defaults()})")
     p.add_argument("--prompts", type=int, default=32,
                    help="held-out samples whose prompts vLLM answers (default 32)")
     p.add_argument("--prefix", type=int, default=8,

@@ -20,7 +20,7 @@ checkpoint and the draft beside it, each folder ending with its `uploaded.json`
   commits/unit-000042.json         the commit record that makes that shard visible
   complete.json                    written once every unit is committed
   .tmp/                            in-progress files (local disk); never read by readers
-  draft/                           the EAGLE-3 draft trained on it (speculators format):
+  draft/                           the draft trained on it (speculators format):
     config.json, model.safetensors   the best checkpoint by validation; vLLM loads this folder
     checkpoints/step-000200/         whole checkpoints (weights, trainer_state.pt, metrics.json)
     metrics.jsonl                    one record per logged step

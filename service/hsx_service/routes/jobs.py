@@ -179,8 +179,8 @@ def job_throughput(job_id: str, scheduler: SchedulerDep, caller: CallerDep) -> T
 )
 def start_training(job_id: str, spec: TrainSpec, scheduler: SchedulerDep,
                    caller: CallerDep) -> TrainStatus:
-    """Train an EAGLE-3 draft on the job's output (while it runs, or after); a second
-    call after the first ended resumes from its newest checkpoint."""
+    """Train a draft (the spec's method) on the job's output (while it runs, or after); a
+    second call after the first ended resumes from its newest checkpoint."""
     owned(scheduler, job_id, caller)
     started = scheduler.train(job_id, spec)
     log.info("job %s: training started", job_id)

@@ -1,4 +1,5 @@
-"""Train an EAGLE-3 draft (speculators' Eagle3DraftModel) on an hsx output.
+"""Train a draft (speculators' model of the spec's method: Eagle3DraftModel,
+DFlashDraftModel, DSparkDraftModel) on an hsx output.
 
 `DraftTrainer(output, spec).run()` (draft_trainer.py) is the whole loop in one process;
 `train_distributed` (distributed.py) runs it on N Ray Train workers (DDP); the Ray actor
