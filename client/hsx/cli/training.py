@@ -355,11 +355,14 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
 
     try:
         engine: dict[str, Any] = {}
+        target = args.target
         if args.job:  # the target as the job's engines load it: TP, dtype, its vllm: ones
             from hsx.spec import load_job
             from hsx_service.engine_config import target_engine_args
 
-            engine = target_engine_args(load_job(args.job))
+            job = load_job(args.job)
+            engine = target_engine_args(job)
+            target = target or job.model
         if args.tensor_parallel_size:
             engine["tensor_parallel_size"] = args.tensor_parallel_size
         if args.draft is not None and draft_aux_count_unread(args.draft):
@@ -369,7 +372,7 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
         root = draft_folder(output, args.draft_dir) if args.draft is None else None
         result = evaluate_draft(output, draft_root=args.draft_dir, prompts=args.prompts,
                                 max_tokens=args.max_tokens, k=args.k, prefix=args.prefix,
-                                draft=args.draft, target=args.target, engine=engine or None)
+                                draft=args.draft, target=target, engine=engine or None)
     except (StorageError, ValueError, FileNotFoundError) as err:
         return error(str(err), EXIT_REFUSED)
     if args.json:
@@ -471,7 +474,9 @@ def add_parsers(sub: Any) -> None:
                                        "s3:// the bucket's draft is downloaded there)")
     p.add_argument("--draft", help="draft folder (default: <draft-dir>/draft; another one is "
                                    "measured but not recorded)")
-    p.add_argument("--target", help="target model (default: the output's model)")
+    p.add_argument("--target", help="target model (default: the job's with --job, else the "
+                                    "model the output's manifest names, without its own "
+                                    "code)")
     p.add_argument("--job", help="the job file that made the output: vLLM loads the target "
                                  "as its engines did (tensor_parallel_size, dtype, its "
                                  "`vllm:` engine arguments), as the coordinator's evaluation "
