@@ -71,7 +71,9 @@ for s in "$@"; do
         ${BENCH_FLAGS:---profile} --reps 1 --child-timeout 420 \
         --out "$RES/vllm-single.json" 2> "$RES/vllm-single.log"
       cp /tmp/hsx-bench-vllm/*.log /tmp/hsx-bench-vllm/*-stacks.txt \
-        /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null ;;
+        /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null
+      # py-spy's collapsed stacks run to hundreds of KB; results keep them compressed
+      gzip -9nf "$RES"/profile-*.txt 2>/dev/null ;;
     tests)
       step tests
       # One pytest per file, each under its own limit, verbose: a hung test costs its file,
@@ -125,6 +127,7 @@ for s in "$@"; do
       mkdir -p "$RES/peer-logs"
       cp /tmp/hsx-bench-peer/*.log /tmp/hsx-bench-peer/peer-logs/*.log "$RES/peer-logs/" 2>/dev/null
       cp /tmp/hsx-bench-peer/profile-*.txt "$RES/" 2>/dev/null
+      gzip -9nf "$RES"/profile-*.txt 2>/dev/null
       rm -rf /tmp/hsx-bench-peer/out-* /tmp/hsx-bench-peer/peer-*-hs /tmp/hsx-bench-peer/peer-staging \
         /dev/shm/hsx-bench-peer ;;
     ingest)
