@@ -3,7 +3,7 @@
 vLLM calls the KV connector's `get_finished` on its engine thread, between steps: what
 the connector does there is time the GPU may wait. This measures that host-side time
 for steps of many short requests (the case where it showed: 128-token rows,
-results/gpu-peer-3/), alternating:
+results/2026-12-02-gpu-peer-3/), alternating:
 
 - `per-request`  what the connector did until 2026-12-02 (and vLLM's own connector
   does): for each request its slot mapping (`slots_of_blocks`), a gather and a copy

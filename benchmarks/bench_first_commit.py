@@ -16,7 +16,7 @@ each in a fresh process, on the same dataset:
               table: `ingest` of the dataset, start to end (the tokenizer's load
               included). With `--whole-rows N` < the dataset's rows, the first N rows
               are ingested and the time scaled to the dataset's rows (ingestion is
-              linear in rows: results/ingest.json's memory and rate figures).
+              linear in rows: results/2026-12-03-ingest/ingest.json's memory and rate figures).
 
 - `streamed`, again: the same job on the same machine later, vLLM's compile cache warm.
 - `served`    the same job submitted to a running coordinator (`hsx serve`, started and
