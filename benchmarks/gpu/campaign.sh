@@ -6,6 +6,8 @@
 #   setsid nohup bash benchmarks/gpu/campaign.sh STEPS... > /tmp/hsx-gpu/campaign.log 2>&1 &
 #   bash benchmarks/gpu/campaign.sh --collect SECONDS   # wait up to SECONDS, tar into $OUT
 #
+# What comes back is committed as one campaign folder, benchmarks/results/YYYY-MM-DD-<what>/.
+#
 # Steps, in the order given: smoke, bench (capture path on one GPU), tests (tests/gpu, or
 # the files and test ids in GPU_TESTS, each under GPU_TEST_TIMEOUT seconds, default 600),
 # product (the whole product at real size: bench_product.py), online (the same job
