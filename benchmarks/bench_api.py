@@ -25,7 +25,8 @@ Each window records the load average and the CPU seconds of the coordinator's ow
 process and of the rest of its process tree (Ray, the engine). `--profile` runs py-spy
 (`pip install py-spy`) on the coordinator during the last load window (`--nonblocking`,
 so the profiler does not stop it; `--gil`, so only threads running Python count) and
-stores the hottest functions; the raw stacks go to results/api-profile-LABEL.txt.tmp.
+stores the hottest functions; the raw stacks go to api-profile-LABEL.txt.tmp beside the
+results file.
 
     .venv/bin/python -m benchmarks.bench_api --label after [--quick] [--profile]
 """
@@ -53,7 +54,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common import (
-    RESULTS_DIR,
+    campaign_path,
     machine_info,
     process_cpu_seconds,
     ratio,
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="py-spy the last load window")
     parser.add_argument("--label", default="", help="results section suffix, e.g. before/after")
     parser.add_argument("--note", help="free text stored with the results")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "api.json")
+    parser.add_argument("--out", type=Path, default=campaign_path("api", "api.json"))
     args = parser.parse_args(argv)
     window = 6.0 if args.quick else args.window
     rounds = 1 if args.quick else args.rounds

@@ -3,7 +3,7 @@
 vLLM calls the KV connector's `get_finished` on its engine thread, between steps: what
 the connector does there is time the GPU may wait. This measures that host-side time
 for steps of many short requests (the case where it showed: 128-token rows,
-results/gpu-peer-3/), alternating:
+results/2026-12-02-gpu-peer-3/), alternating:
 
 - `per-request`  what the connector did until 2026-12-02 (and vLLM's own connector
   does): for each request its slot mapping (`slots_of_blocks`), a gather and a copy
@@ -19,7 +19,7 @@ the connector; on CPU the gather is the copy. The ratio reported is per-request 
 holds it), the cost measured is per call, not per byte.
 
 Run: `python -m benchmarks.bench_connector [--quick]` (or through run_all.py); results in
-results/cpu.json (section `connector`), or `--out`.
+results/<date>-cpu/cpu.json (section `connector`), or `--out`.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
     p.add_argument("--requests", type=int, default=128, help="requests a step finishes")
     p.add_argument("--tokens", type=int, default=128, help="tokens of a request")
-    p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "cpu.json")
+    p.add_argument("--out", type=Path, default=common.campaign_path("cpu", "cpu.json"))
     p.add_argument("--note", help="free text stored with the results")
     args = p.parse_args(argv)
     steps, reps = (5, 3) if args.quick else (20, 5)

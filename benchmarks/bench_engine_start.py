@@ -15,7 +15,7 @@ Ratio: elsewhere ÷ here of the medians (> 1: hsx's start is shorter). Where a w
 cache already knows the classes (any later start of the same vLLM), both are the same.
 
 Run: `python -m benchmarks.bench_engine_start [--reps 2]` (results in
-`results/engine_start.json`; not part of `run_all.py`).
+`results/<date>-engine-start/engine_start.json`; not part of `run_all.py`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "engine_start.json")
+    p.add_argument("--out", type=Path,
+                   default=common.campaign_path("engine-start", "engine_start.json"))
     p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
     p.add_argument("--note", help="free text stored with the results")
     args = p.parse_args(argv)

@@ -16,7 +16,7 @@ each in a fresh process, on the same dataset:
               table: `ingest` of the dataset, start to end (the tokenizer's load
               included). With `--whole-rows N` < the dataset's rows, the first N rows
               are ingested and the time scaled to the dataset's rows (ingestion is
-              linear in rows: results/ingest.json's memory and rate figures).
+              linear in rows: results/2026-12-03-ingest/ingest.json's memory and rate figures).
 
 - `streamed`, again: the same job on the same machine later, vLLM's compile cache warm.
 - `served`    the same job submitted to a running coordinator (`hsx serve`, started and
@@ -37,7 +37,7 @@ The streamed run marks each step of the job (prepared, Ray ready, units planned,
 first engine running, the first tokens captured, the first commit).
 
 Run: `python -m benchmarks.bench_first_commit [--rows N] [--whole-rows N]`
-(results in `results/first_commit.json`; not part of `run_all.py`).
+(results in `results/<date>-first-commit/first_commit.json`; not part of `run_all.py`).
 """
 
 from __future__ import annotations
@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=1_000_000, help="rows of the dataset")
     p.add_argument("--whole-rows", type=int, default=0,
                    help="rows the whole-ingestion baseline reads (default: all)")
-    p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "first_commit.json")
+    p.add_argument("--out", type=Path,
+                   default=common.campaign_path("first-commit", "first_commit.json"))
     p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
     p.add_argument("--note", help="free text stored with the results")
     args = p.parse_args(argv)

@@ -18,7 +18,7 @@ copies each sample's states into a batch buffer, as the trainer's collate does:
 Per unit, in turn (not overlapped): the actor's seconds (write + commit, or the return
 into the object store), this side's seconds (open + read + copy, or get + copy), and
 the whole round. Repetitions alternate the two; GB/s = the unit's state bytes / the
-median round. Results: benchmarks/results/handoff.json.
+median round. Results: benchmarks/results/<date>-handoff/handoff.json.
 
 Run: `.venv/bin/python -m benchmarks.bench_handoff [--unit-mib 256] [--units 8] [--reps 3]`.
 """
@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import machine_info, save_section
+from benchmarks.common import campaign_path, machine_info, save_section
 
-RESULTS = Path(__file__).parent / "results" / "handoff.json"
+RESULTS = campaign_path("handoff", "handoff.json")
 LAYERS = [2, 16, 29, 32]
 HIDDEN = 4096
 TOKENS = 512  # per sample (16 MiB of states)

@@ -24,7 +24,7 @@ the largest pool process, with the workers, on `--small` rows and on `--rows` ro
 in the row count means large ÷ small within 1.10.
 
 Run: `python -m benchmarks.bench_ingest [--quick] [--rows N] [--small N] [--reps N] [--profile]`
-(results in `results/ingest.json`; not part of `run_all.py`).
+(results in `results/<date>-ingest/ingest.json`; not part of `run_all.py`).
 """
 
 from __future__ import annotations
@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, help="repetitions per variant (default 2)")
     p.add_argument("--workers", type=int, default=2,
                    help="processes of the parallel side (default 2)")
-    p.add_argument("--out", type=Path, help="results JSON (default results/ingest.json)")
+    p.add_argument("--out", type=Path,
+                   help="results JSON (default results/<date>-ingest/ingest.json)")
     p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
     p.add_argument("--note", help="free text stored with the results")
     p.add_argument("--profile", action="store_true",
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = args.rows or (20_000 if args.quick else 1_000_000)
     run(rows=rows, small=args.small or rows // (4 if args.quick else 10),
         reps=args.reps or (1 if args.quick else 2), workers=args.workers,
-        out=args.out or common.RESULTS_DIR / "ingest.json", workdir=args.workdir,
+        out=args.out or common.campaign_path("ingest", "ingest.json"), workdir=args.workdir,
         note=args.note, profile=args.profile)
     return 0
 

@@ -149,8 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default=",".join(METHOD_NAMES))
     parser.add_argument("--work", type=Path, default=None, help="working folder (kept)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" /
-                        f"{time.strftime('%Y-%m-%d')}-methods" / "methods.json")
+    parser.add_argument("--out", type=Path, default=common.campaign_path("methods", "methods.json"))
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="hsx-methods-"))
     work.mkdir(parents=True, exist_ok=True)

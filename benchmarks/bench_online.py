@@ -12,7 +12,7 @@ Reported for each: the whole command's seconds, the training's tokens/s (median 
 steps after the 10th) and the share of its time spent waiting for data, the bytes the
 output holds besides draft/ (offline: the shards), the target's tokens captured (online:
 every epoch's), vLLM's mean acceptance length at k=3; and online ÷ offline for the
-training's tokens/s and the whole job's time. Results: benchmarks/results/online.json.
+training's tokens/s and the whole job's time. Results: benchmarks/results/<date>-online/online.json.
 
 Run: `.venv/bin/python -m benchmarks.bench_online [--chats N] [--steps N]`.
 """
@@ -32,9 +32,9 @@ from typing import Any
 
 import yaml
 
-from benchmarks.common import machine_info, save_section
+from benchmarks.common import campaign_path, machine_info, save_section
 
-RESULTS = Path(__file__).parent / "results" / "online.json"
+RESULTS = campaign_path("online", "online.json")
 
 
 def _stored_bytes(output: Path) -> int:

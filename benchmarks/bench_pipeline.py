@@ -689,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, help="number of prompts (default per model)")
     p.add_argument("--unit-tokens", type=int,
                    help="hsx work-unit size (default: the JobSpec default, 65536)")
-    p.add_argument("--out", type=Path, help="results JSON (default results/cpu.json)")
+    p.add_argument("--out", type=Path, help="results JSON (default results/<date>-cpu/cpu.json)")
     p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
     p.add_argument("--note", help="free text stored with the results")
     p.add_argument("--profile", type=Path, metavar="DIR",
@@ -703,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.child:
         return child_main(args.child, args.config, args.fd)
-    out = args.out or common.RESULTS_DIR / ("cpu-quick.json" if args.quick else "cpu.json")
+    out = args.out or common.campaign_path("cpu", "cpu-quick.json" if args.quick else "cpu.json")
     if args.resummarize:
         resummarize(out)
         return 0

@@ -13,7 +13,7 @@ a chat dataset whose answers follow another rule (CPU, vLLM CPU engines, about 1
   prompts, the same for both: the held-out set is chosen by sample index).
 
 Reported: mean acceptance length and acceptance per draft position of each draft, and
-regenerated ÷ as-is. Results: benchmarks/results/regenerate.json.
+regenerated ÷ as-is. Results: benchmarks/results/<date>-regenerate/regenerate.json.
 
 Run: `.venv/bin/python -m benchmarks.bench_regenerate [--chats N] [--workdir DIR]`.
 """
@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine_info, save_section
+from benchmarks.common import campaign_path, machine_info, save_section
 
-RESULTS = Path(__file__).parent / "results" / "regenerate.json"
+RESULTS = campaign_path("regenerate", "regenerate.json")
 MAX_TOKENS = 24  # TaskLanguage's longest answer: 6 words, then a chain of 18
 
 

@@ -36,7 +36,7 @@ left out, it is the same for both) until they are durable in the bucket:
   fixed wait to every request of both variants (sections `s3_output_latency_<N>ms`).
 
 Run: `python -m benchmarks.bench_s3 [--quick]`; results go to
-`benchmarks/results/s3-<shape>.json` (or `--out`).
+`benchmarks/results/<date>-s3/s3-<shape>.json` (or `--out`).
 """
 
 from __future__ import annotations
@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="output,upload,read,latency",
                    help="comma-separated sections to run (default all: output,upload,read,"
                    "latency; latency needs --latency-ms)")
-    p.add_argument("--out", type=Path, help="results JSON (default results/s3-<shape>.json)")
+    p.add_argument("--out", type=Path,
+                   help="results JSON (default results/<date>-s3/s3-<shape>.json)")
     p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
     p.add_argument("--note", help="free text stored with the results")
     args = p.parse_args(argv)
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (3 if args.quick else 5)
     part = args.part_mib * common.MiB
     shape = f"h{args.hidden}-t{args.tokens}"
-    out = args.out or common.RESULTS_DIR / f"s3-{shape}.json"
+    out = args.out or common.campaign_path("s3", f"s3-{shape}.json")
     workdir = args.workdir or Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="hsx-bench-s3-", dir=workdir))
     samples = make_samples(n, args.tokens, args.hidden)

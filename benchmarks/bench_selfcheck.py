@@ -45,7 +45,6 @@ with the command.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import random
 import shutil
@@ -349,8 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-product", action="store_true",
                    help="time the head check's product alone (no engine)")
     args = p.parse_args(argv)
-    out = args.out or (common.RESULTS_DIR / f"{dt.date.today().isoformat()}-selfcheck"
-                       / "selfcheck.json")
+    out = args.out or common.campaign_path("selfcheck", "selfcheck.json")
     if args.head_product:
         result = head_product(args.reps or 5)
         result["command"] = " ".join(["python", "-m", "benchmarks.bench_selfcheck",

@@ -16,7 +16,7 @@ tests' server, tests/s3server.py), which shares this machine's cores:
 - `obstore-writer` ObstoreStreamWriter (obstore.open_writer), the no-head path.
 
 Run: `python -m benchmarks.bench_storage [--quick] [--only local|s3]`; results go to
-`benchmarks/results/storage.json` (or `--out`).
+`benchmarks/results/<date>-storage/storage.json` (or `--out`).
 """
 
 from __future__ import annotations
@@ -186,14 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, help="repetitions per variant (default 5)")
     p.add_argument("--part-mib", type=int, default=16, help="S3 part size (default 16)")
     p.add_argument("--only", choices=["local", "s3"], help="run one section")
-    p.add_argument("--out", type=Path, help="results JSON (default results/storage.json)")
+    p.add_argument("--out", type=Path,
+                   help="results JSON (default results/<date>-storage/storage.json)")
     p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
     p.add_argument("--note", help="free text stored with the results")
     args = p.parse_args(argv)
     size = (args.size_mib or (64 if args.quick else 256)) * common.MiB
     reps = args.reps or (3 if args.quick else 5)
     workdir = args.workdir or Path(tempfile.gettempdir())
-    out = args.out or common.RESULTS_DIR / "storage.json"
+    out = args.out or common.campaign_path("storage", "storage.json")
     for name in ("local", "s3"):
         if args.only and args.only != name:
             continue

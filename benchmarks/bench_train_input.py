@@ -20,7 +20,8 @@ cheaper than a real 128k vocabulary's: the steps are shorter, the wait relativel
 longer, so the target is harder to meet, not easier.
 
 Run: `python -m benchmarks.bench_train_input [--quick]` (CPU, H=256) or
-`--device cuda --hidden 4096 --out results/gpu.json` on a GPU machine.
+`--device cuda --hidden 4096 --out benchmarks/results/<date>-gpu-train-input/gpu-train.json` on
+a GPU machine.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR / "cpu.json")
+    parser.add_argument("--out", type=Path, default=common.campaign_path("cpu", "cpu.json"))
     args = parser.parse_args()
     gpu = args.device == "cuda"
     tokens = args.tokens or (300_000 if gpu else 60_000) // (4 if args.quick else 1)

@@ -76,7 +76,7 @@ def main() -> int:
     parser.add_argument("--batch", default="1024,8192", help="batch_tokens values")
     parser.add_argument("--pack", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR / "cpu.json")
+    parser.add_argument("--out", type=Path, default=common.campaign_path("cpu", "cpu.json"))
     args = parser.parse_args()
 
     import torch

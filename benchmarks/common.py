@@ -34,6 +34,12 @@ def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def campaign_path(what: str, name: str) -> Path:
+    """Where a run writes its results unless told: today's campaign folder,
+    results/YYYY-MM-DD-<what>/<name>, one folder per campaign (results/INDEX.md)."""
+    return RESULTS_DIR / f"{dt.date.today().isoformat()}-{what}" / name
+
+
 def _cpu_model() -> str:
     with suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -235,11 +241,12 @@ def size_bench_main(argv: list[str] | None, doc: str, run: Callable[..., Any], *
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--size-mib", type=int, help=size_help)
     p.add_argument("--reps", type=int, help="repetitions per variant (default 5)")
-    p.add_argument("--out", type=Path, help="results JSON (default results/cpu.json)")
+    p.add_argument("--out", type=Path,
+                   help="results JSON (default results/<date>-cpu/cpu[-quick].json)")
     p.add_argument("--workdir", type=Path, help="parent of the scratch dir (default $TMPDIR)")
     p.add_argument("--note", help="free text stored with the results")
     args = p.parse_args(argv)
-    out = args.out or RESULTS_DIR / ("cpu-quick.json" if args.quick else "cpu.json")
+    out = args.out or campaign_path("cpu", "cpu-quick.json" if args.quick else "cpu.json")
     run(quick=args.quick, out=out, size_mib=args.size_mib, reps=args.reps,
         workdir=args.workdir, note=args.note)
     return 0

@@ -3,8 +3,8 @@
 From the repository's root (benchmarks/ is a package: each script imports its helpers
 and the tests' fixtures, `tests.unit.outputs`, as modules, with no `sys.path` edits):
 
-    python -m benchmarks.run_all            # full run -> benchmarks/results/cpu.json
-    python -m benchmarks.run_all --quick    # smoke run -> benchmarks/results/cpu-quick.json
+    python -m benchmarks.run_all            # full run -> results/<date>-cpu/cpu.json
+    python -m benchmarks.run_all --quick    # smoke run -> results/<date>-cpu/cpu-quick.json
     python -m benchmarks.run_all --only writer reader
 
 Targets are reported as PASS/MISS, never asserted: the exit status is 0 unless a
@@ -74,12 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), help="run only these")
-    p.add_argument("--out", type=Path, help="results JSON (default results/cpu[-quick].json)")
+    p.add_argument("--out", type=Path,
+                   help="results JSON (default results/<date>-cpu/cpu[-quick].json)")
     p.add_argument("--note", help="free text stored with the results (e.g. 'shared machine')")
     p.add_argument("--resummarize", action="store_true",
                    help="recompute the ratios of --out from its raw runs; run nothing")
     args = p.parse_args(argv)
-    out = (args.out or common.RESULTS_DIR / ("cpu-quick.json" if args.quick else "cpu.json"))
+    out = (args.out or common.campaign_path("cpu", "cpu-quick.json" if args.quick else "cpu.json"))
     names = args.only or list(BENCHMARKS)
     if args.resummarize:
         resummarize(out, names)

@@ -50,6 +50,8 @@ from unittest import mock
 import numpy as np
 import torch
 
+from benchmarks.common import campaign_path
+
 GB = 1e9
 MiB = 1 << 20
 GiB = 1 << 30
@@ -1206,7 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU check of the script)")
-    p.add_argument("--out", default="benchmarks/results/gpu.json")
+    p.add_argument("--out", default=str(campaign_path("gpu-capture-path", "gpu.json")))
     p.add_argument("--workdir", default="/tmp/hsx-bench", help="on the disk to measure")
     p.add_argument(
         "--budget-s",

@@ -543,7 +543,7 @@ class PeerServer:
         """Empty the server's prefix cache. `vllm serve` caches prefixes by default (as
         speculators runs it), and a workload's 500k tokens fit its 650k-token cache: a
         second run over the same prompts found 88-95% of them cached and computed only
-        the rest (results/gpu-peer-2/). Every run starts as a user's single run does."""
+        the rest (results/2026-12-02-gpu-peer-2/). Every run starts as a user's single run does."""
         import httpx
 
         for _ in range(30):  # refused while blocks are still held (the last files' saves)
@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="check the script on CPU (tiny model)")
     args = p.parse_args(argv)
     # GPU: ~500k tokens per tool and workload (~12 s of an H200's prefill each). The
-    # first run's ~200k (results/gpu-peer/) left each tool's fixed costs in the ratios:
+    # first run's ~200k (results/2026-12-01-gpu-peer/) left each tool's fixed costs in the ratios:
     # the peer's command start (~16 s) and hsx's last shard's drain (~0.5-1 s of ~5 s).
     # Its best concurrency was 64 or 128 (256 within 5%), its default 32 is always run.
     # CPU: a handful of prompts, lengths scaled to the tiny model.

@@ -6,6 +6,8 @@
 #   setsid nohup bash benchmarks/gpu/campaign.sh STEPS... > /tmp/hsx-gpu/campaign.log 2>&1 &
 #   bash benchmarks/gpu/campaign.sh --collect SECONDS   # wait up to SECONDS, tar into $OUT
 #
+# What comes back is committed as one campaign folder, benchmarks/results/YYYY-MM-DD-<what>/.
+#
 # Steps, in the order given: smoke, bench (capture path on one GPU), tests (tests/gpu, or
 # the files and test ids in GPU_TESTS, each under GPU_TEST_TIMEOUT seconds, default 600),
 # product (the whole product at real size: bench_product.py), online (the same job
@@ -71,7 +73,9 @@ for s in "$@"; do
         ${BENCH_FLAGS:---profile} --reps 1 --child-timeout 420 \
         --out "$RES/vllm-single.json" 2> "$RES/vllm-single.log"
       cp /tmp/hsx-bench-vllm/*.log /tmp/hsx-bench-vllm/*-stacks.txt \
-        /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null ;;
+        /tmp/hsx-bench-vllm/profile-*.txt "$RES/" 2>/dev/null
+      # py-spy's collapsed stacks run to hundreds of KB; results keep them compressed
+      gzip -9nf "$RES"/profile-*.txt 2>/dev/null ;;
     tests)
       step tests
       # One pytest per file, each under its own limit, verbose: a hung test costs its file,
@@ -125,6 +129,7 @@ for s in "$@"; do
       mkdir -p "$RES/peer-logs"
       cp /tmp/hsx-bench-peer/*.log /tmp/hsx-bench-peer/peer-logs/*.log "$RES/peer-logs/" 2>/dev/null
       cp /tmp/hsx-bench-peer/profile-*.txt "$RES/" 2>/dev/null
+      gzip -9nf "$RES"/profile-*.txt 2>/dev/null
       rm -rf /tmp/hsx-bench-peer/out-* /tmp/hsx-bench-peer/peer-*-hs /tmp/hsx-bench-peer/peer-staging \
         /dev/shm/hsx-bench-peer ;;
     ingest)

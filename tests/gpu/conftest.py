@@ -4,7 +4,7 @@ Every test here is marked `gpu` and skipped where torch sees no CUDA device (CI,
 CPU development machine); `@pytest.mark.gpus(2)` asks for two. They run on the lent
 H200 machines through the recipe in benchmarks/gpu/README.md. Measured numbers go to
 `$HSX_GPU_RESULTS` (default: a temporary folder) as JSON, one file per test, so a run's
-results can be committed under benchmarks/results/.
+results can be committed as a campaign folder, benchmarks/results/YYYY-MM-DD-<what>/.
 """
 
 from __future__ import annotations

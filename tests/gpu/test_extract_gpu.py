@@ -197,7 +197,7 @@ def test_tensor_parallel_2_equals_1(
     record("gpu-tp2", max_relative_error=worst.tolist(), seconds=run.summary.seconds)
     # Two bf16 computations each within 1e-2 of transformers' float32 (the fidelity test's
     # bound) differ by up to 2e-2; TP=2 sums its all-reduce in another order. Measured
-    # on two H200s: 1.04e-2 at layer N (benchmarks/results/gpu/).
+    # on two H200s: 1.04e-2 at layer N (benchmarks/results/2026-11-30-gpu-vllm/).
     assert worst.max().item() < 2e-2, worst.tolist()
 
 

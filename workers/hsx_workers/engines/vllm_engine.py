@@ -46,7 +46,7 @@ SPOOL_TIMEOUT_S = 120.0
 SPOOL_POLL_S = 0.001  # how often the spool is read while a published file is awaited
 # Spool files looked at per round, oldest first: a round stops at the first one not yet
 # published, so copying every awaited name (~500 on 128-token rows) each millisecond was
-# the capture thread's largest cost (470 of its 1,072 samples, gpu-peer-6).
+# the capture thread's largest cost (470 of its 1,072 samples, 2026-12-02-gpu-peer-6).
 AWAIT_WINDOW = 64
 WHOLE_PREFILL_MIN_TOKENS = 4096  # per-step budget of a CPU engine without chunked prefill
 
@@ -318,7 +318,7 @@ class VllmEngine:
                 # first missing one the rest are (nearly always) missing too. A stat per
                 # file taken, not a read of the whole spool each round (the directory
                 # held ~500 names on 128-token rows and its reads took 171 of this
-                # thread's 434 samples on the H200, gpu-peer-4).
+                # thread's 434 samples on the H200, 2026-12-02-gpu-peer-4).
                 break
             if not taken:
                 # The connector publishes each file when its device-to-host copy is
