@@ -35,7 +35,6 @@ def _spec(model: Path, dataset: ChatDataset, output: Path, template: str) -> dic
 
 def test_templates_that_never_end_are_refused_while_the_api_answers(
     coordinator: SecuredCoordinator, tiny_llama: Path, chat_dataset: ChatDataset,
-    tmp_path: Path,
 ) -> None:
     admin = coordinator.client(coordinator.users.admin)
     before = {job.id for job in admin.list()}
@@ -44,8 +43,8 @@ def test_templates_that_never_end_are_refused_while_the_api_answers(
     def submit(name: str, template: str) -> None:
         started = time.monotonic()
         try:
-            coordinator.client().submit(_spec(tiny_llama, chat_dataset, tmp_path / name,
-                                              template))
+            coordinator.client().submit(_spec(tiny_llama, chat_dataset,
+                                              coordinator.folder("alice", name), template))
             outcomes[name] = "queued"
         except Exception as err:  # the assertions below say what was expected
             outcomes[name] = err
