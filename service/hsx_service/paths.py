@@ -27,8 +27,8 @@ dataset's card may name local files of its own.
 A refusal names the field and the value as the job gave it, and the roots as the
 operator wrote them: never where a path resolves to (a link's target is the server's
 business, not the submitter's). A local path inside the roots that cannot be looked at
-(a symlink loop, a folder without permission) is refused naming the field, with the
-reason but not the path.
+(a symlink loop, a folder without permission) is refused naming the field and the
+reason, not where it leads.
 
 What this cannot do: a path that is swapped for a symlink after the check (a race with
 someone who can already write inside an allowed root) is not caught here.
