@@ -63,7 +63,7 @@ from benchmarks.common import (
     verdict,
 )
 
-TOKEN = "bench-token"
+TOKEN = "bench-token-0123456789"
 TARGETS = {"errors": 0, "p99_ms": 100.0, "tokens_per_s_ratio": 0.95}
 
 

@@ -49,7 +49,7 @@ from typing import Any
 
 from benchmarks.gpu.bench_vllm import SHAPE_8B, Bench, log, machine
 
-TOKEN = "bench-product"
+TOKEN = "bench-product-0123456789"
 
 
 def verifier_weights(model: Path) -> None:

@@ -24,14 +24,25 @@ unit of an epoch before its own, or one its checkpoint already holds.
 One node: the engines, the trainer and the driver share the stream's folder. This module
 is the one owner of the stream's layout; the driver (hsx_service.online) and the trainer
 (hsx_workers.trainer.data) use it.
+
+The stream is private to the user who runs the job: its folder is found again from the
+output (a restarted coordinator resumes into it), so its name is predictable, and it
+lies in a folder only that user may write (`stream_root`: `/dev/shm/hsx-stream-<uid>`).
+Whoever writes the stream (`Stream.open`, and each file the driver or trainer writes)
+makes the folders as they must be or refuses to use them (`StreamFolderError`): a root
+or stream folder that is a symlink, another user's, or writable by others (the stream
+folder: open to others at all) is never written into, so no one else of the machine
+reads the captured states or plants units for the trainer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -59,15 +70,39 @@ def split_unit(stream: int) -> tuple[int, int]:
 
 
 def stream_root() -> Path:
-    """Where streams live: $HSX_STREAM_DIR, else /dev/shm/hsx-stream (memory), else the
-    temporary folder."""
+    """Where this user's streams live: $HSX_STREAM_DIR, else a folder of theirs in
+    /dev/shm (memory), else in the temporary folder (`hsx-stream-<uid>`)."""
     named = settings.STREAM_DIR.get()
     if named is not None:
         return named
     shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm / "hsx-stream"
-    return Path(tempfile.gettempdir()) / "hsx-stream"
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"hsx-stream-{os.geteuid()}"
+
+
+class StreamFolderError(RuntimeError):
+    """A stream's folder (or the folder of streams) that others could read or write."""
+
+
+def _own_folder(path: Path, *, others_may_read: bool) -> None:
+    """Make `path` a folder of this user's (0700), or check the one there: a real
+    folder, not a link, this user's, not writable by others (nor open to them at all
+    unless `others_may_read`). StreamFolderError otherwise."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        problem = "is a symlink or not a folder"
+    elif info.st_uid != os.geteuid():
+        problem = f"belongs to another user (uid {info.st_uid})"
+    elif info.st_mode & (0o022 if others_may_read else 0o077):
+        problem = f"is open to other users (mode {stat.S_IMODE(info.st_mode):04o})"
+    if problem is not None:
+        raise StreamFolderError(
+            f"the online stream's folder {path} {problem}: hsx writes captured states "
+            f"only into a folder of its user's own. Remove it, or point {STREAM_DIR_ENV} "
+            "at a folder of yours")
 
 
 @dataclass
@@ -84,7 +119,8 @@ class Stream:
 
     def __init__(self, location: str, root: Path | None = None) -> None:
         digest = hashlib.sha256(location.encode()).hexdigest()[:16]
-        self.path = (root or stream_root()) / digest
+        self.root = root or stream_root()
+        self.path = self.root / digest
         self.location = location
 
     def __repr__(self) -> str:
@@ -94,14 +130,22 @@ class Stream:
         """The stream as an Output (what the engines commit into)."""
         from hsx.output import Output
 
+        self._private()
         return Output(self.path)
 
     def open(self, manifest_json: str) -> None:
-        """Create the folder with a copy of the output's manifest (readers check shards
-        against it)."""
+        """Create the folder (this user's only) with a copy of the output's manifest
+        (readers check shards against it); the folder of a resumed job is taken again
+        if it is this user's own. StreamFolderError otherwise."""
         from hsx.output.layout import MANIFEST
 
+        self._private()
         replace_output_file(self.path / MANIFEST, manifest_json)
+
+    def _private(self) -> None:
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        _own_folder(self.root, others_may_read=True)
+        _own_folder(self.path, others_may_read=False)
 
     def committed(self) -> set[int]:
         """Stream units committed and not yet taken by the trainer."""
@@ -161,6 +205,7 @@ class Stream:
         shutil.rmtree(self.path, ignore_errors=True)
 
     def _write(self, name: str, body: dict[str, Any]) -> None:
+        self._private()
         replace_output_file(self.path / name, json.dumps(body))
 
     def _read(self, name: str) -> dict[str, Any] | None:

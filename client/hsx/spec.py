@@ -534,9 +534,10 @@ class JobSpec(BaseModel):
     ray_address: str | None = Field(
         None,
         description=(
-            "Ray cluster address. None: `RAY_ADDRESS`, else the cluster a `ray start "
-            "--head` runs on this machine (joined, and said), else a private local Ray; "
-            "`local`: a private local Ray whatever runs here."
+            "Ray cluster address, for `hsx extract` (a coordinator runs jobs on its own "
+            "Ray and refuses a submitted job that sets it). None: `RAY_ADDRESS`, else the "
+            "cluster a `ray start --head` runs on this machine (joined, and said), else a "
+            "private local Ray; `local`: a private local Ray whatever runs here."
         ),
     )
     trust_remote_code: bool = Field(False, description="Allow the model's own Python code.")

@@ -9,10 +9,13 @@ has no API token accepts any dataset and output path (the laptop case: whoever c
 it already owns the files). A server that is exposed — a non-loopback host, or an API
 token, which means it is meant to be shared — restricts paths to the directory it was
 started in, so forgetting the setting never opens the whole file system. Set
-`HSX_ALLOWED_ROOTS` (a JSON list, or paths separated by `:` or `,`) to choose.
+`HSX_ALLOWED_ROOTS` (a JSON list, or paths separated by `:` or `,`) to choose. With
+users, each user reads and writes only their own folder in each root (`<root>/<user>`,
+or what the tokens file gives them: users.py); admins the whole roots; everyone also
+reads `HSX_READ_ROOTS` (a shared folder of models and datasets).
 
 Who may call: no token (the laptop case, loopback only), one token (`HSX_API_TOKEN`, one
-user named `token`), a tokens file (`HSX_TOKENS_FILE`: each token with its user name and
+user named `operator`), a tokens file (`HSX_TOKENS_FILE`: each token with its user name and
 whether that user is an admin), or a header set by an authenticating proxy in front
 (`HSX_USER_HEADER`). A server on a non-loopback address with none of these refuses to
 start unless `HSX_ALLOW_OPEN=1` says so (docs/SECURITY.md).
@@ -27,7 +30,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_PORT = 8642
@@ -80,10 +83,21 @@ class Settings(BaseSettings):
             "in. A JSON list, or entries separated by `,` (or `:` between local paths)."
         ),
     )
+    read_roots: Annotated[list[Path | str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Directories and bucket prefixes every caller's jobs may read (models, "
+            "tokenizers, datasets) but not write: a shared dataset root beside the users' "
+            "own. Written as HSX_ALLOWED_ROOTS is."
+        ),
+    )
     api_token: str | None = Field(
         None,
         repr=False,
-        description="Bearer token every /v1 call must carry; None leaves the API open.",
+        description=(
+            "Bearer token every /v1 call must carry (at least 16 characters); None leaves "
+            "the API open."
+        ),
     )
     allow_trust_remote_code: bool = Field(
         False, description="Accept jobs with trust_remote_code: true (runs the model's code)."
@@ -166,8 +180,11 @@ class Settings(BaseSettings):
         None,
         description=(
             "YAML or JSON file of API tokens, one entry per user: `{token: ..., user: ..., "
-            "admin: false}` in a list under `tokens:`. Each user sees and changes only "
-            "their own jobs; admins all. Read at start."
+            "admin: false}` in a list under `tokens:`, optionally with the user's `roots` "
+            "(read and write) and `read_roots` (read only). Each user sees and changes only "
+            "their own jobs, and writes only in their roots (by default their own folder "
+            "in each allowed root); admins all. Read at start: a file with no token, a "
+            "token under 16 characters or a placeholder stops the start."
         ),
     )
     user_header: str | None = Field(
@@ -220,29 +237,32 @@ class Settings(BaseSettings):
     def _expand_ledger(cls, path: Path) -> Path:
         return path.expanduser()
 
-    @field_validator("allowed_roots", mode="before")
+    @field_validator("allowed_roots", "read_roots", mode="before")
     @classmethod
-    def _split_roots(cls, value: Any) -> Any:
+    def _split_roots(cls, value: Any, info: ValidationInfo) -> Any:
         # The environment gives a string; a JSON list and a PATH-like list both make sense.
         if not isinstance(value, str):
             return value
         text = value.strip()
         if not text:
-            return None  # `HSX_ALLOWED_ROOTS=` means unset, as for the token
+            # `HSX_ALLOWED_ROOTS=` means unset, as for the token
+            return None if info.field_name == "allowed_roots" else []
         if text.startswith("["):
             return json.loads(text)
         # `:` separates local paths; inside `s3://...` it is the scheme's.
         parts = re.split(rf",|{re.escape(os.pathsep)}(?!//)", text)
         return [part for part in parts if part]
 
-    @field_validator("allowed_roots")
+    @field_validator("allowed_roots", "read_roots")
     @classmethod
     def _absolute_roots(cls, roots: list[Path | str] | None) -> list[Path | str] | None:
+        # As written (absolute, `~` expanded): refusals show them so, and each check
+        # resolves them anew (paths.py).
         if roots is None:
             return None
-        from hsx_service.paths import normalize_root
+        from hsx_service.paths import root_as_given
 
-        return [normalize_root(root) for root in roots]
+        return [root_as_given(root) for root in roots]
 
     @field_validator("engine_options", "allowed_hosts", "admins", mode="before")
     @classmethod

@@ -28,7 +28,7 @@ from hsx_service.board import StatusBoard
 from hsx_service.config import Settings
 from hsx_service.errors import NotReady
 from hsx_service.throttle import Checks
-from hsx_service.users import EVERYONE, Caller, TokenTable, Unauthorized, check_name
+from hsx_service.users import ANONYMOUS, Caller, TokenTable, Unauthorized, caller, check_name
 
 
 class SchedulerAPI(Protocol):
@@ -101,19 +101,19 @@ async def authenticate(
             user = check_name(name, settings.user_header)
         except ValueError as err:
             raise Unauthorized(str(err)) from None
-        return Caller(user, admin=user in settings.admins)
+        return caller(user, user in settings.admins, settings)
     tokens: TokenTable = request.app.state.tokens
     if not tokens:
-        return EVERYONE
+        return caller(ANONYMOUS, True, settings)
     given: str | None = credentials.credentials if credentials is not None else None
     if given is None and request.method == "GET":
         given = request.query_params.get("access_token")
     if given is None:
         raise Unauthorized("this server needs an API token: send Authorization: Bearer <token>")
-    caller = tokens.caller(given)
-    if caller is None:
+    found = tokens.caller(given)
+    if found is None:
         raise Unauthorized("wrong API token")
-    return caller
+    return found
 
 
 async def get_checks(request: Request) -> Checks:

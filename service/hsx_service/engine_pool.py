@@ -8,7 +8,8 @@ have their GPUs (placement.py), each in a placement group of its own (`engine_bu
 `engine_resources` and `in_group` say what the process that builds the engine takes in
 it, for the draft's evaluation too: training.py). When a job ends the pool parks its
 engines (idle, kept warm) and stops the idle ones when something waits for their GPUs.
-`ensure_ray` connects Ray, or starts a local one sized so a job's engines fit.
+`ensure_ray` connects Ray, or starts a local one sized so a job's engines fit, its
+authentication token in an owner-only file (`private_ray_token`).
 
 Who calls what: the job driver (runner.py) asks the pool for a job's slots and parks them
 after; the dispatcher (dispatch.py) feeds the slots units, up to DISPATCH_DEPTH each; the
@@ -21,8 +22,10 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hsx import settings
@@ -71,11 +74,48 @@ def _init_ray(ray: Any, kwargs: dict[str, Any]) -> None:
                            attempt + 1, RAY_START_ATTEMPTS)
 
 
+def private_ray_token(*, make: bool) -> Path | None:
+    """The file of Ray's authentication token, owner-only (0600): its mode narrowed when
+    others may read it, and, with `make` (a local Ray is about to start), made here when
+    missing as Ray makes it (32 random bytes as hex), in an owner-only folder. None where
+    Ray reads no file (`RAY_AUTH_TOKEN` set, or `RAY_AUTH_MODE=disabled`).
+
+    Ray 2.60 turns token authentication on for a local cluster that `ray.init()` starts
+    and writes the token to `~/.ray/auth_token` with the umask's mode (0644): any user of
+    the machine could read it and run code on the cluster."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled" or os.environ.get(
+            "RAY_AUTH_TOKEN"):
+        return None
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not make and not path.exists():
+        return None
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        info = os.stat(path)
+        if info.st_uid == os.geteuid() and info.st_mode & 0o077:
+            os.chmod(path, 0o600)
+            logger.warning("Ray's token file %s was readable by other users; now 0600", path)
+        return path
+    with os.fdopen(fd, "w") as token:
+        token.write(secrets.token_hex(32))
+    return path
+
+
 def ensure_ray(address: str | None, cpus_needed: int) -> None:
     import ray
 
     if ray.is_initialized():
         return
+    # A local Ray may start (or a `ray start` cluster of this machine be joined, which
+    # takes the token as well): its token file is made owner-only before Ray makes it.
+    local = address == LOCAL_RAY or (not address and not os.environ.get("RAY_ADDRESS"))
+    private_ray_token(make=local)
+    if local and os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        logger.warning("RAY_AUTH_MODE=disabled: the local Ray started here lets anyone who "
+                       "reaches its ports run code on it")
     kwargs: dict[str, Any] = {
         "ignore_reinit_error": True,
         "include_dashboard": False,

@@ -73,9 +73,9 @@ _FALLBACK_INDEX = """<!doctype html>
 def create_app(settings: Settings | None = None, scheduler: Any | None = None) -> FastAPI:
     """The app for `settings` (default: from the environment), driving `scheduler`.
 
-    ValueError when the tokens file cannot be used."""
+    ValueError when a token or the tokens file cannot be used."""
     settings = settings if settings is not None else Settings()
-    tokens = TokenTable.load(settings.api_token, settings.tokens_file)
+    tokens = TokenTable.load(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -238,7 +238,11 @@ def _log_exposure(settings: Settings) -> None:
     if roots is None:
         log.info("datasets and outputs may be anywhere (loopback server without a token)")
     else:
-        log.info("datasets and outputs must lie in: %s", ", ".join(map(str, roots)))
+        log.info("datasets and outputs must lie in: %s%s", ", ".join(map(str, roots)),
+                 " (a user's: their own folder in each, unless the tokens file gives them "
+                 "roots)" if settings.authenticates else "")
+    if settings.read_roots:
+        log.info("every caller may read: %s", ", ".join(map(str, settings.read_roots)))
     if settings.open_to_all:
         log.warning(
             "listening on %s without an API token (HSX_ALLOW_OPEN): anyone who reaches it "

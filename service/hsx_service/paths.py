@@ -14,13 +14,21 @@ inside `s3://b/data`; `.`, `..` and empty segments are refused (storage keys hav
 Any other scheme is refused while roots are set. Bucket names are checked for their
 form (lowercase letters, digits, `.` and `-`, 3 to 63 characters) whatever the roots.
 
-Every path a job names is judged: the dataset (and each file a folder dataset will be
-read from, symlinks resolved, so a link inside an allowed folder cannot reach
-`/etc/shadow`), the output, the model, the tokenizer, and the vLLM options that name
-paths (`ENGINE_PATH_OPTIONS`, when the operator allows them). A hub id (a model or
-dataset that names no local path: `is_model_hub_id`, `hsx.ingest.is_hub_id`) reads
-nothing below the roots; it is accepted only where the operator allows the hub
-(`Settings.hub_allowed`): a hub dataset's card may name local files of its own.
+Roots are per caller (`Roots`, which users.py gives each caller): the folders and
+prefixes their jobs may write, and those they may only read. What a job reads — the
+dataset (and each file a folder dataset will be read from, symlinks resolved, so a link
+inside an allowed folder cannot reach `/etc/shadow`), the model, the tokenizer and the
+vLLM options that name files to read — must lie in either; what it writes — the output,
+and `download_dir` — in the first. A hub id (a model or dataset that names no local
+path: `is_model_hub_id`, `hsx.ingest.is_hub_id`) reads nothing below the roots; it is
+accepted only where the operator allows the hub (`Settings.hub_allowed`): a hub
+dataset's card may name local files of its own.
+
+A refusal names the field and the value as the job gave it, and the roots as the
+operator wrote them: never where a path resolves to (a link's target is the server's
+business, not the submitter's). A local path inside the roots that cannot be looked at
+(a symlink loop, a folder without permission) is refused naming the field and the
+reason, not where it leads.
 
 What this cannot do: a path that is swapped for a symlink after the check (a race with
 someone who can already write inside an allowed root) is not caught here.
@@ -32,6 +40,7 @@ import os
 import re
 import urllib.parse
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.spec import DatasetSpec, JobSpec
@@ -66,8 +75,10 @@ OBJECT_SCHEMES = ("s3", "gs", "az")
 # a key or an endpoint could be confused with (`..`, `/`, upper case, `@`) never passes.
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 # vLLM engine options that name local paths: checked against the roots when the
-# operator lets jobs set them (hsx's own list of engine options has none).
+# operator lets jobs set them (hsx's own list of engine options has none). The engine
+# writes into `download_dir` (a hub model's files) and reads the others.
 ENGINE_PATH_OPTIONS = ("download_dir", "hf_config_path", "quantization_param_path")
+ENGINE_WRITE_OPTIONS = frozenset({"download_dir"})
 
 
 def bucket_location(field: str, value: str) -> tuple[str, str, tuple[str, ...]] | None:
@@ -90,20 +101,69 @@ def bucket_location(field: str, value: str) -> tuple[str, str, tuple[str, ...]] 
     return scheme.lower(), bucket, segments
 
 
-def normalize_root(root: str | Path) -> str | Path:
-    """A root as checks compare it: a bucket URI normalized, a local path resolved."""
+def root_as_given(root: str | Path, where: str = "allowed root") -> str | Path:
+    """A root as the operator wrote it, in one spelling: a bucket URI normalized
+    (`s3://bucket/prefix`), a local folder absolute with `~` expanded (its symlinks are
+    resolved at each check, `normalize_root`). ValueError naming `where` otherwise."""
     text = os.fspath(root)
     try:
-        location = bucket_location("allowed root", text)
+        location = bucket_location(where, text)
     except JobRefused as err:
         raise ValueError(str(err)) from None
     if location is not None:
         scheme, bucket, segments = location
         return f"{scheme}://{bucket}" + "".join(f"/{seg}" for seg in segments)
-    candidates = local_candidates("allowed root", text)
+    try:
+        candidates = local_candidates(where, text)
+    except JobRefused as err:
+        raise ValueError(str(err)) from None
     if candidates is None:
-        raise ValueError(f"allowed root {text!r}: use a directory, file:// or s3://bucket/prefix")
-    return resolve(candidates[0])
+        raise ValueError(f"{where} {text!r}: use a directory, file:// or s3://bucket/prefix")
+    return Path(os.path.abspath(os.path.expanduser(candidates[0])))
+
+
+def normalize_root(root: str | Path) -> str | Path:
+    """A root as checks compare it: a bucket URI normalized, a local path resolved."""
+    given = root_as_given(root)
+    return given if isinstance(given, str) else resolve(given)
+
+
+def below_root(root: str | Path, name: str) -> str | Path:
+    """The folder or prefix `name` inside `root` (as `root_as_given` spells it)."""
+    if isinstance(root, Path):
+        return root / name
+    return f"{root.rstrip('/')}/{name}"
+
+
+@dataclass(frozen=True)
+class Roots:
+    """Where one caller's jobs may read and write: local folders and bucket prefixes as
+    the operator wrote them (`root_as_given`), resolved at each check.
+
+    `write` holds what a job may write and read (its output), `read` what it may only
+    read besides (models, tokenizers, datasets). `who` names the caller in refusals;
+    None for the server's own roots (an admin's, the operator's)."""
+
+    write: tuple[str | Path, ...]
+    read: tuple[str | Path, ...] = ()
+    who: str | None = None
+
+    @property
+    def readable(self) -> tuple[str | Path, ...]:
+        return (*self.write, *self.read)
+
+    def check_read(self, field: str, value: str) -> None:
+        """Refuse (naming `field`) a path a job would read outside these roots."""
+        check_path(field, value, self.readable, self._outside("read"))
+
+    def check_write(self, field: str, value: str) -> None:
+        """Refuse (naming `field`) a path a job would write outside these roots."""
+        check_path(field, value, self.write, self._outside("write"))
+
+    def _outside(self, verb: str) -> str:
+        if self.who is None:
+            return "the server's allowed roots"
+        return f"the roots {self.who} may {verb}"
 
 
 def resolve(path: str | Path) -> Path:
@@ -120,10 +180,12 @@ def within(path: Path, root: Path) -> bool:
     return path == root or path.is_relative_to(root)
 
 
-def check_path(field: str, value: str, roots: Sequence[str | Path]) -> None:
-    """Raise JobRefused (naming `field`) unless every reading of `value` is inside a root."""
+def check_path(field: str, value: str, roots: Sequence[str | Path],
+               outside: str = "the server's allowed roots") -> None:
+    """Raise JobRefused (naming `field`) unless every reading of `value` is inside a root
+    and can be looked at. `outside` says whose roots they are, in the refusal."""
+    allowed = f"{outside} ({', '.join(str(root_as_given(root)) for root in roots) or 'none'})"
     normalized = [normalize_root(root) for root in roots]
-    allowed = ", ".join(str(root) for root in normalized) or "none"
     location = bucket_location(field, value)
     if location is not None:
         for root in normalized:
@@ -132,22 +194,33 @@ def check_path(field: str, value: str, roots: Sequence[str | Path]) -> None:
                 location[2][: len(inside[2])] == inside[2]
             ):
                 return
-        raise JobRefused(f"{field}: {value} is outside the server's allowed roots ({allowed})")
+        raise JobRefused(f"{field}: {value} is outside {allowed}")
     if "://" in value and not value.startswith(FILE_SCHEME):
         raise JobRefused(
-            f"{field}: {value}: only local paths, file:// and bucket URIs inside the "
-            f"server's allowed roots ({allowed}) are accepted"
+            f"{field}: {value}: only local paths, file:// and bucket URIs inside {allowed} "
+            "are accepted"
         )
     candidates = local_candidates(field, value) or []
     local_roots = [root for root in normalized if isinstance(root, Path)]
     for candidate in candidates:
-        real = resolve(candidate)
-        if any(within(real, root) for root in local_roots):
-            continue
-        where = f" (resolves to {real})" if str(real) != candidate else ""
-        raise JobRefused(
-            f"{field}: {value}{where} is outside the server's allowed roots ({allowed})"
-        )
+        if not any(within(resolve(candidate), root) for root in local_roots):
+            # Where it resolves to is not said: a link's target is the server's business.
+            raise JobRefused(f"{field}: {value} is outside {allowed}")
+    for candidate in candidates:
+        _check_readable(field, value, candidate)
+
+
+def _check_readable(field: str, value: str, candidate: str) -> None:
+    """Refuse a path inside the roots that cannot be looked at (a symlink loop, a folder
+    without permission), naming the field and the reason; one that does not exist yet
+    passes (an output to make; a missing input is the preflight's to name)."""
+    try:
+        os.stat(os.path.expanduser(candidate))
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise JobRefused(f"{field}: {value} cannot be read here "
+                         f"({err.strerror or type(err).__name__})") from None
 
 
 def is_model_hub_id(value: str) -> bool:
@@ -164,22 +237,23 @@ def _hub_refused(field: str, value: str) -> JobRefused:
         "allowed roots (its operator can allow the hub with HSX_ALLOW_HUB=1)")
 
 
-def check_model_path(field: str, value: str, roots: Sequence[str | Path] | None, *,
+def check_model_path(field: str, value: str, roots: Roots | None, *,
                      hub_allowed: bool) -> None:
     """A model or tokenizer: a hub id only where the hub is allowed, else a local path
-    inside the roots."""
+    inside the roots the caller may read (None: anywhere)."""
     if is_model_hub_id(value):
         if not hub_allowed:
             raise _hub_refused(field, value)
         return
     if roots is not None:
-        check_path(field, value, roots)
+        roots.check_read(field, value)
 
 
-def check_dataset_path(field: str, dataset: str | DatasetSpec,
-                       roots: Sequence[str | Path] | None, *, hub_allowed: bool = True) -> None:
-    """`check_path` for a dataset (a path, or path and split) and for every local file
-    it will be read from; a hub id only where the hub is allowed."""
+def check_dataset_path(field: str, dataset: str | DatasetSpec, roots: Roots | None, *,
+                       hub_allowed: bool = True) -> None:
+    """A dataset (a path, or path and split) and every local file it will be read from
+    inside the roots the caller may read (None: anywhere); a hub id only where the hub
+    is allowed."""
     from hsx.ingest import is_hub_id
 
     path = dataset.path if isinstance(dataset, DatasetSpec) else dataset
@@ -189,32 +263,37 @@ def check_dataset_path(field: str, dataset: str | DatasetSpec,
         return
     if roots is None:
         return
-    check_path(field, path, roots)
-    for file in _local_files(dataset):
-        check_path(field, str(file), roots)
+    roots.check_read(field, path)
+    for file in _local_files(field, dataset):
+        roots.check_read(field, str(file))
 
 
-def _local_files(dataset: str | DatasetSpec) -> list[Path]:
+def _local_files(field: str, dataset: str | DatasetSpec) -> list[Path]:
     """The local files a dataset is read from (a folder's, after choosing its split);
-    none for a bucket or a dataset that cannot be resolved (the preflight says why)."""
+    none for a bucket or a dataset that cannot be resolved (the preflight says why).
+    JobRefused naming `field` when the folder cannot be listed."""
     from hsx.ingest import DatasetError, resolve_source
     from hsx.ingest.sources import FilesSource
 
     try:
         source = resolve_source(dataset)
-    except (DatasetError, OSError, ValueError):
+    except (DatasetError, ValueError):
         return []
+    except OSError as err:
+        path = dataset.path if isinstance(dataset, DatasetSpec) else dataset
+        raise JobRefused(f"{field}: {path} cannot be read here "
+                         f"({err.strerror or type(err).__name__})") from None
     if not isinstance(source, FilesSource):
         return []
     read = {*source.files, *source.fingerprinted}
     return sorted(file.path for file in read if file.path is not None)
 
 
-def check_job_paths(spec: JobSpec, roots: Sequence[str | Path] | None, *,
-                    hub_allowed: bool = True) -> None:
-    """Refuse a job that names a path outside `roots` (None: no restriction) or a hub id
-    where the hub is not allowed. Covers the model, the tokenizer, the dataset and its
-    files, the output and the vLLM options that name paths."""
+def check_job_paths(spec: JobSpec, roots: Roots | None, *, hub_allowed: bool = True) -> None:
+    """Refuse a job that names a path outside the caller's `roots` (None: no
+    restriction) or a hub id where the hub is not allowed. Covers what the job reads
+    (the dataset and its files, the model, the tokenizer, the vLLM options that name
+    files) and what it writes (the output, `download_dir`)."""
     bucket_location("dataset", spec.dataset_spec.path)  # a bucket's name, whatever the roots
     bucket_location("output", spec.output)
     if roots is None and hub_allowed:
@@ -225,9 +304,13 @@ def check_job_paths(spec: JobSpec, roots: Sequence[str | Path] | None, *,
         check_model_path("tokenizer", spec.tokenizer, roots, hub_allowed=hub_allowed)
     if roots is None:
         return
-    check_path("output", spec.output, roots)
+    roots.check_write("output", spec.output)
     options = spec.vllm.engine_args()
     for name in ENGINE_PATH_OPTIONS:
         value = options.get(name)
-        if isinstance(value, str):
-            check_path(f"vllm.{name}", value, roots)
+        if not isinstance(value, str):
+            continue
+        if name in ENGINE_WRITE_OPTIONS:
+            roots.check_write(f"vllm.{name}", value)
+        else:
+            roots.check_read(f"vllm.{name}", value)

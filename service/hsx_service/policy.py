@@ -11,8 +11,11 @@ submit route before the scheduler sees a job, and refuses (422, the field named)
   any callable; `model_class_overrides`, `compilation_config.backend`, `worker_cls`
   name classes to import), so the list says what is allowed rather than what is not.
   An operator extends it with `HSX_ENGINE_OPTIONS`, never a job;
-- any path outside the allowed roots, and hub ids where the hub is not allowed
-  (paths.check_job_paths).
+- `ray_address`: a coordinator runs every job on its own Ray (`HSX_RAY_ADDRESS`, its
+  operator's); a job that names another cluster is refused rather than silently run
+  elsewhere than it says;
+- any path outside the caller's roots (users.py gives each caller theirs), and hub ids
+  where the hub is not allowed (paths.check_job_paths).
 
 `hsx extract` runs none of this: it runs as its user, who may already run any code.
 """
@@ -27,6 +30,7 @@ from hsx.spec import JobSpec
 from hsx_service.config import Settings
 from hsx_service.errors import JobRefused
 from hsx_service.paths import check_job_paths
+from hsx_service.users import Caller
 
 # The vLLM engine options a job may set, with what each tunes (docs/SECURITY.md lists
 # them). Each takes a plain value (a string, a number, a boolean); none names code or a
@@ -93,8 +97,14 @@ def engine_options_problem(options: dict[str, Any], extra: Iterable[str] = ()) -
     return None
 
 
-def vet_spec(spec: JobSpec, settings: Settings) -> None:
-    """The server's policy on a job, checked before the scheduler sees it."""
+def vet_spec(spec: JobSpec, settings: Settings, caller: Caller) -> None:
+    """The server's policy on a job `caller` submits, checked before the scheduler sees
+    it."""
+    if spec.ray_address is not None:
+        raise JobRefused(
+            "ray_address: this coordinator runs every job on its own Ray cluster (its "
+            "operator's HSX_RAY_ADDRESS); leave ray_address out of a submitted job (it is "
+            "for `hsx extract`)")
     if spec.trust_remote_code and not settings.allow_trust_remote_code:
         raise JobRefused(
             "trust_remote_code: this server does not run models' own code "
@@ -103,7 +113,7 @@ def vet_spec(spec: JobSpec, settings: Settings) -> None:
     problem = engine_options_problem(spec.vllm.engine_args(), settings.engine_options)
     if problem:
         raise JobRefused(f"vllm: {problem}")
-    check_job_paths(spec, settings.effective_roots(), hub_allowed=settings.hub_allowed)
+    check_job_paths(spec, caller.roots, hub_allowed=settings.hub_allowed)
 
 
 # Keys whose values are kept out of statuses, logs and metrics.

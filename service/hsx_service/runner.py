@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsx import __version__
-from hsx.online import STREAM_DIR_ENV, Stream
+from hsx.online import STREAM_DIR_ENV, Stream, StreamFolderError
 from hsx.output import OutputCorrupt, OutputTotals, StorageError
 from hsx.output.shards.encoding import HIDDEN_DTYPE, NUMPY_DTYPES
 from hsx.output.storage import is_disk_full
@@ -229,13 +229,17 @@ def execute(
 
 def online_feed(job: PreparedJob) -> OnlineFeed:
     """The feed of an online job's units, its stream opened with the job's manifest;
-    JobRefused when the stream's file system cannot hold its buffer."""
+    JobRefused when the stream's file system cannot hold its buffer, or its folder is
+    not its user's own (hsx.online)."""
     spec = job.spec
     train = spec.train
     if train is None:
         raise RuntimeError("an online job has a train section")
     stream = Stream(job.output.location)
-    stream.open(job.manifest.to_json().decode())
+    try:
+        stream.open(job.manifest.to_json().decode())
+    except StreamFolderError as err:  # someone else's folder (or a link) at its name
+        raise JobRefused(f"train.online: {err}") from None
     width = NUMPY_DTYPES[HIDDEN_DTYPE[spec.storage_dtype]].itemsize
     per_token = len(job.layers) * job.manifest.hidden_size * width
     feed = OnlineFeed(stream, train.buffer_bytes, per_token)

@@ -48,7 +48,7 @@ from .helpers import by_sample, kill_tree, relative_error, worker_processes
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-of-the-tests"
 
 
 def _free_port() -> int:

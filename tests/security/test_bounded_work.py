@@ -47,7 +47,6 @@ def _spec(model: Path, dataset: ChatDataset, output: Path, template: str) -> dic
 
 def test_templates_that_never_end_are_refused_while_the_api_answers(
     coordinator: SecuredCoordinator, tiny_llama: Path, chat_dataset: ChatDataset,
-    tmp_path: Path,
 ) -> None:
     admin = coordinator.client(coordinator.users.admin)
     before = {job.id for job in admin.list()}
@@ -56,8 +55,8 @@ def test_templates_that_never_end_are_refused_while_the_api_answers(
     def submit(name: str, template: str) -> None:
         started = time.monotonic()
         try:
-            coordinator.client().submit(_spec(tiny_llama, chat_dataset, tmp_path / name,
-                                              template))
+            coordinator.client().submit(_spec(tiny_llama, chat_dataset,
+                                              coordinator.folder("alice", name), template))
             outcomes[name] = "queued"
         except Exception as err:  # the assertions below say what was expected
             outcomes[name] = err
@@ -144,7 +143,8 @@ def test_a_row_that_blows_up_past_the_sample_is_a_bad_row_while_the_api_answers(
     with health_probed(coordinator.url) as answered:
         # The submit's estimate samples the first 256 rows: the template passes it.
         job = client.submit({"model": str(tiny_llama), "dataset": str(data),
-                             "output": str(tmp_path / "out"), "layers": [1, 2, 3, 4],
+                             "output": str(coordinator.folder("alice", "out")),
+                             "layers": [1, 2, 3, 4],
                              "max_seq_len": 256, "unit_tokens": 1 << 20,
                              "chat_template_kwargs": {"chat_template": POWER_ON_BOOM}})
         final = client.wait(job.id, timeout=600)

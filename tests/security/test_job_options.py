@@ -1,7 +1,8 @@
-"""A job names data and tunes an engine; it never runs code nor reads outside the
-allowed roots. Each attack is a submit to the real coordinator of conftest.py, refused
-with 422 naming the field and the reason, before any engine starts and with nothing run
-or read."""
+"""A job names data and tunes an engine; it never runs code, reads outside its
+submitter's roots, nor runs on another Ray cluster than the coordinator's. Each attack
+is a submit to the real coordinator of conftest.py, refused with 422 naming the field
+and the reason (never where a path resolves to), before any engine starts and with
+nothing run or read."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_engine_options_that_load_code_are_refused(
         "handlers": {"h": {"()": "os.system", "command": f"touch {marker}"}},
         "root": {"handlers": ["h"]},
     }))
-    base = _spec(tiny_llama, chat_dataset, tmp_path / "out")
+    base = _spec(tiny_llama, chat_dataset, coordinator.folder("alice", "out"))
     attacks = {
         "log_config_file": str(log_config),
         "model_class_overrides": {"LlamaForCausalLM": "os.system"},
@@ -77,22 +78,23 @@ def test_paths_outside_the_roots_and_hub_ids_are_refused(
     coordinator: SecuredCoordinator, tiny_llama: Path, chat_dataset: ChatDataset,
     tmp_path: Path,
 ) -> None:
-    base = _spec(tiny_llama, chat_dataset, tmp_path / "out")
+    output = coordinator.folder("alice", "out")
+    base = _spec(tiny_llama, chat_dataset, output)
     # A folder dataset inside the roots whose file is a link to a file outside them.
     folder = tmp_path / "linked"
     folder.mkdir()
     (folder / "train.jsonl").symlink_to("/etc/passwd")
     (tmp_path / "passwd.jsonl").symlink_to("/etc/passwd")
-    (tmp_path / "elsewhere").symlink_to("/var/tmp", target_is_directory=True)
+    (output.parent / "elsewhere").symlink_to("/var/tmp", target_is_directory=True)
     outside_model = Path("/usr/share")  # exists, outside the roots
+    read, write = "is outside the roots alice may read", "is outside the roots alice may write"
     attacks = [
-        ("dataset", {"dataset": str(folder)}, "allowed roots"),
-        ("dataset", {"dataset": str(tmp_path / "passwd.jsonl")}, "allowed roots"),
-        ("dataset", {"dataset": f"file://{tmp_path}/%2e%2e/%2e%2e/%2e%2e/etc/passwd"},
-         "allowed roots"),
-        ("output", {"output": str(tmp_path / "elsewhere" / "out")}, "allowed roots"),
-        ("model", {"model": str(outside_model)}, "allowed roots"),
-        ("tokenizer", {"tokenizer": "/etc"}, "allowed roots"),
+        ("dataset", {"dataset": str(folder)}, read),
+        ("dataset", {"dataset": str(tmp_path / "passwd.jsonl")}, read),
+        ("dataset", {"dataset": f"file://{tmp_path}/%2e%2e/%2e%2e/%2e%2e/etc/passwd"}, read),
+        ("output", {"output": str(output.parent / "elsewhere" / "out")}, write),
+        ("model", {"model": str(outside_model)}, read),
+        ("tokenizer", {"tokenizer": "/etc"}, read),
         ("model", {"model": "meta-llama/Llama-3.1-8B-Instruct"}, "HSX_ALLOW_HUB"),
         ("tokenizer", {"tokenizer": "org/tokenizer"}, "HSX_ALLOW_HUB"),
         ("dataset", {"dataset": "HuggingFaceH4/ultrachat_200k"}, "HSX_ALLOW_HUB"),
@@ -103,8 +105,11 @@ def test_paths_outside_the_roots_and_hub_ids_are_refused(
         error = _refused(coordinator, {**base, **change})
         assert error.field == f"spec.{field}", change
         assert reason in error.message, (change, error.message)
+        # Where a link leads, and the server's resolved paths, are not the caller's.
+        assert "/etc/passwd" not in error.message.replace(change.get("dataset", ""), "")
+        assert "/var/tmp" not in error.message and "resolves" not in error.message
     headers = {"Authorization": f"Bearer {coordinator.token}"}
-    for body in ({"model": str(tmp_path / "elsewhere")}, {"model": "org/name"},
+    for body in ({"model": str(output.parent / "elsewhere")}, {"model": "org/name"},
                  {"model": str(tiny_llama), "dataset": str(folder)}):
         inspect = httpx.post(f"{coordinator.url}/v1/models/inspect", headers=headers,
                              json=body, timeout=60)
@@ -116,7 +121,7 @@ def test_paths_outside_the_roots_and_hub_ids_are_refused(
 
 def test_hostile_requests_are_refused(coordinator: SecuredCoordinator, tiny_llama: Path,
                                       chat_dataset: ChatDataset, tmp_path: Path) -> None:
-    base = _spec(tiny_llama, chat_dataset, tmp_path / "hostile")
+    base = _spec(tiny_llama, chat_dataset, coordinator.folder("alice", "hostile"))
     headers = {"Authorization": f"Bearer {coordinator.token}"}
     # Oversized bodies, declared or streamed without a length: 413 before any parsing.
     huge = {"spec": {**base, "name": "x" * (2 << 20)}}
@@ -143,3 +148,33 @@ def test_hostile_requests_are_refused(coordinator: SecuredCoordinator, tiny_llam
                         headers={**headers, "Host": "attacker.example:8642"})
     assert rebound.status_code == 421 and "attacker.example" in rebound.json()["message"]
     assert coordinator.client().ready()
+
+
+def test_a_job_cannot_send_the_coordinator_to_another_ray(
+    coordinator: SecuredCoordinator, tiny_llama: Path, chat_dataset: ChatDataset,
+) -> None:
+    """`ray_address` names a Ray cluster for `hsx extract`; a coordinator runs every job on
+    its own, so a submitted job that names one is refused, not run somewhere else."""
+    for address in ("ray://attacker.example:10001", "local", "auto"):
+        spec = _spec(tiny_llama, chat_dataset, coordinator.folder("alice", "out"),
+                     ray_address=address)
+        error = _refused(coordinator, spec)
+        assert error.field == "spec.ray_address", address
+        assert "this coordinator runs every job on its own Ray" in error.message
+
+
+def test_a_path_that_cannot_be_read_is_a_422_naming_the_field(
+    coordinator: SecuredCoordinator, tiny_llama: Path, chat_dataset: ChatDataset,
+) -> None:
+    """A symlink loop inside alice's own root, as each field: refused naming the field and
+    the reason, never an internal error."""
+    output = coordinator.folder("alice", "out")
+    loop = output.parent / "loop"
+    loop.symlink_to(loop)
+    for field, change in (("dataset", {"dataset": str(loop)}),
+                          ("model", {"model": str(loop)}),
+                          ("tokenizer", {"tokenizer": str(loop)}),
+                          ("output", {"output": str(loop / "out")})):
+        error = _refused(coordinator, {**_spec(tiny_llama, chat_dataset, output), **change})
+        assert error.field == f"spec.{field}", change
+        assert "cannot be read here (Too many levels of symbolic links)" in error.message

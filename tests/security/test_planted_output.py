@@ -91,7 +91,8 @@ def test_a_planted_output_is_refused_and_runs_no_code(
     tmp_path: Path, hostile_tokenizer: tuple[Path, Path],
 ) -> None:
     tokenizer, marker = hostile_tokenizer
-    job = _harmless(tiny_llama, chat_dataset, tmp_path / "planted")
+    # In alice's own root: whoever can write there (a shell on the node) plants it.
+    job = _harmless(tiny_llama, chat_dataset, coordinator.folder("alice", "planted"))
     plant_output(job, tokenizer)
     client = coordinator.client()
     wire = job.model_dump(mode="json", exclude_defaults=True)

@@ -1,6 +1,7 @@
 """Two users with their own tokens cannot see, cancel, retrain or overwrite each other's
-jobs; an admin sees both; secrets in a spec are shown to nobody; a user's queued jobs and
-bytes are limited. Against the real coordinator of conftest.py, with a real job."""
+jobs, nor read or write each other's files; an admin sees both; secrets in a spec are
+shown to nobody; a user's queued jobs and bytes are limited. Against the real
+coordinator of conftest.py, with a real job."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def small_chats(tmp_path_factory: pytest.TempPathFactory) -> ChatDataset:
 def alices_job(coordinator: SecuredCoordinator, tiny_llama: Path, small_chats: ChatDataset,
                tmp_path_factory: pytest.TempPathFactory) -> str:
     """Alice's job, run to its end, with a secret among its template's arguments."""
-    output = tmp_path_factory.mktemp("alice") / "out"
+    output = coordinator.folder("alice", "out")
     alice = coordinator.client()
     job = alice.submit(_spec(tiny_llama, small_chats.path, output,
                              chat_template_kwargs={"api_key": SECRET}), job_id="alices")
@@ -61,14 +62,16 @@ def test_another_users_job_is_not_there_for_bob(
                         headers={"Authorization": f"Bearer {coordinator.users.bob}"})
     for path in (f"/v1/jobs/{alices_job}/throughput", f"/v1/jobs/{alices_job}/train"):
         assert http.get(path).status_code == 404, path
-    # Her id and her output are not his to take: the same id, her output, a folder in it.
+    # Her id is not his to take; nor her output, a folder in it or around it: all lie
+    # in her own root, which he may not write.
+    with pytest.raises(ConflictError):
+        bob.submit(_spec(tiny_llama, small_chats.path, coordinator.folder("bob", "out")),
+                   job_id=alices_job)
     output = Path(alice_sees.output)
-    for spec, job_id in ((_spec(tiny_llama, small_chats.path, output.parent / "bob"), alices_job),
-                         (_spec(tiny_llama, small_chats.path, output), None),
-                         (_spec(tiny_llama, small_chats.path, output / "inside"), None),
-                         (_spec(tiny_llama, small_chats.path, output.parent), None)):
-        with pytest.raises(ConflictError):
-            bob.submit(spec, job_id=job_id)
+    for place in (output, output / "inside", output.parent):
+        with pytest.raises(JobRefusedError, match="is outside the roots bob may write") as no:
+            bob.submit(_spec(tiny_llama, small_chats.path, place))
+        assert no.value.field == "spec.output"
     # Nothing of hers changed: still hers, still succeeded, no training started.
     again = coordinator.client().get(alices_job)
     assert again.state == JobState.succeeded and again.owner == "alice"
@@ -126,16 +129,60 @@ def test_a_users_queue_and_bytes_are_limited(
     # More than the user quota (conftest.USER_QUOTA_BYTES) by the submit's estimate.
     big = make_chat_dataset(tmp_path / "big.jsonl", n=20000, seed=2)
     with pytest.raises(JobRefusedError, match="quota") as refused:
-        bob.submit(_spec(tiny_llama, big.path, tmp_path / "big-out"))
+        bob.submit(_spec(tiny_llama, big.path, coordinator.folder("bob", "big-out")))
     assert refused.value.field == "spec.output"
     # Queued and running jobs: bob's first MAX_ACTIVE_JOBS are taken, the next refused
     # (each runs for seconds: the first is still running when the last is submitted).
     medium = make_chat_dataset(tmp_path / "medium.jsonl", n=300, seed=3)
-    jobs = [bob.submit(_spec(tiny_llama, medium.path, tmp_path / f"q{i}"))
+    jobs = [bob.submit(_spec(tiny_llama, medium.path, coordinator.folder("bob", f"q{i}")))
             for i in range(MAX_ACTIVE_JOBS)]
     with pytest.raises(JobRefusedError, match="HSX_MAX_ACTIVE_JOBS"):
-        bob.submit(_spec(tiny_llama, small_chats.path, tmp_path / "one-too-many"))
+        bob.submit(_spec(tiny_llama, small_chats.path,
+                         coordinator.folder("bob", "one-too-many")))
     # Alice is not held up by bob's queue.
     assert coordinator.client().get(alices_job).owner == "alice"
     for job in jobs:
         bob.cancel(job.id)
+
+
+def test_alice_cannot_read_or_write_bobs_files(
+    coordinator: SecuredCoordinator, tiny_llama: Path, small_chats: ChatDataset,
+) -> None:
+    """Bob's folder is his: alice's job can neither read his dataset (named, through a
+    file:// URI, or through a link in her own folder) nor write its output there. Each
+    is refused naming the field, without saying where her link leads; nothing is
+    queued, and nothing appears in his folder."""
+    bobs = coordinator.homes / "bob"
+    bobs.mkdir(exist_ok=True)
+    private = bobs / "private.jsonl"
+    private.write_text(small_chats.path.read_text())
+    link = coordinator.folder("alice", "link.jsonl")
+    link.symlink_to(private)
+    before = sorted(p.name for p in bobs.iterdir())
+    admin = coordinator.client(coordinator.users.admin)
+    jobs = {job.id for job in admin.list()}
+    alice = coordinator.client()
+    mine = coordinator.folder("alice", "out")
+    for change, field, says in (
+            ({"dataset": str(private)}, "dataset", "is outside the roots alice may read"),
+            ({"dataset": f"file://{private}"}, "dataset", "is outside the roots alice may read"),
+            ({"dataset": str(link)}, "dataset", "is outside the roots alice may read"),
+            ({"output": str(bobs / "alice-out")}, "output",
+             "is outside the roots alice may write"),
+            # Reading is not writing: the shared root is read-only.
+            ({"output": str(coordinator.shared / "alice-out")}, "output",
+             "is outside the roots alice may write")):
+        with pytest.raises(JobRefusedError) as refused:
+            alice.submit({**_spec(tiny_llama, small_chats.path, mine), **change})
+        assert refused.value.field == f"spec.{field}", change
+        assert says in refused.value.message, (change, refused.value.message)
+        assert f"({coordinator.homes / 'alice'}" in refused.value.message  # her own roots
+    with pytest.raises(JobRefusedError) as linked:
+        alice.submit({**_spec(tiny_llama, small_chats.path, mine), "dataset": str(link)})
+    assert str(private) not in linked.value.message  # where her link leads is not said
+    inspect = httpx.post(f"{coordinator.url}/v1/models/inspect", timeout=60,
+                         headers={"Authorization": f"Bearer {coordinator.users.alice}"},
+                         json={"model": str(tiny_llama), "dataset": str(private)})
+    assert inspect.status_code == 422 and inspect.json()["field"] == "spec.dataset"
+    assert {job.id for job in admin.list()} == jobs
+    assert sorted(p.name for p in bobs.iterdir()) == before

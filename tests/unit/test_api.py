@@ -44,7 +44,7 @@ from hsx_service.errors import JobConflict, JobNotFound, JobRefused, NotReady
 from hsx_service.main import create_app
 from hsx_service.routes import jobs as jobs_routes
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-of-the-tests"
 
 
 class FakeScheduler:

@@ -5,7 +5,7 @@ What the manifests promise a team sharing the service is checked too: Ray's port
 connections only from the cluster's own pods and the coordinator's port only from the
 sources named, every container runs as the same non-root user without privilege
 escalation on a read-only root, the bucket Secret reaches only the containers that use
-it, and the coordinator cannot start without its token.
+it, and the coordinator cannot start without its token, nor with the example's.
 
 Kubernetes objects are checked with kubernetes-validate (Kubernetes' own JSON schemas,
 shipped in its wheel: no network) in strict mode, which refuses unknown fields as
@@ -34,7 +34,8 @@ from hsx_service.config import Settings
 from hsx_service.errors import JobRefused
 from hsx_service.main import create_app
 from hsx_service.metrics import METRICS, exposed_names
-from hsx_service.paths import check_job_paths
+from hsx_service.paths import Roots, check_job_paths
+from hsx_service.users import TokenTable
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -259,11 +260,11 @@ def test_the_shipped_roots_take_the_volume_and_the_bucket() -> None:
     def job(output: str) -> JobSpec:
         return JobSpec(model="m", dataset="/output/chats.jsonl", output=output)
 
-    check_job_paths(job(f"{buckets[0]}/jobs/chat-8b"), roots)
-    check_job_paths(job("/output/chat-8b"), roots)
+    check_job_paths(job(f"{buckets[0]}/jobs/chat-8b"), Roots(tuple(roots)))
+    check_job_paths(job("/output/chat-8b"), Roots(tuple(roots)))
     for outside in ("s3://another-bucket/x", "/etc/x"):
         with pytest.raises(JobRefused, match="output"):
-            check_job_paths(job(outside), roots)
+            check_job_paths(job(outside), Roots(tuple(roots)))
 
 
 # ----------------------------------------------------------------------- a shared service
@@ -474,6 +475,17 @@ def test_the_coordinator_never_serves_open() -> None:
     assert Settings(**literal, api_token="t").refusal_to_start() is None
     # Were the token missing after all, the exposed coordinator would not start.
     assert Settings(**literal).refusal_to_start() is not None
+
+
+def test_the_example_secret_cannot_be_used_as_it_is() -> None:
+    """secrets.example.yaml validates (a copy with real values is applied), but the
+    coordinator refuses to start with its placeholder token, naming it."""
+    (example,) = [doc for name, doc in documents()
+                  if name == "secrets.example.yaml" and doc["metadata"]["name"] == "hsx-api-token"]
+    placeholder = example["stringData"]["HSX_API_TOKEN"]
+    with pytest.raises(ValueError, match=r"^HSX_API_TOKEN .* is an example's placeholder"):
+        TokenTable.load(Settings(api_token=placeholder))
+    TokenTable.load(Settings(api_token="6f1c0e3a9b7d4c2e8f5a1b0c9d8e7f6a"))
 
 
 # ----------------------------------------------------------------------- the Grafana board

@@ -4,11 +4,13 @@ again when the trainer starts a run from a checkpoint."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
 
-from hsx.online import EPOCH_STRIDE, Stream, split_unit, stream_unit
+from hsx.online import EPOCH_STRIDE, Stream, StreamFolderError, split_unit, stream_unit
 from hsx.output.layout import commit_path, shard_path
 from hsx.plan import WorkUnit
 from hsx_service.online import OnlineFeed
@@ -30,7 +32,9 @@ def ids(units: list[WorkUnit]) -> list[tuple[int, int]]:
 
 @pytest.fixture
 def stream(tmp_path: Path) -> Stream:
-    return Stream("/data/out", root=tmp_path)
+    made = Stream("/data/out", root=tmp_path / "streams")
+    made.open("{}")  # as the driver does before any engine commits into it
+    return made
 
 
 def test_stream_units_name_their_epoch() -> None:
@@ -178,7 +182,7 @@ def test_the_stream_lives_in_memory_by_default(monkeypatch: pytest.MonkeyPatch,
     assert stream_root() == tmp_path
     monkeypatch.delenv(STREAM_DIR_ENV)
     if Path("/dev/shm").is_dir():
-        assert stream_root() == Path("/dev/shm/hsx-stream")
+        assert stream_root() == Path(f"/dev/shm/hsx-stream-{os.geteuid()}")
     # Two spellings of one output share one stream; two outputs do not.
     assert Stream("/a").path != Stream("/b").path
 
@@ -192,3 +196,43 @@ def test_what_the_trainer_needs_first_passes_a_buffer_of_later_epochs(stream: St
     stream.start_run(0, [0, 1])
     assert ids(feed.take(2)) == [(0, 2)]
     assert feed.take(2) == [] and feed.waiting_for is not None
+
+
+def test_a_stream_is_its_users_own(tmp_path: Path) -> None:
+    """Created owner-only in a root of the user's own; taken again by a resumed job; a
+    folder at its name that is a link, another user's or open to others is never used."""
+    root = tmp_path / "streams"
+    stream = Stream("/data/out", root=root)
+    stream.open("{}")
+    for folder in (root, stream.path):
+        info = os.lstat(folder)
+        assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.geteuid()
+    stream.set_trainer("running")
+    Stream("/data/out", root=root).open("{}")  # a restarted driver finds it again
+    assert Stream("/data/out", root=root).trainer() == {"state": "running"}
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    planted = Stream("/data/planted", root=root)
+    planted.path.symlink_to(elsewhere)
+    opened = Stream("/data/open", root=root)
+    opened.path.mkdir()
+    opened.path.chmod(0o755)
+    theirs = Stream("/data/theirs", root=root)
+    theirs.path.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        os.chown(theirs.path, 4242, 4242)
+    for hostile, says in ((planted, "is a symlink"), (opened, "is open to other users"),
+                          *([(theirs, "belongs to another user")] if os.geteuid() == 0
+                            else [])):
+        for write in (lambda s: s.open("{}"), lambda s: s.set_trainer("running"),
+                      lambda s: s.output()):
+            with pytest.raises(StreamFolderError, match=says):
+                write(hostile)
+    assert not list(elsewhere.iterdir()), "a unit or a file was written through the link"
+    # The root of the streams, too: others must not be able to write it.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(StreamFolderError, match=r"shared is open to other users \(mode 0777\)"):
+        Stream("/data/out", root=shared).open("{}")

@@ -1,4 +1,6 @@
-"""Allowed roots: a job's dataset and output must really land inside one of them."""
+"""Allowed roots: a job's dataset and output must really land inside one of them, what
+it writes inside the caller's write roots, and a refusal names the field, never where a
+path resolves to."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ import pytest
 
 from hsx.spec import DatasetSpec, JobSpec
 from hsx_service.errors import JobRefused, refused_field
-from hsx_service.paths import check_job_paths, check_path, local_candidates, resolve, within
+from hsx_service.paths import (
+    Roots,
+    check_job_paths,
+    check_path,
+    local_candidates,
+    resolve,
+    within,
+)
 
 
 @pytest.fixture
@@ -63,7 +72,8 @@ def test_prefix_of_a_root_is_not_inside_it(tree: dict[str, Path]) -> None:
 def test_symlinks_out_are_refused(tree: dict[str, Path]) -> None:
     data = tree["data"]
     message = refused(str(data / "link-out" / "new-output"), [data])
-    assert f"resolves to {tree['elsewhere']}" in message
+    # Where the link leads is the server's business, not the submitter's.
+    assert str(tree["elsewhere"]) not in message and "resolves" not in message
     refused(str(data / "file-link"), [data], field="dataset")
     refused(str(data / "dangling"), [data])  # a link to a path that does not exist yet
     refused(str(data / "dangling" / "sub"), [data])
@@ -108,13 +118,15 @@ def test_bucket_prefixes_as_roots(tree: dict[str, Path]) -> None:
     # Schemes that name neither are refused while roots are set.
     assert "only local paths, file:// and bucket URIs" in refused("http://host/x", roots)
     check_job_paths(JobSpec(model="m", dataset="s3://team/hs/data.jsonl",
-                            output="s3://team/hs/out"), roots)
+                            output="s3://team/hs/out"), Roots(tuple(roots)))
     # A bucket dataset is judged as a bucket output, with or without a split.
     split = DatasetSpec(path="s3://team/hs/ultrachat", split="train_sft")
-    check_job_paths(JobSpec(model="m", dataset=split, output="s3://team/hs/out"), roots)
+    check_job_paths(JobSpec(model="m", dataset=split, output="s3://team/hs/out"),
+                    Roots(tuple(roots)))
     with pytest.raises(JobRefused, match=r"^dataset: s3://team/x/ultrachat is outside"):
         check_job_paths(JobSpec(model="m", dataset=split.model_copy(
-            update={"path": "s3://team/x/ultrachat"}), output="s3://team/hs/out"), roots)
+            update={"path": "s3://team/x/ultrachat"}), output="s3://team/hs/out"),
+            Roots(tuple(roots)))
 
 
 def test_a_hub_dataset_reads_no_path(tree: dict[str, Path],
@@ -123,11 +135,11 @@ def test_a_hub_dataset_reads_no_path(tree: dict[str, Path],
     data = tree["data"]
     hub = JobSpec(model="m", dataset=DatasetSpec(path="org/chats", split="train"),
                   output=str(data / "out"))
-    check_job_paths(hub, [data])
+    check_job_paths(hub, Roots((data,)))
     # A relative path that exists here is a path, and judged as one.
     (tree["root"] / "org" / "chats").mkdir(parents=True)
     with pytest.raises(JobRefused, match=r"^dataset: org/chats .*outside"):
-        check_job_paths(hub, [data])
+        check_job_paths(hub, Roots((data,)))
 
 
 def test_home_is_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -142,14 +154,68 @@ def test_no_roots_means_no_restriction_and_empty_roots_allow_nothing(
     spec = JobSpec(model="m", dataset="/etc/passwd", output="/anywhere")
     check_job_paths(spec, None)
     with pytest.raises(JobRefused, match=r"dataset: .*\(none\)"):
-        check_job_paths(spec, [])
+        check_job_paths(spec, Roots(()))
 
 
 def test_job_checks_dataset_then_output(tree: dict[str, Path]) -> None:
     data = tree["data"]
     good = JobSpec(model="m", dataset=str(data / "sets" / "a.jsonl"), output=str(data / "out"))
-    check_job_paths(good, [data])
+    check_job_paths(good, Roots((data,)))
     with pytest.raises(JobRefused, match=r"^dataset: "):
-        check_job_paths(good.model_copy(update={"dataset": "/etc/passwd"}), [data])
+        check_job_paths(good.model_copy(update={"dataset": "/etc/passwd"}), Roots((data,)))
     with pytest.raises(JobRefused, match=r"^output: "):
-        check_job_paths(good.model_copy(update={"output": str(tree["evil"])}), [data])
+        check_job_paths(good.model_copy(update={"output": str(tree["evil"])}), Roots((data,)))
+
+
+def test_a_user_writes_only_in_their_write_roots(tree: dict[str, Path]) -> None:
+    """alice's own folder is hers to read and write; the shared folder she only reads;
+    bob's she neither reads nor writes. Each refusal names the field and her roots."""
+    data = tree["data"]
+    alice, bob, shared = data / "alice", data / "bob", data / "sets"
+    for folder in (alice, bob):
+        folder.mkdir()
+    (bob / "private.jsonl").write_text("{}\n")
+    (shared / "chats.jsonl").write_text("{}\n")
+    roots = Roots((alice,), (shared,), who="alice")
+    good = JobSpec(model=str(shared), dataset=str(shared / "chats.jsonl"),
+                   output=str(alice / "out"))
+    check_job_paths(good, roots)
+    check_job_paths(good.model_copy(update={"dataset": str(alice / "mine.jsonl")}), roots)
+    with pytest.raises(JobRefused) as read:
+        check_job_paths(good.model_copy(update={"dataset": str(bob / "private.jsonl")}), roots)
+    assert str(read.value) == (f"dataset: {bob / 'private.jsonl'} is outside the roots alice "
+                               f"may read ({alice}, {shared})")
+    for output in (bob / "out", shared / "out", data / "out"):
+        with pytest.raises(JobRefused) as wrote:
+            check_job_paths(good.model_copy(update={"output": str(output)}), roots)
+        assert str(wrote.value) == (f"output: {output} is outside the roots alice may write "
+                                    f"({alice})")
+    # vLLM's download_dir is written, its hf_config_path read.
+    def tuned(**vllm: str) -> JobSpec:
+        return JobSpec.model_validate({**good.model_dump(), "vllm": vllm})
+
+    check_job_paths(tuned(hf_config_path=str(shared), download_dir=str(alice / "hub")), roots)
+    with pytest.raises(JobRefused, match=r"^vllm.download_dir: .* may write"):
+        check_job_paths(tuned(download_dir=str(shared)), roots)
+
+
+def test_refusals_show_the_roots_as_configured(tree: dict[str, Path]) -> None:
+    alias = tree["root"] / "alias"
+    alias.symlink_to(tree["data"])
+    message = refused(str(tree["elsewhere"] / "x"), [alias])
+    assert f"({alias})" in message and str(tree["data"]) not in message
+
+
+def test_a_path_that_cannot_be_looked_at_is_refused_naming_the_field(
+        tree: dict[str, Path]) -> None:
+    data = tree["data"]
+    (data / "loop").symlink_to(data / "loop")
+    for field, value in (("dataset", data / "loop"), ("output", data / "loop" / "out"),
+                         ("model", data / "loop")):
+        message = refused(str(value), [data], field=field)
+        assert message == f"{field}: {value} cannot be read here (Too many levels of " \
+                          "symbolic links)"
+    # A folder dataset whose folder cannot be listed.
+    with pytest.raises(JobRefused, match=r"^dataset: .* cannot be read here"):
+        check_job_paths(JobSpec(model="m", dataset=str(data / "loop"), output=str(data / "o")),
+                        Roots((data,)), hub_allowed=True)

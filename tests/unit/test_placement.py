@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -257,13 +258,15 @@ def test_the_evaluation_takes_its_place_before_the_trainer_leaves() -> None:
     assert later_got == [True]
 
 
-def test_ensure_ray_joins_a_cluster_already_running_here(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ensure_ray_joins_a_cluster_already_running_here(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Without an address ray.init() joins a `ray start --head` cluster of this machine,
     which refuses sizing: hsx then joins it as it is (seen on GPU nodes)."""
     import ray
 
     from hsx_service.engine_pool import ensure_ray
 
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))
     calls: list[dict[str, Any]] = []
 
     def init(**kwargs: Any) -> None:
@@ -286,7 +289,8 @@ def test_ensure_ray_joins_a_cluster_already_running_here(monkeypatch: pytest.Mon
 
 
 def test_ensure_ray_starts_again_a_local_node_that_timed_out(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        tmp_path: Path) -> None:
     """On a busy machine a new local node can miss the 30 s ray.init() gives it to
     register (seen with the test suite's two workers on 2 cores): started again, said so;
     a third timeout, or another error, is raised."""
@@ -294,6 +298,7 @@ def test_ensure_ray_starts_again_a_local_node_that_timed_out(
 
     from hsx_service.engine_pool import RAY_START_ATTEMPTS, ensure_ray
 
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))
     timeout = Exception("The current node timed out during startup. This could happen "
                         "because some of the raylet failed to startup or the GCS has "
                         "become overloaded.")
@@ -440,3 +445,36 @@ def test_a_pool_without_a_scheduler_hands_its_idle_engines_gpu_to_its_next_job(
 
     arbiter = GpuArbiter(total=lambda: 1, on_waiter=wake_the_scheduler)
     assert EnginePool(arbiter=arbiter).arbiter.on_waiter is wake_the_scheduler
+
+
+def test_a_local_rays_token_file_is_owner_only(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """Ray writes its token with the umask's mode (0644): hsx makes it first, owner-only,
+    before it starts a local Ray, and narrows one that others may read."""
+    import stat
+
+    import ray
+
+    from hsx_service.engine_pool import ensure_ray, private_ray_token
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = tmp_path / "ray" / "auth_token"
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(path))
+    assert private_ray_token(make=False) is None and not path.exists()  # joining elsewhere
+    seen: list[int] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **_: seen.append(stat.S_IMODE(path.stat().st_mode)))
+    ensure_ray(None, cpus_needed=1)
+    assert seen == [0o600], "the token file was not owner-only when Ray started"
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert len(path.read_text()) == 64
+    token = path.read_text()
+    path.chmod(0o644)
+    assert private_ray_token(make=False) == path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == token
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the operator's choice: left alone
+    path.chmod(0o644)
+    assert private_ray_token(make=True) is None
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644

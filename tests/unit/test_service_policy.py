@@ -15,9 +15,9 @@ from hsx.spec import JobSpec
 from hsx_service.config import Settings
 from hsx_service.errors import JobRefused
 from hsx_service.main import create_app
-from hsx_service.paths import check_job_paths
+from hsx_service.paths import Roots, check_job_paths
 from hsx_service.policy import ENGINE_OPTIONS, engine_options_problem, redacted, vet_spec
-from hsx_service.users import TokenTable
+from hsx_service.users import TokenTable, caller
 
 from .test_api import FakeScheduler, job_fields, local_client
 
@@ -51,9 +51,17 @@ def test_engine_options_are_an_allow_list() -> None:
 def test_vet_spec_names_the_field(tmp_path: Path) -> None:
     spec = JobSpec(model=str(tmp_path / "m"), dataset=str(tmp_path / "d.jsonl"),
                    output=str(tmp_path / "o"), vllm={"model_class_overrides": {"A": "os.x"}})
+    settings = Settings(allowed_roots=[tmp_path])
+    operator = caller("operator", True, settings)
     with pytest.raises(JobRefused, match=r"^vllm: model_class_overrides is not among"):
-        vet_spec(spec, Settings(allowed_roots=[tmp_path]))
-    vet_spec(spec, Settings(allowed_roots=[tmp_path], engine_options=["model_class_overrides"]))
+        vet_spec(spec, settings, operator)
+    vet_spec(spec, Settings(allowed_roots=[tmp_path], engine_options=["model_class_overrides"]),
+             operator)
+    # A coordinator runs jobs on its own Ray: a job cannot send it elsewhere.
+    elsewhere = spec.model_copy(update={"ray_address": "ray://10.0.0.9:10001"})
+    with pytest.raises(JobRefused, match=r"^ray_address: this coordinator runs every job on "
+                                         r"its own Ray"):
+        vet_spec(elsewhere, settings, operator)
     assert Settings.model_validate({"engine_options": "a, b"}).engine_options == ["a", "b"]
 
 
@@ -63,18 +71,20 @@ def test_hub_ids_need_the_operator(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     hub = JobSpec(model="org/model", dataset=str(tmp_path / "d.jsonl"), output=str(tmp_path / "o"))
     restricted = Settings(allowed_roots=[tmp_path])
     assert not restricted.hub_allowed and Settings().hub_allowed
+    roots = Roots(tuple(restricted.effective_roots() or ()))
     with pytest.raises(JobRefused, match=r"^model: org/model names a hub repository"):
-        check_job_paths(hub, restricted.effective_roots(), hub_allowed=False)
-    check_job_paths(hub, restricted.effective_roots(), hub_allowed=True)
+        check_job_paths(hub, roots, hub_allowed=False)
+    check_job_paths(hub, roots, hub_allowed=True)
     with pytest.raises(JobRefused, match=r"^dataset: org/data names a hub repository"):
         check_job_paths(hub.model_copy(update={"dataset": "org/data", "model": "m"}), None,
                         hub_allowed=False)
     # A folder inside the roots whose file leads out of them.
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "a.jsonl").symlink_to("/etc/hostname")
-    with pytest.raises(JobRefused, match="resolves to /etc/hostname"):
+    with pytest.raises(JobRefused, match=r"folder/a\.jsonl is outside") as refused:
         check_job_paths(hub.model_copy(update={"dataset": str(tmp_path / "folder")}),
-                        restricted.effective_roots(), hub_allowed=True)
+                        roots, hub_allowed=True)
+    assert "/etc/hostname" not in str(refused.value)
 
 
 def test_secrets_are_redacted() -> None:
@@ -109,26 +119,103 @@ def test_who_may_start_and_which_hosts_are_answered(tmp_path: Path) -> None:
 def test_tokens_file_errors_name_the_entry(tmp_path: Path) -> None:
     path = tmp_path / "t.yaml"
     for text, message in (("tokens: {}", "expected `tokens:`"),
+                          ("tokens: []", "lists no token, and would let every caller in"),
                           ("tokens:\n  - {token: short, user: a}", "entry 1: `token`"),
+                          ("tokens:\n  - {token: replace-with-a-long-random-token, user: a}",
+                           "entry 1: `token` is an example's placeholder"),
+                          ("tokens:\n  - {token: 6f1c...32 random bytes as hex..., user: a}",
+                           "placeholder"),
                           (f"tokens:\n  - {{token: {ALICE}, user: 'a b'}}", "not a user name"),
+                          (f"tokens:\n  - {{token: {ALICE}, user: '..'}}", "not a user name"),
                           (f"tokens:\n  - {{token: {ALICE}, user: a, role: x}}", "the keys"),
+                          (f"tokens:\n  - {{token: {ALICE}, user: a, roots: /x}}",
+                           "`roots` must be a list"),
+                          (f"tokens:\n  - {{token: {ALICE}, user: a, read_roots: [data]}}",
+                           "not an absolute folder"),
                           (f"tokens:\n  - {{token: {ALICE}, user: a}}\n"
                            f"  - {{token: {ALICE}, user: b}}", "given twice")):
         path.write_text(text)
-        with pytest.raises(ValueError, match=message):
-            TokenTable.load(None, path)
-    table = TokenTable.load("operator-token-123", _tokens(tmp_path))
-    caller = table.caller(BOB)
-    assert caller is not None and (caller.user, caller.admin) == ("bob", False)
+        with pytest.raises(ValueError, match=message) as refused:
+            TokenTable.load(Settings(tokens_file=path))
+        assert str(path) in str(refused.value)
+    table = TokenTable.load(Settings(api_token="operator-token-123", tokens_file=_tokens(tmp_path)))
+    bob = table.caller(BOB)
+    assert bob is not None and (bob.user, bob.admin) == ("bob", False)
     assert table.caller("nope") is None
+
+
+@pytest.mark.parametrize(("token", "says"), [
+    ("s3cret-token", "is shorter than 16 characters"),
+    ("REPLACE-ME-with-openssl-rand-hex-32", "is an example's placeholder, not a token"),
+    ("replace-with-a-long-random-token", "is an example's placeholder, not a token"),
+])
+def test_a_short_or_placeholder_api_token_stops_the_start(token: str, says: str) -> None:
+    with pytest.raises(ValueError, match=f"^HSX_API_TOKEN \\(or hsx --token\\) {says}: make one "
+                                         "with `openssl rand -hex 32`") as refused:
+        create_app(Settings(api_token=token), FakeScheduler())
+    assert token not in str(refused.value)
+
+
+def test_each_user_reads_and_writes_in_their_own_roots(tmp_path: Path) -> None:
+    """By default a user's roots are their own folder in each allowed root; an admin's the
+    whole roots; HSX_READ_ROOTS every caller reads; the tokens file may say otherwise."""
+    homes, shared, team = tmp_path / "homes", tmp_path / "shared", tmp_path / "team"
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("tokens:\n"
+                      f"  - {{token: {ALICE}, user: alice}}\n"
+                      f"  - {{token: {BOB}, user: bob, roots: [{team}], "
+                      f"read_roots: ['{homes}/alice']}}\n"
+                      f"  - {{token: {ROOT}, user: root, admin: true}}\n")
+    settings = Settings(tokens_file=tokens, allowed_roots=[homes, "s3://team-hs/jobs"],
+                        read_roots=[shared])
+    table = TokenTable.load(settings)
+    alice, bob, root = (table.caller(t) for t in (ALICE, BOB, ROOT))
+    assert alice is not None and bob is not None and root is not None
+    assert alice.roots == Roots((homes / "alice", "s3://team-hs/jobs/alice"), (shared,),
+                                who="alice")
+    assert bob.roots == Roots((team,), (homes / "alice", shared), who="bob")
+    assert root.roots == Roots((homes, "s3://team-hs/jobs"), (shared,))
+    proxied = caller("carol", False, Settings(user_header="X-User", allowed_roots=[homes]))
+    assert proxied.roots == Roots((homes / "carol",), who="carol")
+    # Without users and roots (a laptop's server), anywhere.
+    assert caller("anonymous", True, Settings()).roots is None
+
+
+def test_alice_cannot_read_or_write_bobs_folder(tmp_path: Path) -> None:
+    homes = tmp_path / "homes"
+    (homes / "bob").mkdir(parents=True)
+    (homes / "bob" / "private.jsonl").write_text("{}\n")
+    settings = Settings(tokens_file=_tokens(tmp_path), allowed_roots=[homes],
+                        read_roots=[tmp_path / "data"])
+    fake = FakeScheduler()
+    mine = job_fields(tmp_path, model=str(tmp_path / "data"),
+                      output=str(homes / "alice" / "out"))
+    with local_client(create_app(settings, fake)) as c:
+        for change, field, says in (
+                ({"dataset": str(homes / "bob" / "private.jsonl")}, "dataset", "may read"),
+                ({"output": str(homes / "bob" / "alice-out")}, "output", "may write"),
+                ({"output": str(tmp_path / "data" / "out")}, "output", "may write")):
+            answer = c.post("/v1/jobs", json={"spec": {**mine, **change}}, headers=_as(ALICE))
+            assert answer.status_code == 422, change
+            assert answer.json()["field"] == f"spec.{field}"
+            assert f"is outside the roots alice {says}" in answer.json()["message"]
+        inspect = c.post("/v1/models/inspect", headers=_as(ALICE),
+                         json={"model": str(homes / "bob")})
+        assert inspect.status_code == 422 and "the roots alice may read" in inspect.text
+        assert c.post("/v1/jobs", json={"spec": mine}, headers=_as(ALICE)).status_code == 201
+        # The admin writes anywhere in the allowed roots.
+        theirs = {**mine, "output": str(homes / "bob" / "by-root")}
+        assert c.post("/v1/jobs", json={"spec": theirs}, headers=_as(ROOT)).status_code == 201
+    assert not (homes / "alice").exists()  # nothing was written
 
 
 def test_users_see_only_their_own_jobs(tmp_path: Path) -> None:
     fake = FakeScheduler()
-    settings = Settings(tokens_file=_tokens(tmp_path), allowed_roots=[tmp_path])
+    settings = Settings(tokens_file=_tokens(tmp_path), allowed_roots=[tmp_path / "homes"],
+                        read_roots=[tmp_path])
     with local_client(create_app(settings, fake)) as c:
-        made = c.post("/v1/jobs", json={"id": "a1", "spec": job_fields(tmp_path)},
-                      headers=_as(ALICE))
+        alices = job_fields(tmp_path, output=str(tmp_path / "homes" / "alice" / "out"))
+        made = c.post("/v1/jobs", json={"id": "a1", "spec": alices}, headers=_as(ALICE))
         assert made.status_code == 201 and made.json()["owner"] == "alice"
         for method, path in (("GET", "/v1/jobs/a1"), ("DELETE", "/v1/jobs/a1"),
                              ("GET", "/v1/jobs/a1/errors"), ("GET", "/v1/jobs/a1/events"),
@@ -138,8 +225,8 @@ def test_users_see_only_their_own_jobs(tmp_path: Path) -> None:
             assert answer.json()["message"] == "no job 'a1'"
         post = c.post("/v1/jobs/a1/train", json={}, headers=_as(BOB))
         assert post.status_code == 404
-        taken = c.post("/v1/jobs", json={"id": "a1", "spec": job_fields(tmp_path)},
-                       headers=_as(BOB))
+        bobs = job_fields(tmp_path, output=str(tmp_path / "homes" / "bob" / "out"))
+        taken = c.post("/v1/jobs", json={"id": "a1", "spec": bobs}, headers=_as(BOB))
         assert taken.status_code == 409
         assert c.get("/v1/jobs", headers=_as(BOB)).json()["jobs"] == []
         assert [j["id"] for j in c.get("/v1/jobs", headers=_as(ROOT)).json()["jobs"]] == ["a1"]

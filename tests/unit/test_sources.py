@@ -218,10 +218,10 @@ def test_a_hub_dataset_is_read_with_load_dataset_one_split_at_a_time(
     result = ingest(train, str(tiny_tokenizer), 64, tmp_path / "out")
     assert result.num_samples == 3 and result.dataset_fingerprint == fingerprint
     # A job names it as it names any dataset; a hub id is not a path to check.
-    from hsx_service.paths import check_job_paths
+    from hsx_service.paths import Roots, check_job_paths
 
     check_job_paths(JobSpec(model="m", dataset=train, output=str(tmp_path / "o")),
-                    [tmp_path])
+                    Roots((tmp_path,)))
 
 
 def test_a_hub_that_cannot_be_reached_is_refused_saying_what_to_do(

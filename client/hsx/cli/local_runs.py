@@ -191,7 +191,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return error(refusal, EXIT_REFUSED)
     try:
         app = create_app(settings)
-    except ValueError as err:  # a tokens file that cannot be used
+    except ValueError as err:  # a token or tokens file that cannot be used
         return error(str(err), EXIT_REFUSED)
     if not settings.standby:  # refused here with a plain message, before uvicorn starts
         from hsx_service.ledger import Ledger, LedgerHeld

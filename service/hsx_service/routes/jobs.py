@@ -1,8 +1,8 @@
 """`/v1/jobs`: submit, list, inspect, cancel, follow and page through errors.
 
 Routes only validate and enqueue: the request body is parsed by pydantic (`SubmitRequest`,
-`extra="forbid"`), the server's policy (policy.py: engine options, allowed roots, hub
-access, trust_remote_code) is checked here, and everything else — preflight, planning,
+`extra="forbid"`), the server's policy (policy.py: engine options, the caller's roots,
+hub access, trust_remote_code) is checked here, and everything else — preflight, planning,
 running — is the scheduler's. Each route that names a job answers only the job's owner
 (or an admin): another user's job is a 404 (users.py). Plain `def` routes run in
 FastAPI's thread pool, so a scheduler call that touches SQLite never stalls the event
@@ -100,7 +100,7 @@ def submit_job(
 ) -> JobStatus:
     """Queue a job; 201 with its status, or 200 when the same id already holds it; 429
     while too many submits and inspects are being checked (throttle.py)."""
-    vet_spec(body.spec, settings)
+    vet_spec(body.spec, settings, caller)
     post = scheduler.board.get(body.id) if body.id else None
     if post is not None and not caller.may_see(post.status.owner):
         raise JobConflict(f"job id {body.id} is taken; choose another")

@@ -3,7 +3,7 @@
 Answers from the model's config alone (hsx_workers.preflight): no weights, no GPU. The
 first call in a process imports vLLM (seconds); it is a plain `def` route, so that runs
 in FastAPI's thread pool. The server's path policy applies to the model and dataset as
-it does to jobs; a refusal is a JobRefused, turned into 422 in main.py.
+it does to jobs (the caller's roots); a refusal is a JobRefused, turned into 422 in main.py.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def inspect_model_route(body: InspectRequest, settings: SettingsDep, caller: Cal
             "trust_remote_code: this server does not run models' own code "
             "(its operator can allow it with HSX_ALLOW_TRUST_REMOTE_CODE=1)"
         )
-    roots, hub = settings.effective_roots(), settings.hub_allowed
+    roots, hub = caller.roots, settings.hub_allowed
     check_model_path("model", body.model, roots, hub_allowed=hub)
     if body.dataset is not None:
         check_dataset_path("dataset", body.dataset, roots, hub_allowed=hub)
