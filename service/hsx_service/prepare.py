@@ -471,6 +471,26 @@ def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None
     return job
 
 
+def nothing_to_capture(result: IngestResult, output: Output) -> str:
+    """Why a dataset whose ingestion kept no sample gives nothing to capture: it has no
+    rows, or every one is bad, and then the commonest reasons and their counts (the
+    errors table has each row's)."""
+    from hsx.ingest.pipeline import commonest_reasons
+
+    if not result.num_rows:
+        return "it has no rows, so there is nothing to capture"
+    errors = output.ingest_errors()
+    commonest = commonest_reasons(errors)
+    said = [f"{count:,} {'row' if count == 1 else 'rows'}: {reason}"
+            for reason, count in commonest]
+    other = errors.num_rows - sum(count for _, count in commonest)
+    if other:
+        said.append(f"{other:,} {'row' if other == 1 else 'rows'} for other reasons")
+    return (f"none of its {result.num_rows:,} rows can be used, so there is nothing to "
+            f"capture; the commonest reasons: {'; '.join(said)} (each row's reason is in "
+            f"the errors table of {output})")
+
+
 def _end_tasks(tasks: Executor) -> None:
     """No task of an ingestion runs once it ended: what a failed or cancelled one left
     waiting or running is cancelled (and waited for)."""
@@ -587,6 +607,8 @@ class Ingestion:
                 executor=tasks, job_fingerprint=spec.data_fingerprint(),
                 first_unit_tokens=first_unit_tokens(spec.unit_tokens),
                 on_start=self._start, on_part=self._part)
+            if not result.num_samples:  # before the manifest: a rerun finds none again
+                raise JobRefused(f"dataset: {nothing_to_capture(result, self.output)}")
             # Another driver may have prepared the same output at the same moment: the
             # manifest published first is the one, and it must be this same job.
             manifest = self.output.publish_manifest(self._manifest(self.units, result))

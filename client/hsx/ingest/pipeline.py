@@ -5,6 +5,7 @@ are killed when a row will not end (bounded.py), a batch at a time (slices.py)."
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable
@@ -440,6 +441,20 @@ def _shifted(batch: pa.RecordBatch, offset: int) -> pa.RecordBatch:
         return batch
     index = pc.add(batch.column(0), pa.scalar(offset, pa.int64()))
     return pa.RecordBatch.from_arrays([index, *batch.columns[1:]], schema=batch.schema)
+
+
+def commonest_reasons(errors: pa.Table, n: int = 3) -> list[tuple[str, int]]:
+    """The `n` commonest reasons of an errors table, with how many rows each: reasons
+    that differ only in their numbers (a row's size, a message's position) count as one,
+    said as the first row that gave it."""
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for reason in errors.column("reason").to_pylist():
+        key = re.sub(r"\d+", "#", reason)
+        counts[key] = counts.get(key, 0) + 1
+        first.setdefault(key, reason)
+    ranked = sorted(counts, key=lambda k: -counts[k])[:n]  # stable: the first seen first
+    return [(first[k], counts[k]) for k in ranked]
 
 
 def _summarize(counts: np.ndarray) -> LengthSummary:
