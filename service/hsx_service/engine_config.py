@@ -30,6 +30,8 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int],
         options["engine_args"] = spec.vllm.engine_args()
     if spec.regenerate is not None:
         options["generates"] = True  # sampling with per-request seeds (vllm_engine.py)
+    if spec.images is not None:
+        options["images"] = image_options(spec, model)
     return EngineConfig(
         model=spec.model,
         layers=layers,
@@ -42,6 +44,16 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int],
         options=options,
         storage_dtype=spec.storage_dtype,
     )
+
+
+def image_options(spec: JobSpec, model: ModelInfo) -> dict[str, Any]:
+    """What an engine of a job that takes images needs: how many a prompt may hold, how
+    large (vLLM sizes its profiling by them), and the token the vision tokens carry."""
+    images = spec.images
+    if images is None or model.image_token_id is None:
+        raise ValueError(f"{spec.model} takes no images, or the job asks none")
+    return {"max_per_row": images.max_per_row, "max_pixels": images.max_pixels,
+            "image_token_id": model.image_token_id}
 
 
 def target_engine_args(spec: JobSpec) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from hsx_service.errors import JobCancelled, JobRefused
 
 if TYPE_CHECKING:
     from hsx.ingest import IngestProgress, IngestResult
+    from hsx.ingest.images import ImageSettings
     from hsx_service.ingest_tasks import RayTasks
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class PreparedJob:
 # may run, the chat template's arguments, the regeneration).
 RESUMED_SPEC_FIELDS = ("model", "tokenizer", "trust_remote_code", "dataset", "layers",
                        "engine", "max_seq_len", "storage_dtype", "unit_tokens",
-                       "chat_template_kwargs", "regenerate")
+                       "chat_template_kwargs", "regenerate", "images")
 
 
 def manifest_expected(spec: JobSpec, info: ModelInfo, layers: list[int]) -> dict[str, Any]:
@@ -171,6 +172,7 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Output]:
     except ModelConfigError as err:
         raise JobRefused(str(err)) from None
     check_capturable(spec, info, layers)
+    check_images(spec, info)
     check_engine_args(spec, info)
     check_dataset(spec)
     if spec.engine == "hf" and spec.tensor_parallel_size > 1:
@@ -235,10 +237,12 @@ def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], ou
             logger.info("no output estimate for %s: counting its rows means reading it "
                         "whole; the exact check follows ingestion", source)
             return None
+        images = image_settings(spec, info)
         tokens, rows, sampled, spread = (bounded_estimate if in_child else estimate_tokens)(
             source, spec.tokenizer or spec.model, spec.max_seq_len,
             chat_template_kwargs=spec.chat_template_kwargs,
-            trust_remote_code=spec.trust_remote_code)
+            trust_remote_code=spec.trust_remote_code, images=images,
+            sample_rows=IMAGE_SAMPLE_ROWS if images is not None else 256)
     except TemplateLimitError as err:
         raise JobRefused(f"{_template_field(spec)}: {err}") from None
     except Exception as err:  # EstimateUnavailable, a dataset that cannot be read
@@ -263,6 +267,23 @@ def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], ou
             "dataset"
         )
     return int(need)
+
+
+IMAGE_SAMPLE_ROWS = 32  # rows an image job's estimate reads and processes the images of
+
+
+def image_settings(spec: JobSpec, info: ModelInfo) -> ImageSettings | None:
+    """What ingestion needs to take a job's images (None: it takes none)."""
+    if spec.images is None:
+        return None
+    from hsx.ingest.images import ImagePolicy, ImageSettings
+
+    if info.image_token_id is None:
+        raise JobRefused(f"images: {spec.model} takes no images (its config has no vision "
+                         "tower and image token)")
+    return ImageSettings(ImagePolicy.of(spec.images, spec.dataset_spec.path),
+                         spec.model,
+                         info.image_token_id, spec.trust_remote_code)
 
 
 def _template_field(spec: JobSpec) -> str:
@@ -297,6 +318,8 @@ def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
     (a coordinator without workers' packages) its answer is partial and nothing is
     refused on it — the engine's own start then says what fails.
     """
+    if spec.images is not None and spec.engine == "hf":
+        return  # an image-text-to-text model, not a causal LM: check_images
     try:
         from hsx_workers.preflight import inspect_model_cached
     except ImportError:  # the workers' package is not installed here
@@ -315,6 +338,36 @@ def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
             f"model: {info.architecture} cannot be captured with engine {spec.engine}: "
             + " ".join(report.reasons)
         )
+
+
+def check_images(spec: JobSpec, info: ModelInfo) -> None:
+    """A job that takes images: the model has a vision tower and an image token, its
+    processor builds here and expands an image into vision tokens (as ingestion will),
+    and the engine runs the tower on image prompts (vLLM's class is multimodal; the hf
+    engine has an image-text-to-text class). JobRefused naming `images` otherwise."""
+    if spec.images is None:
+        return
+    if info.image_token_id is None:
+        raise JobRefused(f"images: {spec.model} takes no images (its config has no vision "
+                         "tower and image token)")
+    from hsx.ingest.images import check_processor
+
+    try:
+        check_processor(spec.model, info.image_token_id,
+                        trust_remote_code=spec.trust_remote_code)
+    except ValueError as err:
+        raise JobRefused(f"images: {err}") from None
+    try:
+        from hsx_workers.preflight.vision import vision_problem
+    except ImportError:  # the workers' package is not installed here
+        return
+    try:
+        problem = vision_problem(info, spec.engine, spec.trust_remote_code)
+    except ImportError:  # no vLLM here: the engine's start says what fails
+        return
+    if problem:
+        raise JobRefused(f"images: engine {spec.engine} cannot run {spec.model}'s vision "
+                         f"tower: {problem}")
 
 
 def check_engine_args(spec: JobSpec, info: ModelInfo) -> None:
@@ -606,7 +659,8 @@ class Ingestion:
                 workers=tasks.max_workers if tasks is not None else self.workers or 1,
                 executor=tasks, job_fingerprint=spec.data_fingerprint(),
                 first_unit_tokens=first_unit_tokens(spec.unit_tokens),
-                on_start=self._start, on_part=self._part)
+                on_start=self._start, on_part=self._part,
+                images=image_settings(spec, self.info))
             if not result.num_samples:  # before the manifest: a rerun finds none again
                 raise JobRefused(f"dataset: {nothing_to_capture(result, self.output)}")
             # Another driver may have prepared the same output at the same moment: the

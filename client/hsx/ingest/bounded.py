@@ -194,7 +194,8 @@ class TokenizingProcess:
                         f"stopped its tokenizing process on {{row}}: {stopped}",
                         f"{killed} rows of one slice") from None
                 yield TokenizedRows.bad_row(delivered, str(stopped),
-                                            keep_messages=self.settings.keep_messages)
+                                            keep_messages=self.settings.keep_messages,
+                                            images=self.settings.images is not None)
                 delivered += 1
             finally:
                 if not ended:  # left in the middle of a slice (stopped, or closed early)
