@@ -138,6 +138,14 @@ class Settings(BaseSettings):
             "code or files (docs/SECURITY.md). Names separated by `,`, or a JSON list."
         ),
     )
+    image_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Hosts a job's `images.allow_hosts` may name: the coordinator's ingestion "
+            "fetches image URLs from them (docs/SECURITY.md). Empty: no job fetches any. "
+            "Names separated by `,`, or a JSON list."
+        ),
+    )
     allow_hub: bool | None = Field(
         None,
         description=(
@@ -244,7 +252,8 @@ class Settings(BaseSettings):
 
         return [normalize_root(root) for root in roots]
 
-    @field_validator("engine_options", "allowed_hosts", "admins", mode="before")
+    @field_validator("engine_options", "allowed_hosts", "admins", "image_hosts",
+                     mode="before")
     @classmethod
     def _split_names(cls, value: Any) -> Any:
         if not isinstance(value, str):

@@ -16,8 +16,10 @@ form (lowercase letters, digits, `.` and `-`, 3 to 63 characters) whatever the r
 
 Every path a job names is judged: the dataset (and each file a folder dataset will be
 read from, symlinks resolved, so a link inside an allowed folder cannot reach
-`/etc/shadow`), the output, the model, the tokenizer, and the vLLM options that name
-paths (`ENGINE_PATH_OPTIONS`, when the operator allows them). A hub id (a model or
+`/etc/shadow`), the output, the model, the tokenizer, the folders a job's images may be
+read from (`images.roots`; the rows' image paths are resolved under them at ingestion,
+by default the dataset's own folder), and the vLLM options that name paths
+(`ENGINE_PATH_OPTIONS`, when the operator allows them). A hub id (a model or
 dataset that names no local path: `is_model_hub_id`, `hsx.ingest.is_hub_id`) reads
 nothing below the roots; it is accepted only where the operator allows the hub
 (`Settings.hub_allowed`): a hub dataset's card may name local files of its own.
@@ -214,7 +216,8 @@ def check_job_paths(spec: JobSpec, roots: Sequence[str | Path] | None, *,
                     hub_allowed: bool = True) -> None:
     """Refuse a job that names a path outside `roots` (None: no restriction) or a hub id
     where the hub is not allowed. Covers the model, the tokenizer, the dataset and its
-    files, the output and the vLLM options that name paths."""
+    files, the output, the folders images may be read from (`images.roots`) and the
+    vLLM options that name paths."""
     bucket_location("dataset", spec.dataset_spec.path)  # a bucket's name, whatever the roots
     bucket_location("output", spec.output)
     if roots is None and hub_allowed:
@@ -226,6 +229,10 @@ def check_job_paths(spec: JobSpec, roots: Sequence[str | Path] | None, *,
     if roots is None:
         return
     check_path("output", spec.output, roots)
+    # Image paths in the rows are read only under images.roots (hsx.ingest.images), by
+    # default the dataset's own folder, judged with the dataset above.
+    for i, root in enumerate(spec.images.roots if spec.images is not None else ()):
+        check_path(f"images.roots.{i}", root, roots)
     options = spec.vllm.engine_args()
     for name in ENGINE_PATH_OPTIONS:
         value = options.get(name)

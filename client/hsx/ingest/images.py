@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import re
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -107,8 +108,12 @@ def check_pixels(data: bytes, max_pixels: int, number: int = 0) -> tuple[int, in
     try:
         with Image.open(io.BytesIO(data)) as img:  # the header only
             width, height = img.size
-    except Image.DecompressionBombError as err:
-        raise ImageRefused(f"image {number} is a decompression bomb: {err}") from None
+    except Image.DecompressionBombError as err:  # past PIL's own bound, before ours
+        claimed = re.search(r"\((\d+) pixels\)", str(err))
+        pixels = f"{int(claimed.group(1)):,}" if claimed else "more"
+        raise ImageRefused(f"image {number} claims {pixels} pixels in its header, over "
+                           f"images.max_pixels ({max_pixels:,}); it was not decoded"
+                           ) from None
     except UnidentifiedImageError:
         raise ImageRefused(f"image {number} is not an image file PIL can read (not an "
                            "image, or cut short)") from None
