@@ -163,6 +163,27 @@ def test_image_chats_capture_what_transformers_computes(
     assert sum(out.inputs().column("length").to_pylist()) == summary.tokens
     assert sum(u.tokens for u in out.manifest().units) == summary.tokens
     image_pool.keep_only(None)  # the 2 cores hold one engine at a time
+    if engine == "vllm":
+        _check_exports(tmp_path / engine, tmp_path / "exports", reference)
+
+
+def _check_exports(output: Path, dest: Path, ref: dict[int, dict[str, torch.Tensor]]) -> None:
+    """The modality mask reaches Hugging Face datasets and both exports."""
+    import datasets
+
+    from hsx.export import export_output
+
+    table = HiddenStatesDataset(output).to_hf_dataset()
+    for row in table.select_columns(["sample_index", "modality_mask"]):
+        assert row["modality_mask"] == ref[row["sample_index"]]["modality_mask"].tolist()
+    export_output(output, dest / "speculators")
+    exported = datasets.load_from_disk(str(dest / "speculators"))
+    for row in exported:
+        assert row["modality_mask"] == ref[row["hsx_sample_index"]]["modality_mask"].tolist()
+    export_output(output, dest / "specforge", fmt="specforge", method="eagle3")
+    order = json.loads((dest / "specforge" / "hsx_sample_index.json").read_text())
+    first = torch.load(dest / "specforge" / "rows_0-2000" / "data_0.ckpt", weights_only=True)
+    assert first["modality_mask"].tolist() == ref[order[0]]["modality_mask"].tolist()
 
 
 def test_a_job_without_images_section_refuses_image_rows(
