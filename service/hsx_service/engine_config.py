@@ -59,14 +59,18 @@ def image_options(spec: JobSpec, model: ModelInfo) -> dict[str, Any]:
 def target_engine_args(spec: JobSpec) -> dict[str, Any]:
     """vLLM's arguments for the job's target outside capture (the draft's evaluation):
     as the job's engines load it — tensor parallelism, dtype, memory share, remote code
-    and the job's own `vllm:` engine arguments."""
-    return {
+    and the job's own `vllm:` engine arguments; a job that takes images, its vision
+    tower with as many images a prompt as its rows hold."""
+    args = {
         "tensor_parallel_size": spec.tensor_parallel_size,
         "dtype": spec.vllm.dtype,
         "trust_remote_code": spec.trust_remote_code,
         "gpu_memory_utilization": spec.vllm.gpu_memory_utilization,
         **spec.vllm.engine_args(),
     }
+    if spec.images is not None:  # its held-out image prompts, as many images as a row
+        args["limit_mm_per_prompt"] = {"image": spec.images.max_per_row, "video": 0}
+    return args
 
 
 def fit_to_model(spec: JobSpec) -> JobSpec:

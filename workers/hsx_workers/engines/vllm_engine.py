@@ -244,27 +244,8 @@ class VllmEngine:
                 "image": {"count": int(images["max_per_row"]), "width": side,
                           "height": side},
                 "video": 0}
-        from hsx_workers.preflight import install_torchvision_stub, needs_torchvision_stub
-
-        if needs_torchvision_stub(info.architecture) and install_torchvision_stub():
-            # The stub lives in this process only: vLLM's engine-core and worker
-            # processes (spawned) and its model inspection subprocess would import the
-            # real, missing torchvision. So the whole engine runs here (one rank only),
-            # and the class imported here is registered to skip the inspection process.
-            if self.config.tensor_parallel_size > 1:
-                raise RuntimeError(
-                    "a multimodal wrapper needs torchvision for tensor_parallel_size > 1 "
-                    "(its module imports it in every rank's process); without it, only "
-                    "tensor_parallel_size 1 runs, with torchvision stubbed"
-                )
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            engine_args["distributed_executor_backend"] = "uni"
-            from vllm.model_executor.models.registry import ModelRegistry
-
-            entry = ModelRegistry.models.get(info.architecture)
-            load = getattr(entry, "load_model_cls", None)
-            if callable(load):
-                ModelRegistry.register_model(info.architecture, load())
+        wrapper_in_this_process(info.architecture, self.config.tensor_parallel_size,
+                                engine_args)
         logger.info("multimodal wrapper: capturing %s", "its text path (language_model_only)"
                     if images is None else "image prompts through its vision tower")
 
@@ -469,16 +450,8 @@ class VllmEngine:
 
         if not req.images:
             return TokensPrompt(prompt_token_ids=list(req.input_ids))
-        from hsx.ingest.images import check_pixels, decode
-
-        max_pixels = int(self.config.options.get("images", {}).get("max_pixels", 0))
-        images = []
-        for k, data in enumerate(req.images):
-            if max_pixels:  # checked at ingestion; the inputs table is data too
-                check_pixels(data, max_pixels, k)
-            images.append(decode(data))
-        return TokensPrompt(prompt_token_ids=list(req.input_ids),
-                            multi_modal_data={"image": images})
+        return image_prompt(req.input_ids, req.images,
+                            int(self.config.options.get("images", {}).get("max_pixels", 0)))
 
     def _spool_name(self, out: Any) -> str | None:
         """The name, in this engine's spool, of a finished request's states file."""
@@ -579,6 +552,50 @@ class VllmEngine:
                 shutdown()
             del self.llm
         shutil.rmtree(self.spool, ignore_errors=True)
+
+
+def wrapper_in_this_process(architecture: str, tensor_parallel_size: int,
+                            engine_args: dict[str, Any]) -> bool:
+    """Where torchvision is missing (the CPU machine) and a wrapper's vLLM module imports
+    it at load time (Llava, Qwen2.5-VL; not Kimi-K2.5): stub it in this process, and run
+    the whole engine here, since vLLM's engine-core and worker processes (spawned) and
+    its model inspection subprocess would import the real, missing torchvision: one
+    rank, the class imported here registered to skip the inspection process. True when
+    so (`engine_args` then says it)."""
+    from hsx_workers.preflight import install_torchvision_stub, needs_torchvision_stub
+
+    if not (needs_torchvision_stub(architecture) and install_torchvision_stub()):
+        return False
+    if tensor_parallel_size > 1:
+        raise RuntimeError(
+            "a multimodal wrapper needs torchvision for tensor_parallel_size > 1 "
+            "(its module imports it in every rank's process); without it, only "
+            "tensor_parallel_size 1 runs, with torchvision stubbed"
+        )
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    engine_args["distributed_executor_backend"] = "uni"
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    entry = ModelRegistry.models.get(architecture)
+    load = getattr(entry, "load_model_cls", None)
+    if callable(load):
+        ModelRegistry.register_model(architecture, load())
+    return True
+
+
+def image_prompt(token_ids: list[int], images: list[bytes], max_pixels: int = 0) -> Any:
+    """vLLM's prompt of token ids with images (their bytes, decoded here; their pixels
+    checked against `max_pixels` first when given): vLLM expands each placeholder."""
+    from vllm.inputs import TokensPrompt
+
+    from hsx.ingest.images import check_pixels, decode
+
+    decoded = []
+    for k, data in enumerate(images):
+        if max_pixels:  # checked at ingestion; the inputs table is data too
+            check_pixels(data, max_pixels, k)
+        decoded.append(decode(data))
+    return TokensPrompt(prompt_token_ids=list(token_ids), multi_modal_data={"image": decoded})
 
 
 def top1_of(out: Any) -> list[int] | None:
