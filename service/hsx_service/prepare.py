@@ -4,8 +4,8 @@ A job is refused here (`JobRefused`, with a message that names the problem) when
 model has no usable config, cannot be captured with the chosen engine (the model
 preflight, hsx_workers.preflight, says why), a layer id is out of range or not
 capturable for that model, the dataset cannot be read (a missing file, object or prefix,
-no permission, a hub that cannot be reached, several splits and none named), the output
-cannot be written, the
+no permission, a hub that cannot be reached, several splits and none named), its
+images cannot be taken (images.py), the output cannot be written, the
 estimated output exceeds the free space or quota of the output location, or the output
 already holds a different job. Only then does anything heavy start. The output location
 is the truth: a manifest found there is reused, committed units are skipped, so running
@@ -43,10 +43,10 @@ from hsx.plan import UnitPlanner, WorkUnit, first_unit_tokens
 from hsx.progress import human_bytes
 from hsx.spec import JobSpec
 from hsx_service.errors import JobCancelled, JobRefused
+from hsx_service.images import IMAGE_SAMPLE_ROWS, check_images, image_settings
 
 if TYPE_CHECKING:
     from hsx.ingest import IngestProgress, IngestResult
-    from hsx.ingest.images import ImageSettings
     from hsx_service.ingest_tasks import RayTasks
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Output]:
     except ModelConfigError as err:
         raise JobRefused(str(err)) from None
     check_capturable(spec, info, layers)
-    check_images(spec, info)
+    check_images(spec, info)  # images.py
     check_engine_args(spec, info)
     check_dataset(spec)
     if spec.engine == "hf" and spec.tensor_parallel_size > 1:
@@ -269,23 +269,6 @@ def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], ou
     return int(need)
 
 
-IMAGE_SAMPLE_ROWS = 32  # rows an image job's estimate reads and processes the images of
-
-
-def image_settings(spec: JobSpec, info: ModelInfo) -> ImageSettings | None:
-    """What ingestion needs to take a job's images (None: it takes none)."""
-    if spec.images is None:
-        return None
-    from hsx.ingest.images import ImagePolicy, ImageSettings
-
-    if info.image_token_id is None:
-        raise JobRefused(f"images: {spec.model} takes no images (its config has no vision "
-                         "tower and image token)")
-    return ImageSettings(ImagePolicy.of(spec.images, spec.dataset_spec.path),
-                         spec.model,
-                         info.image_token_id, spec.trust_remote_code)
-
-
 def _template_field(spec: JobSpec) -> str:
     """The job field a refusal for its chat template names: `chat_template_kwargs` when
     the job passes any (its own `chat_template`, or what the template loops on), else
@@ -338,36 +321,6 @@ def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
             f"model: {info.architecture} cannot be captured with engine {spec.engine}: "
             + " ".join(report.reasons)
         )
-
-
-def check_images(spec: JobSpec, info: ModelInfo) -> None:
-    """A job that takes images: the model has a vision tower and an image token, its
-    processor builds here and expands an image into vision tokens (as ingestion will),
-    and the engine runs the tower on image prompts (vLLM's class is multimodal; the hf
-    engine has an image-text-to-text class). JobRefused naming `images` otherwise."""
-    if spec.images is None:
-        return
-    if info.image_token_id is None:
-        raise JobRefused(f"images: {spec.model} takes no images (its config has no vision "
-                         "tower and image token)")
-    from hsx.ingest.images import check_processor
-
-    try:
-        check_processor(spec.model, info.image_token_id,
-                        trust_remote_code=spec.trust_remote_code)
-    except ValueError as err:
-        raise JobRefused(f"images: {err}") from None
-    try:
-        from hsx_workers.preflight.vision import vision_problem
-    except ImportError:  # the workers' package is not installed here
-        return
-    try:
-        problem = vision_problem(info, spec.engine, spec.trust_remote_code)
-    except ImportError:  # no vLLM here: the engine's start says what fails
-        return
-    if problem:
-        raise JobRefused(f"images: engine {spec.engine} cannot run {spec.model}'s vision "
-                         f"tower: {problem}")
 
 
 def check_engine_args(spec: JobSpec, info: ModelInfo) -> None:
@@ -524,26 +477,6 @@ def prepare(spec: JobSpec, *, on_ingest: Callable[[IngestProgress], None] | None
     return job
 
 
-def nothing_to_capture(result: IngestResult, output: Output) -> str:
-    """Why a dataset whose ingestion kept no sample gives nothing to capture: it has no
-    rows, or every one is bad, and then the commonest reasons and their counts (the
-    errors table has each row's)."""
-    from hsx.ingest.pipeline import commonest_reasons
-
-    if not result.num_rows:
-        return "it has no rows, so there is nothing to capture"
-    errors = output.ingest_errors()
-    commonest = commonest_reasons(errors)
-    said = [f"{count:,} {'row' if count == 1 else 'rows'}: {reason}"
-            for reason, count in commonest]
-    other = errors.num_rows - sum(count for _, count in commonest)
-    if other:
-        said.append(f"{other:,} {'row' if other == 1 else 'rows'} for other reasons")
-    return (f"none of its {result.num_rows:,} rows can be used, so there is nothing to "
-            f"capture; the commonest reasons: {'; '.join(said)} (each row's reason is in "
-            f"the errors table of {output})")
-
-
 def _end_tasks(tasks: Executor) -> None:
     """No task of an ingestion runs once it ended: what a failed or cancelled one left
     waiting or running is cancelled (and waited for)."""
@@ -646,6 +579,7 @@ class Ingestion:
 
     def _run(self) -> None:
         from hsx.ingest import DatasetError, TemplateLimitError, ingest
+        from hsx.ingest.pipeline import nothing_to_capture
 
         spec = self.spec
         tasks = self._tasks
@@ -662,7 +596,8 @@ class Ingestion:
                 on_start=self._start, on_part=self._part,
                 images=image_settings(spec, self.info))
             if not result.num_samples:  # before the manifest: a rerun finds none again
-                raise JobRefused(f"dataset: {nothing_to_capture(result, self.output)}")
+                raise JobRefused("dataset: " + nothing_to_capture(
+                    result, self.output.ingest_errors(), str(self.output)))
             # Another driver may have prepared the same output at the same moment: the
             # manifest published first is the one, and it must be this same job.
             manifest = self.output.publish_manifest(self._manifest(self.units, result))

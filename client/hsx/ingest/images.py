@@ -373,9 +373,10 @@ def check_processor(model: str, image_token_id: int, *, trust_remote_code: bool 
         tokens = ImageTokens.load(model, image_token_id, trust_remote_code=trust_remote_code)
         expansion = tokens.expansion(Image.new("RGB", (64, 48), (120, 30, 200)))
     except Exception as err:  # transformers raises many kinds for a processor it lacks
+        said = next((line.strip() for line in str(err).splitlines() if line.strip()),
+                    "(no message)")
         raise ValueError(f"the model's processor (transformers' AutoProcessor) cannot be "
-                         f"used here: {type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}") from None
+                         f"used here: {type(err).__name__}: {said}") from None
     count = expansion.count(image_token_id)
     if not count:
         raise ValueError(f"the model's processor expands an image into {expansion[:8]}..., "

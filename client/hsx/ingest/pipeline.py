@@ -465,6 +465,23 @@ def commonest_reasons(errors: pa.Table, n: int = 3) -> list[tuple[str, int]]:
     return [(first[k], counts[k]) for k in ranked]
 
 
+def nothing_to_capture(result: IngestResult, errors: pa.Table, output: str) -> str:
+    """Why an ingestion that kept no sample gives nothing to capture: the dataset has no
+    rows, or every one is bad, and then the commonest reasons and their counts (the
+    errors table, `errors`, of `output` has each row's)."""
+    if not result.num_rows:
+        return "it has no rows, so there is nothing to capture"
+    commonest = commonest_reasons(errors)
+    said = [f"{count:,} {'row' if count == 1 else 'rows'}: {reason}"
+            for reason, count in commonest]
+    other = errors.num_rows - sum(count for _, count in commonest)
+    if other:
+        said.append(f"{other:,} {'row' if other == 1 else 'rows'} for other reasons")
+    return (f"none of its {result.num_rows:,} rows can be used, so there is nothing to "
+            f"capture; the commonest reasons: {'; '.join(said)} (each row's reason is in "
+            f"the errors table of {output})")
+
+
 def _summarize(counts: np.ndarray) -> LengthSummary:
     total = int(counts.sum())
     if total == 0:

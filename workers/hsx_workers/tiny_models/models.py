@@ -23,6 +23,7 @@ from hsx_workers.tiny_models.configs import (
     qwen3_next_config,
 )
 from hsx_workers.tiny_models.kimi import (
+    KIMI_IMAGE,
     KIMI_MEDIA_TOKENS,
     kimi_k25_config,
     save_kimi_k25,
@@ -37,9 +38,12 @@ from hsx_workers.tiny_models.tokenizer import (
 )
 from hsx_workers.tiny_models.vision import (
     LLAVA_IMAGE_TOKEN,
+    QWEN_VL_IMAGE,
+    QWEN_VL_TOKENS,
     save_llava,
     vision_chat_template,
     write_llava_processor,
+    write_qwen2_5_vl_processor,
 )
 
 if TYPE_CHECKING:
@@ -74,13 +78,16 @@ _AUTO_CLASS = {"llava": "AutoModelForImageTextToText",
 # (last ids of the vocabulary), files written with or without weights, and their own
 # way of saving weights.
 _SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {"kimi_k25": KIMI_MEDIA_TOKENS,
-                                                "llava": (LLAVA_IMAGE_TOKEN,)}
+                                                "llava": (LLAVA_IMAGE_TOKEN,),
+                                                "qwen2_5_vl": QWEN_VL_TOKENS}
 _EXTRA_FILES: dict[str, Callable[[Path], None]] = {"kimi_k25": write_kimi_k25_processor,
-                                                   "llava": write_llava_processor}
+                                                   "llava": write_llava_processor,
+                                                   "qwen2_5_vl": write_qwen2_5_vl_processor}
 _SAVE: dict[str, Callable[[Any, Path], None]] = {"kimi_k25": save_kimi_k25,
                                                  "llava": save_llava}
 # Models that take images render a chat's image parts as their placeholder.
-_IMAGE_TOKEN = {"llava": LLAVA_IMAGE_TOKEN}
+_IMAGE_TOKEN = {"llava": LLAVA_IMAGE_TOKEN, "qwen2_5_vl": QWEN_VL_IMAGE,
+                "kimi_k25": KIMI_IMAGE}
 
 # Router weights of tiny MoE models are scaled by this: at the usual init (std 0.02) the
 # router logits of all experts nearly tie, so bf16 rounding in one engine or the other

@@ -188,3 +188,31 @@ def make_image_chats(path: str | Path, n: int = 24, *, seed: int = 0,
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return rows
+
+
+# Qwen2.5-VL: its vision tokens, the last ids of the vocabulary in the config's order
+# (configs.py: vision_end -4, vision_start -3, video_pad -2, image_pad -1), and an image
+# part rendered as its chat template renders one.
+QWEN_VL_TOKENS = ("<|vision_end|>", "<|vision_start|>", "<|video_pad|>", "<|image_pad|>")
+QWEN_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# Images between 56 x 56 and 112 x 112 pixels once resized: 4 to 16 vision tokens
+# (patch 14, merged 2 x 2).
+QWEN_VL_PIXELS = (56 * 56, 112 * 112)
+
+
+def write_qwen2_5_vl_processor(out: Path) -> None:
+    """Qwen2.5-VL's processor files: its image processor (patch 14, merge 2, temporal
+    patch 2) at small pixel bounds, and the processor class; the video processor the
+    same (transformers' needs torchvision: a GPU machine's image has it)."""
+    image = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+             "min_pixels": QWEN_VL_PIXELS[0], "max_pixels": QWEN_VL_PIXELS[1],
+             "image_mean": [0.48145466, 0.4578275, 0.40821073],
+             "image_std": [0.26862954, 0.26130258, 0.27577711],
+             "do_resize": True, "do_rescale": True, "do_normalize": True,
+             "do_convert_rgb": True, "rescale_factor": 1 / 255}
+    (out / "preprocessor_config.json").write_text(json.dumps(
+        {**image, "image_processor_type": "Qwen2VLImageProcessor",
+         "processor_class": "Qwen2_5_VLProcessor"}, indent=2) + "\n")
+    (out / "video_preprocessor_config.json").write_text(json.dumps(
+        {**image, "video_processor_type": "Qwen2VLVideoProcessor",
+         "processor_class": "Qwen2_5_VLProcessor"}, indent=2) + "\n")
