@@ -252,3 +252,28 @@ def test_a_shard_keeps_each_tokens_modality_under_its_digest(tmp_path: Path) -> 
     path.write_bytes(bytes(data))
     with pytest.raises(ShardCorrupt, match="sample 0"):
         ShardReader(path).sample(0)
+
+
+def test_held_out_image_prompts_carry_their_images(llava: Path, tmp_path: Path) -> None:
+    """eval-draft's prompts of an output with images: each image prompt with the images
+    of the placeholders it holds (vLLM's multi_modal_data), text prompts without; and
+    the acceptance of each modality from vLLM's counters read between them."""
+    from hsx.spec import TrainSpec
+    from hsx_workers.acceptance import _rates, held_out_prompts
+
+    red = png_bytes(COLOURS["red"])
+    text = {"messages": [{"role": "user", "content": "Name a colour."},
+                         {"role": "assistant", "content": "Red."}]}
+    _run([_chat(_uri(red)), text, _chat(_uri(red), _uri(red)), text], llava, tmp_path)
+    output = Output(str(tmp_path / "out"))
+    prompts, source = held_out_prompts(output, TrainSpec(val_fraction=0.0), 8,
+                                       image_token=IMAGE_ID)
+    assert source.startswith("training samples")
+    assert [p.modality for p in prompts] == ["image", "text", "image", "text"]
+    for prompt in prompts:
+        assert prompt.token_ids.count(IMAGE_ID) == len(prompt.images or [])
+    assert prompts[2].images == [red, red]
+    rates = _rates((30, 90, 45, [20, 15, 10]), (10, 30, 5, []))
+    assert rates["drafts"] == 20 and rates["accepted_tokens"] == 40
+    assert rates["mean_acceptance_length"] == 3.0
+    assert rates["acceptance_per_position"] == [1.0, 0.75, 0.5]

@@ -64,10 +64,15 @@ class EvalPrompt:
     token_ids: list[int]
     max_tokens: int
     images: list[bytes] | None = None  # the images of its placeholders, in order
+    tokens: int = 0  # its length once vLLM expands its images (0: len(token_ids))
 
     @property
     def modality(self) -> str:
         return "image" if self.images else "text"
+
+    @property
+    def length(self) -> int:
+        return self.tokens or len(self.token_ids)
 
 
 def prompt_of(ids: list[int], mask: list[int], prefix: int, max_tokens: int) -> EvalPrompt | None:
@@ -101,6 +106,7 @@ def held_out_prompts(output: Output, spec: TrainSpec, n: int, *, prefix: int = 8
     ids = table.column("input_ids")
     masks = table.column("loss_mask")
     images = table.column(IMAGES_COLUMN) if IMAGES_COLUMN in table.column_names else None
+    lengths = table.column("length")
     prompts = []
     for idx in chosen:
         row = row_of[idx]
@@ -110,6 +116,12 @@ def held_out_prompts(output: Output, spec: TrainSpec, n: int, *, prefix: int = 8
             # The images whose placeholders the prompt holds (a later turn's are cut).
             shown = prompt.token_ids.count(image_token)
             prompt.images = list(images[row].as_py())[:shown] or None
+            # Their vision tokens, as ingestion counted them (`length`; all the
+            # sample's, an upper bound where a later turn's are cut): vLLM's
+            # max_model_len must hold them.
+            if prompt.images:
+                prompt.tokens = (len(prompt.token_ids) + int(lengths[row].as_py())
+                                 - len(ids[row]))
         if prompt is not None:
             prompts.append(prompt)
         if len(prompts) >= n:
@@ -161,7 +173,7 @@ def measure_acceptance(
                          "runs in vLLM's GPU model runner only): measure it on a GPU node "
                          "with `hsx eval-draft`")
     # As long as the longest prompt and answer need (and the draft's k tokens past it).
-    longest = max(len(p.token_ids) + p.max_tokens for p in prompts) + k + 1
+    longest = max(p.length + p.max_tokens for p in prompts) + k + 1
     args: dict[str, Any] = {"enforce_eager": enforce_eager, **(engine or {})}
     if any(p.images for p in prompts):
         _image_engine(target, args, prompts)

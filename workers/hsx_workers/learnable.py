@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -142,21 +143,28 @@ class TaskLanguage:
         (None where nothing is determined: the prompt)."""
         start = ids.index(SEP_ID) + 1
         words = ids[2:start - 1]
-        head = self._head(ids[1], words)
-        out: list[int | None] = [None] * (start - 1)
-        for t in range(start - 1, len(ids) - 1):
-            k = t - (start - 1)
-            if k < len(head):
-                out.append(head[k])
-            else:
-                prev = ids[t] if k > 0 else words[-1]
-                out.append(self.successors[prev][0])
-        return out
+        return answer_targets(ids, start, words, self._head(ids[1], words),
+                              lambda word: self.successors[word][0])
 
     def as_json(self) -> dict[str, Any]:
         return {"kind": "tasks", "size": self.size, "seed": self.seed,
                 "min_words": self.min_words, "max_words": self.max_words,
                 "min_chain": self.min_chain, "max_chain": self.max_chain}
+
+
+def answer_targets(ids: list[int], start: int, words: list[int], head: list[int],
+                   successor: Callable[[int], int]) -> list[int | None]:
+    """Per position of a sample whose answer starts at `start` (after its prompt's
+    `words`), the token a greedy target predicts next: None in the prompt, then the
+    answer's `head`, then each token's likeliest `successor` (the chain)."""
+    out: list[int | None] = [None] * (start - 1)
+    for t in range(start - 1, len(ids) - 1):
+        k = t - (start - 1)
+        if k < len(head):
+            out.append(head[k])
+        else:
+            out.append(successor(ids[t] if k > 0 else words[-1]))
+    return out
 
 
 def make_learnable_model(

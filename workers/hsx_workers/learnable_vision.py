@@ -41,6 +41,7 @@ from hsx_workers.learnable import (
     TASKS,
     TaskLanguage,
     _word,
+    answer_targets,
     write_chat_tokenizer,
 )
 from hsx_workers.tiny_models import BOS_ID, make_tiny_model
@@ -105,16 +106,8 @@ class VisionLanguage:
         start = ids.index(SEP_ID) + 1
         task_at = max(i for i, t in enumerate(ids[:start]) if t == IMAGE_ID) + 1
         words = ids[task_at + 1:start - 1]
-        head = self._head(ids[task_at], words, colour)
-        out: list[int | None] = [None] * (start - 1)
-        for t in range(start - 1, len(ids) - 1):
-            k = t - (start - 1)
-            if k < len(head):
-                out.append(head[k])
-            else:
-                prev = ids[t] if k > 0 else words[-1]
-                out.append(self.successor(prev, colour))
-        return out
+        return answer_targets(ids, start, words, self._head(ids[task_at], words, colour),
+                              lambda word: self.successor(word, colour))
 
     def as_json(self) -> dict[str, Any]:
         return {"kind": "vision-tasks", "text": self.text.as_json(), "colours": COLOURS}
