@@ -127,11 +127,11 @@ def image_path(folder: Path, colour: int, variant: int) -> Path:
 IMAGE_VARIANTS = len(SHAPES) * len(SIZES)
 
 
-WORDS = 64  # the language's words: fewer than the text target's 96, learnt sooner
+WORDS = 32  # the language's words: fewer than the text target's 96, learnt sooner
 
 
 def make_learnable_vision_model(
-    path: str | Path, *, language: VisionLanguage | None = None, steps: int = 1200,
+    path: str | Path, *, language: VisionLanguage | None = None, steps: int = 2000,
     batch: int = 32, lr: float = 1e-3, num_layers: int = 4, seed: int = 0,
     min_accuracy: float = 0.95,
 ) -> Path:
@@ -142,7 +142,9 @@ def make_learnable_vision_model(
 
     The vision tower keeps its random (seeded) weights: its features of images of
     different colours differ already, and the projector and the text model learn to
-    read them (a backward pass through the tower would double a step's cost)."""
+    read them (a backward pass through the tower would double a step's cost). Measured
+    on the 2-core machine, loaded, one torch thread: 2,000 steps in 42 min, greedy
+    accuracy 1.0 on text and on image prompts (1,200 steps of 64 words: 0.82 / 0.78)."""
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
