@@ -161,7 +161,10 @@ def make_learnable_vision_model(
         images=[_rgb(image_path(images, c, v))], return_tensors="pt")["pixel_values"][0]
         for c in range(len(COLOURS)) for v in range(IMAGE_VARIANTS)}
     torch.manual_seed(seed)
-    model: Any = LlavaForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pixels = {key: value.to(device) for key, value in pixels.items()}
+    model: Any = LlavaForConditionalGeneration.from_pretrained(
+        str(out), dtype=torch.float32).to(device)
     model.train()
     model.model.vision_tower.requires_grad_(False)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -170,7 +173,8 @@ def make_learnable_vision_model(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     rng = random.Random(seed)
     for step in range(steps):
-        inputs = _batch(language, rng, batch, pixels, labels=True)
+        inputs = {k: v.to(device) for k, v in _batch(language, rng, batch, pixels,
+                                                     labels=True).items()}
         loss = model(**inputs).loss
         opt.zero_grad()
         loss.backward()
@@ -186,7 +190,7 @@ def make_learnable_vision_model(
         raise RuntimeError(f"the target learned the language only to {accuracy}")
     from hsx_workers.tiny_models.vision import save_llava
 
-    model = model.to(dtype=torch.bfloat16)
+    model = model.to(device="cpu", dtype=torch.bfloat16)
     save_llava(model, out)
     (out / "language.json").write_text(json.dumps(
         {**language.as_json(), "steps": steps, "greedy_accuracy": accuracy}))
@@ -266,7 +270,9 @@ def greedy_accuracy(model: Any, language: VisionLanguage, rng: random.Random,
                 extra["pixel_values"] = torch.stack([
                     pixels[(c, rng.randrange(IMAGE_VARIANTS))] for _, c in samples
                     if c is not None])
-            pred = model(input_ids=ids_t, **extra).logits.argmax(-1)
+            device = next(model.parameters()).device
+            pred = model(input_ids=ids_t.to(device),
+                         **{k: v.to(device) for k, v in extra.items()}).logits.argmax(-1)
             for i, (ids, colour) in enumerate(samples):
                 for t, want in enumerate(language.greedy_targets(ids, colour)):
                     if want is not None:
