@@ -331,9 +331,12 @@ def _word(token: int) -> str:
     return f"w{token}"
 
 
-def write_chat_tokenizer(model_dir: str | Path, language: TaskLanguage) -> Path:
+def write_chat_tokenizer(model_dir: str | Path, language: TaskLanguage, *,
+                         template: str = CHAT_TEMPLATE,
+                         image_token: tuple[str, int] | None = None) -> Path:
     """Give a learnable target a word-level tokenizer over its language's ids and
-    `CHAT_TEMPLATE` (replacing the byte-level one `make_tiny_model` wrote)."""
+    `template` (replacing the byte-level one `make_tiny_model` wrote); `image_token`
+    (its text and id: the image twin's, learnable_vision.py) is a special token too."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -341,14 +344,19 @@ def write_chat_tokenizer(model_dir: str | Path, language: TaskLanguage) -> Path:
     for token in (*TASK_WORDS, SEP_ID, *language.words):
         vocab[_word(token)] = token
     vocab["<unk>"] = max(vocab.values()) + 1
+    specials = list(SPECIAL_TOKENS)
+    if image_token is not None:
+        vocab[image_token[0]] = image_token[1]
+        specials.append(image_token[0])
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend.add_special_tokens(specials)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=BOS, eos_token=EOT, pad_token=PAD,
         unk_token="<unk>", model_max_length=8192, clean_up_tokenization_spaces=False,
+        additional_special_tokens=specials[len(SPECIAL_TOKENS):],
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = template
     out = Path(model_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "chat_template.jinja"):

@@ -305,35 +305,8 @@ VISION_CHAT_TEMPLATE = (
 def write_vision_chat_tokenizer(model_dir: str | Path, language: TaskLanguage) -> Path:
     """The learnable target's word-level tokenizer with `<image>` (the Llava's image
     token, IMAGE_ID) and VISION_CHAT_TEMPLATE."""
-    from transformers import AutoTokenizer
-
-    from hsx_workers.tiny_models.tokenizer import save_tokenizer
-
-    write_chat_tokenizer(model_dir, language)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    backend = tokenizer.backend_tokenizer
-    model = json.loads(backend.to_str())
-    model["model"]["vocab"][LLAVA_IMAGE_TOKEN] = IMAGE_ID
-    from tokenizers import Tokenizer
-
-    rebuilt = Tokenizer.from_str(json.dumps(model))
-    rebuilt.add_special_tokens([LLAVA_IMAGE_TOKEN])
-    from transformers import PreTrainedTokenizerFast
-
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=rebuilt, bos_token=tokenizer.bos_token,
-        eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token,
-        unk_token=tokenizer.unk_token, additional_special_tokens=[LLAVA_IMAGE_TOKEN],
-        model_max_length=8192, clean_up_tokenization_spaces=False)
-    fast.chat_template = VISION_CHAT_TEMPLATE
-    out = Path(model_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "chat_template.jinja"):
-        (out / name).unlink(missing_ok=True)
-    save_tokenizer(fast, out)
-    if fast.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN) != IMAGE_ID:
-        raise RuntimeError("the learnable tokenizer's <image> is not the Llava's image token")
-    return out
+    return write_chat_tokenizer(model_dir, language, template=VISION_CHAT_TEMPLATE,
+                                image_token=(LLAVA_IMAGE_TOKEN, IMAGE_ID))
 
 
 def as_vision_chat(ids: list[int], mask: list[int], image: str | None
