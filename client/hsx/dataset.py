@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, SupportsIndex
 
 from hsx.output import CommitRecord, Manifest, Output, ShardReader
+from hsx.output.shards import MODALITY_MASK
 from hsx.regenerate import loads_messages
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,10 @@ class HiddenStatesDataset:
     as `ml_dtypes.bfloat16`). On local disk tensors are zero-copy views of the
     memory-mapped shards. On an output of a job with `regenerate:`, `ds[i]` also holds
     `regeneration`: the conversation captured and the dataset's original, with the
-    sampling seeds and finish reasons (`regeneration(record, sample_index)`).
+    sampling seeds and finish reasons (`regeneration(record, sample_index)`). On an
+    output of a job that took images (`takes_images`), each sample also holds
+    `modality_mask` [T] uint8: 1 on an image's vision tokens, 0 on text (their
+    `loss_mask` is 0).
 
     `follow=True` makes `iter(ds)` and `shards()` wait for new shards (checking every
     `poll_interval` seconds) until the job has written complete.json; `timeout` bounds
@@ -276,7 +280,8 @@ class HiddenStatesDataset:
         `sample_index` int64, `input_ids` list<int32>, `loss_mask` list<uint8>, and
         `hidden_states` [T][L][H] as the stored bit patterns — uint16 for bf16 (Arrow has
         no bfloat16), uint8 for fp8 e4m3 with its per-token, per-layer `scales` [T][L]
-        float32 beside it. Rows come in the order of `ds[i]`; the table holds the shards
+        float32 beside it; a job that took images adds `modality_mask` list<uint8> (1 on
+        an image's vision tokens). Rows come in the order of `ds[i]`; the table holds the shards
         committed when this is called.
 
         Reading rows through `datasets`' numpy or torch formats copies them and turns
@@ -289,6 +294,7 @@ class HiddenStatesDataset:
         import pyarrow as pa
 
         chunks: dict[str, list[pa.Array]] = {}
+        images = self.takes_images
         for reader in self.shards(list(self._index.order)):
             offsets = pa.array(np.asarray(reader.offsets, dtype=np.int32))
             hidden = reader.tensor("hidden_states")
@@ -304,6 +310,10 @@ class HiddenStatesDataset:
             if reader.storage_dtype == "fp8":
                 columns["scales"] = pa.ListArray.from_arrays(
                     offsets, _fixed(_arrow(reader.tensor("scales")), layers))
+            if images:
+                modality = (reader.tensor(MODALITY_MASK) if reader.has_modality
+                            else np.zeros(reader.num_tokens, np.uint8))
+                columns[MODALITY_MASK] = pa.ListArray.from_arrays(offsets, _arrow(modality))
             for name, array in columns.items():
                 chunks.setdefault(name, []).append(array)
         if not chunks:
@@ -314,6 +324,12 @@ class HiddenStatesDataset:
             f"storage {self.manifest.storage_dtype} (hidden_states holds its "
             "bit patterns)"))
         return datasets.Dataset(datasets.table.InMemoryTable(table), info=info)
+
+    @property
+    def takes_images(self) -> bool:
+        """The output's job took images (`images:`): its samples carry `modality_mask`
+        (1 on an image's vision tokens; docs/FORMAT.md)."""
+        return bool((self.manifest.spec or {}).get("images"))
 
     def to_hf_iterable(self) -> Any:
         """The committed samples as a `datasets.IterableDataset` yielding what `ds[i]`

@@ -71,6 +71,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hsx.output.shards import MODALITY_MASK
+
 logger = logging.getLogger(__name__)
 
 EXPORT_RECORD = "hsx_export.json"
@@ -425,12 +427,16 @@ def _write(
 
     from hsx.output.local_storage import make_output_dirs
 
-    features = datasets.Features({
+    columns = {
         "input_ids": datasets.Sequence(datasets.Value("int64")),
         "loss_mask": datasets.Sequence(datasets.Value("int64")),
         "seq_len": datasets.Value("int64"),
         SAMPLE_INDEX_COLUMN: datasets.Value("int64"),
-    })
+    }
+    images = ds.takes_images  # the modality of each token, as the shards say it
+    if images:
+        columns[MODALITY_MASK] = datasets.Sequence(datasets.Value("int64"))
+    features = datasets.Features(columns)
     total = len(ds)
     freq: Counter[int] = Counter()
     written = tokens = nbytes = 0
@@ -456,10 +462,13 @@ def _write(
                 },
             )
             (out / HIDDEN_STATES_DIR / hs_file_name(i)).write_bytes(data)
-            writer.write({
+            row = {
                 "input_ids": ids.tolist(), "loss_mask": mask.tolist(),
                 "seq_len": int(ids.shape[0]), SAMPLE_INDEX_COLUMN: int(sample["sample_index"]),
-            })
+            }
+            if images:
+                row[MODALITY_MASK] = sample[MODALITY_MASK].to(torch.int64).tolist()
+            writer.write(row)
             masked = ids[mask.bool()]
             if masked.numel():
                 uniq, counts = masked.unique(return_counts=True)

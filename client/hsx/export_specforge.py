@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.finalnorm import FinalNorm, FinalNormUnavailable
+from hsx.output.shards import MODALITY_MASK
 
 SAMPLE_INDICES = "hsx_sample_index.json"
 SPECFORGE_GROUP = 2000  # files per rows_{g}-{g+2000} folder (SpecForge's --file-group-size)
@@ -118,6 +119,8 @@ class SpecForgeWriter:
                 assert self.final_norm is not None
                 post = self.final_norm.apply(hidden[:, picks[-1]]).to(hidden.dtype)
                 record[self.last_feature] = post.reshape(1, t, -1).contiguous()
+            if MODALITY_MASK in sample:  # a job that took images
+                record[MODALITY_MASK] = sample[MODALITY_MASK].to(torch.int64)
             path = out / specforge_file(i)
             if i % SPECFORGE_GROUP == 0:  # the first file of its folder
                 make_output_dirs(path.parent)
@@ -134,6 +137,8 @@ class SpecForgeWriter:
         if self.last_feature is not None:
             features[self.last_feature] = (f"[1, T, H] bf16: the target's final norm "
                                            f"applied to id {layers[-1]}")
+        if ds.takes_images:
+            features[MODALITY_MASK] = "[T] int64: 1 on an image's vision tokens"
         (out / SAMPLE_INDICES).write_text(json.dumps(indices) + "\n")
         return written, tokens, nbytes, {
             "strategy": self.method,

@@ -60,6 +60,20 @@ class ModelInfo:
         return text if isinstance(text, dict) else self.config
 
     @property
+    def image_token_id(self) -> int | None:
+        """The token a wrapper's vision tokens carry, one per vision token once its
+        processor (or vLLM) expands an image's placeholder: `image_token_index` (Llava),
+        `image_token_id` (Qwen2.5-VL), `media_placeholder_token_id` (Kimi-K2.5); None for
+        a model without a vision tower."""
+        if not isinstance(self.config.get("vision_config"), dict):
+            return None
+        for key in ("image_token_id", "image_token_index", "media_placeholder_token_id"):
+            value = self.config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    @property
     def max_positions(self) -> int | None:
         """Positions the text model was built for (`max_position_embeddings`), if said."""
         value = self.shape.get("max_position_embeddings")

@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from hsx.images_spec import ImageSpec
 from hsx.methods import METHODS, DraftMethod, MethodName
 
 EngineName = Literal["vllm", "hf"]
@@ -561,6 +562,14 @@ class JobSpec(BaseModel):
             "capture over its answers (rows must carry `messages`; engine `vllm`)."
         ),
     )
+    images: ImageSpec | None = Field(
+        None,
+        description=(
+            "Take the images of the dataset's chats (a vision-language target: its vision "
+            "tower runs, and the shards mark the image tokens), within these bounds. Unset: "
+            "a row with an image is a bad row, and a wrapper runs its text path only."
+        ),
+    )
 
     @field_validator("dataset")
     @classmethod
@@ -624,6 +633,9 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"regenerate.max_tokens ({self.regenerate.max_tokens}) leaves no room for "
                 f"the conversation within max_seq_len ({self.max_seq_len})")
+        if self.images is not None and self.regenerate is not None:
+            raise ValueError("images with regenerate is not built: the answers would be "
+                             "generated without the images")
         if self.regenerate is not None and self.train is not None and self.train.online:
             raise ValueError("train.online with regenerate is not built: regenerate first "
                              "(a job without train.online), then train on its output")
@@ -646,6 +658,8 @@ class JobSpec(BaseModel):
         if self.regenerate is not None:
             # Only when set: outputs of jobs without it keep their fingerprint.
             payload["regenerate"] = self.regenerate.model_dump(mode="json")
+        if self.images is not None:  # the same: only when set
+            payload["images"] = self.images.model_dump(mode="json")
         blob = json.dumps(payload, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -726,4 +740,7 @@ def _resolve_relative(spec: JobSpec, base: Path) -> JobSpec:
     }
     if spec.tokenizer:
         updates["tokenizer"] = resolve(spec.tokenizer)
+    if spec.images is not None and spec.images.roots:
+        updates["images"] = spec.images.model_copy(update={"roots": [
+            str((base / Path(root).expanduser()).resolve()) for root in spec.images.roots]})
     return spec.model_copy(update=updates)

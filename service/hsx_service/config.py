@@ -152,6 +152,14 @@ class Settings(BaseSettings):
             "code or files (docs/SECURITY.md). Names separated by `,`, or a JSON list."
         ),
     )
+    image_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Hosts a job's `images.allow_hosts` may name: the coordinator's ingestion "
+            "fetches image URLs from them (docs/SECURITY.md). Empty: no job fetches any. "
+            "Names separated by `,`, or a JSON list."
+        ),
+    )
     allow_hub: bool | None = Field(
         None,
         description=(
@@ -264,7 +272,8 @@ class Settings(BaseSettings):
 
         return [root_as_given(root) for root in roots]
 
-    @field_validator("engine_options", "allowed_hosts", "admins", mode="before")
+    @field_validator("engine_options", "allowed_hosts", "admins", "image_hosts",
+                     mode="before")
     @classmethod
     def _split_names(cls, value: Any) -> Any:
         if not isinstance(value, str):

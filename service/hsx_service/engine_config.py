@@ -30,6 +30,8 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int],
         options["engine_args"] = spec.vllm.engine_args()
     if spec.regenerate is not None:
         options["generates"] = True  # sampling with per-request seeds (vllm_engine.py)
+    if spec.images is not None:
+        options["images"] = image_options(spec, model)
     return EngineConfig(
         model=spec.model,
         layers=layers,
@@ -44,17 +46,31 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int],
     )
 
 
+def image_options(spec: JobSpec, model: ModelInfo) -> dict[str, Any]:
+    """What an engine of a job that takes images needs: how many a prompt may hold, how
+    large (vLLM sizes its profiling by them), and the token the vision tokens carry."""
+    images = spec.images
+    if images is None or model.image_token_id is None:
+        raise ValueError(f"{spec.model} takes no images, or the job asks none")
+    return {"max_per_row": images.max_per_row, "max_pixels": images.max_pixels,
+            "image_token_id": model.image_token_id}
+
+
 def target_engine_args(spec: JobSpec) -> dict[str, Any]:
     """vLLM's arguments for the job's target outside capture (the draft's evaluation):
     as the job's engines load it — tensor parallelism, dtype, memory share, remote code
-    and the job's own `vllm:` engine arguments."""
-    return {
+    and the job's own `vllm:` engine arguments; a job that takes images, its vision
+    tower with as many images a prompt as its rows hold."""
+    args = {
         "tensor_parallel_size": spec.tensor_parallel_size,
         "dtype": spec.vllm.dtype,
         "trust_remote_code": spec.trust_remote_code,
         "gpu_memory_utilization": spec.vllm.gpu_memory_utilization,
         **spec.vllm.engine_args(),
     }
+    if spec.images is not None:  # its held-out image prompts, as many images as a row
+        args["limit_mm_per_prompt"] = {"image": spec.images.max_per_row, "video": 0}
+    return args
 
 
 def fit_to_model(spec: JobSpec) -> JobSpec:

@@ -17,10 +17,12 @@ form (lowercase letters, digits, `.` and `-`, 3 to 63 characters) whatever the r
 Roots are per caller (`Roots`, which users.py gives each caller): the folders and
 prefixes their jobs may write, and those they may only read. What a job reads — the
 dataset (and each file a folder dataset will be read from, symlinks resolved, so a link
-inside an allowed folder cannot reach `/etc/shadow`), the model, the tokenizer and the
-vLLM options that name files to read — must lie in either; what it writes — the output,
-and `download_dir` — in the first. A hub id (a model or dataset that names no local
-path: `is_model_hub_id`, `hsx.ingest.is_hub_id`) reads nothing below the roots; it is
+inside an allowed folder cannot reach `/etc/shadow`), the model, the tokenizer, the
+folders a job's images may be read from (`images.roots`; the rows' image paths are
+resolved under them at ingestion, by default the dataset's own folder) and the vLLM
+options that name files to read — must lie in either; what it writes — the output, and
+`download_dir` — in the first. A hub id (a model or dataset that names no local path:
+`is_model_hub_id`, `hsx.ingest.is_hub_id`) reads nothing below the roots; it is
 accepted only where the operator allows the hub (`Settings.hub_allowed`): a hub
 dataset's card may name local files of its own.
 
@@ -292,8 +294,9 @@ def _local_files(field: str, dataset: str | DatasetSpec) -> list[Path]:
 def check_job_paths(spec: JobSpec, roots: Roots | None, *, hub_allowed: bool = True) -> None:
     """Refuse a job that names a path outside the caller's `roots` (None: no
     restriction) or a hub id where the hub is not allowed. Covers what the job reads
-    (the dataset and its files, the model, the tokenizer, the vLLM options that name
-    files) and what it writes (the output, `download_dir`)."""
+    (the dataset and its files, the model, the tokenizer, the folders images may be read
+    from: `images.roots`, the vLLM options that name files) and what it writes (the
+    output, `download_dir`)."""
     bucket_location("dataset", spec.dataset_spec.path)  # a bucket's name, whatever the roots
     bucket_location("output", spec.output)
     if roots is None and hub_allowed:
@@ -305,6 +308,10 @@ def check_job_paths(spec: JobSpec, roots: Roots | None, *, hub_allowed: bool = T
     if roots is None:
         return
     roots.check_write("output", spec.output)
+    # Image paths in the rows are read only under images.roots (hsx.ingest.images), by
+    # default the dataset's own folder, judged with the dataset above.
+    for i, root in enumerate(spec.images.roots if spec.images is not None else ()):
+        roots.check_read(f"images.roots.{i}", root)
     options = spec.vllm.engine_args()
     for name in ENGINE_PATH_OPTIONS:
         value = options.get(name)

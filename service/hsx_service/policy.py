@@ -113,6 +113,13 @@ def vet_spec(spec: JobSpec, settings: Settings, caller: Caller) -> None:
     problem = engine_options_problem(spec.vllm.engine_args(), settings.engine_options)
     if problem:
         raise JobRefused(f"vllm: {problem}")
+    hosts = sorted(set(spec.images.allow_hosts) - set(settings.image_hosts)
+                   ) if spec.images is not None else []
+    if hosts:
+        allowed = ", ".join(settings.image_hosts) or "none"
+        raise JobRefused(
+            f"images.allow_hosts: this server fetches no images from {', '.join(hosts)} "
+            f"(its operator allows {allowed}: HSX_IMAGE_HOSTS)")
     check_job_paths(spec, caller.roots, hub_allowed=settings.hub_allowed)
 
 

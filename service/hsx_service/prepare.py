@@ -4,8 +4,8 @@ A job is refused here (`JobRefused`, with a message that names the problem) when
 model has no usable config, cannot be captured with the chosen engine (the model
 preflight, hsx_workers.preflight, says why), a layer id is out of range or not
 capturable for that model, the dataset cannot be read (a missing file, object or prefix,
-no permission, a hub that cannot be reached, several splits and none named), the output
-cannot be written, the
+no permission, a hub that cannot be reached, several splits and none named), its
+images cannot be taken (images.py), the output cannot be written, the
 estimated output exceeds the free space or quota of the output location, or the output
 already holds a different job. Only then does anything heavy start. The output location
 is the truth: a manifest found there is reused, committed units are skipped, so running
@@ -43,6 +43,7 @@ from hsx.plan import UnitPlanner, WorkUnit, first_unit_tokens
 from hsx.progress import human_bytes
 from hsx.spec import JobSpec
 from hsx_service.errors import JobCancelled, JobRefused
+from hsx_service.images import IMAGE_SAMPLE_ROWS, check_images, image_settings
 
 if TYPE_CHECKING:
     from hsx.ingest import IngestProgress, IngestResult
@@ -102,7 +103,7 @@ class PreparedJob:
 # may run, the chat template's arguments, the regeneration).
 RESUMED_SPEC_FIELDS = ("model", "tokenizer", "trust_remote_code", "dataset", "layers",
                        "engine", "max_seq_len", "storage_dtype", "unit_tokens",
-                       "chat_template_kwargs", "regenerate")
+                       "chat_template_kwargs", "regenerate", "images")
 
 
 def manifest_expected(spec: JobSpec, info: ModelInfo, layers: list[int]) -> dict[str, Any]:
@@ -171,6 +172,7 @@ def preflight(spec: JobSpec) -> tuple[ModelInfo, list[int], Output]:
     except ModelConfigError as err:
         raise JobRefused(str(err)) from None
     check_capturable(spec, info, layers)
+    check_images(spec, info)  # images.py
     check_engine_args(spec, info)
     check_dataset(spec)
     if spec.engine == "hf" and spec.tensor_parallel_size > 1:
@@ -235,10 +237,12 @@ def check_estimated_output(spec: JobSpec, info: ModelInfo, layers: list[int], ou
             logger.info("no output estimate for %s: counting its rows means reading it "
                         "whole; the exact check follows ingestion", source)
             return None
+        images = image_settings(spec, info)
         tokens, rows, sampled, spread = (bounded_estimate if in_child else estimate_tokens)(
             source, spec.tokenizer or spec.model, spec.max_seq_len,
             chat_template_kwargs=spec.chat_template_kwargs,
-            trust_remote_code=spec.trust_remote_code)
+            trust_remote_code=spec.trust_remote_code, images=images,
+            sample_rows=IMAGE_SAMPLE_ROWS if images is not None else 256)
     except TemplateLimitError as err:
         raise JobRefused(f"{_template_field(spec)}: {err}") from None
     except Exception as err:  # EstimateUnavailable, a dataset that cannot be read
@@ -297,6 +301,8 @@ def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
     (a coordinator without workers' packages) its answer is partial and nothing is
     refused on it — the engine's own start then says what fails.
     """
+    if spec.images is not None and spec.engine == "hf":
+        return  # an image-text-to-text model, not a causal LM: check_images
     try:
         from hsx_workers.preflight import inspect_model_cached
     except ImportError:  # the workers' package is not installed here
@@ -573,6 +579,7 @@ class Ingestion:
 
     def _run(self) -> None:
         from hsx.ingest import DatasetError, TemplateLimitError, ingest
+        from hsx.ingest.pipeline import nothing_to_capture
 
         spec = self.spec
         tasks = self._tasks
@@ -586,7 +593,11 @@ class Ingestion:
                 workers=tasks.max_workers if tasks is not None else self.workers or 1,
                 executor=tasks, job_fingerprint=spec.data_fingerprint(),
                 first_unit_tokens=first_unit_tokens(spec.unit_tokens),
-                on_start=self._start, on_part=self._part)
+                on_start=self._start, on_part=self._part,
+                images=image_settings(spec, self.info))
+            if not result.num_samples:  # before the manifest: a rerun finds none again
+                raise JobRefused("dataset: " + nothing_to_capture(
+                    result, self.output.ingest_errors(), str(self.output)))
             # Another driver may have prepared the same output at the same moment: the
             # manifest published first is the one, and it must be this same job.
             manifest = self.output.publish_manifest(self._manifest(self.units, result))

@@ -392,6 +392,37 @@ def test_an_unset_max_seq_len_fits_the_models_positions(
     assert fit_to_model(unset.model_copy(update={"engine": "hf"})).max_seq_len == 4096
 
 
+def test_a_dataset_of_bad_rows_fails_naming_the_commonest_reasons(
+        configs: dict[str, Path], tmp_path: Path) -> None:
+    """A job whose every row is bad captures nothing: it fails before any engine starts,
+    with the commonest reasons and their counts, and so does its rerun (no manifest was
+    published that would make it look complete); the errors table keeps each row."""
+    from hsx.output import Output
+
+    rows = ([{"messages": [{"role": "user", "content": "hi"}]}] * 5
+            + [{"messages": [{"role": "user", "content": 7}, {"role": "assistant",
+                                                              "content": "x"}]}] * 3
+            + [{"input_ids": [1, 10**9]}, {"input_ids": [1, 2 * 10**9]}, {"other": 1}])
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = JobSpec(model=str(configs["llama"]), dataset=str(data),
+                   output=str(tmp_path / "o"), max_seq_len=256)
+    for _ in range(2):
+        message = _run_refused(spec)
+        assert message.startswith("dataset: none of its 11 rows can be used"), message
+        assert ("5 rows: the conversation has no assistant message" in message
+                and "3 rows: message 0 content is neither text" in message
+                and "2 rows: input_ids has token id 1000000000" in message
+                and "1 row for other reasons" in message), message
+        assert Output(str(tmp_path / "o")).read_manifest() is None
+    assert Output(str(tmp_path / "o")).ingest_errors().num_rows == 11
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    message = _run_refused(spec.model_copy(update={"dataset": str(empty),
+                                                   "output": str(tmp_path / "e")}))
+    assert message == "dataset: it has no rows, so there is nothing to capture"
+
+
 def test_refused_bad_layer_id_for_model(configs: dict[str, Path], chat_dataset: ChatDataset,
                                         tmp_path: Path) -> None:
     message = _run_refused(_spec(configs["deepseek_v3"], chat_dataset, tmp_path / "o",

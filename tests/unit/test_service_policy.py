@@ -65,6 +65,26 @@ def test_vet_spec_names_the_field(tmp_path: Path) -> None:
     assert Settings.model_validate({"engine_options": "a, b"}).engine_options == ["a", "b"]
 
 
+def test_image_roots_and_hosts_are_the_operators(tmp_path: Path) -> None:
+    """A job's images are read under `images.roots`, each judged as any path it names,
+    and fetched only from hosts the operator allows (HSX_IMAGE_HOSTS)."""
+    (tmp_path / "d.jsonl").touch()
+    (tmp_path / "pictures").mkdir()
+    spec = JobSpec(model=str(tmp_path / "m"), dataset=str(tmp_path / "d.jsonl"),
+                   output=str(tmp_path / "o"),
+                   images={"roots": [str(tmp_path / "pictures"), "/etc"]})  # type: ignore[arg-type]
+    settings = Settings(allowed_roots=[tmp_path])
+    with pytest.raises(JobRefused, match=r"^images\.roots\.1: /etc"):
+        vet_spec(spec, settings)
+    inside = spec.model_copy(update={"images": spec.images.model_copy(  # type: ignore[union-attr]
+        update={"roots": [str(tmp_path / "pictures")], "allow_hosts": ["img.example.com"]})})
+    with pytest.raises(JobRefused, match=r"^images\.allow_hosts: this server fetches no "
+                                         r"images from img\.example\.com \(its operator allows "
+                                         r"none: HSX_IMAGE_HOSTS\)"):
+        vet_spec(inside, settings)
+    vet_spec(inside, Settings(allowed_roots=[tmp_path], image_hosts="img.example.com"))
+
+
 def test_hub_ids_need_the_operator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d.jsonl").touch()

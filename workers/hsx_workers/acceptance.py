@@ -11,6 +11,11 @@ the prompt part of each, answered with as many tokens as its answer had) and rec
 result in `draft/eval.json`. `hsx eval-draft` and the coordinator (after a training)
 call it; run it in a process of its own (vLLM's engine core is spawned, and its
 settings are per process).
+
+An output of a job that took images gives image prompts too (the held-out samples'
+images, as vLLM's `multi_modal_data`): the image prompts and the text prompts are
+generated one set after the other, and the counters read between them give the
+acceptance of each modality (`per_modality` in eval.json).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from hsx.draft import draft_folder, fetch_draft, read_train_state, write_draft_j
 from hsx.methods import METHODS
 from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_EVAL
+from hsx.output.tables import IMAGES_COLUMN
 from hsx.spec import TrainSpec
 
 EVAL_FILE = DRAFT_EVAL.rpartition("/")[2]
@@ -45,6 +51,9 @@ class Acceptance:
     acceptance_per_position: list[float]
     mean_acceptance_length: float
     seconds: float
+    # Where the prompts held images: {"image": {...}, "text": {...}}, each modality's
+    # prompts, drafts, accepted tokens, acceptance per position and mean length.
+    per_modality: dict[str, dict[str, Any]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,6 +63,16 @@ class Acceptance:
 class EvalPrompt:
     token_ids: list[int]
     max_tokens: int
+    images: list[bytes] | None = None  # the images of its placeholders, in order
+    tokens: int = 0  # its length once vLLM expands its images (0: len(token_ids))
+
+    @property
+    def modality(self) -> str:
+        return "image" if self.images else "text"
+
+    @property
+    def length(self) -> int:
+        return self.tokens or len(self.token_ids)
 
 
 def prompt_of(ids: list[int], mask: list[int], prefix: int, max_tokens: int) -> EvalPrompt | None:
@@ -69,9 +88,12 @@ def prompt_of(ids: list[int], mask: list[int], prefix: int, max_tokens: int) -> 
 
 
 def held_out_prompts(output: Output, spec: TrainSpec, n: int, *, prefix: int = 8,
-                     max_tokens: int = 256) -> tuple[list[EvalPrompt], str]:
+                     max_tokens: int = 256, image_token: int | None = None
+                     ) -> tuple[list[EvalPrompt], str]:
     """Up to `n` prompts from the samples a training by `spec` held out; from the first
-    samples when it held none out. Returns (prompts, where they came from)."""
+    samples when it held none out. Returns (prompts, where they came from). Where the
+    inputs keep images, a prompt takes those of the placeholders (`image_token`) it
+    holds."""
     from hsx_workers.trainer import held_out
 
     table = output.inputs()
@@ -83,11 +105,23 @@ def held_out_prompts(output: Output, spec: TrainSpec, n: int, *, prefix: int = 8
     row_of = {idx: row for row, idx in enumerate(indices)}
     ids = table.column("input_ids")
     masks = table.column("loss_mask")
+    images = table.column(IMAGES_COLUMN) if IMAGES_COLUMN in table.column_names else None
+    lengths = table.column("length")
     prompts = []
     for idx in chosen:
         row = row_of[idx]
         prompt = prompt_of([int(t) for t in ids[row].as_py()],
                            [int(m) for m in masks[row].as_py()], prefix, max_tokens)
+        if prompt is not None and images is not None and image_token is not None:
+            # The images whose placeholders the prompt holds (a later turn's are cut).
+            shown = prompt.token_ids.count(image_token)
+            prompt.images = list(images[row].as_py())[:shown] or None
+            # Their vision tokens, as ingestion counted them (`length`; all the
+            # sample's, an upper bound where a later turn's are cut): vLLM's
+            # max_model_len must hold them.
+            if prompt.images:
+                prompt.tokens = (len(prompt.token_ids) + int(lengths[row].as_py())
+                                 - len(ids[row]))
         if prompt is not None:
             prompts.append(prompt)
         if len(prompts) >= n:
@@ -126,6 +160,7 @@ def measure_acceptance(
     from vllm.platforms import current_platform
 
     from hsx_workers.dtypes import vllm_dtype
+    from hsx_workers.engines.vllm_engine import image_prompt
     from hsx_workers.vllm_compat import starting_engine
 
     if not prompts:
@@ -138,8 +173,10 @@ def measure_acceptance(
                          "runs in vLLM's GPU model runner only): measure it on a GPU node "
                          "with `hsx eval-draft`")
     # As long as the longest prompt and answer need (and the draft's k tokens past it).
-    longest = max(len(p.token_ids) + p.max_tokens for p in prompts) + k + 1
+    longest = max(p.length + p.max_tokens for p in prompts) + k + 1
     args: dict[str, Any] = {"enforce_eager": enforce_eager, **(engine or {})}
+    if any(p.images for p in prompts):
+        _image_engine(target, args, prompts)
     # The dtype the job's engines computed its states in (dtypes.py).
     args["dtype"] = vllm_dtype(str(args.get("dtype", "auto")), target)
     # As long as the prompts need, at most what the job's own arguments allow.
@@ -151,28 +188,77 @@ def measure_acceptance(
                                 "num_speculative_tokens": k},
             **args,
         )
+    groups = [(m, [p for p in prompts if p.modality == m]) for m in ("image", "text")]
     t0 = time.perf_counter()
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts],
-        [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True)
-         for p in prompts],
-        use_tqdm=False,
-    )
+    generated = 0
+    per_modality: dict[str, dict[str, Any]] = {}
+    before = _counts(llm)
+    for modality, group in groups:
+        if not group:
+            continue
+        outputs = llm.generate(
+            [image_prompt(p.token_ids, p.images) if p.images
+             else TokensPrompt(prompt_token_ids=p.token_ids) for p in group],
+            [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True)
+             for p in group],
+            use_tqdm=False,
+        )
+        generated += sum(len(o.outputs[0].token_ids) for o in outputs)
+        after = _counts(llm)
+        per_modality[modality] = {"prompts": len(group), **_rates(after, before)}
+        before = after
     seconds = time.perf_counter() - t0
-    metrics = {m.name: m for m in llm.get_metrics()}
-    drafts = int(_counter(metrics, "vllm:spec_decode_num_drafts").value)
-    draft_tokens = int(_counter(metrics, "vllm:spec_decode_num_draft_tokens").value)
-    accepted = int(_counter(metrics, "vllm:spec_decode_num_accepted_tokens").value)
-    per_pos = [int(v) for v in _counter(
-        metrics, "vllm:spec_decode_num_accepted_tokens_per_pos").values]
+    drafts, draft_tokens, accepted, per_pos = _counts(llm)
     return Acceptance(
-        k=k, prompts=len(prompts),
-        generated_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        k=k, prompts=len(prompts), generated_tokens=generated,
         drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
         accepted_per_position=per_pos,
         acceptance_per_position=[v / drafts if drafts else 0.0 for v in per_pos],
         mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0, seconds=seconds,
+        per_modality=per_modality if len(per_modality) > 1 or "image" in per_modality
+        else None,
     )
+
+
+def _counts(llm: Any) -> tuple[int, int, int, list[int]]:
+    """vLLM's speculative-decoding counters so far: drafts, draft tokens, accepted
+    tokens, accepted tokens per draft position (zeros before the first draft)."""
+    metrics = {m.name: m for m in llm.get_metrics()}
+    if "vllm:spec_decode_num_drafts" not in metrics:
+        return 0, 0, 0, []
+    return (int(_counter(metrics, "vllm:spec_decode_num_drafts").value),
+            int(_counter(metrics, "vllm:spec_decode_num_draft_tokens").value),
+            int(_counter(metrics, "vllm:spec_decode_num_accepted_tokens").value),
+            [int(v) for v in _counter(
+                metrics, "vllm:spec_decode_num_accepted_tokens_per_pos").values])
+
+
+def _rates(after: tuple[int, int, int, list[int]], before: tuple[int, int, int, list[int]]
+           ) -> dict[str, Any]:
+    """The acceptance of what vLLM drafted between two readings of its counters."""
+    drafts, draft_tokens, accepted = (a - b for a, b in zip(after[:3], before[:3],
+                                                            strict=True))
+    earlier = before[3] + [0] * (len(after[3]) - len(before[3]))
+    per_pos = [a - b for a, b in zip(after[3], earlier, strict=True)]
+    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "acceptance_per_position": [v / drafts if drafts else 0.0 for v in per_pos],
+            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0}
+
+
+def _image_engine(target: str, args: dict[str, Any], prompts: list[EvalPrompt]) -> None:
+    """vLLM's arguments for a target answering image prompts: its vision tower (no
+    `language_model_only`), as many images a prompt as they hold, and where torchvision
+    is missing, the engine in this process with it stubbed (vllm_engine.py)."""
+    from hsx.modelinfo import read_model_info
+    from hsx_workers.engines.vllm_engine import wrapper_in_this_process
+
+    most = max(len(p.images or ()) for p in prompts)
+    limit = args.setdefault("limit_mm_per_prompt", {"image": most, "video": 0})
+    if isinstance(limit, dict) and isinstance(limit.get("image"), int):
+        limit["image"] = max(limit["image"], most)
+    info = read_model_info(target)
+    wrapper_in_this_process(info.architecture, int(args.get("tensor_parallel_size", 1)),
+                            args)
 
 
 def evaluate_draft(
@@ -198,9 +284,9 @@ def evaluate_draft(
         own = False
     state = (read_train_state(root) if root is not None else None) or {}
     spec = TrainSpec.model_validate(state.get("spec") or {})
-    chosen, source = held_out_prompts(out, spec, prompts, prefix=prefix,
-                                      max_tokens=max_tokens)
     model = target or out.manifest().model
+    chosen, source = held_out_prompts(out, spec, prompts, prefix=prefix,
+                                      max_tokens=max_tokens, image_token=_image_token(model))
     result = measure_acceptance(model, draft, chosen, k=k or spec.proposed_tokens,
                                 engine=engine)
     best = state.get("best") or {}
@@ -210,6 +296,15 @@ def evaluate_draft(
     if record and own and root is not None:
         write_draft_json(out, root, EVAL_FILE, body)
     return body
+
+
+def _image_token(model: str) -> int | None:
+    from hsx.modelinfo import ModelConfigError, read_model_info
+
+    try:
+        return read_model_info(model).image_token_id
+    except ModelConfigError:
+        return None
 
 
 def record_eval_error(output: Output | str | Path, error: str) -> None:

@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -142,21 +143,28 @@ class TaskLanguage:
         (None where nothing is determined: the prompt)."""
         start = ids.index(SEP_ID) + 1
         words = ids[2:start - 1]
-        head = self._head(ids[1], words)
-        out: list[int | None] = [None] * (start - 1)
-        for t in range(start - 1, len(ids) - 1):
-            k = t - (start - 1)
-            if k < len(head):
-                out.append(head[k])
-            else:
-                prev = ids[t] if k > 0 else words[-1]
-                out.append(self.successors[prev][0])
-        return out
+        return answer_targets(ids, start, words, self._head(ids[1], words),
+                              lambda word: self.successors[word][0])
 
     def as_json(self) -> dict[str, Any]:
         return {"kind": "tasks", "size": self.size, "seed": self.seed,
                 "min_words": self.min_words, "max_words": self.max_words,
                 "min_chain": self.min_chain, "max_chain": self.max_chain}
+
+
+def answer_targets(ids: list[int], start: int, words: list[int], head: list[int],
+                   successor: Callable[[int], int]) -> list[int | None]:
+    """Per position of a sample whose answer starts at `start` (after its prompt's
+    `words`), the token a greedy target predicts next: None in the prompt, then the
+    answer's `head`, then each token's likeliest `successor` (the chain)."""
+    out: list[int | None] = [None] * (start - 1)
+    for t in range(start - 1, len(ids) - 1):
+        k = t - (start - 1)
+        if k < len(head):
+            out.append(head[k])
+        else:
+            out.append(successor(ids[t] if k > 0 else words[-1]))
+    return out
 
 
 def make_learnable_model(
@@ -323,9 +331,12 @@ def _word(token: int) -> str:
     return f"w{token}"
 
 
-def write_chat_tokenizer(model_dir: str | Path, language: TaskLanguage) -> Path:
+def write_chat_tokenizer(model_dir: str | Path, language: TaskLanguage, *,
+                         template: str = CHAT_TEMPLATE,
+                         image_token: tuple[str, int] | None = None) -> Path:
     """Give a learnable target a word-level tokenizer over its language's ids and
-    `CHAT_TEMPLATE` (replacing the byte-level one `make_tiny_model` wrote)."""
+    `template` (replacing the byte-level one `make_tiny_model` wrote); `image_token`
+    (its text and id: the image twin's, learnable_vision.py) is a special token too."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -333,14 +344,19 @@ def write_chat_tokenizer(model_dir: str | Path, language: TaskLanguage) -> Path:
     for token in (*TASK_WORDS, SEP_ID, *language.words):
         vocab[_word(token)] = token
     vocab["<unk>"] = max(vocab.values()) + 1
+    specials = list(SPECIAL_TOKENS)
+    if image_token is not None:
+        vocab[image_token[0]] = image_token[1]
+        specials.append(image_token[0])
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend.add_special_tokens(specials)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=BOS, eos_token=EOT, pad_token=PAD,
         unk_token="<unk>", model_max_length=8192, clean_up_tokenization_spaces=False,
+        additional_special_tokens=specials[len(SPECIAL_TOKENS):],
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = template
     out = Path(model_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "chat_template.jinja"):

@@ -55,7 +55,7 @@ import pyarrow as pa
 
 from hsx.output import Output, ShardWriter
 from hsx.output.shards import DEFAULT_CHECKSUM, background_priority
-from hsx.output.tables import MESSAGES_COLUMN, REGENERATIONS_SCHEMA
+from hsx.output.tables import IMAGES_COLUMN, MESSAGES_COLUMN, REGENERATIONS_SCHEMA
 from hsx.plan import WorkUnit
 from hsx.regenerate import (
     Conversation,
@@ -146,6 +146,9 @@ class _UnitRun:
     checksum: str
     unit: WorkUnit
     rows: list[tuple[int, list[int], list[int]]]
+    # A job that takes images: each sample's images and its tokens once they are
+    # expanded (the inputs' `images` and `length`), by sample_index; None: text only.
+    images: dict[int, tuple[list[bytes], int]] | None = None
     future: Future[UnitReport] = field(default_factory=Future)
     started: float = field(default_factory=time.monotonic)
     writer: ShardWriter | None = None
@@ -246,6 +249,18 @@ class ExtractionWorker:
             )
         ), table
 
+    def _images_of(self, table: pa.Table) -> dict[int, tuple[list[bytes], int]] | None:
+        """The unit's images and expanded lengths, when its job takes images (its engine
+        was built to: `options["images"]`, and its inputs keep them)."""
+        if "images" not in self.config.options:
+            return None
+        if IMAGES_COLUMN not in table.column_names:
+            raise ValueError("the job takes images but its inputs hold none (an output "
+                             "ingested without `images:`)")
+        return {int(i): (list(images), int(length)) for i, images, length in zip(
+            table.column("sample_index").to_pylist(), table.column(IMAGES_COLUMN).to_pylist(),
+            table.column("length").to_pylist(), strict=True)}
+
     def _check_of(self, output: Output, mode: str) -> StatesCheck:
         """The self-check of `output`'s job: one per job on this worker, so its scale
         reference is what this job's first samples here showed."""
@@ -301,6 +316,7 @@ class ExtractionWorker:
         out, rows, table = self._rows(Output.of(output), rows_of or unit)
         dest = out if stream is None else Output(stream)
         run = _UnitRun(dest, storage_dtype, checksum, unit, rows,
+                       images=self._images_of(table),
                        regen=self._regen_of(regenerate, table),
                        check=self._check_of(out, checks),
                        fault=fault)
@@ -368,7 +384,9 @@ class ExtractionWorker:
             if run.fed == len(run.rows):
                 run.mark("fed_last")
             predict = run.check is not None and run.check.picks(index)
-            yield CaptureRequest(index, ids, predict=predict)
+            images, tokens = run.images.get(index, ([], 0)) if run.images else ([], 0)
+            yield CaptureRequest(index, ids, predict=predict, images=images or None,
+                                 tokens=tokens)
 
     def _regenerate(self, run: _UnitRun, regen: _Regen) -> Iterator[GenerateRequest | _Wait]:
         """Answer the unit's conversations round by round (one round per regenerated
@@ -451,6 +469,7 @@ class ExtractionWorker:
                     hidden_size=self.config.hidden_size,
                     storage_dtype=run.storage_dtype,  # type: ignore[arg-type]
                     checksum=run.checksum,  # type: ignore[arg-type]
+                    modality=run.images is not None,
                 )
             except BaseException as err:  # the output cannot take this unit
                 run.fail(err)
@@ -469,9 +488,16 @@ class ExtractionWorker:
             run.fail(run.stop)
         if run.failure is None and run.writer is not None:
             try:
-                if result.error is not None or result.hidden_states is None:
+                masks, unaligned = None, None
+                if result.error is None and result.hidden_states is not None:
+                    try:
+                        masks = self._masks(run, result)
+                    except ValueError as err:  # the engine's tokens are not the prompt's
+                        unaligned = str(err)
+                if result.error is not None or result.hidden_states is None or masks is None:
                     run.errors.append({"sample_index": result.sample_index,
-                                       "reason": result.error or "no hidden states"})
+                                       "reason": result.error or unaligned
+                                       or "no hidden states"})
                 else:
                     states, scales = result.hidden_states, result.scales
                     if run.fault is not None:
@@ -486,9 +512,10 @@ class ExtractionWorker:
                         run.check.check(result.sample_index, states, scales,
                                         result.predicted,
                                         result.norms if run.fault is None else None)
-                    run.writer.add(result.sample_index, result.input_ids,
-                                   run.rows[run.done][2], states,
-                                   take=result.owned, scales=scales)
+                    loss_mask, modality = masks
+                    run.writer.add(result.sample_index, result.input_ids, loss_mask, states,
+                                   take=result.owned, scales=scales,
+                                   modality_mask=modality)
             except StatesCheckFailed as err:
                 self._stop_job(run, err)
             except BaseException as err:
@@ -506,6 +533,20 @@ class ExtractionWorker:
                 self._routing.popleft()
                 self._settling.append(run)
             self._committer.submit(self._commit, run)
+
+    def _masks(self, run: _UnitRun, result: CaptureResult) -> tuple[Any, Any]:
+        """The loss mask over the tokens the engine computed, and which of them are an
+        image's vision tokens (None: a text job). The engine expands each image's
+        placeholder (vLLM's ids are the shard's), so a prompt with images has its mask
+        carried over to them (hsx.ingest.images.realign): vision tokens are never in
+        the loss."""
+        _, ids, mask = run.rows[run.done]
+        if run.images is None:
+            return mask, None
+        from hsx.ingest.images import realign
+
+        image_token = int(self.config.options["images"]["image_token_id"])
+        return realign(ids, mask, result.input_ids, image_token)
 
     def _stop_job(self, run: _UnitRun, err: StatesCheckFailed) -> None:
         """A tripped self-check (`checks: on`): this unit fails now, and so does every

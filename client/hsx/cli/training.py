@@ -341,6 +341,12 @@ def _print_eval(result: dict[str, Any], recorded_in: str | None) -> None:
         f"on {result['prompts']} {result['prompt_source']} ({result['accepted_tokens']} of "
         f"{result['draft_tokens']} draft tokens accepted in {result['drafts']} drafts; "
         f"acceptance per position [{rates}])", markup=False, highlight=False)
+    for modality, part in (result.get("per_modality") or {}).items():
+        console().print(
+            f"  {modality} prompts ({part['prompts']}): mean acceptance length "
+            f"{part['mean_acceptance_length']:.2f}, per position ["
+            + " ".join(f"{r:.2f}" for r in part["acceptance_per_position"]) + "]",
+            markup=False, highlight=False)
     if recorded_in is not None:
         console().print(f"recorded in {recorded_in}", markup=False, highlight=False)
 

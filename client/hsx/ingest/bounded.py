@@ -46,6 +46,9 @@ from hsx.ingest.sources import SourceSlice
 from hsx.ingest.tokenizer import TemplateTimeout
 
 SETUP_SECONDS = 60.0  # a new child's start and tokenizer, wall time
+# ... and a job's image processor, which imports torch (seconds; a minute and more on a
+# loaded machine was seen).
+IMAGE_SETUP_SECONDS = 240.0
 GRACE_SECONDS = 2.0  # beyond HSX_TEMPLATE_SECONDS: a row's own CPU limit stops it first
 WALL_FACTOR = 3.0  # wall time without a beat, in those seconds: the child is at nice 19
 MEMORY_BYTES = 8 * 2**30  # what a child may map beyond its imports
@@ -148,7 +151,8 @@ class TokenizingProcess:
         self._child, self._conn = child, ours
         self._finalizer = weakref.finalize(self, _end, child, ours)
         try:
-            kind, value = self._answer(SETUP_SECONDS)
+            kind, value = self._answer(SETUP_SECONDS if self.settings.images is None
+                                       else IMAGE_SETUP_SECONDS)
         except _Stopped as stopped:
             kind, value = "stopped", stopped
         if kind == "error":
@@ -194,7 +198,8 @@ class TokenizingProcess:
                         f"stopped its tokenizing process on {{row}}: {stopped}",
                         f"{killed} rows of one slice") from None
                 yield TokenizedRows.bad_row(delivered, str(stopped),
-                                            keep_messages=self.settings.keep_messages)
+                                            keep_messages=self.settings.keep_messages,
+                                            images=self.settings.images is not None)
                 delivered += 1
             finally:
                 if not ended:  # left in the middle of a slice (stopped, or closed early)
@@ -247,7 +252,9 @@ def _end(child: Any, conn: Connection) -> None:
 
 
 def _child_main(conn: Connection, beat: Any, settings: SliceSettings) -> None:
-    """A tokenizing child: load the tokenizer, then tokenize the slices it is sent."""
+    """A tokenizing child: load the tokenizer (and a job's image processor: loading it
+    imports torch, seconds that no row's beat would cover), then tokenize the slices
+    it is sent."""
     exit_with_parent()
     os.environ[hsx_settings.TOKENIZING_PROCESS.name] = "1"
     limit_memory(MEMORY_BYTES)
@@ -258,6 +265,8 @@ def _child_main(conn: Connection, beat: Any, settings: SliceSettings) -> None:
     limits.row_started = started
     try:
         tokenizer = worker_tokenizer(settings)
+        if settings.images is not None:
+            settings.images.tokens()
     except MemoryError:
         os._exit(MEMORY_EXIT)
     except BaseException as err:

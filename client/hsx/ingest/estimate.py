@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from hsx.ingest.bounded import exit_with_parent, limit_cpu, limit_memory, pool_context
+from hsx.ingest.images import ImageSettings
 from hsx.ingest.limits import IngestLimits
 from hsx.ingest.samples import (
     TokenEstimate,
@@ -56,7 +57,7 @@ class EstimateUnavailable(Exception):
 def bounded_estimate(
     dataset: DatasetLike, tokenizer_path: str, max_seq_len: int, *, sample_rows: int = 256,
     chat_template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False,
-    limits: IngestLimits | None = None,
+    limits: IngestLimits | None = None, images: ImageSettings | None = None,
 ) -> TokenEstimate:
     """`estimate_tokens` of the same arguments, in a child process (see the module
     docstring): TemplateLimitError when the chat template passes a limit on the
@@ -67,7 +68,7 @@ def bounded_estimate(
     child = context.Process(
         target=_estimate_in_child, name="hsx-estimate", daemon=True,
         args=(send, dataset, tokenizer_path, max_seq_len, sample_rows,
-              dict(chat_template_kwargs or {}), trust_remote_code, limits))
+              dict(chat_template_kwargs or {}), trust_remote_code, limits, images))
     child.start()
     send.close()
     cpu = limits.template_seconds + GRACE_SECONDS
@@ -110,7 +111,8 @@ def _answer(receive: Connection, child: Any, seconds: float) -> tuple[str, Any]:
 
 def _estimate_in_child(send: Connection, dataset: DatasetLike, tokenizer_path: str,
                        max_seq_len: int, sample_rows: int, kwargs: dict[str, Any],
-                       trust_remote_code: bool, limits: IngestLimits) -> None:
+                       trust_remote_code: bool, limits: IngestLimits,
+                       images: ImageSettings | None = None) -> None:
     exit_with_parent()
     tokenize_on_one_thread()  # one thread: RLIMIT_CPU is then the sample's time
     message: tuple[str, Any]
@@ -118,9 +120,12 @@ def _estimate_in_child(send: Connection, dataset: DatasetLike, tokenizer_path: s
         limit_memory(MEMORY_BYTES)  # the sample's rows too: up to 256 of the row limit
         sample = read_estimate_sample(resolve_source(dataset), sample_rows, limits)
         tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
+        if images is not None:
+            images.tokens()  # the processor, loaded before the sample's time starts
         limit_cpu(limits.template_seconds + GRACE_SECONDS)
         send.send(("sampled", sample.sampled))
-        estimate = estimate_from_sample(sample, tokenizer, max_seq_len, kwargs, limits)
+        estimate = estimate_from_sample(sample, tokenizer, max_seq_len, kwargs, limits,
+                                        images)
         message = ("estimate", tuple(estimate))
     except TemplateLimitError as err:
         message = ("template", (err.problem, err.row))

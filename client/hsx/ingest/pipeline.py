@@ -5,6 +5,7 @@ are killed when a row will not end (bounded.py), a batch at a time (slices.py)."
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable
@@ -23,6 +24,7 @@ from hsx.ingest.bounded import (
     tokenize_slice,
     warm_tokenizer,
 )
+from hsx.ingest.images import ImageSettings
 from hsx.ingest.slices import SliceSettings, TokenizedRows
 from hsx.ingest.sources import (
     DatasetLike,
@@ -116,6 +118,7 @@ def ingest(
     first_unit_tokens: int = 0,
     on_part: Callable[[PartRecord, np.ndarray], None] | None = None,
     on_start: Callable[[IngestRecord], None] | None = None,
+    images: ImageSettings | None = None,
 ) -> IngestResult:
     """Tokenize every row of `dataset` into the output's inputs and errors tables, in
     parts of `rows_per_part` good samples (docs/FORMAT.md, "Inputs in parts").
@@ -130,7 +133,9 @@ def ingest(
     on with one (its `first_unit_tokens`, the job's plan rule, is then that one's).
     `progress`, if given, is called as rows are tokenized. `keep_messages` (a job that
     regenerates) keeps each row's parsed conversation in the inputs table's `messages`
-    column, and refuses rows that carry none.
+    column, and refuses rows that carry none. `images` (a job with `images:`) reads the
+    images of chat rows (images.py) into the inputs table's `images` column, and counts
+    their vision tokens in `length`; without it a row with an image is a bad row.
 
     The dataset is read as independent slices (`DatasetSource.slices`: byte ranges of
     JSON lines, runs of Parquet row groups, Arrow files). With `workers` > 1 (or an
@@ -154,7 +159,8 @@ def ingest(
         tokenizer_path, trust_remote_code=trust_remote_code)
     tok_fp = tokenizer_fingerprint(tokenizer_path, tokenizer=hub)
     settings = SliceSettings(tokenizer_path, tok_fp, trust_remote_code, max_seq_len,
-                             dict(chat_template_kwargs or {}), keep_messages, batch_rows)
+                             dict(chat_template_kwargs or {}), keep_messages, batch_rows,
+                             images)
     here = TokenizingProcess(settings)
     try:
         here.start()  # the tokenizer loads in the child: a broken one fails now
@@ -182,7 +188,7 @@ def _ingest(source: DatasetSource, data_fp: str, settings: SliceSettings,
     wanted = IngestRecord(
         job_fingerprint=job_fingerprint, dataset_fingerprint=data_fp,
         tokenizer_fingerprint=tok_fp, max_seq_len=max_seq_len, keep_messages=keep_messages,
-        rows_per_part=rows_per_part or ROWS_PER_PART,
+        images=settings.images is not None, rows_per_part=rows_per_part or ROWS_PER_PART,
         slice_bytes=_slice_bytes(source, parallel), first_unit_tokens=first_unit_tokens,
         created_at=time.time())
     record = out.start_ingest(wanted)
@@ -259,6 +265,7 @@ class _PartBuilder:
         self.out = out
         self.per = record.rows_per_part
         self.keep_messages = record.keep_messages
+        self.images = record.images
         self.on_part = on_part
         self.part = 0  # the part being written
         self._resumed_at = 0  # the first part this ingestion writes (`resume`)
@@ -312,7 +319,8 @@ class _PartBuilder:
     def _write(self, inputs: pa.RecordBatch, errors: pa.RecordBatch,
                truncated: np.ndarray) -> None:
         if self._writers is None:
-            self._writers = self.out.part_writers(self.part, messages=self.keep_messages)
+            self._writers = self.out.part_writers(self.part, messages=self.keep_messages,
+                                                  images=self.images)
         self._writers[0].write(inputs)
         self._writers[1].write(errors)
         self._open.samples += inputs.num_rows
@@ -326,7 +334,8 @@ class _PartBuilder:
 
     def _close(self, rows_end: int, next_slice: int, next_row: int, *, last: bool) -> None:
         if self._writers is None:
-            self._writers = self.out.part_writers(self.part, messages=self.keep_messages)
+            self._writers = self.out.part_writers(self.part, messages=self.keep_messages,
+                                                  images=self.images)
         inputs, errors = self._writers
         inputs.commit()
         if self._open.errors:
@@ -440,6 +449,37 @@ def _shifted(batch: pa.RecordBatch, offset: int) -> pa.RecordBatch:
         return batch
     index = pc.add(batch.column(0), pa.scalar(offset, pa.int64()))
     return pa.RecordBatch.from_arrays([index, *batch.columns[1:]], schema=batch.schema)
+
+
+def commonest_reasons(errors: pa.Table, n: int = 3) -> list[tuple[str, int]]:
+    """The `n` commonest reasons of an errors table, with how many rows each: reasons
+    that differ only in their numbers (a row's size, a message's position) count as one,
+    said as the first row that gave it."""
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for reason in errors.column("reason").to_pylist():
+        key = re.sub(r"\d+", "#", reason)
+        counts[key] = counts.get(key, 0) + 1
+        first.setdefault(key, reason)
+    ranked = sorted(counts, key=lambda k: -counts[k])[:n]  # stable: the first seen first
+    return [(first[k], counts[k]) for k in ranked]
+
+
+def nothing_to_capture(result: IngestResult, errors: pa.Table, output: str) -> str:
+    """Why an ingestion that kept no sample gives nothing to capture: the dataset has no
+    rows, or every one is bad, and then the commonest reasons and their counts (the
+    errors table, `errors`, of `output` has each row's)."""
+    if not result.num_rows:
+        return "it has no rows, so there is nothing to capture"
+    commonest = commonest_reasons(errors)
+    said = [f"{count:,} {'row' if count == 1 else 'rows'}: {reason}"
+            for reason, count in commonest]
+    other = errors.num_rows - sum(count for _, count in commonest)
+    if other:
+        said.append(f"{other:,} {'row' if other == 1 else 'rows'} for other reasons")
+    return (f"none of its {result.num_rows:,} rows can be used, so there is nothing to "
+            f"capture; the commonest reasons: {'; '.join(said)} (each row's reason is in "
+            f"the errors table of {output})")
 
 
 def _summarize(counts: np.ndarray) -> LengthSummary:

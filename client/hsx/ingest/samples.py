@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from hsx.ingest.limits import IngestLimits
+from hsx.ingest.images import ImageRefused, ImageSettings, read_image
+from hsx.ingest.limits import IngestLimits, RenderTimeout, time_limit
 from hsx.ingest.rows import Chat, Sample, Text, classify
 from hsx.ingest.sources import DatasetLike, DatasetSource, FilesSource, Row, resolve_source
 from hsx.ingest.tokenizer import TemplateLimitError, chat_samples, encode, load_tokenizer
@@ -24,11 +25,13 @@ if TYPE_CHECKING:
 
 def process_rows(rows: list[Row], tokenizer: PreTrainedTokenizerBase, vocab_size: int,
                  max_seq_len: int, kwargs: dict[str, Any], limits: IngestLimits | None = None,
-                 *, raise_over_limit: bool = False) -> list[Sample | str]:
+                 *, raise_over_limit: bool = False, images: ImageSettings | None = None
+                 ) -> list[Sample | str]:
     """One result per row, in row order: a sample, or the reason the row is skipped. A
     chat whose template passes a limit (`limits`, else this process's: limits.py) is
-    skipped too, or with `raise_over_limit` raises TemplateLimitError."""
-    work = [classify(row, vocab_size) for row in rows]
+    skipped too, or with `raise_over_limit` raises TemplateLimitError. `images`: the
+    job's (hsx.spec.ImageSpec), else a chat with an image part is a bad row."""
+    work = [classify(row, vocab_size, images=images is not None) for row in rows]
     results: list[Sample | str | None] = [w if isinstance(w, str | Sample) else None
                                            for w in work]
 
@@ -47,13 +50,16 @@ def process_rows(rows: list[Row], tokenizer: PreTrainedTokenizerBase, vocab_size
             sample = "the chat template renders no tokens for the assistant messages"
         if isinstance(sample, Sample):
             sample.messages = chats[i].messages
+            if chats[i].images and images is not None:
+                sample = with_images(sample, chats[i].images, images, max_seq_len,
+                                     limits or IngestLimits.from_env())
         results[i] = sample
 
     final: list[Sample | str] = []
     for i, r in enumerate(results):
         if r is None:
             raise RuntimeError(f"row {i} of the batch was not processed")
-        if isinstance(r, Sample) and len(r.input_ids) > max_seq_len:
+        if isinstance(r, Sample) and r.tokens > max_seq_len:  # (images: with_images)
             r = Sample(r.input_ids[:max_seq_len], r.loss_mask[:max_seq_len], truncated=True,
                         messages=r.messages)
             if i in chats and not r.loss_mask.any():
@@ -61,6 +67,47 @@ def process_rows(rows: list[Row], tokenizer: PreTrainedTokenizerBase, vocab_size
                      "(max_seq_len); the row would train on nothing")
         final.append(r)
     return final
+
+
+def with_images(sample: Sample, sources: list[Any], images: ImageSettings, max_seq_len: int,
+                limits: IngestLimits) -> Sample | str:
+    """A chat's sample with its images read (images.py, within the row's CPU time) and
+    counted as the model's processor expands them: `length` is its tokens as captured,
+    each image's vision tokens included. One longer than `max_seq_len` loses its text
+    after its last image; one whose images end past it is a bad row (an image is never
+    cut)."""
+    policy = images.policy
+    if len(sources) > policy.max_per_row:
+        return (f"the row holds {len(sources)} images, over images.max_per_row "
+                f"({policy.max_per_row})")
+    ids = sample.input_ids.tolist()
+    tokens = images.tokens()  # once a process; one that cannot load fails the ingestion
+    try:
+        with time_limit(limits.template_seconds):
+            read = [read_image(source, policy, k) for k, source in enumerate(sources)]
+            expansions = [tokens.expansion(image.decoded()) for image in read]
+            expanded = len(tokens.expand(ids, expansions))
+    except RenderTimeout:
+        return (f"its images took more than {limits.template_seconds:g} s of CPU to read "
+                "and process (HSX_TEMPLATE_SECONDS)")
+    except (ImageRefused, ValueError) as err:
+        return str(err)
+    mask, truncated = sample.loss_mask, False
+    if expanded > max_seq_len:
+        last = max(i for i, t in enumerate(ids) if t == tokens.image_token_id)
+        images_end = last + 1 + expanded - len(ids)  # its last vision token, plus one
+        if images_end > max_seq_len:
+            return (f"its images end at token {images_end:,} once expanded, past max_seq_len "
+                    f"({max_seq_len:,}); an image is never cut")
+        keep = len(ids) - (expanded - max_seq_len)
+        ids, mask, truncated, expanded = ids[:keep], mask[:keep], True, max_seq_len
+        if not mask.any():
+            return (f"no assistant tokens within the first {max_seq_len} tokens "
+                    "(max_seq_len) once its images are expanded; the row would train on "
+                    "nothing")
+    return Sample(np.asarray(ids, dtype=np.int32), mask, truncated=truncated,
+                  messages=sample.messages, images=[image.data for image in read],
+                  length=expanded)
 
 
 def tokenize_conversations(tokenizer: PreTrainedTokenizerBase,
@@ -106,7 +153,7 @@ class EstimateSample:
 def estimate_tokens(
     dataset: DatasetLike, tokenizer_path: str, max_seq_len: int, *, sample_rows: int = 256,
     chat_template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False,
-    limits: IngestLimits | None = None,
+    limits: IngestLimits | None = None, images: ImageSettings | None = None,
 ) -> TokenEstimate:
     """The dataset's tokens, estimated from about `sample_rows` rows tokenized as
     ingestion would. Quick (seconds), for checks before ingestion. A sample row whose
@@ -123,7 +170,8 @@ def estimate_tokens(
     limits = limits or IngestLimits.from_env()
     sample = read_estimate_sample(resolve_source(dataset), sample_rows, limits)
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
-    return estimate_from_sample(sample, tokenizer, max_seq_len, chat_template_kwargs, limits)
+    return estimate_from_sample(sample, tokenizer, max_seq_len, chat_template_kwargs, limits,
+                                images)
 
 
 def read_estimate_sample(source: DatasetSource, sample_rows: int, limits: IngestLimits
@@ -149,17 +197,18 @@ def read_estimate_sample(source: DatasetSource, sample_rows: int, limits: Ingest
 
 def estimate_from_sample(sample: EstimateSample, tokenizer: PreTrainedTokenizerBase,
                          max_seq_len: int, chat_template_kwargs: dict[str, Any] | None = None,
-                         limits: IngestLimits | None = None) -> TokenEstimate:
+                         limits: IngestLimits | None = None,
+                         images: ImageSettings | None = None) -> TokenEstimate:
     """The sample's rows tokenized, scaled to the dataset (see `estimate_tokens`)."""
     kwargs = dict(chat_template_kwargs or {})
 
     def tokens_of(run: list[Row]) -> int:
         try:
             results = process_rows(run, tokenizer, len(tokenizer), max_seq_len, kwargs,
-                                   limits, raise_over_limit=True)
+                                   limits, raise_over_limit=True, images=images)
         except TemplateLimitError as err:
             raise err.of("one row of the dataset") from None
-        return sum(len(r.input_ids) for r in results if isinstance(r, Sample))
+        return sum(r.tokens for r in results if isinstance(r, Sample))
 
     if not sample.spread:
         head = sample.runs[0][0] if sample.runs else []

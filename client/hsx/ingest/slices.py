@@ -19,12 +19,13 @@ import numpy as np
 import pyarrow as pa
 
 from hsx import settings as hsx_settings
+from hsx.ingest.images import ImageSettings
 from hsx.ingest.limits import IngestLimits
 from hsx.ingest.rows import Sample
 from hsx.ingest.samples import process_rows
 from hsx.ingest.sources import Row, SourceSlice
 from hsx.ingest.tokenizer import load_tokenizer
-from hsx.output.tables import ERRORS_SCHEMA, INPUTS_SCHEMA, with_messages
+from hsx.output.tables import ERRORS_SCHEMA, inputs_schema
 from hsx.regenerate import dumps_messages
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class SliceSettings:
     chat_template_kwargs: dict[str, Any]
     keep_messages: bool
     batch_rows: int
+    images: ImageSettings | None = None  # the job takes images (hsx.spec.ImageSpec)
 
 
 @dataclass
@@ -73,10 +75,11 @@ class TokenizedRows:
     first: int  # sample_index of the batch's first row
 
     @classmethod
-    def bad_row(cls, index: int, reason: str, *, keep_messages: bool) -> TokenizedRows:
+    def bad_row(cls, index: int, reason: str, *, keep_messages: bool, images: bool = False
+                ) -> TokenizedRows:
         """Row `index` of a slice, recorded as bad for `reason` without being tokenized
         (its tokenizing process was stopped: bounded.py)."""
-        return cls(rows=1, inputs=inputs_batch([], [], messages=keep_messages),
+        return cls(rows=1, inputs=inputs_batch([], [], messages=keep_messages, images=images),
                    errors=pa.RecordBatch.from_arrays(
                        [pa.array([index], pa.int64()), pa.array([reason_text(reason)])],
                        schema=ERRORS_SCHEMA),
@@ -104,7 +107,7 @@ def tokenize_batch(batch: list[Row], first: int, tokenizer: PreTrainedTokenizerB
     """One batch of rows, the first numbered `first`, within `limits` (the slice's:
     those of the process that cut the source, wherever this runs)."""
     results = process_rows(batch, tokenizer, vocab_size, settings.max_seq_len,
-                           settings.chat_template_kwargs, limits)
+                           settings.chat_template_kwargs, limits, images=settings.images)
     if settings.keep_messages:
         results = [NOT_A_CHAT if isinstance(r, Sample) and r.messages is None
                    else r for r in results]
@@ -124,7 +127,8 @@ def tokenize_batch(batch: list[Row], first: int, tokenizer: PreTrainedTokenizerB
                 cut.append(first + offset)
     return TokenizedRows(
         rows=len(batch),
-        inputs=inputs_batch(good_idx, good, messages=settings.keep_messages),
+        inputs=inputs_batch(good_idx, good, messages=settings.keep_messages,
+                            images=settings.images is not None),
         errors=pa.RecordBatch.from_arrays(
             [pa.array(bad_idx, pa.int64()), pa.array(bad, pa.string())],
             schema=ERRORS_SCHEMA),
@@ -142,12 +146,11 @@ def batched(rows: Iterable[Row], size: int) -> Iterator[list[Row]]:
         yield batch
 
 
-def inputs_batch(indices: list[int], samples: list[Sample], *, messages: bool = False
-                 ) -> pa.RecordBatch:
-    lengths = np.fromiter((len(s.input_ids) for s in samples), dtype=np.int32,
-                          count=len(samples))
+def inputs_batch(indices: list[int], samples: list[Sample], *, messages: bool = False,
+                 images: bool = False) -> pa.RecordBatch:
+    lengths = np.fromiter((s.tokens for s in samples), dtype=np.int32, count=len(samples))
     offsets = np.zeros(len(samples) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
+    np.cumsum([len(s.input_ids) for s in samples], out=offsets[1:])
     if samples:
         ids = np.concatenate([s.input_ids for s in samples]).astype(np.int32, copy=False)
         mask = np.concatenate([s.loss_mask for s in samples]).astype(np.uint8, copy=False)
@@ -160,11 +163,14 @@ def inputs_batch(indices: list[int], samples: list[Sample], *, messages: bool = 
         pa.ListArray.from_arrays(offsets_arr, pa.array(mask, type=pa.uint8())),
         pa.array(lengths, type=pa.int32()),
     ]
-    if not messages:
-        return pa.RecordBatch.from_arrays(columns, schema=INPUTS_SCHEMA)
-    texts = [dumps_messages(s.messages or []) for s in samples]
-    return pa.RecordBatch.from_arrays([*columns, pa.array(texts, type=pa.string())],
-                                      schema=with_messages(INPUTS_SCHEMA))
+    if messages:
+        texts = [dumps_messages(s.messages or []) for s in samples]
+        columns.append(pa.array(texts, type=pa.string()))
+    if images:
+        columns.append(pa.array([s.images or [] for s in samples],
+                                type=pa.list_(pa.large_binary())))
+    return pa.RecordBatch.from_arrays(columns, schema=inputs_schema(messages=messages,
+                                                                   images=images))
 
 
 # A process that tokenizes slices loads the tokenizer once.

@@ -62,8 +62,8 @@ from hsx.output.tables import (
     REGENERATIONS_SCHEMA,
     TableRows,
     TableWriter,
+    inputs_schema,
     read_table,
-    with_messages,
 )
 from hsx.progress import JobProgress
 
@@ -245,29 +245,33 @@ class Output:
 
     # ------------------------------------------------------------------ tables
 
-    def table_writer(self, name: str, *, messages: bool = False) -> TableWriter:
+    def table_writer(self, name: str, *, messages: bool = False, images: bool = False
+                     ) -> TableWriter:
         """A writer of a whole `inputs.arrow` or `errors.arrow` (visible once committed),
         as outputs written before the parts hold them; ingestion writes parts
         (`part_writers`).
 
         `messages`: the inputs table of a regenerating job also keeps each row's
-        conversation (a `messages` column of JSON text)."""
-        return self._table_writer(name, name, messages)
+        conversation (a `messages` column of JSON text); `images`: a job's that takes
+        images keeps each row's (an `images` column)."""
+        return self._table_writer(name, name, messages, images)
 
-    def _table_writer(self, table: str, key: str, messages: bool) -> TableWriter:
+    def _table_writer(self, table: str, key: str, messages: bool, images: bool = False
+                      ) -> TableWriter:
         schemas = {INPUTS: INPUTS_SCHEMA, ERRORS: ERRORS_SCHEMA}
         if table not in schemas:
             raise ValueError(f"{table!r} is not a table of an output ({sorted(schemas)})")
-        if messages and table != INPUTS:
-            raise ValueError("only the inputs table keeps messages")
-        schema = with_messages(INPUTS_SCHEMA) if messages else schemas[table]
+        if (messages or images) and table != INPUTS:
+            raise ValueError("only the inputs table keeps messages and images")
+        schema = (inputs_schema(messages=messages, images=images) if table == INPUTS
+                  else schemas[table])
         return TableWriter(self.storage, key, schema)
 
-    def part_writers(self, part: int, *, messages: bool = False
+    def part_writers(self, part: int, *, messages: bool = False, images: bool = False
                      ) -> tuple[TableWriter, TableWriter]:
         """Writers of one part of the inputs and errors tables; `publish_part` after
         both are committed makes the part exist."""
-        return (self._table_writer(INPUTS, inputs_part_path(part), messages),
+        return (self._table_writer(INPUTS, inputs_part_path(part), messages, images),
                 self._table_writer(ERRORS, errors_part_path(part), False))
 
     def start_ingest(self, record: IngestRecord) -> IngestRecord:

@@ -165,6 +165,8 @@ class IngestRecord(BaseModel):
     tokenizer_fingerprint: str = Field(..., description="As in the manifest.")
     max_seq_len: int = Field(..., ge=1)
     keep_messages: bool = Field(False, description="The inputs keep each conversation.")
+    images: bool = Field(False, description="The inputs keep each row's images (a job "
+                         "with `images:`); absent in records of jobs that take none.")
     rows_per_part: int = Field(..., ge=1, description="Good samples in each inputs part "
                                "but the last: row r of the inputs is row r % rows_per_part "
                                "of part r // rows_per_part.")
@@ -181,7 +183,7 @@ class IngestRecord(BaseModel):
         """JobMismatch unless `other` would ingest the same tables as this one (how they
         are cut into parts and slices is this record's to say: `other` follows it)."""
         for name in ("job_fingerprint", "dataset_fingerprint", "tokenizer_fingerprint",
-                     "max_seq_len", "keep_messages"):
+                     "max_seq_len", "keep_messages", "images"):
             if getattr(self, name) != getattr(other, name):
                 raise JobMismatch(
                     f"output: {output} holds the inputs of another ingestion ({name} "

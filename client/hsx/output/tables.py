@@ -45,9 +45,25 @@ REGENERATIONS_SCHEMA = pa.schema(
 REGENERATE_KEY = b"hsx.regenerate"  # schema metadata: model and sampling parameters
 
 
+IMAGES_COLUMN = "images"
+
+
 def with_messages(schema: pa.Schema) -> pa.Schema:
     """The inputs schema of a regenerating job: each row's conversation kept (JSON)."""
     return schema.append(pa.field(MESSAGES_COLUMN, pa.string()))
+
+
+def with_images(schema: pa.Schema) -> pa.Schema:
+    """The inputs schema of a job that takes images: each row's images, the bytes of
+    each as read (an empty list for a row without); `length` then counts their vision
+    tokens (docs/FORMAT.md)."""
+    return schema.append(pa.field(IMAGES_COLUMN, pa.list_(pa.large_binary())))
+
+
+def inputs_schema(*, messages: bool = False, images: bool = False) -> pa.Schema:
+    """The inputs table's schema for a job that keeps conversations and/or images."""
+    schema = with_messages(INPUTS_SCHEMA) if messages else INPUTS_SCHEMA
+    return with_images(schema) if images else schema
 
 ROWS_PER_BATCH = 1024
 _ROWS_KEY = b"hsx.rows_per_batch"

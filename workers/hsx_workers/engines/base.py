@@ -52,6 +52,16 @@ class CaptureRequest:
     # The self-check's head check takes this sample: the engine also reports its own
     # top-1 token at every position (CaptureResult.predicted), where it can.
     predict: bool = False
+    # A prompt with images (a job that takes them): each image's bytes, in the order of
+    # its placeholders in `input_ids`; the engine expands each placeholder into the
+    # image's vision tokens, and its CaptureResult.input_ids are the expanded ones.
+    images: list[bytes] | None = None
+    # Tokens the engine will compute (its images expanded); 0: len(input_ids).
+    tokens: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.tokens or len(self.input_ids)
 
 
 @dataclass
@@ -104,7 +114,7 @@ IDLE_SLEEP_S = 0.002
 @dataclass
 class CaptureResult:
     sample_index: int
-    input_ids: list[int]
+    input_ids: list[int]  # the tokens the engine computed (a prompt's images expanded)
     # [T, L, H], layers in ascending id order (a torch tensor, or a numpy array mapped
     # from the spool); None when `error` is set.
     hidden_states: torch.Tensor | Any = None

@@ -8,6 +8,11 @@ normed one would make a trainer apply the norm twice.
 
 Samples are batched by length with right padding: under a causal mask, padding after a
 sequence cannot change the states of its real tokens.
+
+A job that takes images (`options["images"]`) loads the model as an image-text-to-text
+model with its processor; a prompt with images runs alone: each placeholder expanded by
+the processor (hsx.ingest.images.ImageTokens, as ingestion counts them), its pixels from
+the processor's image processor. Its result's input_ids are the expanded ones.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ class HfEngine:
     """transformers forward with `output_hidden_states`, batched by a token budget."""
 
     def __init__(self, config: EngineConfig):
-        from transformers import AutoModelForCausalLM
+        import transformers
 
         self.config = config
         self.device = torch.device(
@@ -71,9 +76,17 @@ class HfEngine:
             compute_dtype(config.dtype, on_cpu=self.device.type == "cpu",
                           model=config.model), "auto")
         self.batch_tokens = int(config.options.get("batch_tokens", 16384))
-        model: Any = AutoModelForCausalLM.from_pretrained(
+        images = config.options.get("images")
+        auto = "AutoModelForImageTextToText" if images else "AutoModelForCausalLM"
+        model: Any = getattr(transformers, auto).from_pretrained(
             config.model, dtype=dtype, trust_remote_code=config.trust_remote_code
         )
+        self.image_tokens: Any = None
+        if images:
+            from hsx.ingest.images import ImageTokens
+
+            self.image_tokens = ImageTokens.load(config.model, int(images["image_token_id"]),
+                                                 trust_remote_code=config.trust_remote_code)
         self.model = model.to(self.device)
         self.model.eval()
         self._pre_norm: torch.Tensor | None = None
@@ -100,6 +113,12 @@ class HfEngine:
                 continue
             if not isinstance(req, CaptureRequest):
                 raise TypeError(f"capture takes CaptureRequest or WAIT, got {req!r}")
+            if req.images:  # alone: its pixels go with it (the batch before it first)
+                if batch:
+                    yield from self._forward(batch)
+                    batch, longest = [], 0
+                yield self._forward_images(req)
+                continue
             longest_if_added = max(longest, len(req.input_ids))
             if batch and longest_if_added * (len(batch) + 1) > self.batch_tokens:
                 yield from self._forward(batch)
@@ -147,6 +166,41 @@ class HfEngine:
                 hidden_states=stacked[row, : lengths[row]],
                 predicted=predicted,
             )
+
+    @torch.inference_mode()
+    def _forward_images(self, req: CaptureRequest) -> CaptureResult:
+        """One prompt with images: its placeholders expanded as the processor expands
+        them, its pixels from the processor's image processor."""
+        from hsx.ingest.images import decode
+
+        tokens = self.image_tokens
+        if tokens is None:
+            raise RuntimeError("hf engine: a prompt with images on an engine built for text")
+        images = [decode(data) for data in req.images or []]
+        try:
+            ids = tokens.expand(req.input_ids, [tokens.expansion(img) for img in images])
+        except ValueError as err:
+            return CaptureResult(req.sample_index, req.input_ids, error=str(err))
+        pixels = tokens.processor.image_processor(images=images, return_tensors="pt")
+        extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                 for k, v in pixels.items()}
+        if "pixel_values" in extra:
+            extra["pixel_values"] = extra["pixel_values"].to(self.model.dtype)
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            attention_mask=torch.ones((1, len(ids)), dtype=torch.long, device=self.device),
+            output_hidden_states=True, use_cache=False,
+            logits_to_keep=0 if req.predict else 1, **extra)
+        n = self.config.num_layers
+        if self._pre_norm is None or len(out.hidden_states) != n + 1:
+            raise RuntimeError("hf engine: the model's hidden states are not its N + 1")
+        picked = [self._pre_norm if k == n else out.hidden_states[k]
+                  for k in self.config.layers]
+        self._pre_norm = None
+        return CaptureResult(
+            sample_index=req.sample_index, input_ids=ids,
+            hidden_states=torch.stack(picked, dim=2)[0],
+            predicted=out.logits[0].argmax(-1).tolist() if req.predict else None)
 
     def close(self) -> None:
         del self.model

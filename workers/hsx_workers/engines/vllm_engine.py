@@ -214,12 +214,18 @@ class VllmEngine:
         )
 
     def _text_path_of_wrapper(self, engine_args: dict[str, Any]) -> None:
-        """A multimodal wrapper (Kimi-K2.5, Qwen2.5-VL, Llava) runs its text path only.
+        """A multimodal wrapper (Kimi-K2.5, Qwen2.5-VL, Llava) runs its text path only,
+        unless the job takes images.
 
         vLLM's `language_model_only` skips the vision tower and multimodal inputs; the
         capture layers are set on the wrapper, which forwards them to its language model.
+        A job that takes images (`options["images"]`) keeps the tower, and vLLM takes as
+        many images a prompt as its rows may hold (`limit_mm_per_prompt`, no other
+        modality), its profiling sized by the largest image they may be.
         Where torchvision is missing (the CPU machine) and the wrapper's module imports it
-        at load time (Llava, Qwen2.5-VL; not Kimi-K2.5), it is stubbed in this process.
+        at load time (Llava, Qwen2.5-VL; not Kimi-K2.5), it is stubbed in this process;
+        Llava's image path runs so (its processor has a PIL variant, its CLIP tower is
+        torch).
         """
         from hsx.modelinfo import ModelConfigError, read_model_info
 
@@ -229,29 +235,19 @@ class VllmEngine:
             return  # vLLM's own loader reports what is wrong with the model
         if not info.wrapper:
             return
-        engine_args["language_model_only"] = True
-        from hsx_workers.preflight import install_torchvision_stub, needs_torchvision_stub
-
-        if needs_torchvision_stub(info.architecture) and install_torchvision_stub():
-            # The stub lives in this process only: vLLM's engine-core and worker
-            # processes (spawned) and its model inspection subprocess would import the
-            # real, missing torchvision. So the whole engine runs here (one rank only),
-            # and the class imported here is registered to skip the inspection process.
-            if self.config.tensor_parallel_size > 1:
-                raise RuntimeError(
-                    "a multimodal wrapper needs torchvision for tensor_parallel_size > 1 "
-                    "(its module imports it in every rank's process); without it, only "
-                    "tensor_parallel_size 1 runs, with torchvision stubbed"
-                )
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            engine_args["distributed_executor_backend"] = "uni"
-            from vllm.model_executor.models.registry import ModelRegistry
-
-            entry = ModelRegistry.models.get(info.architecture)
-            load = getattr(entry, "load_model_cls", None)
-            if callable(load):
-                ModelRegistry.register_model(info.architecture, load())
-        logger.info("multimodal wrapper: capturing its text path (language_model_only)")
+        images = self.config.options.get("images")
+        if images is None:
+            engine_args["language_model_only"] = True
+        else:
+            side = max(int(int(images["max_pixels"]) ** 0.5), 1)
+            engine_args["limit_mm_per_prompt"] = {
+                "image": {"count": int(images["max_per_row"]), "width": side,
+                          "height": side},
+                "video": 0}
+        wrapper_in_this_process(info.architecture, self.config.tensor_parallel_size,
+                                engine_args)
+        logger.info("multimodal wrapper: capturing %s", "its text path (language_model_only)"
+                    if images is None else "image prompts through its vision tower")
 
     def capture(self, requests: RequestStream) -> Iterator[CaptureResult]:
         """Two threads: a driver (`_drive`) hands requests to vLLM and steps it; this
@@ -308,7 +304,7 @@ class VllmEngine:
                     result.computed_at, result.spooled_at = since, time.monotonic()
                     with flight.cv:
                         result.predicted = flight.predicted.pop(position, None)
-                    taken[name] = (position, result, len(req.input_ids))
+                    taken[name] = (position, result, req.length)
                     continue
                 if now - since > SPOOL_TIMEOUT_S:
                     raise EngineDead(f"hidden states of sample {req.sample_index} "
@@ -341,7 +337,6 @@ class VllmEngine:
         """The driver thread: admits requests while the in-flight budget allows, steps
         vLLM, and hands each finished request's spool file name to `_in_order`."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         from hsx_workers.connector import SKIP_SAVE
 
@@ -385,16 +380,15 @@ class VllmEngine:
                     request_id = f"s{req.sample_index}-{self._next_id}"
                     self._next_id += 1
                     try:
-                        engine.add_request(
-                            request_id, TokensPrompt(prompt_token_ids=list(req.input_ids)),
-                            predicting if req.predict else params)
+                        engine.add_request(request_id, self._prompt(req),
+                                           predicting if req.predict else params)
                     except ValueError as err:  # vLLM refuses this prompt (too long, bad ids)
                         flight.settle(position, CaptureResult(
                             req.sample_index, req.input_ids,
                             error=f"vLLM refused the prompt: {err}"))
                         continue
                     running[request_id] = (req, position)
-                    flight.admit(len(req.input_ids))
+                    flight.admit(req.length)
 
                 if running or generating:
                     self._finished(step(), running, generating, flight)
@@ -440,7 +434,7 @@ class VllmEngine:
                         flight.predicted[position] = predicted
             name = self._spool_name(out)
             if not name:
-                flight.release(len(req.input_ids))
+                flight.release(req.length)
                 flight.settle(position, CaptureResult(
                     req.sample_index, req.input_ids,
                     error="vLLM returned no hidden states for this request"))
@@ -448,6 +442,16 @@ class VllmEngine:
             with flight.cv:
                 flight.arriving[name] = (req, position, now)
                 flight.cv.notify_all()
+
+    def _prompt(self, req: CaptureRequest) -> Any:
+        """vLLM's prompt of a capture request: its token ids, and its images decoded
+        (vLLM expands each placeholder into the image's vision tokens)."""
+        from vllm.inputs import TokensPrompt
+
+        if not req.images:
+            return TokensPrompt(prompt_token_ids=list(req.input_ids))
+        return image_prompt(req.input_ids, req.images,
+                            int(self.config.options.get("images", {}).get("max_pixels", 0)))
 
     def _spool_name(self, out: Any) -> str | None:
         """The name, in this engine's spool, of a finished request's states file."""
@@ -524,13 +528,18 @@ class VllmEngine:
         states = tensors["hidden_states"]
         expected = np.asarray(req.input_ids, dtype=np.int64)
         token_ids = tensors.get("token_ids", expected)
-        if states.shape[0] != len(expected) or not np.array_equal(token_ids, expected):
+        ids = req.input_ids
+        if req.images:  # vLLM expanded the images: its ids are the sample's (worker.py)
+            if "token_ids" not in tensors or states.shape[0] != len(token_ids):
+                return failed("vLLM returned no token ids for a prompt with images")
+            ids = [int(t) for t in token_ids]
+        elif states.shape[0] != len(expected) or not np.array_equal(token_ids, expected):
             return failed("vLLM processed other token ids than were sent (prompt mismatch)")
         scales = tensors.get("scales")
         if scales is not None and not np.isfinite(scales).all():
             return failed("hidden states contain inf or nan; fp8 scales would be undefined")
         # Freshly mapped from the spool: nobody else holds it.
-        return CaptureResult(req.sample_index, req.input_ids, hidden_states=states,
+        return CaptureResult(req.sample_index, ids, hidden_states=states,
                              owned=True, scales=scales, norms=tensors.get("norms"))
 
     def close(self) -> None:
@@ -543,6 +552,50 @@ class VllmEngine:
                 shutdown()
             del self.llm
         shutil.rmtree(self.spool, ignore_errors=True)
+
+
+def wrapper_in_this_process(architecture: str, tensor_parallel_size: int,
+                            engine_args: dict[str, Any]) -> bool:
+    """Where torchvision is missing (the CPU machine) and a wrapper's vLLM module imports
+    it at load time (Llava, Qwen2.5-VL; not Kimi-K2.5): stub it in this process, and run
+    the whole engine here, since vLLM's engine-core and worker processes (spawned) and
+    its model inspection subprocess would import the real, missing torchvision: one
+    rank, the class imported here registered to skip the inspection process. True when
+    so (`engine_args` then says it)."""
+    from hsx_workers.preflight import install_torchvision_stub, needs_torchvision_stub
+
+    if not (needs_torchvision_stub(architecture) and install_torchvision_stub()):
+        return False
+    if tensor_parallel_size > 1:
+        raise RuntimeError(
+            "a multimodal wrapper needs torchvision for tensor_parallel_size > 1 "
+            "(its module imports it in every rank's process); without it, only "
+            "tensor_parallel_size 1 runs, with torchvision stubbed"
+        )
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    engine_args["distributed_executor_backend"] = "uni"
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    entry = ModelRegistry.models.get(architecture)
+    load = getattr(entry, "load_model_cls", None)
+    if callable(load):
+        ModelRegistry.register_model(architecture, load())
+    return True
+
+
+def image_prompt(token_ids: list[int], images: list[bytes], max_pixels: int = 0) -> Any:
+    """vLLM's prompt of token ids with images (their bytes, decoded here; their pixels
+    checked against `max_pixels` first when given): vLLM expands each placeholder."""
+    from vllm.inputs import TokensPrompt
+
+    from hsx.ingest.images import check_pixels, decode
+
+    decoded = []
+    for k, data in enumerate(images):
+        if max_pixels:  # checked at ingestion; the inputs table is data too
+            check_pixels(data, max_pixels, k)
+        decoded.append(decode(data))
+    return TokensPrompt(prompt_token_ids=list(token_ids), multi_modal_data={"image": decoded})
 
 
 def top1_of(out: Any) -> list[int] | None:

@@ -175,8 +175,8 @@ def _capture_path(model: str, info: ModelInfo, engine: EngineChoice, view: _Vllm
                        "outputs: vLLM's extract_hidden_states method captures the layers.")
         if info.wrapper:
             options["language_model_only"] = True
-            reasons.append("Only its text path is captured (vLLM's language_model_only): "
-                           "image inputs are not part of hsx jobs yet.")
+            reasons.append("Only its text path is captured (vLLM's language_model_only), "
+                           "unless a job takes images (`images:`; docs/MODELS.md).")
     elif view.vllm_class is not None:
         name = view.vllm_class.rsplit(".", 1)[-1]
         capture = "hooks"

@@ -133,16 +133,19 @@ def gemma2_config(shape: TinyShape) -> PretrainedConfig:
 
 
 def llava_config(shape: TinyShape) -> PretrainedConfig:
-    """A multimodal wrapper (Llava) around the tiny Llama, with a one-layer CLIP tower.
+    """A multimodal wrapper (Llava) around the tiny Llama, with a 2-layer CLIP tower at
+    56 px, patch 14: 16 image tokens per image (vision.py).
 
-    The image token is the last id of the vocabulary: the tiny tokenizer has no `<image>`
-    token, and only the text path runs on the CPU machine (ENVIRONMENT.md).
+    The image token `<image>` is the last id of the vocabulary (the tokenizer's last
+    special token).
     """
     from transformers import CLIPVisionConfig, LlavaConfig
 
+    from hsx_workers.tiny_models.vision import LLAVA_IMAGE_SIZE, LLAVA_PATCH
+
     vision = CLIPVisionConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
-        image_size=28, patch_size=14, projection_dim=64,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+        image_size=LLAVA_IMAGE_SIZE, patch_size=LLAVA_PATCH, projection_dim=64,
     )
     text = llama_config(shape)
     return LlavaConfig(

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 # "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"); the tiny tokenizer
 # gives them the last ids of the vocabulary, in this order.
 KIMI_MEDIA_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
+# An image part as Kimi-K2.5's chat template (and vLLM's processor) writes it; vLLM
+# expands `<|media_pad|>` into the image's vision tokens.
+KIMI_IMAGE = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
 
 # Kimi-K2.5's preprocessor_config.json (its `media_proc_cfg` values), with the tiny vision
 # tower's patch and merge sizes. vLLM builds an image processor from it when the engine

@@ -23,12 +23,28 @@ from hsx_workers.tiny_models.configs import (
     qwen3_next_config,
 )
 from hsx_workers.tiny_models.kimi import (
+    KIMI_IMAGE,
     KIMI_MEDIA_TOKENS,
     kimi_k25_config,
     save_kimi_k25,
     write_kimi_k25_processor,
 )
-from hsx_workers.tiny_models.tokenizer import BOS_ID, EOT_ID, PAD_ID, build_tokenizer
+from hsx_workers.tiny_models.tokenizer import (
+    BOS_ID,
+    EOT_ID,
+    PAD_ID,
+    build_tokenizer,
+    save_tokenizer,
+)
+from hsx_workers.tiny_models.vision import (
+    LLAVA_IMAGE_TOKEN,
+    QWEN_VL_IMAGE,
+    QWEN_VL_TOKENS,
+    save_llava,
+    vision_chat_template,
+    write_llava_processor,
+    write_qwen2_5_vl_processor,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -61,9 +77,17 @@ _AUTO_CLASS = {"llava": "AutoModelForImageTextToText",
 # What some architectures need beyond `save_pretrained`: special tokens of their own
 # (last ids of the vocabulary), files written with or without weights, and their own
 # way of saving weights.
-_SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {"kimi_k25": KIMI_MEDIA_TOKENS}
-_EXTRA_FILES: dict[str, Callable[[Path], None]] = {"kimi_k25": write_kimi_k25_processor}
-_SAVE: dict[str, Callable[[Any, Path], None]] = {"kimi_k25": save_kimi_k25}
+_SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {"kimi_k25": KIMI_MEDIA_TOKENS,
+                                                "llava": (LLAVA_IMAGE_TOKEN,),
+                                                "qwen2_5_vl": QWEN_VL_TOKENS}
+_EXTRA_FILES: dict[str, Callable[[Path], None]] = {"kimi_k25": write_kimi_k25_processor,
+                                                   "llava": write_llava_processor,
+                                                   "qwen2_5_vl": write_qwen2_5_vl_processor}
+_SAVE: dict[str, Callable[[Any, Path], None]] = {"kimi_k25": save_kimi_k25,
+                                                 "llava": save_llava}
+# Models that take images render a chat's image parts as their placeholder.
+_IMAGE_TOKEN = {"llava": LLAVA_IMAGE_TOKEN, "qwen2_5_vl": QWEN_VL_IMAGE,
+                "kimi_k25": KIMI_IMAGE}
 
 # Router weights of tiny MoE models are scaled by this: at the usual init (std 0.02) the
 # router logits of all experts nearly tie, so bf16 rounding in one engine or the other
@@ -126,6 +150,9 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, vocab_size=vocab_size, seed=seed,
                                 extra_special_tokens=_SPECIAL_TOKENS.get(arch, ()))
+    if arch in _IMAGE_TOKEN:
+        tokenizer.chat_template = vision_chat_template(_IMAGE_TOKEN[arch])
+        save_tokenizer(tokenizer, out)
     if len(tokenizer) != vocab_size:
         raise RuntimeError(
             f"tokenizer has {len(tokenizer)} tokens, expected {vocab_size}; the synthetic "

@@ -43,9 +43,16 @@ HEADER_PREFIX = 8  # little-endian u64 header length, as safetensors defines
 SAMPLE_DIGESTS = "sample_digests"
 """Optional tensor [n, 32] U8: each sample's digest (the shard's checksum algorithm, named
 in the metadata's `sample_digest`) over its hidden_states rows, then its input_ids,
-loss_mask and (fp8) scales rows. Readers check it on every sample they return, so a
-flipped byte is named with its sample; shards written before it have none."""
+loss_mask, (images) modality_mask and (fp8) scales rows. Readers check it on every
+sample they return, so a flipped byte is named with its sample; shards written before
+it have none."""
 SAMPLE_DIGEST_BYTES = 32
+
+MODALITY_MASK = "modality_mask"
+"""Optional tensor [T] U8, in shards of a job that takes images: each token's modality,
+0 for text, 1 for an image's vision token (`IMAGE`). Shards without it hold text only.
+A sample's digest covers its rows after loss_mask's, before fp8 scales'."""
+TEXT, IMAGE = 0, 1
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -23,6 +23,7 @@ from hsx.output.shards.encoding import (
     DEFAULT_HEADER_RESERVE,
     HEADER_PREFIX,
     HIDDEN_DTYPE,
+    MODALITY_MASK,
     NUMPY_DTYPES,
     SAMPLE_DIGEST_BYTES,
     SAMPLE_DIGESTS,
@@ -168,8 +169,10 @@ class ShardReader:
     states with one ranged GET when that sample is asked for. Nothing else is cached.
 
     `sample(i)` returns {"sample_index", "input_ids", "loss_mask", "hidden_states"} as
-    numpy (default) or torch (`backend="torch"`). fp8 shards are dequantized to bf16
-    unless `dequantize=False`, which adds the raw "scales" [T, L] instead.
+    numpy (default) or torch (`backend="torch"`), and "modality_mask" [T] (0 text, 1
+    image) where the shard has it (`has_modality`: a job that takes images). fp8 shards
+    are dequantized to bf16 unless `dequantize=False`, which adds the raw "scales"
+    [T, L] instead.
     """
 
     def __init__(
@@ -216,6 +219,10 @@ class ShardReader:
         self._np_views: dict[str, np.ndarray] = {}
         self._torch_views: dict[str, Any] = {}
         names = ["hidden_states", "offsets", "sample_index", "input_ids", "loss_mask"]
+        self.has_modality = MODALITY_MASK in header
+        """The shard says each token's modality (a job that takes images)."""
+        if self.has_modality:
+            names.append(MODALITY_MASK)
         if self.storage_dtype == "fp8":
             names.append("scales")
         if SAMPLE_DIGESTS in header:
@@ -352,6 +359,8 @@ class ShardReader:
             return
         sha = new_hasher(self._digest_algorithm)
         names = ["hidden_states", "input_ids", "loss_mask"]
+        if self.has_modality:
+            names.append(MODALITY_MASK)
         if self.storage_dtype == "fp8":
             names.append("scales")
         for name in names:
@@ -423,6 +432,8 @@ class ShardReader:
             "input_ids": get("input_ids")[a:b],
             "loss_mask": get("loss_mask")[a:b],
         }
+        if self.has_modality:
+            out[MODALITY_MASK] = get(MODALITY_MASK)[a:b]
         hidden_rows = self._buffer("hidden_states", a, b - a)
         if verify and self.sample_digests is not None:
             self._check_sample(i, a, b, hidden_rows)

@@ -34,6 +34,8 @@ from hsx.output.shards.encoding import (
     FP8,
     HEADER_PREFIX,
     HIDDEN_DTYPE,
+    IMAGE,
+    MODALITY_MASK,
     NUMPY_DTYPES,
     SAMPLE_DIGEST_BYTES,
     SAMPLE_DIGESTS,
@@ -265,6 +267,7 @@ class ShardWriter:
         attempt: str | None = None,
         header_reserve: int = DEFAULT_HEADER_RESERVE,
         checksum: Checksum = DEFAULT_CHECKSUM,
+        modality: bool = False,
     ) -> None:
         if unit < 0:
             raise ValueError(f"unit must be >= 0, got {unit}")
@@ -296,6 +299,8 @@ class ShardWriter:
         self._seen: set[int] = set()
         self._input_ids: list[np.ndarray] = []
         self._loss_mask: list[np.ndarray] = []
+        # A shard of a job that takes images says each token's modality (MODALITY_MASK).
+        self._modality: list[np.ndarray] | None = [] if modality else None
         self._scales: list[np.ndarray] = []
         self._state: Literal["open", "committed", "aborted"] = "open"
 
@@ -334,6 +339,7 @@ class ShardWriter:
         *,
         take: bool = False,
         scales: Any = None,
+        modality_mask: Any = None,
     ) -> None:
         """Append one sample. `hidden_states` is [T, L, H]: a numpy array (float32,
         float16 or ml_dtypes.bfloat16) or a torch tensor on any device (bf16/fp16/fp32);
@@ -346,6 +352,9 @@ class ShardWriter:
         `scales` [T, L] says `hidden_states` is already quantized (float8_e4m3fn, with
         `quantize_fp8`'s scales, as the connector does on the device): an fp8 shard
         stores both as they are.
+
+        `modality_mask` [T] (0 text, 1 image: MODALITY_MASK) goes into a shard opened
+        with `modality=True` (all zeros when not given); a shard without it takes none.
         """
         self._check_open()
         sample_index = int(sample_index)
@@ -379,6 +388,19 @@ class ShardWriter:
             raise ValueError(f"{where}: input_ids out of int32 range")
         if mask.size and (mask.min() < 0 or mask.max() > 1):
             raise ValueError(f"{where}: loss_mask values must be 0 or 1")
+        modality = None
+        if self._modality is not None:
+            modality = (np.zeros(t, np.uint8) if modality_mask is None
+                        else _as_numpy_1d(modality_mask, MODALITY_MASK).astype(np.uint8))
+            if len(modality) != t:
+                raise ValueError(f"{where}: {len(modality)} modality_mask values but {t} "
+                                 "tokens")
+            if modality.size and modality.max() > IMAGE:
+                raise ValueError(f"{where}: modality_mask values must be 0 (text) or 1 "
+                                 "(image)")
+        elif modality_mask is not None and np.asarray(modality_mask).any():
+            raise ValueError(f"{where}: a modality_mask with image tokens, into a shard "
+                             "opened without modality=True")
 
         if scales is None:
             payload, scales = self._encode(hidden_states, where, take)
@@ -386,12 +408,16 @@ class ShardWriter:
             payload, scales = self._take_quantized(hidden_states, scales, where, take)
         ids, mask = ids.astype(np.int32), mask.astype(np.uint8)
         rows = [ids.tobytes(), mask.tobytes()]
+        if modality is not None:
+            rows.append(modality.tobytes())
         if scales is not None:
             scales = np.ascontiguousarray(scales, np.float32)
             rows.append(scales.tobytes())
         self._stream.put(payload, b"".join(rows))
         self._input_ids.append(ids)
         self._loss_mask.append(mask)
+        if self._modality is not None and modality is not None:
+            self._modality.append(modality)
         if scales is not None:
             self._scales.append(scales)
         self._sample_indices.append(sample_index)
@@ -586,6 +612,8 @@ class ShardWriter:
             out.append(("scales", "F32", [t, n_layers], scales.astype(np.float32)))
         out.append(("input_ids", "I32", [t], cat(self._input_ids, np.int32)))
         out.append(("loss_mask", "U8", [t], cat(self._loss_mask, np.uint8)))
+        if self._modality is not None:
+            out.append((MODALITY_MASK, "U8", [t], cat(self._modality, np.uint8)))
         digests = self._stream.sample_digests
         if len(digests) != n:
             raise RuntimeError(f"internal: {len(digests)} sample digests for {n} samples")
