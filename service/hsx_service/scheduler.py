@@ -86,12 +86,11 @@ from hsx_service.placement import GpuArbiter, plan_for_cluster, trains_on_gpus
 from hsx_service.prepare import (
     PreparedJob,
     check_estimated_output,
-    check_same_job,
-    manifest_expected,
     open_output,
     preflight,
     warm_preflight,
 )
+from hsx_service.resume import check_same_job, manifest_expected
 from hsx_service.runner import MAX_ATTEMPTS, run_job
 from hsx_service.statuses import JobStatuses
 from hsx_service.training import Trainings
@@ -622,7 +621,7 @@ def _ray_lost(err: BaseException) -> bool:
 
 def check_manifest_is_the_jobs(row: JobRow) -> None:
     """Refuse to train on an output whose manifest is not the job's own, field by field
-    (`prepare.manifest_expected`): the trainer reads the layers, the sizes and the plan
+    (`resume.manifest_expected`): the trainer reads the layers, the sizes and the plan
     from it (the model and its code come from the job itself), and whoever can write the
     output could otherwise have changed it since the extraction."""
     manifest = open_output(row.output).read_manifest()

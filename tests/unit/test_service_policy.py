@@ -74,15 +74,17 @@ def test_image_roots_and_hosts_are_the_operators(tmp_path: Path) -> None:
                    output=str(tmp_path / "o"),
                    images={"roots": [str(tmp_path / "pictures"), "/etc"]})  # type: ignore[arg-type]
     settings = Settings(allowed_roots=[tmp_path])
+    operator = caller("operator", True, settings)
     with pytest.raises(JobRefused, match=r"^images\.roots\.1: /etc"):
-        vet_spec(spec, settings)
+        vet_spec(spec, settings, operator)
     inside = spec.model_copy(update={"images": spec.images.model_copy(  # type: ignore[union-attr]
         update={"roots": [str(tmp_path / "pictures")], "allow_hosts": ["img.example.com"]})})
     with pytest.raises(JobRefused, match=r"^images\.allow_hosts: this server fetches no "
                                          r"images from img\.example\.com \(its operator allows "
                                          r"none: HSX_IMAGE_HOSTS\)"):
-        vet_spec(inside, settings)
-    vet_spec(inside, Settings(allowed_roots=[tmp_path], image_hosts="img.example.com"))
+        vet_spec(inside, settings, operator)
+    allowing = Settings(allowed_roots=[tmp_path], image_hosts="img.example.com")
+    vet_spec(inside, allowing, caller("operator", True, allowing))
 
 
 def test_hub_ids_need_the_operator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
