@@ -51,6 +51,7 @@ def train_distributed(
     output: str | Path | Output, spec: TrainSpec, *, draft_root: str | Path | None = None,
     use_gpu: bool | None = None, stop: threading.Event | None = None,
     poll_interval: float = 0.5, target: TargetModel | None = None,
+    resources: dict[str, float] | None = None, label_selector: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Train on `spec.workers` Ray Train workers (DDP; gloo on CPU, NCCL on GPU).
 
@@ -58,7 +59,10 @@ def train_distributed(
     metrics, validations and checkpoints into `<output>/draft/` (or `<draft_root>/draft/`)
     as `DraftTrainer` does alone; every worker must reach that folder (one host, or a
     shared file system). `stop` asks the workers to checkpoint and stop (through
-    draft/.stop); `target` is `DraftTrainer`'s. Returns train.json's final content.
+    draft/.stop); `target` is `DraftTrainer`'s. Each worker takes a CPU (and a GPU), the
+    custom `resources` besides, on a node that `label_selector` admits (Ray's syntax:
+    the spec's `node_labels`, and the nodes of the engines left out for `place: apart`).
+    Returns train.json's final content.
     """
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -81,7 +85,8 @@ def train_distributed(
                            "poll_interval": poll_interval, "threads": 1},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=spec.workers, use_gpu=use_gpu,
-                                     resources_per_worker={"CPU": 1}),
+                                     resources_per_worker={"CPU": 1, **(resources or {})},
+                                     label_selector=label_selector or None),
         run_config=RunConfig(name=f"hsx-train-{os.getpid()}-{int(time.time())}",
                              storage_path=str(root / DRAFT_DIR / ".ray"),
                              failure_config=FailureConfig(max_failures=0)),
@@ -101,13 +106,13 @@ def train_distributed(
     try:
         trainer.fit()
     except Exception as err:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
 
         cause = _root_cause(err)
         if isinstance(cause, TrainRefused):
             raise cause from None
         message = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-        if isinstance(cause, RayActorError):
+        if isinstance(cause, RayActorError | NodeDiedError | WorkerCrashedError):
             raise WorkerDied(f"a training worker died: {message}") from err
         raise RuntimeError(f"distributed training failed: {message}") from err
     finally:
