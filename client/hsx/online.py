@@ -95,6 +95,7 @@ class Books:
     taken_units: int = 0  # read by the trainer, all time
     taken_bytes: int = 0
     since: float = 0.0  # when the stream started counting
+    waits: dict[int, float] = field(default_factory=dict)  # worker -> waiting for units since
 
 
 class StreamHub:
@@ -106,7 +107,8 @@ class StreamHub:
     Who calls what: the driver `put`s each captured unit and reads `books()`; a training
     worker says where it resumed (`start_run`), takes what is `ready` for it, reports
     each unit read (`take`) or whose bytes are gone (`lose`); the main worker and the
-    training's driver set the trainer's state (`set_trainer`).
+    training's driver set the trainer's state (`set_trainer`). A worker that asked for
+    units while none was ready for it `waits` until it gets one.
     """
 
     def __init__(self) -> None:
@@ -119,6 +121,7 @@ class StreamHub:
         self.taken_units = 0
         self.taken_bytes = 0
         self.since = time.time()
+        self.waits: dict[int, float] = {}  # worker -> since when it waits with nothing ready
 
     def put(self, unit: Captured, payload: Any) -> bool:
         """A captured unit; False (and dropped) if the stream holds it already."""
@@ -137,6 +140,10 @@ class StreamHub:
             if unit.rank == rank and split_unit(sid)[0] <= epoch:
                 self.reading[sid] = unit
                 out.append((sid, self.payloads[sid]))
+        if out:
+            self.waits.pop(rank, None)
+        else:
+            self.waits.setdefault(rank, time.time())
         return out
 
     def take(self, sid: int, read: bool = True) -> None:
@@ -169,4 +176,5 @@ class StreamHub:
         lost, self.lost = self.lost, []
         return Books(dict(self.units), dict(self.runs),
                      None if self.trainer is None else dict(self.trainer), lost,
-                     dict(self.reading), self.taken_units, self.taken_bytes, self.since)
+                     dict(self.reading), self.taken_units, self.taken_bytes, self.since,
+                     dict(self.waits))

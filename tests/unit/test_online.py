@@ -75,11 +75,13 @@ def test_stream_units_name_their_epoch_and_their_worker() -> None:
 
 def test_the_hub_holds_what_no_worker_has_taken_and_hands_each_its_own() -> None:
     hub = StreamHub()
+    assert hub.ready(0, 0) == [] and set(hub.books().waits) == {0}  # waits for units
     assert hub.put(Captured(0, 0, 300, "a"), "p0")
     assert hub.put(Captured(stream_unit(1, 1), 1, 200, "a"), "p1")
     assert not hub.put(Captured(0, 0, 300, "a"), "again")  # a unit is in it once
     assert hub.ready(0, 0) == [(0, "p0")]
     assert hub.ready(1, 0) == []  # epoch 1's unit is not for a worker in epoch 0 yet
+    assert set(hub.books().waits) == {1}  # worker 0 got its unit
     assert hub.ready(1, 1) == [(stream_unit(1, 1), "p1")]
     books = hub.books()
     assert set(books.units) == {0, EPOCH_STRIDE + 1} and set(books.reading) == set(books.units)

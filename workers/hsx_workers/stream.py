@@ -109,6 +109,20 @@ def open_stream(location: str) -> Any:
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
 
 
+def stream_waits(location: str) -> dict[int, float] | None:
+    """The job's workers waiting for units (rank -> since), None when the job has no
+    stream (it does not make one)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        actor = ray.get_actor(stream_name(location), namespace=NAMESPACE)
+        books: Books = ray.get(actor.books.remote(), timeout=10)
+    except (ValueError, RayActorError, GetTimeoutError):
+        return None
+    return books.waits
+
+
 def close_stream(location: str) -> None:
     """The job is over: its stream goes, and with it every reference it held."""
     import ray

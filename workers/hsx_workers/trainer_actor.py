@@ -93,7 +93,25 @@ class TrainerActor:
         steps, self._read = rows[self._read:], len(rows)
         return {"steps": steps, "last": rows[-1] if rows else None, "plan": state.get("plan"),
                 "first_step_at": state.get("first_step_at"),
-                "resumed_from": state.get("resumed_from"), "nodes": state.get("nodes")}
+                "resumed_from": state.get("resumed_from"), "nodes": state.get("nodes"),
+                "waiting_for": self._waiting_for()}
+
+    def _waiting_for(self, after_s: float = 2.0) -> str | None:
+        """An online job's Ray Train workers: what they wait for, as the stream says (one
+        worker alone tells it itself: TrainingData.waiting_for)."""
+        if not self.spec.online:
+            return None
+        from hsx_workers.stream import stream_waits
+
+        waits = stream_waits(self.output.location) or {}
+        now = time.time()
+        late = {rank: now - since for rank, since in waits.items() if now - since >= after_s}
+        if not late:
+            return None
+        workers = ", ".join(str(r) for r in sorted(late))
+        return (f"the engines: no captured unit in the online stream for "
+                f"{max(late.values()):.0f} s (trainer worker{'s' * (len(late) > 1)} "
+                f"{workers}; the trainer takes them faster than they are captured)")
 
     def stop(self) -> None:
         self._stop.set()
