@@ -85,6 +85,7 @@ def run_job(
     job_id: str = "local",
     submitted_at: float | None = None,
     plan: ResourcePlan | None = None,
+    connect: bool | None = None,
 ) -> JobSummary:
     """Run a job to completion: prepare, dispatch the pending units, publish complete.json.
 
@@ -93,14 +94,16 @@ def run_job(
     returns at once (`nothing_to_do`). Without a `pool` one is made and shut down after.
     `job_id` and `submitted_at` name the job and its place in line to the pool's GPU
     arbiter; `plan` is where its engines run (made here from the cluster if not given).
-    A job not yet on Ray (`hsx extract`) connects it while its first part is tokenized,
-    not after, so its engines start sooner (benchmarks/bench_first_commit.py).
+    A job not yet on Ray (`connect`; default: without a `pool`; `hsx extract` gives one
+    and asks for it) connects it while its first part is tokenized, not after, so its
+    engines start sooner (benchmarks/bench_first_commit.py).
     """
     hooks = hooks or DispatchHooks()
     started = time.time()
     try:
         job = prepare(spec, on_ingest=hooks.on_ingest, cancelled=hooks.cancelled,
-                      while_first_part=lambda: connect_ray(spec))
+                      while_first_part=(lambda: connect_ray(spec))
+                      if (pool is None if connect is None else connect) else None)
     except (StorageError, OutputCorrupt) as err:  # the output failed while being prepared
         raise JobRefused(f"output: {err}") from err
     except OSError as err:
