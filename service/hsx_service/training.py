@@ -54,7 +54,13 @@ from hsx.wire import (
     TrainState,
 )
 from hsx_service.engine_config import target_engine_args
-from hsx_service.engine_pool import engine_bundles, engine_resources, in_group
+from hsx_service.engine_pool import (
+    connect_ray,
+    engine_bundles,
+    engine_resources,
+    ensure_ray,
+    in_group,
+)
 from hsx_service.placement import (
     EVALUATION,
     TRAINER,
@@ -197,6 +203,11 @@ class TrainingRun:
     def run(self) -> TrainingOutcome:
         """Train (waiting for its turn, restarting a dead trainer), then measure."""
         req = self.request
+        # `hsx extract` of a job found complete has not connected Ray yet.
+        if not req.here and req.job is not None:
+            connect_ray(req.job)
+        elif not req.here:
+            ensure_ray(None, cpus_needed=1)
         trainer = Holder(
             job=req.job_id, role="trainer",
             gpus=req.share or (0 if req.here else self._trainer_gpus()),
