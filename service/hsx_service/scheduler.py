@@ -94,7 +94,7 @@ from hsx_service.prepare import (
 )
 from hsx_service.runner import MAX_ATTEMPTS, run_job
 from hsx_service.statuses import JobStatuses
-from hsx_service.training import TrainingRequest
+from hsx_service.training import EngineNodes, TrainingRequest
 from hsx_service.trainings import Trainings
 
 logger = logging.getLogger(__name__)
@@ -137,8 +137,8 @@ class Scheduler:
         self.statuses = JobStatuses(self.ledger, self.board)
         # job id -> set once the job has ended: a training planned `after` waits for it
         self._extracted: dict[str, threading.Event] = {}
-        # job id -> the Ray nodes of its engines, once placed (a trainer kept apart reads it)
-        self._engine_nodes: dict[str, dict[str, str]] = {}
+        # job id -> where its engines run (a trainer kept apart reads it)
+        self._engine_nodes: dict[str, EngineNodes] = {}
         self.job_metrics = JobMetrics()
         self.statuses.load()
 
@@ -379,19 +379,15 @@ class Scheduler:
         plan = None
         if not row.state.finished:
             plan = self.statuses.plans.get(row.id) or plan_for_cluster(row.spec)
-        job_id = row.id
+        extracted = self._extracted.setdefault(row.id, threading.Event())
         self.trainings.start(TrainingRequest.of_job(
-            job_id, row.output, spec, row.spec, plan, order=row.created_at,
-            extracted=self._extracted.setdefault(job_id, threading.Event()),
-            engine_nodes=lambda: self._engines_placed(job_id)))
+            row.id, row.output, spec, row.spec, plan, order=row.created_at,
+            extracted=extracted, engine_nodes=self._engines_of(row.id)))
 
-    def _engines_placed(self, job_id: str) -> set[str] | None:
-        """The nodes of the job's engines, once placed (None before; empty once it ended)."""
-        nodes = self._engine_nodes.get(job_id)
-        if nodes is None:
-            done = self._extracted.get(job_id)
-            return set() if done is not None and done.is_set() else None
-        return {n for n in nodes.values() if n}
+    def _engines_of(self, job_id: str) -> EngineNodes:
+        """Where the job's engines run, as its runs say (one record for all its runs)."""
+        extracted = self._extracted.setdefault(job_id, threading.Event())
+        return self._engine_nodes.setdefault(job_id, EngineNodes(extracted))
 
     def train_status(self, job_id: str) -> TrainStatus:
         row = self._row(job_id)
@@ -562,7 +558,7 @@ class Scheduler:
             on_ingest=lambda p: self.statuses.ingesting(job_id, p.rows, p.rows_expected),
             on_progress=lambda p: self.statuses.progressed(job_id, self._with_trainer(
                 job_id, p)),
-            on_engines=lambda nodes: self._engine_nodes.__setitem__(job_id, nodes),
+            on_engines=self._engines_of(job_id).placed,
             on_unit_done=lambda report: self._on_unit_done(job_id, report),
             on_unit_error=lambda unit, attempt, msg, gave_up: self._on_unit_error(
                 job_id, unit, attempt, msg, gave_up),

@@ -110,6 +110,23 @@ class TrainingHooks:
     stopping: Callable[[], bool] | None = None  # the caller asks the run to stop
 
 
+class EngineNodes:
+    """Where a job's engines run, as its driver says (`DispatchHooks.on_engines`), for a
+    trainer kept apart from them: None until they are placed; none once the job ended."""
+
+    def __init__(self, extracted: threading.Event) -> None:
+        self.extracted = extracted
+        self.by_engine: dict[str, str] | None = None
+
+    def placed(self, nodes: dict[str, str]) -> None:
+        self.by_engine = dict(nodes)
+
+    def __call__(self) -> set[str] | None:
+        if self.by_engine is None:
+            return set() if self.extracted.is_set() else None
+        return {node for node in self.by_engine.values() if node}
+
+
 @dataclass
 class TrainingRequest:
     """What to train, with what, and when and where it may run."""

@@ -521,3 +521,18 @@ def test_a_pool_without_a_scheduler_hands_its_idle_engines_gpu_to_its_next_job(
 
     arbiter = GpuArbiter(total=lambda: 1, on_waiter=wake_the_scheduler)
     assert EnginePool(arbiter=arbiter).arbiter.on_waiter is wake_the_scheduler
+
+
+def test_a_trainer_kept_apart_learns_where_the_engines_run() -> None:
+    """`place: apart`: the training waits until its job's engines are placed (None), then
+    keeps off their nodes; a job that ended before any engine ran has none to avoid."""
+    from hsx_service.training import EngineNodes
+
+    extracted = threading.Event()
+    engines = EngineNodes(extracted)
+    assert engines() is None
+    engines.placed({"engine-0": "n1", "engine-1": "n2", "engine-2": ""})  # one not placed
+    assert engines() == {"n1", "n2"}
+    assert EngineNodes(extracted)() is None
+    extracted.set()
+    assert EngineNodes(extracted)() == set()

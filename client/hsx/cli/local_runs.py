@@ -76,7 +76,7 @@ def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
         with ProgressBar(spec.name or "extract", enabled=None if progress else False) as bar:
             summary = run_job(spec, pool=pool, connect=True, hooks=DispatchHooks(
                 on_plan=on_plan, on_prepared=prepared, on_planned=planned,
-                on_engines=training.placed if training is not None else None,
+                on_engines=training.engines.placed if training is not None else None,
                 on_progress=bar.update, on_waiting=bar.waiting,
                 on_ingest=lambda p: bar.update(JobProgress.of_ingestion(
                     p.rows, p.rows_expected))))

@@ -233,8 +233,10 @@ class JobTraining:
         self.arbiter = arbiter
         self.plan: Any = None
         self.whole = False
+        from hsx_service.training import EngineNodes
+
         self.extracted = threading.Event()
-        self.engines: dict[str, str] | None = None
+        self.engines = EngineNodes(self.extracted)  # `placed` is the extraction's hook
         self.run: Any = None
         self.outcome: Any = None
         self.thread: threading.Thread | None = None
@@ -247,14 +249,6 @@ class JobTraining:
         if self.plan is not None and self.whole:
             self._start(self.plan)
 
-    def placed(self, nodes: dict[str, str]) -> None:
-        self.engines = nodes
-
-    def _engine_nodes(self) -> set[str] | None:
-        if self.engines is None:
-            return set() if self.extracted.is_set() else None
-        return {n for n in self.engines.values() if n}
-
     def _start(self, plan: Any) -> None:
         import threading
 
@@ -265,7 +259,7 @@ class JobTraining:
                 return
             request = TrainingRequest.of_job(
                 "local", self.spec.output, self.spec.train, self.spec, plan,
-                extracted=self.extracted, engine_nodes=self._engine_nodes)
+                extracted=self.extracted, engine_nodes=self.engines)
             self.run = TrainingRun(request, training_hooks(), self.arbiter)
             self.thread = threading.Thread(target=self._train, name="hsx-training",
                                            daemon=True)
