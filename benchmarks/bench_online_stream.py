@@ -31,10 +31,16 @@ with 1 and then 2 trainer workers (`place: apart`: the engine on one node, each 
 another); the training's tokens/s (the median step after the 10th, all workers) and its
 share of time waiting for data, and the whole command's seconds.
 
+`--part ab --baseline DIR` (the stream against the folder it replaced, in a whole job):
+the same online job (1 worker, no placement fields, which DIR's hsx does not know) by
+`hsx extract` on one node, a local Ray, alternately with this tree's code and DIR's (an
+earlier hsx: `git archive REV client workers service | tar -x -C DIR`), `--reps` times
+each; the training's tokens/s and the whole command's seconds, and this tree ÷ DIR's.
+
 Results: benchmarks/results/<date>-online-stream/online_stream.json.
 
-Run: `.venv/bin/python -m benchmarks.bench_online_stream [--part stream|job|both]
-[--unit-mib 64] [--units 16] [--reps 3] [--steps 60]`.
+Run: `.venv/bin/python -m benchmarks.bench_online_stream [--part stream|job|both|ab]
+[--unit-mib 64] [--units 16] [--reps 3] [--steps 60] [--baseline DIR]`.
 """
 
 from __future__ import annotations
@@ -281,21 +287,62 @@ def online_jobs(args: argparse.Namespace) -> dict[str, Any]:
                 two["train_tokens_per_s_median"] / one["train_tokens_per_s_median"], 3)}
 
 
-def _job(work: Path, target: Path, rows: Path, workers: int, steps: int) -> dict[str, Any]:
+def online_ab(args: argparse.Namespace) -> dict[str, Any]:
+    """The one-node online job on this tree and on `args.baseline`'s, alternately."""
+    from hsx_workers.learnable import TaskLanguage, make_learnable_model, write_language_dataset
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    language = TaskLanguage(seed=0)
+    target = make_learnable_model(work / "target", language=language, steps=500)
+    rows = work / "tasks.jsonl"
+    if not rows.exists():
+        write_language_dataset(rows, 3000, language=language)
+    trees = {"new": ROOT, "baseline": Path(args.baseline).resolve()}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    for rep in range(args.reps):
+        for name in (list(trees) if rep % 2 == 0 else list(trees)[::-1]):
+            runs[name].append(_job(work, target, rows, 1, args.steps, tree=trees[name]))
+            print(name, runs[name][-1], flush=True)
+
+    def median(name: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in runs[name]))
+
+    return {"steps": args.steps, "baseline": str(args.baseline), "runs": runs,
+            "new / baseline, training tokens/s": round(
+                median("new", "train_tokens_per_s_median")
+                / median("baseline", "train_tokens_per_s_median"), 3),
+            "new / baseline, whole job seconds": round(
+                median("new", "seconds") / median("baseline", "seconds"), 3)}
+
+
+def _job(work: Path, target: Path, rows: Path, workers: int, steps: int,
+         tree: Path | None = None) -> dict[str, Any]:
+    """The online job by `hsx extract`: on a local cluster of a head and `workers` + 1
+    nodes, the trainer apart; or (`tree`: this hsx's code or another's, first on the
+    path) on one node, a local Ray, with no placement fields."""
     import yaml
 
-    output = work / f"online-{workers}"
+    name = f"online-{workers}" if tree is None else \
+        f"online-one-node-{'new' if tree == ROOT else 'baseline'}"
+    output = work / name
     shutil.rmtree(output, ignore_errors=True)
+    train: dict[str, Any] = {"online": True, "steps": steps, "batch_tokens": 1024 // workers,
+                             "eval_prompts": 0, "seed": 0,
+                             "buffer_bytes": 2 * 8192 * 4 * 256 * 2}
+    if tree is None:
+        train.update(workers=workers, place="apart")
     job = {"model": str(target), "dataset": str(rows), "output": str(output),
-           "layers": [1, 2, 3, 4], "max_seq_len": 256, "unit_tokens": 8192,
-           "train": {"online": True, "workers": workers, "place": "apart", "steps": steps,
-                     "batch_tokens": 1024 // workers, "eval_prompts": 0, "seed": 0,
-                     "buffer_bytes": 2 * 8192 * 4 * 256 * 2}}
-    path = work / f"online-{workers}.yaml"
+           "layers": [1, 2, 3, 4], "max_seq_len": 256, "unit_tokens": 8192, "train": train}
+    path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job))
     tmp = tempfile.mkdtemp(prefix="hsxray", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=tmp, VLLM_CPU_CI_ENV="1", VLLM_CPU_KVCACHE_SPACE="1")
+    if tree is not None:  # another hsx first on the path; its own local Ray
+        packages = ":".join(str(tree / p) for p in ("client", "workers", "service"))
+        env["PYTHONPATH"] = f"{packages}:{env.get('PYTHONPATH', '')}"
+        return _extract(path, env, output, tmp)
     state = work / f"cluster-{workers}.json"
     cluster = subprocess.Popen([sys.executable, "-m", "tests.cluster", str(state)], cwd=ROOT,
                                env=env, stdin=subprocess.PIPE, text=True,
@@ -314,19 +361,25 @@ def _job(work: Path, target: Path, rows: Path, workers: int, steps: int) -> dict
             except (FileNotFoundError, ValueError):
                 pass
             time.sleep(0.5)
-        t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "hsx.cli", "extract", str(path),
-                               "--no-progress"], env={**env, "RAY_ADDRESS": known["address"]},
-                              capture_output=True, text=True, timeout=7200, check=False)
-        seconds = time.monotonic() - t0
-        if done.returncode != 0:
-            raise RuntimeError(f"{workers} workers: {done.stdout[-3000:]}\n"
-                               f"{done.stderr[-3000:]}")
+        return _extract(path, {**env, "RAY_ADDRESS": known["address"]}, output, tmp)
     finally:
         if cluster.stdin is not None:
             cluster.stdin.write("quit\n")
             cluster.stdin.flush()
         cluster.wait(timeout=300)
+
+
+def _extract(path: Path, env: dict[str, str], output: Path, tmp: str) -> dict[str, Any]:
+    """`hsx extract` of the job file; its training's figures from draft/metrics.jsonl."""
+    try:
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "hsx.cli", "extract", str(path),
+                               "--no-progress"], env=env, capture_output=True, text=True,
+                              timeout=7200, check=False)
+        seconds = time.monotonic() - t0
+        if done.returncode != 0:
+            raise RuntimeError(f"{path.name}: {done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     metrics = [json.loads(x) for x in (output / "draft" / "metrics.jsonl").read_text()
                .splitlines() if x.strip()]
@@ -338,7 +391,8 @@ def _job(work: Path, target: Path, rows: Path, workers: int, steps: int) -> dict
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["stream", "job", "both"], default="both")
+    p.add_argument("--part", choices=["stream", "job", "both", "ab"], default="both")
+    p.add_argument("--baseline", default=None, help="--part ab: an earlier hsx's tree")
     p.add_argument("--unit-mib", type=int, default=64)
     p.add_argument("--units", type=int, default=16)
     p.add_argument("--in-flight", type=int, default=2)
@@ -358,6 +412,12 @@ def main() -> int:
         result = online_jobs(args)
         print(json.dumps(result, indent=1))
         save_section(out, "online_job", result, machine_info())
+    if args.part == "ab":
+        if not args.baseline:
+            p.error("--part ab needs --baseline DIR")
+        result = online_ab(args)
+        print(json.dumps(result, indent=1))
+        save_section(out, "one_node_ab", result, machine_info())
     return 0
 
 

@@ -45,8 +45,9 @@ def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
     from hsx.cli.training import JobTraining
     from hsx.progress import JobProgress, ProgressBar
     from hsx_service.dispatch import DispatchHooks
-    from hsx_service.engine_pool import EnginePool
+    from hsx_service.engine_pool import EnginePool, connect_ray
     from hsx_service.errors import JobFailed, JobRefused
+    from hsx_service.placement import plan_for_cluster
     from hsx_service.runner import run_job
     from hsx_service.scheduler import check_draft_layers
 
@@ -69,6 +70,9 @@ def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
             training.planned(whole=True)
 
     def prepared(job: Any) -> None:
+        if training is not None:  # the training starts before the engines, as it may
+            connect_ray(spec)
+            training.planned(plan=plan_for_cluster(spec))
         planned(job, job.units, job.ingestion is None)
 
     extracted = False

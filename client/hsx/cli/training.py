@@ -220,8 +220,8 @@ def _train_remote(args: argparse.Namespace, spec: Any) -> int:
 class JobTraining:
     """`hsx extract`'s training of its job's `train:` section: the one training run
     (hsx_service.training), started and placed as the coordinator starts it — once the
-    plan is whole and the engines are planned, beside the extraction or after it (the
-    engines yield their GPUs to it), or fed by the engines (online) — reporting here.
+    job is planned and its units are, beside the extraction or after it (the engines
+    yield their GPUs to it), or fed by the engines (online) — reporting here.
     The extraction's hooks tell it what it waits for (`planned`, `engines`); `finish`
     ends it once the extraction has ended, and prints its outcome and vLLM's
     measurement."""
