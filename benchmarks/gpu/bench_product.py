@@ -25,6 +25,13 @@ samples every second of each process's SM share, summed by role (the trainer's a
 against the target's engine processes), with each role's peak framebuffer memory.
 Ratios online ÷ offline: training tokens/s, whole time, bytes stored.
 
+`--online --baseline DIR` runs instead the online job alone, `--reps` times on this tree
+and on DIR's alternately (in turn, rotated each repetition): DIR holds the code of an
+earlier hsx (`git archive REV client workers service | tar -x -C DIR`), whose `hsx
+serve` runs with DIR's packages first on its path. Reported: each run's training tokens/s
+and submit -> trained seconds, and this tree ÷ DIR's (medians): the new online stream
+(Ray's object store) against the one-node folder in /dev/shm it replaced.
+
 The target's weights are random, so the draft's acceptance means nothing here; the
 trainer still reads the target's embeddings, lm_head and final norm (speculators'
 `load_verifier_weights`), so the model folder gets those three tensors (random) beside
@@ -79,11 +86,14 @@ def free_port() -> int:
 class Serve:
     """`hsx serve` in its own session, as a user starts it."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, tree: Path | None = None) -> None:
         self.port = free_port()
         self.log = work / "serve.log"
         env = {**os.environ, "HSX_API_TOKEN": TOKEN, "HSX_ALLOWED_ROOTS": str(work)}
         env.pop("RAY_ADDRESS", None)
+        if tree is not None:  # another hsx's code first on the path (--baseline)
+            packages = ":".join(str(tree / p) for p in ("client", "workers", "service"))
+            env["PYTHONPATH"] = f"{packages}:{env.get('PYTHONPATH', '')}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hsx.cli", "serve", "--port", str(self.port), "--ledger",
              str(work / "ledger.sqlite")],
@@ -200,8 +210,8 @@ def stored_bytes(output: Path) -> int:
 
 
 def run_job(bench: Bench, args: argparse.Namespace, drop_tps: float | None,
-            name: str = "product", train_extra: dict[str, Any] | None = None
-            ) -> dict[str, Any]:
+            name: str = "product", train_extra: dict[str, Any] | None = None,
+            tree: Path | None = None) -> dict[str, Any]:
     from hsx.client import Client, NotFoundError
     from hsx.output.layout import DRAFT_EVAL
 
@@ -213,7 +223,7 @@ def run_job(bench: Bench, args: argparse.Namespace, drop_tps: float | None,
     spec = {"model": str(bench.model), "dataset": str(work / "rows.jsonl"),
             "output": str(output), "layers": bench.layers, "max_seq_len": bench.length + 64,
             "vllm": vllm, "train": train}
-    server = Serve(work)
+    server = Serve(work, tree)
     timeline: dict[str, float] = {}
     waits: list[dict[str, Any]] = []
     split = None
@@ -313,6 +323,10 @@ def main() -> int:
     p.add_argument("--cpu", action="store_true", help="check the script on CPU (tiny model)")
     p.add_argument("--online", action="store_true",
                    help="the job offline then online, without the evaluation")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="with --online: the online job on this tree against DIR's code")
+    p.add_argument("--ab-reps", type=int, default=2,
+                   help="with --baseline: runs of each tree")
     args = p.parse_args()
     # What Bench (bench_vllm.py) reads for its set-up and its drop child.
     args.reps, args.tmpfs, args.child_timeout = 1, "/dev/shm/hsx-bench-product", 900.0
@@ -339,6 +353,9 @@ def main() -> int:
         save()
     if not bench.cpu:
         verifier_weights(bench.model)
+    if args.online and args.baseline is not None:
+        online_ab(bench, args, result, save)
+        return 0 if not result["errors"] else 1
     if args.online:
         online_pair(bench, args, result, save)
         return 0 if not result["errors"] else 1
@@ -371,6 +388,45 @@ def online_pair(bench: Bench, args: argparse.Namespace, result: dict[str, Any],
             "whole_seconds": round(on["seconds"]["whole"] / off["seconds"]["whole"], 3),
             "stored_bytes": round(on["stored_bytes"] / max(off["stored_bytes"], 1), 5),
         }
+    save()
+
+
+def online_ab(bench: Bench, args: argparse.Namespace, result: dict[str, Any],
+              save: Any) -> None:
+    """The online job on this tree and on `args.baseline`'s, alternately (module
+    docstring), and this tree ÷ the baseline's."""
+    import statistics
+
+    trees = {"new": None, "baseline": args.baseline.resolve()}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    for rep in range(args.ab_reps):
+        order = list(trees) if rep % 2 == 0 else list(trees)[::-1]
+        for name in order:
+            label = f"online-{name}-{rep}"
+            try:
+                run = run_job(bench, args, None, label, {"eval_prompts": 0, "online": True},
+                              tree=trees[name])
+                runs[name].append({"trainer": run["trainer"], "seconds": run["seconds"],
+                                   "train_state": run["train_state"],
+                                   "job_state": run["job_state"]})
+                log(f"{label}: {json.dumps(run['trainer'])} {json.dumps(run['seconds'])}")
+            except Exception:
+                result["errors"][label] = traceback.format_exc()[-4000:]
+            result["online_ab"] = {"baseline": str(args.baseline), "runs": runs}
+            save()
+
+    def median(name: str, pick: Any) -> float | None:
+        values = [v for r in runs[name] if (v := pick(r)) is not None]
+        return statistics.median(values) if values else None
+
+    tps = {n: median(n, lambda r: r["trainer"].get("tokens_per_s_median")) for n in trees}
+    done = {n: median(n, lambda r: r["seconds"].get("submit_to_train_done")) for n in trees}
+    result["online_ab"]["new_over_baseline"] = {
+        "train_tokens_per_s": round(tps["new"] / tps["baseline"], 3)
+        if tps["new"] and tps["baseline"] else None,
+        "submit_to_trained_seconds": round(done["new"] / done["baseline"], 3)
+        if done["new"] and done["baseline"] else None}
+    log(json.dumps(result["online_ab"]["new_over_baseline"]))
     save()
 
 

@@ -1,62 +1,41 @@
-"""The stream of an online job: captured states handed from the engines to the trainer
-without ever becoming the output's shards.
+"""The stream of an online job: captured states handed from the engines to the trainer's
+workers without ever becoming the output's shards (the protocol; its Ray side is
+hsx_workers.stream, the driver's books hsx_service.online).
 
 An online job (`train: {online: true}`) writes its output's tables (inputs, errors,
 manifest, complete.json) and its draft, but no shard. Its engines capture each unit
-again for every epoch the trainer needs and commit it into the job's **stream**: a
-folder in the output's layout (shards/, commits/, a copy of the manifest) under
-`stream_root()` — `/dev/shm` by default, so in memory, not on disk. The trainer follows
-the stream's commits, trains on each unit once per epoch and deletes it after the step
-that finished it. The stream is bounded (`buffer_bytes`): the driver hands out no unit
-while the captured states the trainer has not taken reach it, and says so.
+again for every epoch the trainer needs. Each captured unit is a shard built in the
+engine's memory and handed to Ray's object store; the job's **stream** (one per job, a
+Ray actor holding a `StreamHub`) keeps the reference until the trainer's worker whose
+unit it is has read it, and Ray frees the bytes once nobody holds them. The stream is
+bounded (`buffer_bytes`, counted over the cluster): the driver hands out no unit while
+the captured bytes the trainer has not taken, with those being captured, reach it, and
+says so.
 
 Units of the stream are numbered `epoch * EPOCH_STRIDE + unit` (`stream_unit`), so the
-same unit captured for two epochs is two commit records, and the driver's bookkeeping
-(attempts, retries, create-if-absent commits) works on them as on any unit.
+same unit captured for two epochs is two stream units, and the driver's bookkeeping
+(attempts, retries) works on them as on any unit. A training of N workers splits each
+epoch's units between them: worker `rank_of(unit, N)` trains unit `unit`, once per epoch
+of its own (each worker keeps its own epoch, as offline).
 
-Exactly once per epoch: the trainer's checkpoint keeps the units (and the samples of
-units begun) it trained in the current epoch. Each run of the trainer writes `resume.json`
-(a run id, the epoch and units of the checkpoint it resumed from) before it reads
-anything; the driver then captures again what that checkpoint had not consumed and what
-is no longer in the stream. The trainer drops (deletes unread) what it does not need: a
-unit of an epoch before its own, or one its checkpoint already holds.
-
-One node: the engines, the trainer and the driver share the stream's folder. This module
-is the one owner of the stream's layout; the driver (hsx_service.online) and the trainer
-(hsx_workers.trainer.data) use it.
-
-The stream is private to the user who runs the job: its folder is found again from the
-output (a restarted coordinator resumes into it), so its name is predictable, and it
-lies in a folder only that user may write (`stream_root`: `/dev/shm/hsx-stream-<uid>`).
-Whoever writes the stream (`Stream.open`, and each file the driver or trainer writes)
-makes the folders as they must be or refuses to use them (`StreamFolderError`): a root
-or stream folder that is a symlink, another user's, or writable by others (the stream
-folder: open to others at all) is never written into, so no one else of the machine
-reads the captured states or plants units for the trainer.
+Exactly once per epoch: the trainer's checkpoint keeps, per worker, the units (and the
+samples of units begun) it trained in its current epoch. Each run of a worker starts by
+telling the stream where it resumed (`Resume`: a run id, the checkpoint's epoch and
+units); the driver then captures again, for that worker, what the checkpoint had not
+consumed and what the stream no longer holds. A worker drops unread what it does not
+need: a unit of an epoch before its own, or one its checkpoint already holds. A unit
+whose bytes Ray lost (the engine's node died before the trainer read it) is reported
+`lost` by the worker and captured again.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
-import os
-import shutil
-import stat
-import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from hsx import settings
-from hsx.output.layout import COMMITS_DIR, SHARDS_DIR, commit_path, unit_of_key
-from hsx.output.local_storage import replace_output_file
-
 EPOCH_STRIDE = 1_000_000_000  # stream unit = epoch * EPOCH_STRIDE + the job's unit
-RESUME = "resume.json"  # the trainer's run: where it resumed
-TRAINER = "trainer.json"  # the trainer's state as the driver reads it: running, done, ...
-STREAM_DIR_ENV = settings.STREAM_DIR.name
 DEFAULT_BUFFER_BYTES = 1 << 30
 
 
@@ -69,147 +48,133 @@ def split_unit(stream: int) -> tuple[int, int]:
     return divmod(stream, EPOCH_STRIDE)
 
 
-def stream_root() -> Path:
-    """Where this user's streams live: $HSX_STREAM_DIR, else a folder of theirs in
-    /dev/shm (memory), else in the temporary folder (`hsx-stream-<uid>`)."""
-    named = settings.STREAM_DIR.get()
-    if named is not None:
-        return named
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / f"hsx-stream-{os.geteuid()}"
-
-
-class StreamFolderError(RuntimeError):
-    """A stream's folder (or the folder of streams) that others could read or write."""
-
-
-def _own_folder(path: Path, *, others_may_read: bool) -> None:
-    """Make `path` a folder of this user's (0700), or check the one there: a real
-    folder, not a link, this user's, not writable by others (nor open to them at all
-    unless `others_may_read`). StreamFolderError otherwise."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    info = os.lstat(path)
-    problem = None
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        problem = "is a symlink or not a folder"
-    elif info.st_uid != os.geteuid():
-        problem = f"belongs to another user (uid {info.st_uid})"
-    elif info.st_mode & (0o022 if others_may_read else 0o077):
-        problem = f"is open to other users (mode {stat.S_IMODE(info.st_mode):04o})"
-    if problem is not None:
-        raise StreamFolderError(
-            f"the online stream's folder {path} {problem}: hsx writes captured states "
-            f"only into a folder of its user's own. Remove it, or point {STREAM_DIR_ENV} "
-            "at a folder of yours")
+def rank_of(unit: int, world: int) -> int:
+    """The training worker (of `world`) that trains the job's `unit`: each epoch's
+    units are split between the workers, as offline."""
+    return unit % world
 
 
 @dataclass
 class Resume:
-    """One run of the trainer: where it started (its checkpoint's epoch and units)."""
+    """One run of one training worker: where it started (its checkpoint's epoch and the
+    units of that epoch it had trained) and on which Ray node it runs."""
 
     run: str
+    rank: int = 0
+    world: int = 1
     epoch: int = 0
     units_done: list[int] = field(default_factory=list)
+    node: str = ""
+
+    @classmethod
+    def new(cls, rank: int, world: int, epoch: int, units_done: list[int],
+            node: str = "") -> Resume:
+        return cls(uuid.uuid4().hex[:12], rank, world, epoch, sorted(units_done), node)
 
 
-class Stream:
-    """The stream of the output at `location` (its `Output.location`)."""
+@dataclass(frozen=True)
+class Captured:
+    """A unit in the stream: its stream number, the worker it is for, its bytes and the
+    Ray node whose object store holds them (the engine's)."""
 
-    def __init__(self, location: str, root: Path | None = None) -> None:
-        digest = hashlib.sha256(location.encode()).hexdigest()[:16]
-        self.root = root or stream_root()
-        self.path = self.root / digest
-        self.location = location
+    sid: int
+    rank: int
+    nbytes: int
+    node: str = ""
 
-    def __repr__(self) -> str:
-        return f"Stream({self.path})"
 
-    def output(self) -> Any:
-        """The stream as an Output (what the engines commit into)."""
-        from hsx.output import Output
+@dataclass
+class Books:
+    """The stream as the driver reads it, once a round (`StreamHub.books`)."""
 
-        self._private()
-        return Output(self.path)
+    units: dict[int, Captured] = field(default_factory=dict)  # captured, not taken
+    runs: dict[int, Resume] = field(default_factory=dict)  # each worker's current run
+    trainer: dict[str, Any] | None = None  # the trainer's state: running, done, ...
+    lost: list[int] = field(default_factory=list)  # since the last call: capture again
+    reading: dict[int, Captured] = field(default_factory=dict)  # handed to a worker
+    taken_units: int = 0  # read by the trainer, all time
+    taken_bytes: int = 0
+    since: float = 0.0  # when the stream started counting
+    waits: dict[int, float] = field(default_factory=dict)  # worker -> waiting for units since
 
-    def open(self, manifest_json: str) -> None:
-        """Create the folder (this user's only) with a copy of the output's manifest
-        (readers check shards against it); the folder of a resumed job is taken again
-        if it is this user's own. StreamFolderError otherwise."""
-        from hsx.output.layout import MANIFEST
 
-        self._private()
-        replace_output_file(self.path / MANIFEST, manifest_json)
+class StreamHub:
+    """One job's stream: the units captured and not yet taken, each worker's run, the
+    trainer's state. Plain Python, so the driver's logic is tested without Ray; the Ray
+    actor `hsx_workers.stream.StreamActor` holds one with each unit's payload (a
+    reference to its bytes in Ray's object store).
 
-    def _private(self) -> None:
-        self.root.parent.mkdir(parents=True, exist_ok=True)
-        _own_folder(self.root, others_may_read=True)
-        _own_folder(self.path, others_may_read=False)
+    Who calls what: the driver `put`s each captured unit and reads `books()`; a training
+    worker says where it resumed (`start_run`), takes what is `ready` for it, reports
+    each unit read (`take`) or whose bytes are gone (`lose`); the main worker and the
+    training's driver set the trainer's state (`set_trainer`). A worker that asked for
+    units while none was ready for it `waits` until it gets one.
+    """
 
-    def committed(self) -> set[int]:
-        """Stream units committed and not yet taken by the trainer."""
-        from hsx.output.output import unit_of_commit_key
+    def __init__(self) -> None:
+        self.units: dict[int, Captured] = {}
+        self.payloads: dict[int, Any] = {}
+        self.reading: dict[int, Captured] = {}  # handed to a worker, not yet taken
+        self.runs: dict[int, Resume] = {}
+        self.trainer: dict[str, Any] | None = None
+        self.lost: list[int] = []
+        self.taken_units = 0
+        self.taken_bytes = 0
+        self.since = time.time()
+        self.waits: dict[int, float] = {}  # worker -> since when it waits with nothing ready
 
-        folder = self.path / COMMITS_DIR
-        if not folder.is_dir():
-            return set()
-        return {u for name in os.listdir(folder)
-                if (u := unit_of_commit_key(f"{COMMITS_DIR}/{name}")) is not None}
+    def put(self, unit: Captured, payload: Any) -> bool:
+        """A captured unit; False (and dropped) if the stream holds it already."""
+        if unit.sid in self.units or unit.sid in self.reading:
+            return False
+        self.units[unit.sid] = unit
+        self.payloads[unit.sid] = payload
+        return True
 
-    def buffered(self) -> tuple[int, int]:
-        """(shards, bytes) captured and not yet taken by the trainer."""
-        folder = self.path / SHARDS_DIR
-        shards = size = 0
-        if folder.is_dir():
-            for entry in os.scandir(folder):
-                with_unit = unit_of_key(f"{SHARDS_DIR}/{entry.name}")
-                if with_unit is None:
-                    continue
-                try:
-                    size += entry.stat().st_size
-                except FileNotFoundError:  # taken meanwhile
-                    continue
-                shards += 1
-        return shards, size
+    def ready(self, rank: int, epoch: int) -> list[tuple[int, Any]]:
+        """(stream unit, payload) of the units for worker `rank` of epochs up to
+        `epoch`, in order; each stays in the stream until it is taken."""
+        out = []
+        for sid in sorted(self.units):
+            unit = self.units[sid]
+            if unit.rank == rank and split_unit(sid)[0] <= epoch:
+                self.reading[sid] = unit
+                out.append((sid, self.payloads[sid]))
+        if out:
+            self.waits.pop(rank, None)
+        else:
+            self.waits.setdefault(rank, time.time())
+        return out
 
-    def take(self, unit: int) -> None:
-        """The trainer is done with a stream unit: its record, then its shards, go."""
-        (self.path / commit_path(unit)).unlink(missing_ok=True)
-        folder = self.path / SHARDS_DIR
-        if folder.is_dir():
-            for entry in os.scandir(folder):
-                if unit_of_key(f"{SHARDS_DIR}/{entry.name}") == unit:
-                    Path(entry.path).unlink(missing_ok=True)
+    def take(self, sid: int, read: bool = True) -> None:
+        """The worker is done with a unit (`read`: it trained on it; else dropped
+        unread): the stream lets it go."""
+        unit = self.units.pop(sid, None)
+        self.payloads.pop(sid, None)
+        self.reading.pop(sid, None)
+        if unit is not None and read:
+            self.taken_units += 1
+            self.taken_bytes += unit.nbytes
 
-    def start_run(self, epoch: int, units_done: list[int]) -> Resume:
-        """A trainer run begins from a checkpoint at (`epoch`, `units_done`)."""
-        resume = Resume(uuid.uuid4().hex[:12], epoch, sorted(units_done))
-        self.set_trainer("running", run=resume.run)
-        self._write(RESUME, resume.__dict__)
-        return resume
+    def lose(self, sid: int) -> None:
+        """The unit's bytes are gone (the node that held them died): capture it again."""
+        if sid in self.units:
+            self.take(sid, read=False)
+            self.lost.append(sid)
 
-    def resume(self) -> Resume | None:
-        body = self._read(RESUME)
-        return None if body is None else Resume(**body)
+    def start_run(self, resume: Resume) -> None:
+        """A worker's run begins from a checkpoint at (`resume.epoch`, `units_done`)."""
+        self.runs[resume.rank] = resume
+        if resume.rank == 0:
+            self.trainer = {"state": "running", "run": resume.run}
 
     def set_trainer(self, state: str, **extra: Any) -> None:
-        """The trainer's state for the driver: `running`, `waiting` (for units), `done`,
-        `stopped`, `failed`."""
-        self._write(TRAINER, {"state": state, **extra})
+        """The trainer's state for the driver: `running`, `done`, `stopped`, `failed`."""
+        self.trainer = {"state": state, **extra}
 
-    def trainer(self) -> dict[str, Any] | None:
-        return self._read(TRAINER)
-
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-
-    def _write(self, name: str, body: dict[str, Any]) -> None:
-        self._private()
-        replace_output_file(self.path / name, json.dumps(body))
-
-    def _read(self, name: str) -> dict[str, Any] | None:
-        try:
-            return json.loads((self.path / name).read_text())
-        except FileNotFoundError:
-            return None
+    def books(self) -> Books:
+        lost, self.lost = self.lost, []
+        return Books(dict(self.units), dict(self.runs),
+                     None if self.trainer is None else dict(self.trainer), lost,
+                     dict(self.reading), self.taken_units, self.taken_bytes, self.since,
+                     dict(self.waits))

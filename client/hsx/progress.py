@@ -22,6 +22,13 @@ class JobProgress:
     units_done: int = 0
     workers: dict[str, str] = field(default_factory=dict)  # name -> state
     worker_units: dict[str, int] = field(default_factory=dict)  # name -> unit it runs
+    worker_nodes: dict[str, str] = field(default_factory=dict)  # name -> its Ray node
+    # The trainer's workers: rank -> Ray node (an online job's, from its stream; the
+    # coordinator adds an offline one's).
+    trainer_nodes: dict[int, str] = field(default_factory=dict)
+    # An online job: Ray node -> captured bytes there not yet trained on (in the engine's
+    # object store, or being read by a trainer worker).
+    stream_bytes: dict[str, int] = field(default_factory=dict)
     units_failed: int = 0
     restarts: int = 0
     started_at: float = field(default_factory=time.time)

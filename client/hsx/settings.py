@@ -213,11 +213,6 @@ TOKENIZING_PROCESS = _register(Setting(
 RAY_LOG_TO_DRIVER = _register(Setting(
     "HSX_RAY_LOG_TO_DRIVER", "0 or 1", False,
     "1: the Ray workers' logs (engines, trainer) are printed by the driver too.", _flag))
-STREAM_DIR: Setting[Path | None] = _register(Setting(
-    "HSX_STREAM_DIR", "folder", None,
-    "Where an online job's stream of captured states lives, a folder of the user's own "
-    "that others cannot write; unset: /dev/shm/hsx-stream-<uid> (memory) where it can be "
-    "written, else in the temporary folder.", _path))
 CACHE = _register(Setting(
     "HSX_CACHE", "folder", Path("~/.cache/hsx"),
     "Where drafts of object-store outputs are trained and downloaded "

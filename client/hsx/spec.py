@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
@@ -89,6 +91,12 @@ class VllmOptions(BaseModel):
         """The extra keys: vLLM engine arguments passed through as they are."""
         return dict(self.model_extra or {})
 
+
+# Ray's label syntax (ray/_private/label_utils.py), checked here without importing Ray.
+_LABEL_NAME = r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY = re.compile(rf"({_LABEL_NAME}(\.{_LABEL_NAME})*/)?{_LABEL_NAME}")
+_LABEL_SELECTOR = re.compile(
+    rf"!?(in)?\({_LABEL_NAME}(, ?{_LABEL_NAME})*\)|!?{_LABEL_NAME}")
 
 TrainDevice = Literal["auto", "cpu", "cuda"]
 TrainLoss = Literal["kl_div", "ce", "rkl", "jsd", "tv"]
@@ -235,8 +243,34 @@ class TrainSpec(BaseModel):
         1,
         ge=1,
         description=(
-            "Training processes (Ray Train, DDP): each reads its own units of the output. "
-            "1 trains in the calling process (or the coordinator's trainer actor)."
+            "Training processes (Ray Train, DDP): each reads its own units of the output "
+            "(online: of each epoch's capture). 1 trains in the calling process (or the "
+            "coordinator's trainer actor)."
+        ),
+    )
+    place: Literal["any", "apart"] = Field(
+        "any",
+        description=(
+            "Where the trainer's workers run against the job's engines: `any`, where Ray "
+            "finds room; `apart`, never on a Ray node that runs one of the job's engines "
+            "(the engines are placed first). A plan that cannot keep them apart is refused "
+            "at submit, naming what is missing."
+        ),
+    )
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Ray node labels each trainer worker's node must have (Ray's label selector: "
+            "`value`, `!value`, `in(a,b)`, `!in(a,b)`), e.g. {hsx-role: trainer} for the "
+            "nodes of a KubeRay worker group started with `labels: hsx-role=trainer`."
+        ),
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "Custom Ray resources each trainer worker takes besides its CPU and GPU, e.g. "
+            "{trainer: 1} where only the trainer's nodes have `trainer` (`ray start "
+            "--resources`)."
         ),
     )
     eval_prompts: int = Field(
@@ -270,9 +304,9 @@ class TrainSpec(BaseModel):
         False,
         description=(
             "A job's training fed by its engines directly: the captured states go to the "
-            "trainer through the job's stream (hsx.online, in memory) and are never stored "
-            "as shards; the engines capture the data again for each epoch. Only in a job's "
-            "`train:` section run by the coordinator, with one worker."
+            "trainer's workers through the job's stream (Ray's object store, across nodes) "
+            "and are never stored as shards; the engines capture the data again for each "
+            "epoch. Only in a job's `train:` section (`hsx extract`, the coordinator)."
         ),
     )
     buffer_bytes: int | None = Field(
@@ -297,6 +331,29 @@ class TrainSpec(BaseModel):
         ),
     )
 
+    @field_validator("node_labels")
+    @classmethod
+    def _label_syntax(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            if not _LABEL_KEY.fullmatch(key):
+                raise ValueError(f"{key!r} is not a Ray label key (letters, digits, '-', "
+                                 "'_', '.', an optional prefix/)")
+            if not _LABEL_SELECTOR.fullmatch(value):
+                raise ValueError(f"{key}: {value!r} is not a Ray label selector (value, "
+                                 "!value, in(a,b), !in(a,b))")
+        return labels
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name}: a worker's CPU and GPU are hsx's to set; name "
+                                 "custom resources only")
+            if amount <= 0:
+                raise ValueError(f"{name}: must be > 0, got {amount}")
+        return resources
+
     @property
     def draft(self) -> DraftMethod:
         """The draft method (hsx.methods)."""
@@ -318,9 +375,6 @@ class TrainSpec(BaseModel):
     def _steps_or_epochs(self) -> TrainSpec:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("set steps or epochs, not both")
-        if self.online and self.workers > 1:
-            raise ValueError("online training runs on one worker (workers: 1); several "
-                             "workers read stored shards (online: false)")
         if self.online and not self.follow:
             raise ValueError("online training follows the engines: follow must be true")
         return self
@@ -698,8 +752,31 @@ def parse_job(data: dict[str, Any], *, source: str = "job") -> JobSpec:
     return _parse(JobSpec, data, source, "a job", "hsx extract")
 
 
-def load_job(path: str | Path) -> JobSpec:
-    """Read a YAML or JSON job file. Relative paths inside it resolve against its folder."""
+def apply_sets(data: dict[str, Any], items: Iterable[str]) -> dict[str, Any]:
+    """`data` with each `KEY=VALUE` of `items` set (a command's `--set`): VALUE is read as
+    YAML (`2`, `true`, `{trainer: 1}`), a dotted KEY names a field of a section
+    (`train.place=apart`); SpecError for an item that is not KEY=VALUE."""
+    out = dict(data)
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"--set {item!r}: expected key=value")
+        *sections, name = key.strip().split(".")
+        where = out
+        for section in sections:
+            inner = where.get(section)
+            where[section] = dict(inner) if isinstance(inner, dict) else {}
+            where = where[section]
+        try:
+            where[name] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise SpecError(f"--set {item!r}: the value is not YAML: {err}") from None
+    return out
+
+
+def load_job(path: str | Path, sets: Iterable[str] = ()) -> JobSpec:
+    """Read a YAML or JSON job file, with `sets` applied (`apply_sets`). Relative paths
+    inside it resolve against its folder."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -709,6 +786,8 @@ def load_job(path: str | Path) -> JobSpec:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise SpecError(f"{p}: not valid YAML/JSON: {err}") from None
+    if isinstance(data, dict):
+        data = apply_sets(data, sets)
     spec = parse_job(data, source=str(p))
     return _resolve_relative(spec, p.parent)
 

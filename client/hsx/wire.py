@@ -66,6 +66,18 @@ class WorkerTotals(BaseModel):
     seconds: float = Field(0.0, description="Time its committed units took, summed.")
 
 
+class NodePlan(BaseModel):
+    """What a job's plan puts on one Ray node."""
+
+    node: str = Field(..., description="The Ray node's id.")
+    address: str = Field("", description="Its IP address.")
+    engines: list[str] = Field(default_factory=list, description="The job's engines planned "
+                               "there (engine-0, ...).")
+    trainer_workers: list[int] = Field(
+        default_factory=list, description="Ranks of the trainer's workers planned there (0 "
+        "is the one that writes the draft).")
+
+
 class ResourcePlan(BaseModel):
     """Where a job's engines, its trainer and its evaluation run, as the coordinator
     planned them from the cluster's resources and the spec (docs/ARCHITECTURE.md,
@@ -91,7 +103,29 @@ class ResourcePlan(BaseModel):
                                "Ray's accounting and of its memory) the trainer takes.")
     engine_memory: float = Field(0.0, description="The fraction of each GPU's memory the "
                                  "engines' vLLM takes (GPU clusters).")
+    train_place: str = Field("any", description="`apart`: the trainer's workers run on no "
+                             "node of the job's engines (the spec's `train.place`).")
+    nodes: list[NodePlan] = Field(
+        default_factory=list,
+        description=(
+            "Per Ray node, the engines and trainer workers planned there, from the "
+            "cluster's nodes when planned (Ray places them within the same constraints; "
+            "the job's status shows where they run: `JobStatus.nodes`)."
+        ),
+    )
     summary: str = Field("", description="The plan in words.")
+
+
+class NodeStatus(BaseModel):
+    """What of a running job is on one Ray node now."""
+
+    node: str = Field(..., description="The Ray node's id.")
+    engines: list[str] = Field(default_factory=list, description="The job's engines there.")
+    trainer_workers: list[int] = Field(
+        default_factory=list, description="Ranks of the job's trainer workers there.")
+    bytes_in_flight: int = Field(
+        0, description="An online job: captured states there that no trainer worker has "
+        "trained on yet (in the engine's object store, or being read by a worker).")
 
 
 class JobStatus(BaseModel):
@@ -159,6 +193,9 @@ class JobStatus(BaseModel):
     )
     eta_s: float | None = Field(None, description="Seconds left at the current rate.")
     workers: list[WorkerStatus] = Field(default_factory=list, description="Engines.")
+    nodes: list[NodeStatus] = Field(
+        default_factory=list, description="While it runs, per Ray node: its engines, its "
+        "trainer's workers and (online) the captured bytes in flight there.")
     worker_totals: list[WorkerTotals] = Field(
         default_factory=list, description="Per worker: what it committed (kept after the end)."
     )

@@ -83,6 +83,9 @@ class DispatchHooks:
     on_plan: Callable[[ResourcePlan], None] | None = None
     # What the job waits for (GPUs, Ray's placement) and who holds it; None once it stops.
     on_waiting: Callable[[str | None], None] | None = None
+    # The Ray node of each of the job's engines (name -> node id), once they are placed
+    # and whenever one moves (a trainer kept apart from them reads it).
+    on_engines: Callable[[dict[str, str]], None] | None = None
 
 
 @dataclass
@@ -108,9 +111,10 @@ class Dispatch:
         self.result = DispatchResult()
         self.progress = job.totals().progress()
         # An online job (online.py): its units come from the feed, epoch after epoch,
-        # and are committed into its stream, not the output.
+        # and each one's shard goes to its stream (the second return value of run_unit,
+        # by unit ref), not to the output.
         self.online = online
-        self.commits_into = job.output if online is None else online.stream.output()
+        self.payloads: dict[Any, Any] = {}
         self.queue: deque[WorkUnit] = deque(job.pending if online is None else ())
         if online is not None:
             online.planned(job.units, whole=job.ingestion is None)
@@ -188,8 +192,11 @@ class Dispatch:
             shown.tokens_generated += sum(c[3] for c in live)
         for slot in self.slots:
             shown.workers[slot.name] = slot.state
+            shown.worker_nodes[slot.name] = slot.node
             if slot.unit is not None:
                 shown.worker_units[slot.name] = slot.unit.unit
+        if self.online is not None:
+            shown.trainer_nodes, shown.stream_bytes = self.online.where()
         if self.hooks.on_progress is not None:
             self.hooks.on_progress(shown)
 
@@ -202,12 +209,15 @@ class Dispatch:
         for ref, unit in list(slot.inflight.items()):
             try:
                 # The attempt may have committed before its worker died: then it is done.
-                record = self.commits_into.read_commit(unit.unit)
+                # (An online unit's shard went down with its worker: it is captured again.)
+                record = None if self.online is not None else \
+                    self.job.output.read_commit(unit.unit)
             except FileNotFoundError:
                 record = None
             if record is not None:
                 self.unit_done(slot, ref, record_report(record, slot.name))
                 continue
+            self.payloads.pop(ref, None)
             attempt = self.attempts[unit.unit] = self.attempts.get(unit.unit, 0) + 1
             gave_up = attempt >= self.max_attempts
             logger.warning("unit %d failed on %s (attempt %d): %s",
@@ -248,6 +258,7 @@ class Dispatch:
         """The output's disk is full: no unit can commit. Dispatch stops, the units
         in flight end (they fail alike or commit), the job fails naming ENOSPC."""
         unit = slot.inflight.pop(ref)
+        self.payloads.pop(ref, None)
         message = _first_line(err)
         logger.error("unit %d: the output is full: %s", unit.unit, message)
         self.live.pop(unit.unit, None)
@@ -266,13 +277,12 @@ class Dispatch:
         and the other workers are told to stop theirs (their units then fail here with
         the same words)."""
         unit = slot.inflight.pop(ref)
+        self.payloads.pop(ref, None)
         message = _first_line(err)
         if self.result.fatal is None:
-            where = (self.job.output if self.online is None
-                     else str(self.online.stream.path))
             for other in self.slots:
                 if other is not slot and other.inflight:
-                    other.actor.stop_job.remote(where, message)
+                    other.actor.stop_job.remote(self.job.output, message)
         logger.error("%s", message)
         self.live.pop(unit.unit, None)
         self.result.failed_units[unit.unit] = message
@@ -293,7 +303,7 @@ class Dispatch:
         self.live.pop(unit.unit, None)
         progress = self.progress
         if self.online is not None:
-            self.online.committed(unit.unit)
+            self.online.committed(unit.unit, report.bytes, slot.node, self.payloads.pop(ref))
             if unit.unit >= EPOCH_STRIDE:  # an epoch after the first: the same data again
                 progress.rate_tokens += report.tokens
                 if self.hooks.on_unit_done is not None:
@@ -347,10 +357,11 @@ class Dispatch:
             if self.online is None:
                 ref = slot.actor.run_unit.remote(self.job.output, spec.storage_dtype, unit,
                                                  spec.checksum, **job)
-            else:
-                ref = slot.actor.run_unit.remote(
+            else:  # the report, and the shard's bytes for the stream
+                ref, payload = slot.actor.run_unit.options(num_returns=2).remote(
                     self.job.output, spec.storage_dtype, unit, spec.checksum,
-                    str(self.online.stream.path), self.online.rows_of(unit.unit), **job)
+                    self.online.rows_of(unit.unit), **job)
+                self.payloads[ref] = payload
             slot.inflight[ref] = unit
             slot.state = "busy"
             sent = True
@@ -490,10 +501,15 @@ class Dispatch:
         if ref is not slot.ready_ref:
             return  # a unit of the worker before its restart: already failed
         try:
-            ray.get(ref)
+            node = ray.get(ref)
         except (RayActorError, NodeDiedError) as err:
             self.not_ready(slot, err)
             return
+        node = node if isinstance(node, str) else ""
+        if node and node != slot.node:
+            slot.node = node
+            if self.hooks.on_engines is not None:
+                self.hooks.on_engines({s.name: s.node for s in self.slots})
         slot.state = "idle"
         slot.ready_failures = 0
         slot.ever_ready = True

@@ -185,6 +185,7 @@ class EngineSlot:
     ready_failures: int = 0  # readiness checks of the current restart that failed
     ever_ready: bool = False  # it served once: a failed readiness check is a restart's
     check_at: float = 0.0  # when to ask a restarting worker again (ready_ref is None)
+    node: str = ""  # the Ray node it runs on, as its last readiness answer said
 
     @property
     def unit(self) -> WorkUnit | None:
@@ -224,6 +225,17 @@ def engine_resources(tp: int, gpus: bool, part: float = 1.0
     return {"num_cpus": 0, "num_gpus": 0}, "ray"
 
 
+def group_node(pg: Any) -> str:
+    """The Ray node of a placed group's first bundle ('' if Ray does not say)."""
+    from ray.util.placement_group import placement_group_table
+
+    try:
+        nodes = placement_group_table(pg).get("bundles_to_node_id") or {}
+    except Exception:  # a group removed meanwhile
+        return ""
+    return str(nodes.get(0, "")) if isinstance(nodes, dict) else ""
+
+
 def in_group(pg: Any) -> Any:
     """The scheduling strategy of the process that owns an engine in `pg`."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -261,12 +273,13 @@ class EnginePool:
 
     def slots(self, engine: str, config: Any, replicas: int, spec: JobSpec, *,
               job: str = "local", order: float = 0.0, waits: Waits | None = None,
-              part: float = 1.0) -> list[EngineSlot]:
+              part: float = 1.0, label_selector: dict[str, str] | None = None
+              ) -> list[EngineSlot]:
         """`replicas` workers of this engine configuration for `job`: the warm ones, and
         new ones once the arbiter and Ray have their GPUs (meanwhile `waits` hears what
-        they wait for); each rank takes `part` of a GPU (less than 1 when the job's online
-        trainer shares it: its plan's 1 - train_share). Raises JobCancelled if `waits`
-        says cancelled while waiting."""
+        they wait for), on nodes `label_selector` admits; each rank takes `part` of a GPU
+        (less than 1 when the job's online trainer shares it: its plan's 1 -
+        train_share). Raises JobCancelled if `waits` says cancelled while waiting."""
         import ray
 
         from hsx_workers.worker import ExtractionWorker
@@ -309,7 +322,8 @@ class EnginePool:
                                             on_wait=waits.on_wait):
                     raise JobCancelled("cancelled while waiting for GPUs")
             pg = place(engine_bundles(tp, bool(gpus), part), f"{name} of job {job}",
-                       cancelled=waits.cancelled, on_wait=waits.on_wait)
+                       cancelled=waits.cancelled, on_wait=waits.on_wait,
+                       label_selector=label_selector)
             if pg is None:
                 if holder is not None:
                     self.arbiter.release(holder)

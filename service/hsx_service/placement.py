@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hsx.spec import JobSpec
-from hsx.wire import ResourcePlan
+from hsx.wire import NodePlan, ResourcePlan
 from hsx_service.errors import JobRefused
 
 logger = logging.getLogger(__name__)
@@ -55,13 +55,28 @@ OnWait = Callable[[str | None], None]
 
 
 @dataclass(frozen=True)
+class NodeShape:
+    """One Ray node: its id, address, resources (CPU, GPU and custom ones) and labels."""
+
+    id: str
+    address: str = ""
+    resources: dict[str, float] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def short(self) -> str:
+        return f"{self.id[:8]} ({self.address})" if self.address else self.id[:8]
+
+
+@dataclass(frozen=True)
 class ClusterShape:
     """What a plan is made from: the cluster's GPUs, logical CPUs, and the cores CPU
-    engines bind to (known for a cluster of one node on this machine, else None)."""
+    engines bind to (known for a cluster of one node on this machine, else None); its
+    nodes, when read from Ray (a plan then says what runs on which node)."""
 
     gpus: int
     cpus: int
     cores: int | None = None
+    nodes: tuple[NodeShape, ...] = ()
 
     @classmethod
     def of_ray(cls) -> ClusterShape:
@@ -77,8 +92,13 @@ class ClusterShape:
                 cores = local_cores()
             else:
                 cores = int(node.get("Resources", {}).get("CPU", 0)) or None
+        shapes = tuple(NodeShape(
+            str(n.get("NodeID", "")), str(n.get("NodeManagerAddress", "")),
+            {k: float(v) for k, v in (n.get("Resources") or {}).items()
+             if not k.startswith("node:") and k not in ("memory", "object_store_memory")},
+            {k: str(v) for k, v in (n.get("Labels") or {}).items()}) for n in nodes)
         return cls(gpus=int(resources.get("GPU", 0)), cpus=int(resources.get("CPU", 0)),
-                   cores=cores)
+                   cores=cores, nodes=shapes)
 
 
 def local_cores() -> int:
@@ -134,12 +154,165 @@ def plan_job(spec: JobSpec, cluster: ClusterShape) -> ResourcePlan:
             # The trainer takes the states as the engines capture them, so it cannot
             # wait for their GPUs: it takes a part of one of them.
             training, share, train_gpus = "shared", train.gpu_share, 0
+    if train is not None and training == "shared" and train.workers > 1:
+        raise JobRefused(
+            f"train.workers: {train.workers} online training workers need a GPU each beside "
+            f"the engines', but the engines take every GPU of the cluster ({gpus}); set "
+            "replicas lower, train.workers to 1 (it shares an engine's GPU), or add GPUs")
+    if train is not None and training == "shared" and train.place == "apart":
+        raise JobRefused(
+            "train.place: apart, but the engines take every GPU of the cluster and the "
+            "online trainer would share one of theirs; add a node with GPUs for the "
+            "trainer, set replicas lower, or use place: any")
     plan = ResourcePlan(gpus=gpus, replicas=replicas, tensor_parallel_size=tp,
                         engine_gpus=engine_gpus, train_gpus=train_gpus, eval_gpus=eval_gpus,
                         training=training, train_share=share,
-                        engine_memory=engine_memory(spec, share))
+                        engine_memory=engine_memory(spec, share),
+                        train_place=train.place if train is not None else "any")
+    plan.nodes = place_on_nodes(spec, plan, cluster)
     plan.summary = _summary(plan)
     return plan
+
+
+# ------------------------------------------------------------------ nodes
+
+
+def engine_needs(plan: ResourcePlan) -> dict[str, float]:
+    """What one engine takes of a node (its placement group's bundles together)."""
+    tp = plan.tensor_parallel_size
+    if plan.gpus < 1:
+        return {"CPU": float(tp)}
+    return {"GPU": round(tp * (1.0 - plan.train_share), 6), "CPU": float(tp)}
+
+
+def trainer_needs(spec: JobSpec, plan: ResourcePlan) -> dict[str, float]:
+    """What one trainer worker takes of a node: a CPU, its GPU on a GPU cluster, and
+    the spec's custom resources."""
+    train = spec.train
+    needs: dict[str, float] = {"CPU": 1.0}
+    if plan.train_gpus:
+        needs["GPU"] = 1.0
+    if train is not None:
+        needs.update(train.resources)
+    return needs
+
+
+def labels_match(labels: dict[str, str], selector: dict[str, str]) -> bool:
+    """Whether a node with `labels` meets Ray's label `selector` (`value`, `!value`,
+    `in(a,b)`, `!in(a,b)`)."""
+    for key, want in selector.items():
+        negate = want.startswith("!")
+        want = want[1:] if negate else want
+        values = ({v.strip() for v in want[want.index("(") + 1 : -1].split(",")}
+                  if want.endswith(")") else {want})
+        if (labels.get(key) in values) == negate:
+            return False
+    return True
+
+
+def engine_selector(spec: JobSpec) -> dict[str, str]:
+    """The label selector of the job's engines: a trainer kept `apart` on labelled nodes
+    keeps those nodes for itself, so the engines go where its labels do not match
+    (`hsx-role: trainer` -> `hsx-role: !trainer`); else anywhere."""
+    train = spec.train
+    if train is None or train.place != "apart":
+        return {}
+    selector = {}
+    for key, value in train.node_labels.items():
+        selector[key] = value[1:] if value.startswith("!") else f"!{value}"
+    return selector
+
+
+def _fits(free: dict[str, float], needs: dict[str, float]) -> bool:
+    return all(free.get(k, 0.0) + 1e-9 >= v for k, v in needs.items())
+
+
+def _take(free: dict[str, float], needs: dict[str, float]) -> None:
+    for k, v in needs.items():
+        free[k] = free.get(k, 0.0) - v
+
+
+def place_on_nodes(spec: JobSpec, plan: ResourcePlan, cluster: ClusterShape
+                   ) -> list[NodePlan]:
+    """Which node runs each engine and each trainer worker (first fit: the engines on
+    the nodes the trainer cannot use first), or JobRefused naming what no node has. Empty
+    when the cluster's nodes are not known. An engine no single node holds (TP ranks
+    across nodes) is not named; the trainer is placed where its workers have room beside
+    the engines, or (`apart`) on nodes without them."""
+    if not cluster.nodes:
+        return []
+    train = spec.train
+    nodes = list(cluster.nodes)
+    free = {n.id: dict(n.resources) for n in nodes}
+    placed = {n.id: NodePlan(node=n.id, address=n.address) for n in nodes}
+    labels = dict(train.node_labels) if train is not None else {}
+    worker = trainer_needs(spec, plan)
+
+    def trainer_may(n: NodeShape) -> bool:
+        return labels_match(n.labels, labels) and all(
+            n.resources.get(k, 0.0) > 0 for k in worker)
+
+    needs = engine_needs(plan)
+    engines_may = engine_selector(spec)
+    for i in range(plan.replicas):
+        # The nodes the trainer may not use first, then those with the most room.
+        order = sorted((n for n in nodes if labels_match(n.labels, engines_may)),
+                       key=lambda n: (trainer_may(n), -free[n.id].get("CPU", 0.0)))
+        node = next((n for n in order if _fits(free[n.id], needs)), None)
+        if node is not None:
+            _take(free[node.id], needs)
+            placed[node.id].engines.append(f"engine-{i}")
+    if train is not None and plan.training != "none":
+        if plan.training == "shared":
+            first = next((n for n in nodes if placed[n.id].engines), None)
+            if first is not None:
+                placed[first.id].trainer_workers.append(0)
+        else:
+            _place_trainer(spec, plan, nodes, free, placed, worker)
+    return [p for p in placed.values() if p.engines or p.trainer_workers]
+
+
+def _place_trainer(spec: JobSpec, plan: ResourcePlan, nodes: list[NodeShape],
+                   free: dict[str, dict[str, float]], placed: dict[str, NodePlan],
+                   worker: dict[str, float]) -> None:
+    train = spec.train
+    if train is None:
+        return
+    labels = dict(train.node_labels)
+    apart = train.place == "apart"
+    if labels and not any(labels_match(n.labels, labels) for n in nodes):
+        seen = sorted({f"{k}={v}" for n in nodes for k, v in n.labels.items()
+                       if not k.startswith("ray.io/")})
+        raise JobRefused(
+            f"train.node_labels: no node of the Ray cluster has "
+            f"{', '.join(f'{k}={v}' for k, v in labels.items())} (its nodes' labels: "
+            f"{', '.join(seen) or 'none'})")
+    for name, amount in train.resources.items():
+        if not any(n.resources.get(name, 0.0) >= amount for n in nodes):
+            raise JobRefused(
+                f"train.resources: no node of the Ray cluster has {amount:g} {name} (a "
+                "custom resource its nodes are started with: `ray start --resources`)")
+    eligible = [n for n in nodes if labels_match(n.labels, labels)
+                and not (apart and placed[n.id].engines)
+                and all(n.resources.get(k, 0.0) > 0 for k in worker)]
+    # Offline after the extraction, the engines have yielded what they held.
+    room = {n.id: dict(n.resources) if plan.training == "after" else dict(free[n.id])
+            for n in eligible}
+    for rank in range(train.workers):
+        node = next((n for n in eligible if _fits(room[n.id], worker)), None)
+        if node is None:
+            if apart or labels or train.resources:
+                where = " without the job's engines" if apart else ""
+                if labels:
+                    where += " labelled " + ", ".join(f"{k}={v}" for k, v in labels.items())
+                needs = ", ".join(f"{v:g} {k}" for k, v in worker.items())
+                raise JobRefused(
+                    f"train.{'place' if apart else 'workers'}: {train.workers} trainer "
+                    f"worker{'s' * (train.workers > 1)} need {needs} each on nodes{where}; "
+                    f"the cluster has room for {rank} there")
+            return  # Ray finds room as the cluster frees it (or grows)
+        _take(room[node.id], worker)
+        placed[node.id].trainer_workers.append(rank)
 
 
 def engine_memory(spec: JobSpec, share: float) -> float:
@@ -172,7 +345,9 @@ def _plan_on_cpus(spec: JobSpec, cluster: ClusterShape) -> ResourcePlan:
     if train is not None and train.device == "cuda":
         raise JobRefused("train.device: cuda, but the Ray cluster has no GPU; use auto or cpu")
     plan = ResourcePlan(gpus=0, replicas=replicas, tensor_parallel_size=tp,
-                        training="none" if train is None else "beside")
+                        training="none" if train is None else "beside",
+                        train_place=train.place if train is not None else "any")
+    plan.nodes = place_on_nodes(spec, plan, cluster)
     plan.summary = _summary(plan)
     return plan
 
@@ -185,7 +360,7 @@ def _summary(plan: ResourcePlan) -> str:
         text = f"CPU cluster: {engines} on CPUs"
         if plan.training != "none":
             text += "; the trainer beside them on a CPU; then the evaluation on a CPU"
-        return text
+        return text + _by_node(plan)
     text = f"{_gpus(plan.gpus)}: {engines} on {plan.engine_gpus}"
     trainer = f"the trainer on {_gpus(plan.train_gpus)}" if plan.train_gpus else \
         "the trainer on a CPU"
@@ -200,7 +375,22 @@ def _summary(plan: ResourcePlan) -> str:
     if plan.eval_gpus:
         tp = (f" (TP {plan.tensor_parallel_size})" if plan.tensor_parallel_size > 1 else "")
         text += f"; then vLLM measures the draft on {_gpus(plan.eval_gpus)}{tp}"
-    return text
+    return text + _by_node(plan)
+
+
+def _by_node(plan: ResourcePlan) -> str:
+    """The plan's nodes in words, when it spans several or keeps the trainer apart."""
+    if not (len(plan.nodes) > 1 or plan.train_place == "apart"):
+        return ""
+    where = []
+    for node in plan.nodes:
+        parts = list(node.engines)
+        if node.trainer_workers:
+            parts.append("trainer worker" + "s" * (len(node.trainer_workers) > 1) + " "
+                         + ", ".join(map(str, node.trainer_workers)))
+        where.append(f"node {node.node[:8]}: {' + '.join(parts)}")
+    apart = " (the trainer apart from the engines)" if plan.train_place == "apart" else ""
+    return f"; by node{apart}: " + "; ".join(where)
 
 
 # ------------------------------------------------------------------ the arbiter
@@ -377,13 +567,16 @@ def _cluster_gpus() -> int:
 
 
 def place(bundles: list[dict[str, float]], who: str, *, cancelled: Cancelled | None = None,
-          on_wait: OnWait | None = None, poll_s: float = POLL_S) -> Any:
-    """A PACK placement group of `bundles`, once Ray has placed it (None if cancelled
-    first). While Ray cannot place it, `on_wait` hears what the cluster has."""
+          on_wait: OnWait | None = None, poll_s: float = POLL_S,
+          label_selector: dict[str, str] | None = None) -> Any:
+    """A PACK placement group of `bundles`, each on a node `label_selector` admits (Ray's
+    label syntax), once Ray has placed it (None if cancelled first). While Ray cannot
+    place it, `on_wait` hears what the cluster has."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    pg = placement_group(bundles, strategy="PACK")
+    pg = placement_group(bundles, strategy="PACK", bundle_label_selector=(
+        [dict(label_selector) for _ in bundles] if label_selector else None))
     ready = pg.ready()
     shown: str | None = None
     since = time.monotonic()

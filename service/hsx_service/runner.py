@@ -20,13 +20,11 @@ the job's outcomes from errors.py).
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from hsx import __version__
-from hsx.online import STREAM_DIR_ENV, Stream, StreamFolderError
 from hsx.output import OutputCorrupt, OutputTotals, StorageError
 from hsx.output.shards.encoding import HIDDEN_DTYPE, NUMPY_DTYPES
 from hsx.output.storage import is_disk_full
@@ -40,10 +38,10 @@ from hsx_service.dispatch import (
     failed_units_message,
 )
 from hsx_service.engine_config import engine_config_for
-from hsx_service.engine_pool import EnginePool, Waits, connect_ray
+from hsx_service.engine_pool import EnginePool, Waits, connect_ray, group_node
 from hsx_service.errors import JobCancelled, JobFailed, JobRefused
 from hsx_service.online import OnlineFeed
-from hsx_service.placement import ClusterShape, plan_job
+from hsx_service.placement import ClusterShape, engine_selector, plan_job
 from hsx_service.prepare import PreparedJob, prepare
 
 MAX_ATTEMPTS = 3
@@ -87,6 +85,7 @@ def run_job(
     job_id: str = "local",
     submitted_at: float | None = None,
     plan: ResourcePlan | None = None,
+    connect: bool | None = None,
 ) -> JobSummary:
     """Run a job to completion: prepare, dispatch the pending units, publish complete.json.
 
@@ -95,14 +94,16 @@ def run_job(
     returns at once (`nothing_to_do`). Without a `pool` one is made and shut down after.
     `job_id` and `submitted_at` name the job and its place in line to the pool's GPU
     arbiter; `plan` is where its engines run (made here from the cluster if not given).
-    A job without a `pool` (`hsx extract`) connects Ray while its first part is
-    tokenized, not after, so its engines start sooner (benchmarks/bench_first_commit.py).
+    A job not yet on Ray (`connect`; default: without a `pool`; `hsx extract` gives one
+    and asks for it) connects it while its first part is tokenized, not after, so its
+    engines start sooner (benchmarks/bench_first_commit.py).
     """
     hooks = hooks or DispatchHooks()
     started = time.time()
     try:
         job = prepare(spec, on_ingest=hooks.on_ingest, cancelled=hooks.cancelled,
-                      while_first_part=(lambda: connect_ray(spec)) if pool is None else None)
+                      while_first_part=(lambda: connect_ray(spec))
+                      if (pool is None if connect is None else connect) else None)
     except (StorageError, OutputCorrupt) as err:  # the output failed while being prepared
         raise JobRefused(f"output: {err}") from err
     except OSError as err:
@@ -178,7 +179,6 @@ def finish_online(job: PreparedJob, started: float, result: DispatchResult) -> J
     if online.ended == "failed":
         raise JobFailed(f"the online training failed: {online.error or 'see its status'}; "
                         "the engines stopped capturing for it")
-    online.stream.remove()
     totals = job.output.totals()
     summary = JobSummary.of(totals, str(job.output), time.time() - started,
                             restarts=result.restarts)
@@ -219,41 +219,50 @@ def execute(
         slots = pool.slots(spec.engine, config, plan.replicas, spec, job=job_id,
                            order=submitted_at,
                            waits=Waits(cancelled=hooks.cancelled, on_wait=hooks.on_waiting),
-                           part=1.0 - plan.train_share)
+                           part=1.0 - plan.train_share, label_selector=engine_selector(spec))
+        for slot in slots:  # placed: where each runs, before it has started
+            slot.node = slot.node or (group_node(slot.placement_group)
+                                      if slot.placement_group is not None else "")
+        if hooks.on_engines is not None:
+            hooks.on_engines({s.name: s.node for s in slots})
         result = Dispatch(job, pool, hooks, slots, max_attempts, online=online).run()
         result.online = online
         return result
     finally:
         pool.park()
+        if online is not None:
+            # What it still holds is freed; a trainer still reading stops at its next step
+            # (a rerun's trainer resumes from its checkpoint).
+            online.stream.close()
 
 
 def online_feed(job: PreparedJob) -> OnlineFeed:
-    """The feed of an online job's units, its stream opened with the job's manifest;
-    JobRefused when the stream's file system cannot hold its buffer, or its folder is
-    not its user's own (hsx.online)."""
+    """The feed of an online job's units and its stream (a Ray actor on this node);
+    JobRefused when Ray's object stores cannot hold its buffer."""
+    import ray
+
+    from hsx_workers.stream import DriverStream
+
     spec = job.spec
     train = spec.train
     if train is None:
         raise RuntimeError("an online job has a train section")
-    stream = Stream(job.output.location)
-    try:
-        stream.open(job.manifest.to_json().decode())
-    except StreamFolderError as err:  # someone else's folder (or a link) at its name
-        raise JobRefused(f"train.online: {err}") from None
     width = NUMPY_DTYPES[HIDDEN_DTYPE[spec.storage_dtype]].itemsize
     per_token = len(job.layers) * job.manifest.hidden_size * width
-    feed = OnlineFeed(stream, train.buffer_bytes, per_token)
+    stream = DriverStream(job.output.location)
+    feed = OnlineFeed(stream, train.buffer_bytes, per_token, workers=train.workers)
     feed.planned(job.units, whole=False)
-    # The stream holds at most the buffer, or one unit larger than it (one always moves),
-    # besides what it holds already (a resumed job's units).
+    # The buffer lives in the object stores of the engines' nodes (and of the trainer's
+    # while it reads): more than all of them hold would spill to disk.
     largest = max((u.tokens for u in job.units), default=0) * per_token
-    need = max(feed.buffer_bytes, largest) - stream.buffered()[1]
-    free = shutil.disk_usage(stream.path).free
-    if free < need:
+    need = max(feed.buffer_bytes, largest)
+    store = int(ray.cluster_resources().get("object_store_memory", 0))
+    if store and need > store:
+        stream.close()
         raise JobRefused(
-            f"train.buffer_bytes: the online stream ({stream.path}) needs {need / 2**20:,.0f} "
-            f"MiB (the buffer, {feed.buffer_bytes / 2**20:,.0f} MiB, or the largest unit, "
-            f"{largest / 2**20:,.0f} MiB), its file system has {free / 2**20:,.0f} MiB free; "
-            f"point {STREAM_DIR_ENV} at a folder with room (tmpfs or a local disk), or lower "
-            "train.buffer_bytes and unit_tokens")
+            f"train.buffer_bytes: the online stream needs {need / 2**20:,.0f} MiB (the "
+            f"buffer, {feed.buffer_bytes / 2**20:,.0f} MiB, or the largest unit, "
+            f"{largest / 2**20:,.0f} MiB) of Ray's object stores, the cluster's hold "
+            f"{store / 2**20:,.0f} MiB; lower train.buffer_bytes and unit_tokens, or give "
+            "Ray's nodes more object store memory (`ray start --object-store-memory`)")
     return feed

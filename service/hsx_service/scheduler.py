@@ -82,7 +82,7 @@ from hsx_service.errors import (
 )
 from hsx_service.ledger import JobRow, LeaseLost, Ledger, LedgerHeld
 from hsx_service.metrics import JobMetrics, is_recent
-from hsx_service.placement import GpuArbiter, plan_for_cluster, trains_on_gpus
+from hsx_service.placement import GpuArbiter, plan_for_cluster
 from hsx_service.prepare import (
     PreparedJob,
     check_estimated_output,
@@ -93,7 +93,8 @@ from hsx_service.prepare import (
 from hsx_service.resume import check_same_job, manifest_expected
 from hsx_service.runner import MAX_ATTEMPTS, run_job
 from hsx_service.statuses import JobStatuses
-from hsx_service.training import Trainings
+from hsx_service.training import EngineNodes, TrainingRequest
+from hsx_service.trainings import Trainings
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ class Scheduler:
         self.statuses = JobStatuses(self.ledger, self.board)
         # job id -> set once the job has ended: a training planned `after` waits for it
         self._extracted: dict[str, threading.Event] = {}
+        # job id -> where its engines run (a trainer kept apart reads it)
+        self._engine_nodes: dict[str, EngineNodes] = {}
         self.job_metrics = JobMetrics()
         self.statuses.load()
 
@@ -369,19 +372,21 @@ class Scheduler:
         return self.train_status(job_id)
 
     def _start_training(self, row: JobRow, spec: TrainSpec) -> None:
-        """Train the job's draft; on a cluster whose GPUs the engines take, only once the
-        extraction has ended (its plan says `after`)."""
+        """Train the job's draft as its plan places it (`TrainingRequest.of_job`): on a
+        cluster whose GPUs the engines take, only once the extraction has ended."""
         check_manifest_is_the_jobs(row)
-        after, share = None, 0.0
+        plan = None
         if not row.state.finished:
             plan = self.statuses.plans.get(row.id) or plan_for_cluster(row.spec)
-            wanted = trains_on_gpus(row.spec.model_copy(update={"train": spec}), plan.gpus)
-            if plan.training == "shared":
-                share = plan.train_share  # an online trainer on a part of an engine's GPU
-            elif plan.engine_gpus + wanted > plan.gpus:
-                after = self._extracted.setdefault(row.id, threading.Event())
-        self.trainings.start(row.id, row.output, spec, job=row.spec, order=row.created_at,
-                             after=after, share=share)
+        extracted = self._extracted.setdefault(row.id, threading.Event())
+        self.trainings.start(TrainingRequest.of_job(
+            row.id, row.output, spec, row.spec, plan, order=row.created_at,
+            extracted=extracted, engine_nodes=self._engines_of(row.id)))
+
+    def _engines_of(self, job_id: str) -> EngineNodes:
+        """Where the job's engines run, as its runs say (one record for all its runs)."""
+        extracted = self._extracted.setdefault(job_id, threading.Event())
+        return self._engine_nodes.setdefault(job_id, EngineNodes(extracted))
 
     def train_status(self, job_id: str) -> TrainStatus:
         row = self._row(job_id)
@@ -550,7 +555,9 @@ class Scheduler:
             on_prepared=prepared,
             on_planned=planned,
             on_ingest=lambda p: self.statuses.ingesting(job_id, p.rows, p.rows_expected),
-            on_progress=lambda p: self.statuses.progressed(job_id, p),
+            on_progress=lambda p: self.statuses.progressed(job_id, self._with_trainer(
+                job_id, p)),
+            on_engines=self._engines_of(job_id).placed,
             on_unit_done=lambda report: self._on_unit_done(job_id, report),
             on_unit_error=lambda unit, attempt, msg, gave_up: self._on_unit_error(
                 job_id, unit, attempt, msg, gave_up),
@@ -571,6 +578,13 @@ class Scheduler:
 
     # The hooks below run in the thread that drives the engines: memory, the board and
     # queued ledger writes only.
+
+    def _with_trainer(self, job_id: str, progress: JobProgress) -> JobProgress:
+        """The run's progress, with where its trainer's workers run when the stream did
+        not say (an offline job's)."""
+        if not progress.trainer_nodes:
+            progress.trainer_nodes = dict(enumerate(self.trainings.trainer_nodes(job_id)))
+        return progress
 
     def _start_run(self, job_id: str, progress: JobProgress) -> None:
         self.statuses.run_started(job_id, progress)

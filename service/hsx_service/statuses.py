@@ -26,7 +26,14 @@ from typing import Any
 
 from hsx.output import OutputCorrupt, StorageError
 from hsx.progress import JobProgress
-from hsx.wire import JobState, JobStatus, ResourcePlan, WorkerStatus, WorkerTotals
+from hsx.wire import (
+    JobState,
+    JobStatus,
+    NodeStatus,
+    ResourcePlan,
+    WorkerStatus,
+    WorkerTotals,
+)
 from hsx_service.board import StatusBoard
 from hsx_service.errors import JobRefused
 from hsx_service.ledger import JobRow, Ledger
@@ -215,6 +222,7 @@ class JobStatuses:
                 WorkerStatus(name=name, state=state, unit=live.worker_units.get(name))
                 for name, state in sorted(live.workers.items())
             ]
+            status.nodes = nodes_of(live)
         if numbers is not None:
             for name in _STATUS_NUMBERS:
                 setattr(status, name, int(numbers.get(name, 0)))
@@ -277,3 +285,22 @@ class JobStatuses:
         self._curve_mark[job_id] = (now, tokens)
         self.ledger.add_throughput(job_id, now, max(tokens - mark[1], 0) / elapsed, tokens)
         self.ledger.put_totals(job_id, self._live_totals(job_id, progress))
+
+
+def nodes_of(progress: JobProgress) -> list[NodeStatus]:
+    """Per Ray node: the run's engines, its trainer's workers, the bytes in flight."""
+    nodes: dict[str, NodeStatus] = {}
+
+    def node(name: str) -> NodeStatus:
+        return nodes.setdefault(name, NodeStatus(node=name))
+
+    for engine, where in sorted(progress.worker_nodes.items()):
+        if where:
+            node(where).engines.append(engine)
+    for rank, where in sorted(progress.trainer_nodes.items()):
+        if where:
+            node(where).trainer_workers.append(rank)
+    for where, size in progress.stream_bytes.items():
+        if where:
+            node(where).bytes_in_flight += size
+    return sorted(nodes.values(), key=lambda n: n.node)

@@ -1,21 +1,35 @@
-"""Draft training of jobs' outputs: one TrainerActor (Ray) per training, watched by a
-thread here.
+"""The one training run of every entry point.
 
-The actor runs `DraftTrainer` (workers/hsx_workers/trainer/); it takes a GPU when the
-cluster has one, a CPU otherwise; with `workers` > 1 it drives a Ray Train run whose
-workers take them. This side polls its progress, keeps the ledger's `trainings` row
-current, and restarts a dead actor (up to MAX_TRAIN_RESTARTS times); the new actor
-resumes from the newest checkpoint in `<output>/draft/checkpoints/` (for a bucket
-output, the bucket's newest uploaded one: see hsx.draft.BucketDraft). Once the training
-is done, a Ray task measures the draft in vLLM on held-out prompts (`evaluating`;
-draft/eval.json), running the target as the job does (its tensor parallelism and its
-`vllm:` settings). The trainer and the evaluation get their GPUs from the coordinator's
-`GpuArbiter` (placement.py) and then from Ray through a placement group; while either
-waits, the training's status says for what and who holds it (`waiting_for`). A training
-whose plan trains after the extraction waits for the job to end first. What a status
-shows beyond the actor's last report (loss curve, validations, plan, best checkpoint,
-evaluation) is read from the output's `draft/` folder (`hsx.draft.draft_view`: for a
-bucket, a copy of its draft/ as last uploaded), so it survives the coordinator too.
+`TrainingRun` trains a draft from its plan to its records, the same for every entry
+point: `hsx train OUTPUT`, `hsx extract` with `train:`, and the coordinator (`Trainings`,
+trainings.py). The entry points differ only in where they report (`TrainingHooks`: printed
+lines, or the ledger and the job's status) and in what they hand it (`TrainingRequest`).
+Its steps:
+
+1. **Its turn and its place**: it waits for what the plan says it follows (the
+   extraction's end, when the engines yield their GPUs to it; for `place: apart`, the
+   job's engines placed, so it can keep off their nodes), then for its GPUs from the
+   `GpuArbiter` and Ray's placement group (placement.py); whoever waits says for what.
+2. **The trainer**: a `TrainerActor` (hsx_workers.trainer_actor) that runs
+   `DraftTrainer`, or drives the Ray Train run of `workers` > 1 whose workers are placed
+   by the spec's `node_labels`, `resources` and `place`. The run follows it (its steps,
+   its plan, what it waits for), restarts it when it dies (MAX_TRAIN_RESTARTS times; it
+   resumes from its newest checkpoint), and stops it when asked. `hsx train OUTPUT` runs
+   the same actor's code in its own process (`here`): no Ray for one worker.
+3. **Validation** happens in the trainer at each checkpoint; the best checkpoint is the
+   draft (hsx_workers.trainer).
+4. **Measurement by vLLM**: a Ray task places the target as the job's engines run it (its
+   tensor parallelism, its `vllm:` settings) with the draft (`acceptance.evaluate_draft`;
+   `training: evaluating`), when the request carries the job (`hsx train OUTPUT` has no
+   job to load the target from, and says how to measure instead).
+5. **Records**: draft/ (train.json, metrics, validations, checkpoints, eval.json) are the
+   trainer's and the evaluation's; the hooks hear each state.
+
+An online job's training (`train: {online: true}`) is the same run; its trainer's
+workers take the job's stream (hsx.online) instead of stored shards. When it fails for
+good, the run says so in the stream, so the job's engines stop capturing for it.
+
+The coordinator's side, a run per job reporting into its ledger, is trainings.py's.
 """
 
 from __future__ import annotations
@@ -25,33 +39,43 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hsx.draft import (
-    newest_checkpoint,
-    read_eval,
     read_metrics,
-    read_train_state,
-    read_validation,
 )
-from hsx.online import Stream
 from hsx.output import Output
-from hsx.output.layout import DRAFT_DIR, DRAFT_METRICS
-from hsx.spec import JobSpec, TrainSpec
-from hsx.wire import DraftEval, TrainPlan, TrainPoint, TrainState, TrainStatus, ValidationPoint
+from hsx.spec import JobSpec, TargetModel, TrainSpec
+from hsx.wire import (
+    ResourcePlan,
+    TrainPoint,
+    TrainState,
+)
 from hsx_service.engine_config import target_engine_args
-from hsx_service.engine_pool import engine_bundles, engine_resources, in_group
-from hsx_service.errors import JobConflict
-from hsx_service.ledger import Ledger, TrainRow
-from hsx_service.placement import EVALUATION, TRAINER, GpuArbiter, Holder, place
+from hsx_service.engine_pool import (
+    connect_ray,
+    engine_bundles,
+    engine_resources,
+    ensure_ray,
+    in_group,
+)
+from hsx_service.placement import (
+    EVALUATION,
+    TRAINER,
+    GpuArbiter,
+    Holder,
+    place,
+    trains_on_gpus,
+)
 
 logger = logging.getLogger(__name__)
 
 MAX_TRAIN_RESTARTS = 3
 POLL_S = 0.5
 HISTORY_POINTS = 500
+NODE_ID_LABEL = "ray.io/node-id"  # Ray's label of every node: its id
 
 
 def read_history(root: Path) -> list[TrainPoint]:
@@ -68,271 +92,381 @@ def read_history(root: Path) -> list[TrainPoint]:
     return points
 
 
-class Trainings:
-    """Start, watch, restart and report the trainings; see the module docstring."""
+# ---------------------------------------------------------------------- the run
 
-    def __init__(self, ledger: Ledger, arbiter: GpuArbiter | None = None,
-                 on_change: Callable[[str], None] | None = None):
-        self.ledger = ledger
+
+@dataclass
+class TrainingHooks:
+    """Where a training run reports (the CLI prints; the coordinator keeps its ledger)."""
+
+    # starting, running, evaluating, done, failed, stopped; the error; restarts so far
+    on_state: Callable[[TrainState, str | None, int], None] | None = None
+    on_plan: Callable[[dict[str, Any]], None] | None = None  # the trainer's plan, once
+    on_step: Callable[[dict[str, Any]], None] | None = None  # each logged step, in order
+    # the trainer's progress at each poll: last step, where its workers run, its waits
+    on_progress: Callable[[dict[str, Any]], None] | None = None
+    on_waiting: Callable[[str | None], None] | None = None  # what it waits for; None: nothing
+    on_eval: Callable[[dict[str, Any]], None] | None = None  # vLLM's measurement, or error
+    stopping: Callable[[], bool] | None = None  # the caller asks the run to stop
+
+
+class EngineNodes:
+    """Where a job's engines run, as its driver says (`DispatchHooks.on_engines`), for a
+    trainer kept apart from them: None until they are placed; none once the job ended."""
+
+    def __init__(self, extracted: threading.Event) -> None:
+        self.extracted = extracted
+        self.by_engine: dict[str, str] | None = None
+
+    def placed(self, nodes: dict[str, str]) -> None:
+        self.by_engine = dict(nodes)
+
+    def __call__(self) -> set[str] | None:
+        if self.by_engine is None:
+            return set() if self.extracted.is_set() else None
+        return {node for node in self.by_engine.values() if node}
+
+
+@dataclass
+class TrainingRequest:
+    """What to train, with what, and when and where it may run."""
+
+    output: str | Output
+    spec: TrainSpec
+    job: JobSpec | None = None  # the admitted job: its target, and its engines (measure)
+    target: TargetModel | None = None  # without a job: the model and its trust flag
+    job_id: str = "local"
+    order: float = 0.0  # the job's place in line for GPUs (its submission time)
+    # What the trainer waits for before it asks for GPUs (the extraction's end, when its
+    # plan trains after it), and what it says meanwhile.
+    after: threading.Event | None = None
+    share: float = 0.0  # of an engine's GPU, for an online trainer beside it (else 0)
+    # `place: apart`: the Ray nodes of the job's engines once placed (None until then).
+    engine_nodes: Callable[[], set[str] | None] | None = None
+    draft_root: str | None = None  # the local folder to train in (default the output's)
+    here: bool = False  # in this process (`hsx train OUTPUT`): no actor, no restart
+    restarts: int = 0  # the trainer's restarts before this run (a resumed coordinator)
+
+    @property
+    def measure(self) -> bool:
+        """vLLM measures the draft at the end: the job says how to load its target."""
+        return self.job is not None and self.spec.eval_prompts > 0
+
+    @property
+    def trained_target(self) -> TargetModel | None:
+        return self.job.target if self.job is not None else self.target
+
+    @classmethod
+    def of_job(cls, job_id: str, output: str, spec: TrainSpec, job: JobSpec,
+               plan: ResourcePlan | None, *, order: float = 0.0,
+               extracted: threading.Event | None = None,
+               engine_nodes: Callable[[], set[str] | None] | None = None,
+               restarts: int = 0) -> TrainingRequest:
+        """A job's training as its plan places it: beside the extraction, after it (the
+        engines' GPUs are needed: it waits for `extracted`), or online on a share of an
+        engine's GPU. `plan` None: the job has ended, nothing to wait for."""
+        after, share = None, 0.0
+        if plan is not None:
+            wanted = trains_on_gpus(job.model_copy(update={"train": spec}), plan.gpus)
+            if plan.training == "shared":
+                share = plan.train_share
+            elif plan.engine_gpus + wanted > plan.gpus:
+                after = extracted
+        return cls(output, spec, job=job, job_id=job_id, order=order, after=after,
+                   share=share, engine_nodes=engine_nodes if plan is not None else None,
+                   restarts=restarts)
+
+
+@dataclass
+class TrainingOutcome:
+    """How a training run ended."""
+
+    state: TrainState  # done, failed or stopped
+    error: str | None = None
+    refused: bool = False  # the trainer refused the training (TrainRefused): its words
+    died: bool = False  # the trainer's process (or a Ray Train worker) died: restarted
+    exception: BaseException | None = None  # what the trainer raised, in this process
+    result: dict[str, Any] = field(default_factory=dict)  # step, epoch, resumed_from, best
+    eval: dict[str, Any] | None = None  # vLLM's measurement (or {"error": ...})
+    restarts: int = 0
+
+
+class TrainingRun:
+    """One training from its plan to its records (see the module docstring)."""
+
+    def __init__(self, request: TrainingRequest, hooks: TrainingHooks | None = None,
+                 arbiter: GpuArbiter | None = None) -> None:
+        self.request = request
+        self.hooks = hooks or TrainingHooks()
         self.arbiter = arbiter or GpuArbiter()
-        self.on_change = on_change
-        self._waits: dict[str, str] = {}  # job id -> what its training waits for now
-        self._lock = threading.Lock()
-        self._threads: dict[str, threading.Thread] = {}
-        self._live: dict[str, dict[str, Any]] = {}  # job id -> the actor's last progress
-        self._actors: dict[str, Any] = {}
-        self._stopping = threading.Event()
-        # output -> ((mtime, size) of draft/metrics.jsonl, its loss curve): a status poll
-        # re-reads the file only when the trainer has appended to it.
-        self._history: dict[Path, tuple[tuple[int, int], list[TrainPoint]]] = {}
-
-    def start(self, job_id: str, output: str, spec: TrainSpec, *, job: JobSpec | None = None,
-              order: float = 0.0, after: threading.Event | None = None,
-              share: float = 0.0) -> None:
-        """Train the draft of `output` (a job's output path or URI) in a new actor.
-
-        `job`: the job as it passed the checks, whose target (model, remote code) the
-        trainer and the evaluation load and run as its engines do (default: the output's
-        model without its own code, TP 1); `order`: the job's place in line for GPUs
-        (its submission time); `after`: an event the training waits for before it asks
-        for GPUs (the job's end, when its plan trains after the extraction); `share`: the
-        part of a GPU an online trainer takes beside the job's engine on it (the plan's
-        `train_share`; 0: GPUs of its own).
-        """
-        with self._lock:
-            thread = self._threads.get(job_id)
-            if thread is not None and thread.is_alive():
-                raise JobConflict(f"job {job_id} is already training; wait for it to end")
-            self.ledger.put_training(job_id, spec)
-            self._live.pop(job_id, None)
-            run = _Run(job_id, output, spec, job, order, after, share)
-            thread = threading.Thread(target=self._watch, args=(run,),
-                                      name=f"hsx-train-{job_id}", daemon=True)
-            self._threads[job_id] = thread
-        thread.start()
+        self._stop = threading.Event()
+        self._trainer: _Trainer | None = None
+        self.restarts = request.restarts
+        self.plan_told = False
+        self._engine_nodes: set[str] | None = None  # the job's engines' (`place: apart`)
 
     def stop(self) -> None:
-        """Ask every actor to checkpoint and stop; their rows say `stopped`."""
-        self._stopping.set()
-        for actor in list(self._actors.values()):
-            with contextlib.suppress(Exception):  # a dead actor has nothing to stop
-                actor.stop.remote()
-        for thread in list(self._threads.values()):
-            thread.join(timeout=30)
+        """Ask the trainer to checkpoint and stop (its run ends `stopped`)."""
+        self._stop.set()
+        trainer = self._trainer
+        if trainer is not None:
+            trainer.stop()
 
-    def stop_job(self, job_id: str) -> None:
-        """Ask the job's trainer to checkpoint and stop (an online job that ended
-        otherwise than by its training: no engine captures for it any more)."""
-        actor = self._actors.get(job_id)
-        if actor is not None:
-            with contextlib.suppress(Exception):
-                actor.stop.remote()
+    def stopping(self) -> bool:
+        if self._stop.is_set():
+            return True
+        return self.hooks.stopping is not None and self.hooks.stopping()
 
-    def status(self, row: TrainRow, output: Path, draft: str | None = None) -> TrainStatus:
-        """`output`: the folder whose draft/ is read; `draft`: where the draft is, as
-        users reach it (default that folder's draft/; a bucket's URL for a bucket)."""
-        live = self._live.get(row.job_id) or {}
-        last = live.get("last") or {}
-        history = self._read_history(output)
-        if not last and history:
-            last = history[-1].model_dump()
-        on_disk = read_train_state(output) or {}
-        plan = on_disk.get("plan")
-        best = on_disk.get("best") or {}
-        evaluation = read_eval(output)
-        validation = []
-        for record in read_validation(output):
-            with contextlib.suppress(ValueError):  # a record of another shape
-                validation.append(ValidationPoint.model_validate(record))
-        return TrainStatus(
-            job_id=row.job_id, state=row.state, draft=draft or str(output / DRAFT_DIR),
-            step=int(last.get("step", on_disk.get("step", 0))),
-            epoch=int(last.get("epoch", on_disk.get("epoch", 0))),
-            loss=last.get("loss"), acc=list(last.get("acc") or []),
-            tokens_per_s=float(last.get("tokens_per_s", 0.0)),
-            wait_fraction=float(last.get("wait_fraction", 0.0)),
-            checkpoint_step=newest_checkpoint(output),
-            restarts=row.restarts,
-            resumed_from=live.get("resumed_from", on_disk.get("resumed_from")),
-            first_step_at=live.get("first_step_at", on_disk.get("first_step_at")),
-            error=row.error, spec=row.spec, waiting_for=self._waits.get(row.job_id),
-            plan=TrainPlan.model_validate(plan) if isinstance(plan, dict) else None,
-            warning=on_disk.get("warning"), history=history, validation=validation,
-            best_step=best.get("step"),
-            best_expected_acceptance_length=best.get("expected_acceptance_length"),
-            eval=DraftEval.model_validate(evaluation) if evaluation else None,
-            updated_at=row.updated_at,
-        )
-
-    def _read_history(self, output: Path) -> list[TrainPoint]:
-        try:
-            st = (output / DRAFT_METRICS).stat()
-        except FileNotFoundError:
-            return []
-        key = (st.st_mtime_ns, st.st_size)
-        cached = self._history.get(output)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        points = read_history(output)
-        self._history[output] = (key, points)
-        return points
-
-    # -- the watching thread
-
-    def _set(self, job_id: str, state: TrainState, error: str | None = None,
-             restarts: int | None = None) -> None:
-        self.ledger.set_training(job_id, state, error, restarts)
-        if self.on_change is not None:
-            self.on_change(job_id)
-
-    def _wait(self, job_id: str, reason: str | None) -> None:
-        """What the training waits for now (None: nothing), shown in its status."""
-        if reason is None:
-            self._waits.pop(job_id, None)
-        else:
-            self._waits[job_id] = reason
-        if self.on_change is not None:
-            self.on_change(job_id)
-
-    def _watch(self, run: _Run) -> None:
-        """The training's life: its GPUs, the trainer actors, the evaluation. An error of
-        hsx's own fails the training (never a training stuck in a state)."""
-        try:
-            self._run_training(run)
-        except Exception as err:  # a bug here must not leave the training hanging
-            logger.exception("training of %s: unexpected error", run.job_id)
-            self._set(run.job_id, TrainState.failed,
-                      f"internal error: {type(err).__name__}: {err} (see the logs)")
-
-    def _run_training(self, run: _Run) -> None:
-        job_id = run.job_id
+    def run(self) -> TrainingOutcome:
+        """Train (waiting for its turn, restarting a dead trainer), then measure."""
+        req = self.request
+        # `hsx extract` of a job found complete has not connected Ray yet.
+        if not req.here and req.job is not None:
+            connect_ray(req.job)
+        elif not req.here:
+            ensure_ray(None, cpus_needed=1)
         trainer = Holder(
-            job=job_id, role="trainer", gpus=run.share or self._trainer_gpus(run.spec),
-            order=(run.order, TRAINER), ready=run.after,
-            until=f"waiting for the extraction of job {job_id} to end: its engines hold the "
-                  "GPUs the trainer needs (the plan trains after it)")
-        seat = self._seat(run, trainer)
+            job=req.job_id, role="trainer",
+            gpus=req.share or (0 if req.here else self._trainer_gpus()),
+            order=(req.order, TRAINER), ready=req.after,
+            until=f"waiting for the extraction of job {req.job_id} to end: its engines hold "
+                  "the GPUs the trainer needs (the plan trains after it)")
+        self._state(TrainState.starting)
+        seat = self._seat(trainer) if not req.here else _Seat(self.arbiter, trainer, None)
         if seat is None:
-            self._set(job_id, TrainState.stopped)
-            return
+            return self._end(TrainingOutcome(TrainState.stopped))
         evaluation = None
         try:
-            outcome = self._train(run, seat)
-            if outcome == "failed" and run.spec.online:
-                # The job's engines capture for this trainer until it says it ended.
-                row = self.ledger.training(job_id)
-                Stream(Output.of(run.output).location).set_trainer(
-                    "failed", error=row.error if row else None)
-            if outcome == "done" and run.spec.eval_prompts > 0:
-                evaluation = self._evaluation_holder(run)
+            outcome = self._train(seat)
+            if outcome.state is TrainState.failed and req.spec.online:
+                _tell_stream_failed(req.output, outcome.error)
+            if outcome.state is TrainState.done and req.measure:
+                evaluation = self._evaluation_holder()
                 # In line before the trainer's GPUs go, so no later job slips in between.
                 self.arbiter.enqueue(evaluation)
         finally:
             seat.leave()
-        if outcome != "done":
-            return
-        if evaluation is not None:
-            try:
-                self._set(job_id, TrainState.evaluating)
-                if not self._evaluate(run, evaluation):
-                    self._set(job_id, TrainState.stopped)
-                    return
-            finally:
-                self.arbiter.withdraw(evaluation)  # its place in line, if still held
-        self._set(job_id, TrainState.done)
+        if outcome.state is not TrainState.done or evaluation is None:
+            return self._end(outcome)
+        try:
+            self._state(TrainState.evaluating)
+            outcome.eval = self._evaluate(evaluation)
+            if outcome.eval is None:
+                outcome.state = TrainState.stopped
+        finally:
+            self.arbiter.withdraw(evaluation)  # its place in line, if still held
+        return self._end(outcome)
 
-    def _train(self, run: _Run, seat: _Seat) -> str:
-        """Run trainer actors until one ends (restarting dead ones); the outcome."""
+    # -- reporting
+
+    def _state(self, state: TrainState, error: str | None = None) -> None:
+        if self.hooks.on_state is not None:
+            self.hooks.on_state(state, error, self.restarts)
+
+    def _end(self, outcome: TrainingOutcome) -> TrainingOutcome:
+        outcome.restarts = self.restarts
+        self._state(outcome.state, outcome.error)
+        return outcome
+
+    def _waiting(self, reason: str | None) -> None:
+        if self.hooks.on_waiting is not None:
+            self.hooks.on_waiting(reason)
+
+    def _progress(self, progress: dict[str, Any]) -> None:
+        hooks = self.hooks
+        plan = progress.get("plan")
+        if plan and not self.plan_told and hooks.on_plan is not None:
+            self.plan_told = True
+            hooks.on_plan(plan)
+        for step in progress.get("steps") or []:
+            if hooks.on_step is not None:
+                hooks.on_step(step)
+        if hooks.on_progress is not None:
+            hooks.on_progress(progress)
+
+    # -- the trainer
+
+    def _train(self, seat: _Seat) -> TrainingOutcome:
+        """Run trainers until one ends (restarting dead ones); the outcome."""
+        req = self.request
+        while not self.stopping():
+            if req.engine_nodes is not None and self.restarts > req.restarts:
+                moved = req.engine_nodes()  # an engine restarted on another node since
+                self._engine_nodes = set(moved) if moved else self._engine_nodes
+            trainer = self._trainer = (_LocalTrainer(self._trainer_args(seat)) if req.here
+                                       else _ActorTrainer(self._new_actor(seat)))
+            if self._stop.is_set():  # asked while it started
+                trainer.stop()
+            outcome = self._follow(trainer)
+            self._trainer = None
+            if not outcome.died:
+                trainer.close()
+                return outcome
+            self.restarts += 1
+            if self.restarts > MAX_TRAIN_RESTARTS or req.here:
+                return TrainingOutcome(
+                    TrainState.failed,
+                    f"the trainer died {self.restarts} times; last: {outcome.error}")
+            logger.warning("training of %s: trainer died (%s); restarting from the newest "
+                           "checkpoint", req.job_id, outcome.error)
+            self._state(TrainState.starting, outcome.error)
+        return TrainingOutcome(TrainState.stopped)
+
+    def _follow(self, trainer: _Trainer) -> TrainingOutcome:
+        """Poll the trainer until it ends: done, stopped, failed, or died (`died`)."""
+        running = False
+        asked = False
+        try:
+            while True:
+                ended = trainer.wait(POLL_S)
+                progress = trainer.progress()
+                if progress is not None:
+                    if progress.get("last") and not running:
+                        running = True
+                        self._state(TrainState.running)
+                    self._progress(progress)
+                if self.stopping() and not asked:
+                    asked = True
+                    trainer.stop()
+                if ended is not None:
+                    return ended
+        except KeyboardInterrupt:  # `hsx train` interrupted: checkpoint, then stop
+            trainer.stop()
+            ended = None
+            while ended is None:
+                ended = trainer.wait(POLL_S)
+            raise
+
+    def _trainer_gpus(self) -> int:
         import ray
 
-        job_id = run.job_id
-        row = self.ledger.training(job_id)
-        restarts = row.restarts if row else 0
-        while not self._stopping.is_set():
-            actor = self._new_actor(run, seat)
-            self._actors[job_id] = actor
-            outcome, error = self._follow(job_id, actor)
-            self._actors.pop(job_id, None)
-            if outcome == "died":
-                restarts += 1
-                if restarts > MAX_TRAIN_RESTARTS:
-                    self._set(job_id, TrainState.failed,
-                              f"the trainer died {restarts} times; last: {error}", restarts)
-                    return "failed"
-                logger.warning("training of %s: trainer died (%s); restarting from the "
-                               "newest checkpoint", job_id, error)
-                self._set(job_id, TrainState.starting, error, restarts)
-                continue
-            ray.kill(actor, no_restart=True)
-            if outcome == "failed":
-                self._set(job_id, TrainState.failed, error)
-            elif outcome == "stopped":
-                self._set(job_id, TrainState.stopped)
-            return outcome
-        self._set(job_id, TrainState.stopped)
-        return "stopped"
-
-    def _trainer_gpus(self, spec: TrainSpec) -> int:
-        import ray
-
+        spec = self.request.spec
         if spec.device == "cpu" or ray.cluster_resources().get("GPU", 0) < 1:
             return 0
         return spec.workers
 
-    def _evaluation_holder(self, run: _Run) -> Holder:
-        """The evaluation's GPUs: as many as the job's engines use (its TP); none on a
-        CPU cluster, where the target runs as one rank (CPU TP binds cores by hand)."""
+    def _selector(self) -> dict[str, str]:
+        """Ray's label selector of the trainer's nodes: the spec's labels, and for
+        `place: apart` none of the nodes the job's engines run on."""
+        spec, nodes = self.request.spec, self._engine_nodes
+        selector = dict(spec.node_labels)
+        if spec.place == "apart" and nodes:
+            selector[NODE_ID_LABEL] = f"!in({','.join(sorted(nodes))})"
+        return selector
+
+    def _trainer_args(self, seat: _Seat) -> dict[str, Any]:
+        req = self.request
+        placement = {"resources": dict(req.spec.resources), "label_selector": self._selector()}
+        return {"output": Output.of(req.output), "spec": req.spec.model_dump(mode="json"),
+                "memory_share": req.share or None, "target": req.trained_target,
+                "draft_root": req.draft_root,
+                "placement": placement if req.spec.workers > 1 else None}
+
+    def _new_actor(self, seat: _Seat) -> Any:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        gpus = ray.cluster_resources().get("GPU", 0) >= 1
-        tp = run.job.tensor_parallel_size if run.job is not None and gpus else 1
-        return Holder(job=run.job_id, role="evaluation", gpus=tp if gpus else 0,
-                      order=(run.order, EVALUATION))
+        from hsx_workers.trainer_actor import TrainerActor
 
-    def _seat(self, run: _Run, holder: Holder) -> _Seat | None:
+        req = self.request
+        options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 1, "num_gpus": 0}
+        if req.spec.workers > 1:
+            # It only drives Ray Train, whose workers take the CPUs and GPUs: on this
+            # node, where the job's driver runs.
+            here = ray.get_runtime_context().get_node_id()
+            options.update(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                here, soft=True))
+        elif seat.pg is not None:
+            options.update(num_gpus=req.share or 1, scheduling_strategy=in_group(seat.pg))
+        else:
+            options.update(resources=dict(req.spec.resources))
+            selector = self._selector()
+            if selector:
+                options["label_selector"] = selector
+        actor_cls: Any = ray.remote(TrainerActor)
+        # The Output carries the endpoint and credentials resolved here to the actor. The
+        # target is the job's as the ledger holds it (what passed the checks), not what
+        # the output's manifest says.
+        return actor_cls.options(**options).remote(**self._trainer_args(seat))
+
+    # -- its turn and its place
+
+    def _seat(self, holder: Holder) -> _Seat | None:
         """The holder's GPUs: the arbiter's, then Ray's placement group (a bundle a GPU;
         none on a CPU cluster, or for the driver of Ray Train workers, which place
-        themselves). None if the coordinator stopped meanwhile."""
-        job_id = run.job_id
-        on_wait = lambda reason: self._wait(job_id, reason)  # noqa: E731
-        if not self.arbiter.acquire(holder, cancelled=self._stopping.is_set, on_wait=on_wait):
+        themselves). None if the run was stopped meanwhile."""
+        req = self.request
+        apart = holder.role == "trainer" and req.spec.place == "apart"
+        if apart and req.engine_nodes is not None and not self._wait_for_engines():
+            return None
+        if not self.arbiter.acquire(holder, cancelled=self.stopping, on_wait=self._waiting):
             return None
         bundles = engine_bundles(int(holder.gpus), True) if holder.gpus else []
-        if holder.role == "trainer" and run.spec.workers > 1:
+        selector: dict[str, str] = {}
+        if holder.role == "trainer" and req.spec.workers > 1:
             bundles = []  # Ray Train places its workers; the arbiter holds their GPUs
-        elif holder.role == "trainer" and run.share:
-            bundles = engine_bundles(1, True, run.share)  # a part of an engine's GPU
+        elif holder.role == "trainer" and req.share:
+            bundles = engine_bundles(1, True, req.share)  # a part of an engine's GPU
+        elif holder.role == "trainer" and bundles:
+            bundles = [{**b, **req.spec.resources} for b in bundles]
+            selector = self._selector()
         pg = None
         if bundles:
-            pg = place(bundles, holder.describe(), cancelled=self._stopping.is_set,
-                       on_wait=on_wait)
+            pg = place(bundles, holder.describe(), cancelled=self.stopping,
+                       on_wait=self._waiting, label_selector=selector)
             if pg is None:
                 self.arbiter.release(holder)
                 return None
         return _Seat(self.arbiter, holder, pg)
 
-    def _evaluate(self, run: _Run, holder: Holder) -> bool:
+    def _wait_for_engines(self) -> bool:
+        """`place: apart`: the trainer is placed once the job's engines are, off their
+        nodes. False if the run was stopped meanwhile."""
+        get = self.request.engine_nodes
+        told = False
+        while get is not None and (nodes := get()) is None:
+            if self.stopping():
+                return False
+            if not told:
+                told = True
+                self._waiting("waiting for the job's engines to be placed: the trainer "
+                              "runs apart from them (train.place: apart)")
+            time.sleep(POLL_S)
+        if told:
+            self._waiting(None)
+        self._engine_nodes = set(nodes) if get is not None and nodes else None
+        return True
+
+    # -- the measurement
+
+    def _evaluation_holder(self) -> Holder:
+        """The evaluation's GPUs: as many as the job's engines use (its TP); none on a
+        CPU cluster, where the target runs as one rank (CPU TP binds cores by hand)."""
+        import ray
+
+        req = self.request
+        gpus = ray.cluster_resources().get("GPU", 0) >= 1
+        tp = req.job.tensor_parallel_size if req.job is not None and gpus else 1
+        return Holder(job=req.job_id, role="evaluation", gpus=tp if gpus else 0,
+                      order=(req.order, EVALUATION))
+
+    def _evaluate(self, holder: Holder) -> dict[str, Any] | None:
         """vLLM measures the draft on held-out prompts (a Ray task placed as the job's
         engines are: its tensor parallelism, its `vllm:` settings); its result or its
-        error lands in draft/eval.json. False when the coordinator stopped meanwhile (the
+        error lands in draft/eval.json. None when the run was stopped meanwhile (the
         next start measures again)."""
         import ray
 
         from hsx_workers.acceptance import evaluate_draft, record_eval_error
 
-        output, spec = run.output, run.spec
-        seat = self._seat(run, holder)
+        req = self.request
+        seat = self._seat(holder)
         if seat is None:
-            return False
+            return None
         try:
-            gpus, tp = holder.gpus > 0, max(int(holder.gpus), 1)
-            resources, backend = engine_resources(tp, gpus)
-            engine = target_engine_args(run.job) if run.job is not None else {}
-            engine["tensor_parallel_size"] = tp
-            if backend is not None:
-                engine["distributed_executor_backend"] = backend
-            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-            options: dict[str, Any] = {"max_retries": 0, "runtime_env": {"env_vars": env}}
+            options: dict[str, Any] = {"max_retries": 0, "runtime_env": {"env_vars": {
+                "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}}
+            resources, _ = engine_resources(max(int(holder.gpus), 1), holder.gpus > 0)
             if seat.pg is not None:
                 options.update(resources, scheduling_strategy=in_group(seat.pg))
             else:
@@ -340,108 +474,156 @@ class Trainings:
             # max_calls 1: the task's process exits after it, and vLLM's memory with it.
             task: Any = ray.remote(max_calls=1)(evaluate_draft)
             ref = task.options(**options).remote(
-                Output(output), prompts=spec.eval_prompts, max_tokens=spec.eval_max_tokens,
-                k=spec.proposed_tokens, engine=engine,
-                target=run.job.model if run.job is not None else None)
+                Output.of(req.output), draft_root=req.draft_root,
+                **evaluation_args(req, holder))
             while True:
                 ready, _ = ray.wait([ref], timeout=POLL_S)
                 if ready:
                     break
-                if self._stopping.is_set():
+                if self.stopping():
                     with contextlib.suppress(Exception):
                         ray.cancel(ref, force=True)
-                    return False
+                    return None
             try:
-                result = ray.get(ref)
+                result: dict[str, Any] = ray.get(ref)
             except Exception as err:
                 cause = getattr(err, "cause", None) or err
                 message = (f"{type(cause).__name__}: "
                            f"{str(cause).splitlines()[0] if str(cause) else ''}")
-                logger.warning("evaluating the draft of %s failed: %s", output, message)
-                record_eval_error(output, message)
-                return True
+                logger.warning("evaluating the draft of %s failed: %s", req.output, message)
+                record_eval_error(Output.of(req.output), message)
+                result = {"error": message}
         finally:
             seat.leave()
-        logger.info("draft of %s: mean acceptance length %.2f at k=%s", output,
-                    result.get("mean_acceptance_length", 0.0), result.get("k"))
-        return True
+        if self.hooks.on_eval is not None:
+            self.hooks.on_eval(result)
+        if "error" not in result:
+            logger.info("draft of %s: mean acceptance length %.2f at k=%s", req.output,
+                        result.get("mean_acceptance_length", 0.0), result.get("k"))
+        return result
 
-    def _new_actor(self, run: _Run, seat: _Seat) -> Any:
-        import ray
 
-        from hsx_workers.trainer_actor import TrainerActor
+def evaluation_args(request: TrainingRequest, holder: Holder) -> dict[str, Any]:
+    """`evaluate_draft`'s arguments for a job's draft: the spec's prompts and k, and the
+    target loaded as the job's engines load it (its TP the evaluation's GPUs, its
+    `vllm:` arguments, its own code only if the job trusts it)."""
+    spec, job = request.spec, request.job
+    gpus, tp = holder.gpus > 0, max(int(holder.gpus), 1)
+    engine = target_engine_args(job) if job is not None else {}
+    engine["tensor_parallel_size"] = tp
+    _, backend = engine_resources(tp, gpus)
+    if backend is not None:
+        engine["distributed_executor_backend"] = backend
+    return {"prompts": spec.eval_prompts, "max_tokens": spec.eval_max_tokens,
+            "k": spec.proposed_tokens, "engine": engine,
+            "target": job.model if job is not None else None}
 
-        # With several workers the actor only drives Ray Train; the workers take the GPUs.
-        options: dict[str, Any] = {"max_concurrency": 2, "num_cpus": 1, "num_gpus": 0}
-        if seat.pg is not None:
-            options.update(num_gpus=run.share or 1, scheduling_strategy=in_group(seat.pg))
-        actor_cls: Any = ray.remote(TrainerActor)
-        # The Output carries the endpoint and credentials resolved here to the actor.
-        # The target is the job's as the ledger holds it (what passed the checks), not
-        # what the output's manifest says.
-        return actor_cls.options(**options).remote(
-            Output(run.output), run.spec.model_dump(mode="json"),
-            memory_share=run.share or None,
-            target=run.job.target if run.job is not None else None)
 
-    def _follow(self, job_id: str, actor: Any) -> tuple[str, str | None]:
-        """Poll the actor until `run` ends: (done | stopped | failed | died, error)."""
+def _tell_stream_failed(output: str | Output, error: str | None) -> None:
+    """An online job's training failed for good: its engines stop capturing for it."""
+    from hsx_workers.stream import DriverStream
+
+    try:
+        DriverStream(Output.of(output).location).set_trainer("failed", error=error)
+    except Exception as err:  # Ray gone: the job's driver is gone with it
+        logger.warning("could not tell the online stream the training failed: %s", err)
+
+
+class _Trainer:
+    """The trainer as the run drives it: a Ray actor, or its code in this process."""
+
+    def wait(self, timeout: float) -> TrainingOutcome | None:
+        raise NotImplementedError
+
+    def progress(self) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return None
+
+
+class _ActorTrainer(_Trainer):
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self.result_ref = actor.run.remote()
+
+    def wait(self, timeout: float) -> TrainingOutcome | None:
         import ray
         from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
-        result_ref = actor.run.remote()
-        state = TrainState.starting
-        while True:
-            ready, _ = ray.wait([result_ref], timeout=POLL_S)
-            try:
-                progress = ray.get(actor.progress.remote(), timeout=30)
-            except (RayActorError, ActorDiedError):
-                progress = None
-            except Exception:
-                progress = None
-            if progress is not None:
-                self._live[job_id] = progress
-                if progress.get("waiting_for") != self._waits.get(job_id):
-                    self._wait(job_id, progress.get("waiting_for"))  # the data, who holds it
-                if progress.get("last") and state is TrainState.starting:
-                    state = TrainState.running
-                    self._set(job_id, state)
-                elif self.on_change is not None:
-                    self.on_change(job_id)
-            if not ready:
-                continue
-            try:
-                result = ray.get(result_ref)
-            except (RayActorError, ActorDiedError) as err:
-                return "died", str(err).splitlines()[0]
-            except RayTaskError as err:
-                from hsx_workers.trainer import WorkerDied
+        from hsx_workers.trainer import TrainRefused, WorkerDied
 
-                cause = err.cause if err.cause is not None else err
-                if isinstance(cause, WorkerDied):  # one of its Ray Train workers
-                    return "died", str(cause)
-                return "failed", f"{type(cause).__name__}: {cause}"
-            return ("stopped" if result.get("stopped") else "done"), None
+        ready, _ = ray.wait([self.result_ref], timeout=timeout)
+        if not ready:
+            return None
+        try:
+            result = ray.get(self.result_ref)
+        except (RayActorError, ActorDiedError) as err:
+            return TrainingOutcome(TrainState.failed, str(err).splitlines()[0], died=True)
+        except RayTaskError as err:
+            cause = err.cause if err.cause is not None else err
+            if isinstance(cause, WorkerDied):  # one of its Ray Train workers
+                return TrainingOutcome(TrainState.failed, str(cause), died=True)
+            return TrainingOutcome(TrainState.failed, f"{type(cause).__name__}: {cause}",
+                                   refused=isinstance(cause, TrainRefused))
+        return TrainingOutcome(TrainState.stopped if result.get("stopped")
+                               else TrainState.done, result=result)
 
-    def wait_idle(self, timeout: float) -> bool:
-        """True once no training thread runs (tests and shutdown)."""
-        deadline = time.monotonic() + timeout
-        for thread in list(self._threads.values()):
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self._threads.values())
+    def progress(self) -> dict[str, Any] | None:
+        import ray
+
+        try:
+            progress: dict[str, Any] = ray.get(self.actor.progress.remote(), timeout=30)
+        except Exception:  # a dead or busy actor: its end tells why
+            return None
+        return progress
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):  # a dead actor has nothing to stop
+            self.actor.stop.remote()
+
+    def close(self) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
 
 
-@dataclass
-class _Run:
-    """One training as asked: whose, of what, and when it may start."""
+class _LocalTrainer(_Trainer):
+    """The trainer in this process (`hsx train OUTPUT`), on a thread of its own."""
 
-    job_id: str
-    output: str
-    spec: TrainSpec
-    job: JobSpec | None
-    order: float
-    after: threading.Event | None
-    share: float = 0.0  # of an engine's GPU, for an online trainer beside it (else 0)
+    def __init__(self, args: dict[str, Any]) -> None:
+        from hsx_workers.trainer_actor import TrainerActor
+
+        self.trainer = TrainerActor(**args)
+        self.outcome: TrainingOutcome | None = None
+        self.thread = threading.Thread(target=self._run, name="hsx-trainer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from hsx_workers.trainer import TrainRefused
+
+        try:
+            result = self.trainer.run()
+            self.outcome = TrainingOutcome(TrainState.stopped if result.get("stopped")
+                                           else TrainState.done, result=result)
+        except BaseException as err:  # the run reports it
+            self.outcome = TrainingOutcome(TrainState.failed, f"{type(err).__name__}: {err}",
+                                           refused=isinstance(err, TrainRefused),
+                                           exception=err)
+
+    def wait(self, timeout: float) -> TrainingOutcome | None:
+        self.thread.join(timeout)
+        return None if self.thread.is_alive() else self.outcome
+
+    def progress(self) -> dict[str, Any] | None:
+        return self.trainer.progress()
+
+    def stop(self) -> None:
+        self.trainer.stop()
 
 
 @dataclass

@@ -267,6 +267,7 @@ class FakeJob:
     training: FakeTraining | None = None
     waiting_for: str | None = None  # what it says it waits for while running
     plan: dict[str, Any] | None = None  # its ResourcePlan
+    nodes: list[dict[str, Any]] | None = None  # while running: its NodeStatus rows
 
     @property
     def started_at(self) -> float:
@@ -370,6 +371,7 @@ class FakeJob:
             "workers": workers,
             "waiting_for": self.waiting_for if running else None,
             "plan": self.plan,
+            "nodes": (self.nodes or []) if running else [],
             "restarts": 1 if died else 0,
             "last_error": (
                 "engine-1 died: ray.exceptions.ActorDiedError: The actor died unexpectedly "

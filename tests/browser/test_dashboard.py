@@ -203,6 +203,28 @@ def assert_worker_totals(browser: WebDriver, job: FakeJob) -> None:
     assert all(re.search(r"\d+ units · [\d.]+[kMG]? tok · [\d.]+ [KMG]iB", w[3]) for w in workers)
 
 
+def test_a_job_across_nodes_shows_what_each_node_runs(
+        browser: WebDriver, fake_api: FakeCoordinator) -> None:
+    """An online job on three Ray nodes: per node its engines, the trainer's workers and
+    the captured bytes in flight there (JobStatus.nodes)."""
+    nodes = [{"node": "a" * 56, "engines": ["engine-0"], "trainer_workers": [],
+              "bytes_in_flight": 16_893_268},
+             {"node": "b" * 56, "engines": [], "trainer_workers": [0], "bytes_in_flight": 0},
+             {"node": "c" * 56, "engines": [], "trainer_workers": [1],
+              "bytes_in_flight": 16_893_268}]
+    fake_api.add_job(FakeJob(id="nodes-1", name="online-apart", duration_s=30, replicas=1,
+                             nodes=nodes))
+    open_dashboard(browser, fake_api.base_url, job_id="nodes-1")
+    wait(browser, lambda d: count(d, "#nodes li.node") == 3, what="the nodes")
+    shown = browser.execute_script(
+        "return [...document.querySelectorAll('#nodes li.node')].map((n) =>"
+        " [n.dataset.node, n.querySelector('.worker-totals').textContent,"
+        "  n.querySelector('.worker-unit').textContent]);")
+    assert [row[0][0] for row in shown] == ["a", "b", "c"]
+    assert [row[1] for row in shown] == ["engine-0", "trainer 0", "trainer 1"]
+    assert re.fullmatch(r"16(\.\d)? MiB in flight", shown[0][2]) and shown[1][2] == ""
+
+
 def test_a_job_that_ended_before_the_page_opened(
     browser: WebDriver, fake_api: FakeCoordinator
 ) -> None:

@@ -132,7 +132,9 @@ def test_a_coordinator_killed_while_it_trains_resumes_the_training(
     first = start_coordinator(ledger, roots, tmp_path / "serve-1.log", env=ray_env)
     try:
         client = first.client()
-        job = client.submit({**spec.model_dump(mode="json"), "train": TRAIN}, job_id="trained")
+        # The output is this test's own extraction, not a job of this coordinator's.
+        job = client.submit({**spec.model_dump(mode="json"), "train": TRAIN,
+                             "resume_foreign": True}, job_id="trained")
         assert client.wait(job.id, timeout=300).state == JobState.succeeded  # nothing to do
         deadline = time.monotonic() + 300
         while not checkpoints(output):

@@ -39,9 +39,11 @@ class Server:
     ledger: Path
     roots: list[Path]
     now: Coordinator | None = None
+    env: dict[str, str] | None = None  # the server's own (HSX_RAY_ADDRESS: a cluster's)
 
     def start(self) -> Coordinator:
-        self.now = start_coordinator(self.ledger, self.roots, self.ledger.parent / "serve.log")
+        self.now = start_coordinator(self.ledger, self.roots, self.ledger.parent / "serve.log",
+                                     env=self.env)
         return self.now
 
     def restart(self) -> Coordinator:

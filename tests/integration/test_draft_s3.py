@@ -130,7 +130,8 @@ def test_the_coordinator_trains_a_bucket_output(
     from hsx.spec import TrainSpec
     from hsx.wire import TrainState
     from hsx_service.ledger import Ledger
-    from hsx_service.training import Trainings
+    from hsx_service.training import TrainingRequest
+    from hsx_service.trainings import Trainings
 
     monkeypatch.delenv("HSX_CACHE", raising=False)
     work = draft_folder(bucket_output)  # the actor's (Ray's workers keep the default)
@@ -139,7 +140,7 @@ def test_the_coordinator_trains_a_bucket_output(
     ledger = Ledger(tmp_path / "ledger.sqlite")
     trainings = Trainings(ledger)
     try:
-        trainings.start("job-1", bucket_output.uri, spec)
+        trainings.start(TrainingRequest(bucket_output.uri, spec, job_id="job-1"))
         assert trainings.wait_idle(600)
         row = ledger.training("job-1")
         assert row is not None and row.state is TrainState.done, row

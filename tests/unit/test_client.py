@@ -30,7 +30,7 @@ from hsx.client import (
 )
 from hsx.progress import JobProgress, ProgressBar, ingestion_text
 from hsx.spec import JobSpec, SpecError
-from hsx.wire import JobState, JobStatus, ResourcePlan, WorkerStatus
+from hsx.wire import JobState, JobStatus, NodeStatus, ResourcePlan, WorkerStatus
 from hsx_service.config import Settings
 from hsx_service.main import create_app
 from tests.unit.test_api import TOKEN, FakeScheduler, job_fields, serving
@@ -323,8 +323,13 @@ def test_cli_status_says_where_a_job_runs_and_what_it_waits_for(
                         training="after", summary="1 GPU: 1 engine on 1; then the trainer")
     fake.board.post(JobStatus(
         id="waits", state=JobState.running, output="/o", created_at=time.time(), plan=plan,
-        waiting_for="waiting for 1 GPU of 1: held by the trainer of job a"))
+        waiting_for="waiting for 1 GPU of 1: held by the trainer of job a",
+        nodes=[NodeStatus(node="a" * 56, engines=["engine-0"], bytes_in_flight=3 * 2**20),
+               NodeStatus(node="b" * 56, trainer_workers=[0, 1])]))
     human = hsx_cli("--url", url, "status", "waits", env={"COLUMNS": "200"})
     assert human.returncode == 0, human.stderr
     assert "1 GPU: 1 engine on 1; then the trainer" in human.stdout
     assert "waiting for 1 GPU of 1: held by the trainer of job a" in human.stdout
+    # Where it runs now, per Ray node.
+    assert "node aaaaaaaa  engine-0, 3.0 MiB in flight" in human.stdout
+    assert "node bbbbbbbb  trainer worker 0, trainer worker 1" in human.stdout

@@ -25,6 +25,8 @@ from hsx_service.placement import (
     ClusterShape,
     GpuArbiter,
     Holder,
+    NodeShape,
+    labels_match,
     plan_job,
 )
 
@@ -381,10 +383,89 @@ def test_an_engine_and_its_online_trainer_hold_one_gpu_together() -> None:
 
 
 def test_online_training_refuses_what_it_cannot_do() -> None:
-    with pytest.raises(ValueError, match="online training runs on one worker"):
-        _spec(train={"online": True, "workers": 2})
     with pytest.raises(ValueError, match=r"train\.online with regenerate is not built"):
         _spec(train={"online": True}, regenerate={"max_tokens": 8})
+    # Several online workers need GPUs of their own: an engine's share is for one.
+    with pytest.raises(JobRefused, match=r"train\.workers: 2 online training workers need "
+                                         r"a GPU each beside the engines'"):
+        plan_job(_spec(train={"online": True, "workers": 2}, replicas=2), gpus(2))
+    with pytest.raises(JobRefused, match=r"train\.place: apart, but the engines take every "
+                                         "GPU"):
+        plan_job(_spec(train={"online": True, "place": "apart"}, replicas=1),
+                 ClusterShape(gpus=1, cpus=16))
+
+
+# ------------------------------------------------------------------ nodes
+
+
+def _node(name: str, cpus: float = 1, gpus: float = 0, **labels: str) -> NodeShape:
+    resources = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    return NodeShape(name * 8, "10.0.0." + name, resources, {"ray.io/node-id": name * 8,
+                                                            **labels})
+
+
+HEAD = NodeShape("h" * 8, "10.0.0.1", {}, {})  # the driver's: no CPU to run anything
+
+
+def test_a_plan_says_which_node_runs_each_engine_and_each_trainer_worker() -> None:
+    cluster = ClusterShape(gpus=0, cpus=3, nodes=(HEAD, _node("a"), _node("b"), _node("c")))
+    spec = _spec(train={"online": True, "workers": 2, "place": "apart"})
+    plan = plan_job(spec, cluster)
+    where = {n.node[0]: (n.engines, n.trainer_workers) for n in plan.nodes}
+    assert where == {"a": (["engine-0"], []), "b": ([], [0]), "c": ([], [1])}
+    assert plan.train_place == "apart"
+    assert "by node (the trainer apart from the engines): node aaaaaaaa: engine-0; node " \
+        "bbbbbbbb: trainer worker 0; node cccccccc: trainer worker 1" in plan.summary
+
+
+def test_a_trainer_kept_apart_is_refused_without_nodes_for_it() -> None:
+    cluster = ClusterShape(gpus=0, cpus=2, nodes=(HEAD, _node("a"), _node("b")))
+    with pytest.raises(JobRefused, match=r"train\.place: 2 trainer workers need 1 CPU each "
+                                         r"on nodes without the job's engines; the cluster "
+                                         r"has room for 1 there"):
+        plan_job(_spec(train={"online": True, "workers": 2, "place": "apart"}), cluster)
+    # Beside the engines (`any`) Ray finds room as the cluster frees it: no refusal.
+    assert plan_job(_spec(train={"online": True, "workers": 2}), cluster).nodes
+
+
+def test_labels_and_resources_the_cluster_lacks_are_named() -> None:
+    cluster = ClusterShape(gpus=0, cpus=3, nodes=(
+        HEAD, _node("a", **{"hsx-role": "engine"}), _node("b", **{"hsx-role": "trainer"})))
+    with pytest.raises(JobRefused, match=r"train\.node_labels: no node of the Ray cluster has "
+                                         r"hsx-role=gpu-trainer \(its nodes' labels: "
+                                         r"hsx-role=engine, hsx-role=trainer\)"):
+        plan_job(_spec(train={"node_labels": {"hsx-role": "gpu-trainer"}}), cluster)
+    with pytest.raises(JobRefused, match=r"train\.resources: no node of the Ray cluster has "
+                                         r"1 trainer"):
+        plan_job(_spec(train={"resources": {"trainer": 1}}), cluster)
+    # The engine goes where the trainer may not: the trainer's labelled node stays free.
+    plan = plan_job(_spec(train={"node_labels": {"hsx-role": "trainer"}}), cluster)
+    assert {n.node[0]: (n.engines, n.trainer_workers) for n in plan.nodes} == {
+        "a": (["engine-0"], []), "b": ([], [0])}
+
+
+def test_a_trainer_apart_on_labelled_nodes_keeps_the_engines_off_them() -> None:
+    from hsx_service.placement import engine_selector
+
+    cluster = ClusterShape(gpus=0, cpus=3, nodes=(
+        HEAD, _node("a", **{"hsx-role": "trainer"}), _node("b", **{"hsx-role": "trainer"}),
+        _node("c", **{"hsx-role": "engine"})))
+    spec = _spec(train={"online": True, "workers": 2, "place": "apart",
+                        "node_labels": {"hsx-role": "trainer"}})
+    assert engine_selector(spec) == {"hsx-role": "!trainer"}
+    plan = plan_job(spec, cluster)
+    assert {n.node[0]: (n.engines, n.trainer_workers) for n in plan.nodes} == {
+        "a": ([], [0]), "b": ([], [1]), "c": (["engine-0"], [])}
+    assert engine_selector(_spec(train={"node_labels": {"hsx-role": "trainer"}})) == {}
+
+
+def test_label_selectors_match_as_rays_do() -> None:
+    labels = {"hsx-role": "trainer", "zone": "b"}
+    assert labels_match(labels, {"hsx-role": "trainer"})
+    assert not labels_match(labels, {"hsx-role": "!trainer"})
+    assert labels_match(labels, {"zone": "in(a, b)"})
+    assert not labels_match(labels, {"zone": "!in(a,b)"})
+    assert labels_match(labels, {"gpu": "!h100"})  # absent: not that value
 
 
 def test_a_pool_without_a_scheduler_hands_its_idle_engines_gpu_to_its_next_job(
@@ -478,3 +559,18 @@ def test_a_local_rays_token_file_is_owner_only(monkeypatch: pytest.MonkeyPatch,
     path.chmod(0o644)
     assert private_ray_token(make=True) is None
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_a_trainer_kept_apart_learns_where_the_engines_run() -> None:
+    """`place: apart`: the training waits until its job's engines are placed (None), then
+    keeps off their nodes; a job that ended before any engine ran has none to avoid."""
+    from hsx_service.training import EngineNodes
+
+    extracted = threading.Event()
+    engines = EngineNodes(extracted)
+    assert engines() is None
+    engines.placed({"engine-0": "n1", "engine-1": "n2", "engine-2": ""})  # one not placed
+    assert engines() == {"n1", "n2"}
+    assert EngineNodes(extracted)() is None
+    extracted.set()
+    assert EngineNodes(extracted)() == set()

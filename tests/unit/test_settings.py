@@ -113,8 +113,8 @@ def test_values_parse_and_a_bad_one_names_the_variable(monkeypatch: pytest.Monke
     assert settings.OUTPUT_MODE.get() == 0o640
     monkeypatch.setenv("HSX_DIRECT_IO", "1")
     assert settings.DIRECT_IO.get() is True
-    monkeypatch.setenv("HSX_STREAM_DIR", "~/streams")
-    assert settings.STREAM_DIR.get() == Path("~/streams").expanduser()
+    monkeypatch.setenv("HSX_CACHE", "~/cache")
+    assert settings.CACHE.get() == Path("~/cache").expanduser()
     for name, bad in (("HSX_QUOTA_BYTES", "lots"), ("HSX_OUTPUT_MODE", "0755"),
                       ("HSX_DIRECT_IO", "maybe"), ("HSX_INGEST_WORKERS", "-1"),
                       ("HSX_TEMPLATE_SECONDS", "inf")):

@@ -65,6 +65,24 @@ def test_missing_model_is_named() -> None:
         parse_job({"dataset": "/d", "output": "/o"})
 
 
+def test_a_job_files_fields_are_set_from_the_command_line(tmp_path: Path) -> None:
+    """`hsx extract JOB --set KEY=VALUE`: a dotted key names a section's field, the value
+    is YAML; what the set makes is checked as the file would be."""
+    job = tmp_path / "job.yaml"
+    job.write_text("model: m\ndataset: d.jsonl\noutput: out\ntrain: {steps: 10}\n")
+    spec = load_job(job, ["train.online=true", "train.workers=2", "train.place=apart",
+                          "train.node_labels={hsx-role: trainer}", "replicas=3"])
+    assert spec.train is not None and spec.train.steps == 10  # the file's own kept
+    assert (spec.train.online, spec.train.workers, spec.train.place) == (True, 2, "apart")
+    assert spec.train.node_labels == {"hsx-role": "trainer"} and spec.replicas == 3
+    with pytest.raises(SpecError, match=r"train\.place"):
+        load_job(job, ["train.place=beside"])
+    with pytest.raises(SpecError, match="expected key=value"):
+        load_job(job, ["train.place"])
+    with pytest.raises(SpecError, match=r"train\.node_labels"):
+        load_job(job, ["train.node_labels={hsx-role: 'a b'}"])
+
+
 def test_layers_are_sorted() -> None:
     assert parse_job({**BASE, "layers": [4, 1, 2]}).layers == [1, 2, 4]
 

@@ -484,52 +484,39 @@ def test_cli(tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str
     assert "train: step 2" in out and "trained 2 steps" in out and "eagle3" in out
 
 
-def test_hsx_extract_measures_its_draft_as_the_coordinator_does(
-    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+def test_a_jobs_draft_is_measured_with_the_target_as_its_engines_load_it(
+    tmp_path: Path, tiny_llama: Path,
 ) -> None:
-    """After the training of a job's `train:`, `hsx extract` has vLLM measure the draft
-    with the target loaded as the job's engines load it (its TP and `vllm:` arguments),
-    on the spec's held-out prompts and k; the training itself runs on the finished
-    output (not following it)."""
-    import hsx.cli.training as cli_training
-    import hsx_workers.acceptance as acceptance
-    from hsx_service.engine_config import target_engine_args
+    """The one training run (hsx train, hsx extract, the coordinator) has vLLM measure a
+    job's draft with the target loaded as the job's engines load it (its TP and `vllm:`
+    arguments), on the spec's held-out prompts and k; the target and its code are the
+    job's, never what the output's manifest says. `hsx train OUTPUT` has no job to load
+    the target from: it does not measure."""
+    from hsx_service.placement import Holder
+    from hsx_service.training import TrainingRequest, evaluation_args
 
-    root = make_output(tmp_path / "out", tiny_llama)
-    job = JobSpec(model=str(tiny_llama), dataset="d.jsonl", output=str(root),
+    job = JobSpec(model=str(tiny_llama), dataset="d.jsonl", output=str(tmp_path / "out"),
                   tensor_parallel_size=2, vllm={"max_model_len": 512},
                   train={"eval_prompts": 5, "eval_max_tokens": 9, "ttt_steps": 2})
-    trained: list[Any] = []
-    measured: dict[str, Any] = {}
-    targets: list[Any] = []
-    monkeypatch.setattr(cli_training, "_train_local",
-                        lambda target, spec, draft_dir, model: trained.append(spec)
-                        or targets.append(model) or 0)
-
-    def evaluate(output: Any, **kwargs: Any) -> dict[str, Any]:
-        measured.update(kwargs, output=str(output))
-        return {"mean_acceptance_length": 2.5, "k": 2, "prompts": 5, "accepted_tokens": 3,
-                "draft_tokens": 4, "drafts": 2, "prompt_source": "held-out samples",
-                "acceptance_per_position": [0.9, 0.6]}
-
-    monkeypatch.setattr(acceptance, "evaluate_draft", evaluate)
-    assert cli_training.train_after_extraction(job, str(root)) == 0
-    assert [s.follow for s in trained] == [False]
-    # The target, its code included, is the job's, never what the output's manifest says.
-    assert targets == [TargetModel(str(tiny_llama), trust_remote_code=False)]
-    assert measured["engine"] == target_engine_args(job)
-    assert measured["target"] == str(tiny_llama)
-    assert measured["engine"]["tensor_parallel_size"] == 2
-    assert measured["engine"]["max_model_len"] == 512
-    assert (measured["prompts"], measured["max_tokens"], measured["k"]) == (5, 9, 2)
-    err = capsys.readouterr().err
-    assert "mean acceptance length 2.50 at k=2" in err and "eval.json" in err
+    assert job.train is not None
+    request = TrainingRequest.of_job("j", job.output, job.train, job, None)
+    assert request.measure and request.trained_target == TargetModel(str(tiny_llama))
+    args = evaluation_args(request, Holder(job="j", role="evaluation", gpus=2,
+                                           order=(0.0, 2)))
+    assert args["target"] == str(tiny_llama)
+    assert args["engine"]["tensor_parallel_size"] == 2
+    assert args["engine"]["max_model_len"] == 512
+    assert args["engine"]["distributed_executor_backend"] == "ray"
+    assert (args["prompts"], args["max_tokens"], args["k"]) == (5, 9, 2)
+    on_cpu = evaluation_args(request, Holder(job="j", role="evaluation", gpus=0,
+                                             order=(0.0, 2)))
+    assert on_cpu["engine"]["tensor_parallel_size"] == 1  # CPU: one rank
+    assert not TrainingRequest(job.output, job.train, here=True).measure
 
 
 def test_coordinator_status_reads_the_draft_folder(tmp_path: Path, tiny_llama: Path) -> None:
     from hsx_service.ledger import Ledger
-    from hsx_service.training import Trainings
+    from hsx_service.trainings import Trainings
 
     root = make_output(tmp_path / "out", tiny_llama)
     DraftTrainer(root, spec(max_steps=3)).run()
@@ -596,24 +583,72 @@ def test_a_resume_mid_unit_trains_none_of_its_samples_twice(tmp_path: Path,
     assert len(set(epochs[1])) == len(epochs[1])
 
 
+class LocalStream:
+    """A training worker's side of the job's stream, on a hub in this process
+    (hsx_workers.stream.TrainerStream does it over Ray): each payload is the unit's
+    shard built in memory, as an engine builds it."""
+
+    def __init__(self, hub: Any, rank: int = 0, world: int = 1) -> None:
+        self.hub, self.rank, self.world = hub, rank, world
+
+    def start_run(self, epoch: int, units_done: list[int]) -> Any:
+        from hsx.online import Resume
+
+        resume = Resume.new(self.rank, self.world, epoch, units_done)
+        self.hub.start_run(resume)
+        return resume
+
+    def wait(self, epoch: int, halted: Any) -> list[tuple[int, Any]]:
+        ready = self.hub.ready(self.rank, epoch)
+        if not ready:
+            time.sleep(0.05)
+        return ready
+
+    def fetch(self, sid: int, payload: Any, halted: Any) -> Any:
+        from hsx.output.shards.reader import BufferSource, ShardReader
+
+        return ShardReader(BufferSource(f"stream unit {sid}", payload))
+
+    def take(self, sid: int, read: bool = True) -> None:
+        self.hub.take(sid, read)
+
+    def set_trainer(self, state: str, **extra: Any) -> None:
+        self.hub.set_trainer(state, **extra)
+
+
+def captured_unit(sid: int, unit: int) -> Any:
+    """The bytes an engine hands the stream for the job's `unit` captured as `sid`: its
+    shard, built in memory and taken out whole."""
+    from hsx.output.memory_storage import MemoryStorage
+
+    memory = MemoryStorage()
+    with ShardWriter(memory, sid, layers=LAYERS, hidden_size=HIDDEN,
+                     storage_dtype="bf16") as w:
+        for i in UNITS[unit]:
+            s = sample(i)
+            w.add(i, s["input_ids"], s["loss_mask"], s["hidden_states"])
+        record = w.commit(errors=[]).record
+    payload = memory.take(record.shard)
+    payload.flags.writeable = False  # as Ray's object store hands it
+    return payload
+
+
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_an_online_trainer_takes_its_units_from_the_stream(
         tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
-    from hsx.online import STREAM_DIR_ENV, Stream, stream_unit
+    from hsx.online import Captured, StreamHub, stream_unit
+    from hsx_workers.trainer import data as trainer_data
 
-    monkeypatch.setenv(STREAM_DIR_ENV, str(tmp_path / "streams"))
     root = make_output(tmp_path / "out", tiny_llama, units=(), complete=False)
-    stream = Stream(Output(root).location)
-    stream.open((root / "manifest.json").read_text())
+    hub = StreamHub()
+    monkeypatch.setattr(trainer_data, "_trainer_stream",
+                        lambda output, group: LocalStream(hub, group.rank, group.world))
     # What the engines captured for epochs 0 and 1.
     for epoch in (0, 1):
         for unit in UNITS:
-            with ShardWriter(stream.path, stream_unit(epoch, unit), layers=LAYERS,
-                             hidden_size=HIDDEN, storage_dtype="bf16") as w:
-                for i in UNITS[unit]:
-                    s = sample(i)
-                    w.add(i, s["input_ids"], s["loss_mask"], s["hidden_states"])
-                w.commit(errors=[])
+            sid = stream_unit(epoch, unit)
+            payload = captured_unit(sid, unit)
+            hub.put(Captured(sid, 0, payload.nbytes, "node"), payload)
     trainer = DraftTrainer(root, spec(online=True, max_steps=8, steps=8,
                                       checkpoint_every=100, method=method, max_anchors=8))
     state = trainer.run()
@@ -629,11 +664,12 @@ def test_an_online_trainer_takes_its_units_from_the_stream(
     assert sorted(epochs[0]) == list(range(18))
     assert len(set(epochs[1])) == len(epochs[1])
     # Epoch 0's units were taken from the stream as they were read; no shard in the output.
-    assert not {u for u in stream.committed() if u < stream_unit(1, 0)}
+    assert not {u for u in hub.books().units if u < stream_unit(1, 0)}
+    assert hub.taken_units >= 3
     assert Output(root).committed_units() == set()
-    assert stream.trainer() == {"state": "done", "step": 8}
-    resume = stream.resume()
-    assert resume is not None and resume.epoch == 0 and resume.units_done == []
+    assert hub.trainer == {"state": "done", "step": 8}
+    resume = hub.runs[0]
+    assert resume.epoch == 0 and resume.units_done == []
 
 
 def test_prefetch_reads_on_across_epoch_ends(tmp_path: Path, tiny_llama: Path) -> None:

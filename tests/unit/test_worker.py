@@ -213,3 +213,28 @@ def test_a_trip_on_another_worker_stops_every_unit_of_the_job_held_here(
     assert not list((out / ".tmp").iterdir())  # no half-written shard left
     worker.stop_job(str(out), reason)  # nothing held: nothing to stop
     worker.shutdown()
+
+
+def test_an_online_unit_returns_its_shard_and_stores_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An online job's unit (hsx.online): the rows of the job's unit, committed in the
+    worker's memory as its stream unit, its shard returned whole (what Ray puts into the
+    node's object store for the trainer); the output gets no shard and no record."""
+    from hsx.online import stream_unit
+    from hsx.output.shards.reader import BufferSource, ShardReader
+
+    engine = WindowEngine()
+    worker = _worker(monkeypatch, engine)
+    out = _output(tmp_path)
+    job_unit = _units(12, 4)[1]
+    sid = stream_unit(2, job_unit.unit)
+    try:
+        report, payload = worker.run_unit(str(out), "bf16", WorkUnit(sid, 4, 8, 20),
+                                          rows_of=job_unit)
+    finally:
+        worker.shutdown()
+    assert report.unit == sid and report.won and report.samples == 4
+    reader = ShardReader(BufferSource("unit", payload))
+    assert reader.unit == sid and [int(i) for i in reader.sample_indices] == [4, 5, 6, 7]
+    assert float(reader.sample(0)["hidden_states"].astype(np.float32)[0, 1, 0]) == 10.0
+    assert Output(out).committed_units() == set() and not (out / "shards").exists()

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -51,9 +52,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from hsx.output import Output, ShardWriter
+from hsx.output.memory_storage import MemoryStorage
 from hsx.output.shards import DEFAULT_CHECKSUM, background_priority
 from hsx.output.tables import IMAGES_COLUMN, MESSAGES_COLUMN, REGENERATIONS_SCHEMA
 from hsx.plan import WorkUnit
@@ -141,7 +144,7 @@ class _Regen:
 class _UnitRun:
     """One unit on its way through this worker."""
 
-    output: Output
+    output: Output  # where the shard goes: the job's output, or memory (online)
     storage_dtype: str
     checksum: str
     unit: WorkUnit
@@ -149,6 +152,7 @@ class _UnitRun:
     # A job that takes images: each sample's images and its tokens once they are
     # expanded (the inputs' `images` and `length`), by sample_index; None: text only.
     images: dict[int, tuple[list[bytes], int]] | None = None
+    job: str = ""  # the job's output URI (the job a stop_job names)
     future: Future[UnitReport] = field(default_factory=Future)
     started: float = field(default_factory=time.monotonic)
     writer: ShardWriter | None = None
@@ -165,6 +169,7 @@ class _UnitRun:
     fault: str | None = None  # HSX_FAULT_STATES as the driver passed it (tests)
     stop: StatesCheckFailed | None = None  # another unit of the job tripped the check
     fault_memory: dict[str, Any] = field(default_factory=dict)  # what a fault carries over
+    shard: str = ""  # the committed shard's key
 
     def fail(self, err: BaseException) -> None:
         """The unit ends now with `err` (its remaining results are dropped)."""
@@ -219,8 +224,12 @@ class ExtractionWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> str:
+        """The Ray node this worker runs on ('' outside Ray): it answers once it can
+        take units."""
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            return str(sys.modules["ray"].get_runtime_context().get_node_id())
+        return ""
 
     def progress(self) -> dict[int, tuple[int, int, int, int]]:
         """unit -> (samples, tokens) captured and (samples, tokens) regenerated so far,
@@ -298,24 +307,30 @@ class ExtractionWorker:
                       dict(job.chat_template_kwargs), provenance, conversations)
 
     def run_unit(self, output: Output | str, storage_dtype: str, unit: WorkUnit,
-                 checksum: str = DEFAULT_CHECKSUM, stream: str | None = None,
-                 rows_of: WorkUnit | None = None, checks: str = "on",
-                 fault: str | None = None, regenerate: Regeneration | None = None
-                 ) -> UnitReport:
+                 checksum: str = DEFAULT_CHECKSUM, rows_of: WorkUnit | None = None,
+                 checks: str = "on", fault: str | None = None,
+                 regenerate: Regeneration | None = None
+                 ) -> UnitReport | tuple[UnitReport, np.ndarray]:
         """Extract one unit into its shard and commit it; blocks until it is committed.
 
         `output` is the job's Output (it carries the storage settings the driver
         resolved) or its URI. Units queued by concurrent calls run back to back through
-        one engine, in the order the calls arrived. An online job's unit is committed
-        into `stream` (a folder, hsx.online) as stream unit `unit`; its rows are those
-        of the job's unit `rows_of`. `checks` is the job's self-check mode; `fault`
-        puts wrong states in on purpose (state_faults.py: the driver's
-        HSX_FAULT_STATES, for tests). `regenerate`: the job's regeneration, made by the
-        driver from the admitted spec (nothing in the output decides what runs here).
+        one engine, in the order the calls arrived. An online job's unit (`rows_of`: the
+        job's unit whose rows it captures; `unit` is its stream unit, hsx.online) is
+        built and committed in this process's memory and returned with its report: the
+        shard's bytes, which Ray puts into this node's object store for the trainer
+        (hsx_workers.stream). `checks` is the job's self-check mode; `fault` puts wrong
+        states in on purpose (state_faults.py: the driver's HSX_FAULT_STATES, for
+        tests). `regenerate`: the job's regeneration, made by the driver from the
+        admitted spec (nothing in the output decides what runs here).
         """
         out, rows, table = self._rows(Output.of(output), rows_of or unit)
-        dest = out if stream is None else Output(stream)
-        run = _UnitRun(dest, storage_dtype, checksum, unit, rows,
+        memory = None
+        if rows_of is not None:
+            memory = MemoryStorage(f"{out.uri}#{unit.unit}",
+                                   expect_bytes=self._shard_bytes(rows, storage_dtype))
+        run = _UnitRun(out if memory is None else Output(memory), storage_dtype, checksum,
+                       unit, rows, job=out.uri,
                        images=self._images_of(table),
                        regen=self._regen_of(regenerate, table),
                        check=self._check_of(out, checks),
@@ -330,7 +345,21 @@ class ExtractionWorker:
                     name=f"hsx-capture-{self.name}", daemon=True)
                 self._last_loop = self._loop
                 self._loop.start()
-        return run.future.result()
+        report = run.future.result()
+        if memory is None:
+            return report
+        return report, memory.take(run.shard)
+
+    def _shard_bytes(self, rows: list[tuple[int, list[int], list[int]]],
+                     storage_dtype: str) -> int:
+        """About the bytes of a shard of `rows` (a unit built in memory is allocated
+        once): each token's states at the job's layers, its scales in fp8, its id and
+        mask; each sample's offset, index and digest."""
+        layers = len(self.config.layers)
+        width = 1 if storage_dtype == "fp8" else 2
+        per_token = layers * self.config.hidden_size * width + 5 + (
+            4 * layers if storage_dtype == "fp8" else 0)
+        return sum(len(ids) for _, ids, _ in rows) * per_token + 48 * len(rows) + 4096
 
     # -- the capture loop (one thread at a time)
 
@@ -554,7 +583,7 @@ class ExtractionWorker:
         remaining results are dropped as they come (results come in request order)."""
         failed = StatesCheckFailed(f"unit {run.unit.unit}: {err}")
         run.fail(failed)
-        self._stop_units(run.output.uri, str(failed), run)
+        self._stop_units(run.job, str(failed), run)
 
     def stop_job(self, output: Output | str, reason: str) -> int:
         """A unit of the job writing into `output` tripped its self-check on another
@@ -564,11 +593,11 @@ class ExtractionWorker:
 
     def _stop_units(self, uri: str, reason: str, tripped: _UnitRun | None = None) -> int:
         with self._lock:
-            queued = [r for r in self._queued if r.output.uri == uri]
+            queued = [r for r in self._queued if r.job == uri]
             for other in queued:
                 self._queued.remove(other)
             routing = [r for r in (*self._routing, *self._settling)
-                       if r is not tripped and r.output.uri == uri]
+                       if r is not tripped and r.job == uri]
             for other in routing:  # failed at their next result, or before their commit
                 other.stop = StatesCheckFailed(reason)
         for other in queued:  # the same words: the job's error is the one that tripped
@@ -610,6 +639,7 @@ class ExtractionWorker:
             return
         run.mark("committed")
         record = outcome.record
+        run.shard = record.shard
         run.future.set_result(UnitReport(
             unit=run.unit.unit,
             won=outcome.won,

@@ -157,6 +157,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     ]
     if job.plan is not None:
         rows.append(("plan", job.plan.summary))
+    for node in job.nodes:  # where it runs now: engines, trainer workers, bytes in flight
+        parts = [*node.engines, *(f"trainer worker {r}" for r in node.trainer_workers)]
+        if node.bytes_in_flight:
+            parts.append(f"{node.bytes_in_flight / 2**20:,.1f} MiB in flight")
+        rows.append((f"node {node.node[:8]}", ", ".join(parts) or "-"))
     if job.waiting_for:
         rows.append(("waiting", job.waiting_for))
     if job.last_error:

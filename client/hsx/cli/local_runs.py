@@ -22,7 +22,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     from hsx.spec import SpecError, load_job
 
     try:
-        spec = load_job(args.job)
+        spec = load_job(args.job, args.set or [])
     except SpecError as err:
         return error(str(err), EXIT_REFUSED)
     overrides: dict[str, Any] = {}
@@ -36,41 +36,68 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     from hsx_service.engine_config import fit_to_model
 
     spec = fit_to_model(spec)
-    if spec.train is not None and spec.train.online:
-        from hsx.cli.training import train_online
-
-        return train_online(spec, lambda: _run_extract(
-            spec, progress=not args.no_progress, as_json=args.json))
-    code = _run_extract(spec, progress=not args.no_progress, as_json=args.json)
-    if code != 0 or spec.train is None:
-        return code
-    from hsx.cli.training import train_after_extraction
-
-    return train_after_extraction(spec, spec.output)
+    return _run_extract(spec, progress=not args.no_progress, as_json=args.json)
 
 
 def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
+    """The job to its end, its `train:` section with it (trained as the coordinator
+    trains it: hsx.cli.training.JobTraining)."""
+    from hsx.cli.training import JobTraining
     from hsx.progress import JobProgress, ProgressBar
     from hsx_service.dispatch import DispatchHooks
+    from hsx_service.engine_pool import EnginePool, connect_ray
     from hsx_service.errors import JobFailed, JobRefused
+    from hsx_service.placement import plan_for_cluster
     from hsx_service.runner import run_job
+    from hsx_service.scheduler import check_draft_layers
 
+    pool = EnginePool()
+    training = None
+    if spec.train is not None:
+        try:
+            check_draft_layers(spec)  # before any engine starts
+        except JobRefused as err:
+            return error(str(err), EXIT_REFUSED)
+        training = JobTraining(spec, pool.arbiter)
+
+    def on_plan(plan: Any) -> None:
+        bar.note(f"plan: {plan.summary}")
+        if training is not None:
+            training.planned(plan=plan)
+
+    def planned(job: Any, units: Any, ingested: bool) -> None:
+        if training is not None and ingested:
+            training.planned(whole=True)
+
+    def prepared(job: Any) -> None:
+        if training is not None:  # the training starts before the engines, as it may
+            connect_ray(spec)
+            training.planned(plan=plan_for_cluster(spec))
+        planned(job, job.units, job.ingestion is None)
+
+    extracted = False
     try:
         with ProgressBar(spec.name or "extract", enabled=None if progress else False) as bar:
-            summary = run_job(spec, hooks=DispatchHooks(
-                on_plan=lambda plan: bar.note(f"plan: {plan.summary}"),
+            summary = run_job(spec, pool=pool, connect=True, hooks=DispatchHooks(
+                on_plan=on_plan, on_prepared=prepared, on_planned=planned,
+                on_engines=training.engines.placed if training is not None else None,
                 on_progress=bar.update, on_waiting=bar.waiting,
                 on_ingest=lambda p: bar.update(JobProgress.of_ingestion(
                     p.rows, p.rows_expected))))
+        extracted = True
     except JobRefused as err:
         return error(str(err), EXIT_REFUSED)
     except JobFailed as err:
         kept = ("the inputs and the draft's checkpoints are kept; run again to resume the "
-                "training" if spec.train is not None and spec.train.online else
+                "training" if spec.trains_online else
                 "committed shards are kept; run again to resume")
         return error(f"{err} ({kept})", EXIT_FAILED)
     except KeyboardInterrupt:
         return error("interrupted (committed shards are kept; run again to resume)", 130)
+    finally:
+        pool.shutdown()  # the engines' GPUs go to the training and its measurement
+        if training is not None and not extracted:
+            training.finish(extracted=False)
     if as_json:
         sys.stdout.write(json.dumps(summary.as_dict()) + "\n")
     elif summary.nothing_to_do:
@@ -84,7 +111,7 @@ def _run_extract(spec: Any, *, progress: bool, as_json: bool = False) -> int:
             f"{summary.errors} bad rows, {summary.seconds:.1f}s ({rate:,.0f} tok/s overall) "
             f"-> {summary.output}"
         )
-    return 0
+    return training.finish(extracted=True) if training is not None else 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -222,6 +249,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("job", help="job file (YAML or JSON): model, dataset, output, layers, ...")
     p.add_argument("--replicas", type=int, help="override the job's replicas")
     p.add_argument("--output", help="override the job's output")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override one field of the job file, a section's with a dotted key "
+                        "(e.g. --set train.workers=2 --set train.place=apart; the value is "
+                        "read as YAML; repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.set_defaults(func=_cmd_extract)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ def _train_spec(args: argparse.Namespace) -> Any:
     """TrainSpec from --spec FILE and --set key=value overrides (SpecError when bad)."""
     import yaml
 
-    from hsx.spec import SpecError, parse_train
+    from hsx.spec import SpecError, apply_sets, parse_train
 
     fields: dict[str, Any] = {}
     if args.spec:
@@ -31,11 +30,7 @@ def _train_spec(args: argparse.Namespace) -> Any:
         if not isinstance(loaded, dict):
             raise SpecError(f"{args.spec}: a train spec must be a mapping of fields")
         fields.update(loaded)
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SpecError(f"--set {item!r}: expected key=value")
-        fields[key.strip()] = yaml.safe_load(value)
+    fields = apply_sets(fields, args.set or [])
     if args.method:
         fields["method"] = args.method
     if fields.get("online"):
@@ -68,8 +63,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except SpecError as err:
         return error(str(err), EXIT_REFUSED)
     if _is_output(args.target):
-        return _train_local(args.target, spec, args.draft_dir,
-                            trust_remote_code=args.trust_remote_code)
+        return _train_output(args.target, spec, args.draft_dir,
+                             trust_remote_code=args.trust_remote_code)
     return remote(lambda a: _train_remote(a, spec))(args)
 
 
@@ -82,18 +77,17 @@ def _plan_line(plan: Any) -> str:
             f"validated checkpoint every {plan.checkpoint_every:,} steps")
 
 
-def _train_local(target: str, spec: Any, draft_dir: str | None,
-                 memory_share: float | None = None, *, model: Any = None,
-                 trust_remote_code: bool = False) -> int:
-    """Train here; `memory_share`: of the GPU's memory, at most (an online trainer
-    sharing the GPU with the job's engine). `model`: the job's TargetModel; None: the
-    model the output's manifest names, its own code run only with `trust_remote_code`
-    (the person's word, never the manifest's)."""
+def _train_output(target: str, spec: Any, draft_dir: str | None, *,
+                  trust_remote_code: bool = False) -> int:
+    """`hsx train OUTPUT`: the one training run (hsx_service.training) in this process,
+    each step printed; no job, so no measurement by vLLM (it says how to measure).
+    The target is the model the output's manifest names, its own code run only with
+    `trust_remote_code` (the person's word, never the manifest's)."""
     from hsx.draft import draft_folder
     from hsx.output import Output, StorageError
     from hsx.output.layout import DRAFT_DIR
     from hsx.spec import TargetModel
-    from hsx_workers.trainer import ShareTooSmall, TrainRefused
+    from hsx_service.training import TrainingRequest, TrainingRun
 
     out = console()
     try:
@@ -102,34 +96,26 @@ def _train_local(target: str, spec: Any, draft_dir: str | None,
             return error(f"{target}: the extraction is not complete; pass --follow to train "
                           "while it runs", EXIT_REFUSED)
         root = draft_folder(output, draft_dir)
-        if model is None and trust_remote_code:
-            model = TargetModel(output.manifest().model, trust_remote_code=True)
+        model = TargetModel(output.manifest().model, trust_remote_code=True) \
+            if trust_remote_code else None
     except (StorageError, ValueError) as err:
         return error(str(err), EXIT_REFUSED)
+    if spec.workers > 1:
+        from hsx_service.engine_pool import ensure_ray
+
+        ensure_ray(None, cpus_needed=spec.workers + 1)
+    run = TrainingRun(TrainingRequest(output, spec, target=model, draft_root=draft_dir,
+                                      here=True), training_hooks())
     try:
-        if spec.workers == 1:
-            summary = _train_here(output, root, spec, out, memory_share, model)
-        else:
-            summary = _train_workers(output, root, spec, out, model)
-    except TrainRefused as err:
-        return error(str(err), EXIT_REFUSED)
-    except ShareTooSmall as err:
-        return error(str(err), EXIT_FAILED)
-    except StorageError as err:
-        return error(f"{err}; the next `hsx train` resumes from the newest checkpoint",
-                      EXIT_FAILED)
+        outcome = run.run()
     except KeyboardInterrupt:
         return error("interrupted; the next `hsx train` resumes from the newest checkpoint",
                       130)
-    resumed = "" if summary.get("resumed_from") is None else \
-        f" (resumed from step {summary['resumed_from']})"
-    best = summary.get("best") or {}
-    chosen = (f"; draft/ holds step {best['step']}, expected acceptance length "
-              f"{best['expected_acceptance_length']:.2f} on held-out samples") if best else ""
-    into = f"{output.url(DRAFT_DIR)} (trained in {root / DRAFT_DIR})" \
-        if output.local_root is None else str(root / DRAFT_DIR)
-    out.print(f"[green]trained[/] {summary['step']} steps, {summary['epoch']} epochs{resumed} "
-              f"-> {into}{chosen}")
+    code = _training_failed(outcome, "the next `hsx train` resumes from the newest "
+                            "checkpoint")
+    if code is not None:
+        return code
+    _print_trained(outcome, output, root, DRAFT_DIR)
     again = "" if draft_dir is None else f" --draft-dir {draft_dir}"
     out.print(f"measure with: hsx eval-draft {output}{again}", markup=False, highlight=False)
     out.print(f"serve with: vllm serve {output.manifest().model} --speculative-config "
@@ -139,69 +125,64 @@ def _train_local(target: str, spec: Any, draft_dir: str | None,
     return 0
 
 
-def _train_here(output: Any, root: Path, spec: Any, out: Any,
-                memory_share: float | None = None, model: Any = None) -> dict[str, Any]:
-    """One process: DraftTrainer, each step printed."""
-    from hsx_workers.trainer import DraftTrainer
+def training_hooks() -> Any:
+    """How a training run in this process reports: its plan, each step, what it waits
+    for, vLLM's measurement, printed."""
+    from hsx_service.training import TrainingHooks
 
-    def on_plan(plan: Any) -> None:
-        out.print(_plan_line(plan), markup=False, highlight=False)
-        if plan.online:
-            out.print(plan.online, markup=False, highlight=False)
-        if plan.warning:
-            out.print(f"[yellow]warning:[/] {plan.warning}")
+    out = console()
+    waits: list[str | None] = [None]
 
-    trainer = DraftTrainer(output, spec, draft_root=root, on_plan=on_plan,
-                           memory_share=memory_share, target=model,
-                           on_metrics=lambda m: out.print(
-                               _train_line(m.step, m.epoch, m.loss, m.acc, m.tokens_per_s,
-                                           m.wait_fraction),
-                               markup=False, highlight=False))
-    state = trainer.run()
-    return {"step": state.step, "epoch": state.epoch, "resumed_from": trainer.resumed_from,
-            "best": trainer.best}
+    def on_plan(plan: dict[str, Any]) -> None:
+        shown = argparse.Namespace(**plan)
+        out.print(_plan_line(shown), markup=False, highlight=False)
+        if plan.get("online"):
+            out.print(plan["online"], markup=False, highlight=False)
+        if plan.get("warning"):
+            out.print(f"[yellow]warning:[/] {plan['warning']}")
+
+    def on_step(m: dict[str, Any]) -> None:
+        out.print(_train_line(m["step"], m["epoch"], m["loss"], m["acc"], m["tokens_per_s"],
+                              m["wait_fraction"]), markup=False, highlight=False)
+
+    def on_waiting(reason: str | None) -> None:
+        if reason is not None and reason != waits[0]:
+            out.print(f"train: {reason}", markup=False, highlight=False)
+        waits[0] = reason
+
+    return TrainingHooks(on_plan=on_plan, on_step=on_step, on_waiting=on_waiting)
 
 
-def _train_workers(output: Any, root: Path, spec: Any, out: Any, model: Any = None
-                   ) -> dict[str, Any]:
-    """`spec.workers` Ray Train workers on a local (or RAY_ADDRESS's) Ray; the main
-    worker's step records are printed as they are written."""
-    import threading
-    import time
+def _training_failed(outcome: Any, resumes: str) -> int | None:
+    """The exit code of a training that did not end `done` (and says why), else None."""
+    from hsx.output import StorageError
+    from hsx.wire import TrainState
+    from hsx_workers.trainer import ShareTooSmall
 
-    from hsx.draft import read_jsonl, read_train_state
-    from hsx.output.layout import DRAFT_METRICS
-    from hsx_service.engine_pool import ensure_ray
-    from hsx_workers.trainer import train_distributed
+    if outcome.state is TrainState.done:
+        return None
+    if outcome.state is TrainState.stopped:
+        return error(f"the training stopped; {resumes}", 130)
+    if outcome.refused:
+        return error(str(outcome.exception or outcome.error), EXIT_REFUSED)
+    if isinstance(outcome.exception, ShareTooSmall):
+        return error(str(outcome.exception), EXIT_FAILED)
+    if isinstance(outcome.exception, StorageError):
+        return error(f"{outcome.exception}; {resumes}", EXIT_FAILED)
+    return error(f"the training failed: {outcome.error}; {resumes}", EXIT_FAILED)
 
-    ensure_ray(None, cpus_needed=spec.workers + 1)
-    started = time.time()
-    done = threading.Event()
 
-    def show() -> None:
-        printed, shown_plan = 0, False
-        while not done.wait(1.0):
-            state = read_train_state(root) or {}
-            if not shown_plan and state.get("plan") and float(state.get("time", 0)) >= started:
-                shown_plan = True
-                plan = argparse.Namespace(**state["plan"])
-                out.print(_plan_line(plan), markup=False, highlight=False)
-                if plan.warning:
-                    out.print(f"[yellow]warning:[/] {plan.warning}")
-            rows = [r for r in read_jsonl(root / DRAFT_METRICS) if r.get("time", 0) >= started]
-            for m in rows[printed:]:
-                out.print(_train_line(m["step"], m["epoch"], m["loss"], m["acc"],
-                                      m["tokens_per_s"], m["wait_fraction"]),
-                          markup=False, highlight=False)
-            printed = len(rows)
-
-    printer = threading.Thread(target=show, name="hsx-train-print", daemon=True)
-    printer.start()
-    try:
-        return train_distributed(output, spec, draft_root=root, target=model)
-    finally:
-        done.set()
-        printer.join(timeout=5)
+def _print_trained(outcome: Any, output: Any, root: Path, draft_dir: str) -> None:
+    summary = outcome.result
+    resumed = "" if summary.get("resumed_from") is None else \
+        f" (resumed from step {summary['resumed_from']})"
+    best = summary.get("best") or {}
+    chosen = (f"; draft/ holds step {best['step']}, expected acceptance length "
+              f"{best['expected_acceptance_length']:.2f} on held-out samples") if best else ""
+    into = f"{output.url(draft_dir)} (trained in {root / draft_dir})" \
+        if output.local_root is None else str(root / draft_dir)
+    console().print(f"[green]trained[/] {summary['step']} steps, {summary['epoch']} epochs"
+                    f"{resumed} -> {into}{chosen}")
 
 
 def _train_remote(args: argparse.Namespace, spec: Any) -> int:
@@ -236,95 +217,89 @@ def _train_remote(args: argparse.Namespace, spec: Any) -> int:
     return 0
 
 
-def train_after_extraction(job: Any, output: str) -> int:
-    """A job file's `train:` run by `hsx extract`: the draft trained here on the finished
-    output (the extraction's engines are gone by then, so a one-GPU machine trains on
-    the GPU they used), then measured by vLLM as the coordinator measures it: the target
-    loaded as the job loads it, on `eval_prompts` held-out prompts (draft/eval.json)."""
-    spec = job.train.model_copy(update={"follow": False})
-    code = _train_local(output, spec, None, model=job.target)
-    if code != 0 or spec.eval_prompts == 0:
-        return code
-    return _measure_draft(job, output)
+class JobTraining:
+    """`hsx extract`'s training of its job's `train:` section: the one training run
+    (hsx_service.training), started and placed as the coordinator starts it — once the
+    job is planned and its units are, beside the extraction or after it (the engines
+    yield their GPUs to it), or fed by the engines (online) — reporting here.
+    The extraction's hooks tell it what it waits for (`planned`, `engines`); `finish`
+    ends it once the extraction has ended, and prints its outcome and vLLM's
+    measurement."""
 
+    def __init__(self, spec: Any, arbiter: Any) -> None:
+        import threading
 
-def train_online(job: Any, extract: Callable[[], int]) -> int:
-    """`hsx extract` of a job with `train: {online: true}`: the trainer runs here on a
-    thread while `extract()` drives the engines, which capture for it through the job's
-    stream (hsx.online) until it has trained its steps; then vLLM measures the draft."""
-    import threading
+        self.spec = spec
+        self.arbiter = arbiter
+        self.plan: Any = None
+        self.whole = False
+        from hsx_service.training import EngineNodes
 
-    from hsx.online import Stream
-    from hsx.output import Output
-    from hsx_service.engine_pool import connect_ray
-    from hsx_service.errors import JobRefused
-    from hsx_service.placement import plan_for_cluster
-    from hsx_service.scheduler import check_draft_layers
+        self.extracted = threading.Event()
+        self.engines = EngineNodes(self.extracted)  # `placed` is the extraction's hook
+        self.run: Any = None
+        self.outcome: Any = None
+        self.thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
-    try:
-        check_draft_layers(job)  # before any engine starts
-        connect_ray(job)
-        # On a GPU the engines take, the trainer takes its plan's share of one of them.
-        share = plan_for_cluster(job).train_share or None
-    except JobRefused as err:
-        return error(str(err), EXIT_REFUSED)
-    stream = Stream(Output(job.output).location)
-    outcome: dict[str, Any] = {}
+    def planned(self, plan: Any = None, whole: bool = False) -> None:
+        """The job's plan is made (`plan`) or its units are all planned (`whole`)."""
+        self.plan = plan or self.plan
+        self.whole = self.whole or whole
+        if self.plan is not None and self.whole:
+            self._start(self.plan)
 
-    def train() -> None:
-        try:
-            outcome["code"] = _train_local(job.output, job.train, None, share,
-                                           model=job.target)
-        except BaseException as err:  # the engines must hear of it, whatever it is
-            outcome["code"] = EXIT_FAILED
-            outcome["error"] = f"{type(err).__name__}: {err}"
-            raise
-        finally:
-            if outcome.get("code") != 0:  # else the trainer said `done` itself
-                stream.set_trainer("failed", error=outcome.get(
-                    "error", f"the trainer exited with code {outcome.get('code')}"))
+    def _start(self, plan: Any) -> None:
+        import threading
 
-    trainer = threading.Thread(target=train, name="hsx-online-trainer", daemon=True)
-    trainer.start()
-    code = extract()
-    if code != 0:
-        return code
-    trainer.join()
-    if outcome.get("code") != 0 or job.train.eval_prompts == 0:
-        return int(outcome.get("code", EXIT_FAILED))
-    return _measure_draft(job, job.output)
+        from hsx_service.training import TrainingRequest, TrainingRun
 
+        with self._lock:
+            if self.run is not None:
+                return
+            request = TrainingRequest.of_job(
+                "local", self.spec.output, self.spec.train, self.spec, plan,
+                extracted=self.extracted, engine_nodes=self.engines)
+            self.run = TrainingRun(request, training_hooks(), self.arbiter)
+            self.thread = threading.Thread(target=self._train, name="hsx-training",
+                                           daemon=True)
+            self.thread.start()
 
-def _measure_draft(job: Any, output: str) -> int:
-    """vLLM measures the job's trained draft as the coordinator would (draft/eval.json)."""
-    spec = job.train
-    from hsx.draft import draft_folder
-    from hsx.output import Output, StorageError
-    from hsx_service.engine_config import target_engine_args
-    from hsx_workers.acceptance import evaluate_draft
+    def _train(self) -> None:
+        self.outcome = self.run.run()
 
-    _release_training_memory()
-    trained = Output(output)
-    try:
-        result = evaluate_draft(trained, prompts=spec.eval_prompts,
-                                max_tokens=spec.eval_max_tokens, k=spec.proposed_tokens,
-                                engine=target_engine_args(job), target=job.model)
-    except (StorageError, ValueError, FileNotFoundError) as err:
-        return error(f"the draft was trained but could not be measured: {err}; "
-                     f"run `hsx eval-draft {output}` to measure it", EXIT_FAILED)
-    _print_eval(result, _eval_path(trained, draft_folder(trained, None)))
-    return 0
+    def finish(self, extracted: bool) -> int:
+        """The extraction ended (`extracted`: all of it); the training's exit code once
+        it has ended too (it is stopped when the extraction failed)."""
+        self.extracted.set()
+        if not extracted:
+            if self.run is not None:
+                self.run.stop()
+                if self.thread is not None:
+                    self.thread.join()
+            return 0
+        if self.run is None:  # the job was complete already: nothing to wait for
+            self._start(None)
+        if self.thread is not None:
+            self.thread.join()
+        from hsx.draft import draft_folder
+        from hsx.output import Output
+        from hsx.output.layout import DRAFT_DIR
 
-
-def _release_training_memory() -> None:
-    """What the trainer left cached on the GPU goes back before vLLM sizes its cache."""
-    import gc
-
-    gc.collect()
-    if "torch" in sys.modules:
-        torch = sys.modules["torch"]
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        outcome = self.outcome
+        code = _training_failed(outcome, "run the job again to resume the training")
+        if code is not None:
+            return code
+        output = Output(self.spec.output)
+        root = draft_folder(output)
+        _print_trained(outcome, output, root, DRAFT_DIR)
+        if outcome.eval is not None and outcome.eval.get("error"):
+            return error(f"the draft was trained but could not be measured: "
+                          f"{outcome.eval['error']}; run `hsx eval-draft {output}` to "
+                          "measure it", EXIT_FAILED)
+        if outcome.eval is not None:
+            _print_eval(outcome.eval, _eval_path(output, root))
+        return 0
 
 
 def _eval_path(output: Any, root: Path) -> str:

@@ -79,6 +79,8 @@ function resetJobPage(id) {
   setProgress($("#progress-bar"), { state: "queued", samples_done: 0, samples_total: 0 });
   $("#workers").replaceChildren();
   $("#workers-summary").textContent = "";
+  $("#nodes").replaceChildren();
+  $("#nodes").hidden = true;
   clearStats("#stats");
   $("#errors-table").hidden = false;
   $("#errors-table tbody").replaceChildren();
@@ -220,6 +222,7 @@ function renderJob(current, status) {
   $("#job-plan").textContent = status.plan ? `Plan: ${status.plan.summary}` : "";
 
   renderWorkers(status);
+  renderNodes(status);
   $("#last-error-card").hidden = !status.last_error;
   $("#last-error").textContent = status.last_error || "";
 
@@ -319,6 +322,24 @@ function renderWorkers(status) {
   $("#workers").replaceChildren(...items);
   $("#workers-summary").textContent = Object.entries(counts)
     .map(([state, n]) => `${n} ${state}`).join(" · ");
+}
+
+// Per Ray node, while the job runs: its engines, the trainer's workers (by rank) and
+// the captured bytes in flight there (an online job's).
+function renderNodes(status) {
+  const nodes = status.nodes || [];
+  const list = $("#nodes");
+  list.hidden = nodes.length < 2;
+  list.replaceChildren(...nodes.map((n) => {
+    const parts = [...n.engines];
+    if (n.trainer_workers.length) parts.push(`trainer ${n.trainer_workers.join(", ")}`);
+    return el("li", { class: "worker node", "data-node": n.node },
+      el("div", { class: "worker-who" },
+        el("div", { class: "worker-name mono", text: `node ${n.node.slice(0, 8)}` }),
+        el("div", { class: "worker-totals muted", text: parts.join(" · ") })),
+      el("span", { class: "worker-unit muted", "data-bytes": String(n.bytes_in_flight),
+        text: n.bytes_in_flight ? `${fmtBytes(n.bytes_in_flight)} in flight` : "" }));
+  }));
 }
 
 function renderCancel(current, status) {

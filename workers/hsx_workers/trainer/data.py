@@ -12,6 +12,7 @@ sequences of `pack_tokens`; a step is packs worth `batch_tokens`.
 
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import threading
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from hsx.dataset import HiddenStatesDataset
-from hsx.online import Stream, split_unit
+from hsx.online import rank_of, split_unit
 from hsx.output import CommitRecord, Manifest, Output, ShardReader
 from hsx.spec import TrainSpec
 from hsx_workers.trainer.draft_model import layer_picks
@@ -31,6 +32,8 @@ from hsx_workers.trainer.group import WorkerGroup
 from hsx_workers.trainer.plan import Plan, held_out
 
 READER_JOIN_S = 30.0  # how long a finished training waits for its data thread to stop
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,6 +77,13 @@ def unit_of(reader: ShardReader) -> int:
     return reader.record.unit
 
 
+def _trainer_stream(output: Output, group: WorkerGroup) -> Any:
+    """This worker's side of the job's stream (on Ray: hsx_workers.stream)."""
+    from hsx_workers.stream import TrainerStream
+
+    return TrainerStream(output.location, group.rank, group.world)
+
+
 def _seeded(*parts: int) -> random.Random:
     value = 0
     for p in parts:
@@ -92,9 +102,10 @@ class TrainingData:
     def __init__(self, output: Output, spec: TrainSpec, group: WorkerGroup, *,
                  stop: threading.Event, poll_interval: float) -> None:
         self.output = output
-        # An online job's units come from its stream (hsx.online), each taken once read;
-        # the held-out samples are kept here as they pass, for validation.
-        self.stream = Stream(output.location) if spec.online else None
+        # An online job's units come from its stream (hsx.online, on Ray:
+        # hsx_workers.stream), each taken once read; the held-out samples are kept here
+        # as they pass, for validation.
+        self.stream = _trainer_stream(output, group) if spec.online else None
         self._held: dict[int, dict[str, Any]] = {}
         self.spec = spec
         self.group = group
@@ -133,7 +144,7 @@ class TrainingData:
         return waited
 
     def _own(self, unit: int) -> bool:
-        return unit % self.group.world == self.group.rank
+        return rank_of(unit, self.group.world) == self.group.rank
 
     def _units(self, ds: HiddenStatesDataset, epoch: int, done: set[int],
                halted: Callable[[], bool]) -> Iterator[tuple[int, ShardReader]]:
@@ -157,38 +168,36 @@ class TrainingData:
 
     def _stream_units(self, ds: HiddenStatesDataset, epoch: int, done: set[int],
                       halted: Callable[[], bool]) -> Iterator[tuple[int, ShardReader]]:
-        """An online job's units of `epoch`, as the engines commit them into the stream.
-        Each is taken from the stream once yielded (its samples are read by then, see
+        """This worker's units of `epoch` (an online job), as the engines capture them
+        into the stream. Each is taken once yielded (its samples are read by then, see
         `batches`); a unit this run does not need (an earlier epoch's, one the checkpoint
-        holds, one read already) is taken unread."""
+        holds, one read already) is taken unread; one whose bytes were lost is reported
+        (`fetch`) and waited for again. When the stream is gone (its driver ended), the
+        training stops: a new driver's trainer resumes from the checkpoint."""
+        from hsx_workers.stream import StreamLost
+
         stream = self.stream
         if stream is None:
             raise RuntimeError("not an online training")
-        source = stream.output()
-        wanted = {u.unit for u in ds.manifest.units} - done
-        read: set[int] = set()
-        while wanted and not halted():
-            found = False
-            for sid in sorted(stream.committed()):
-                if halted():
-                    return
-                e, unit = split_unit(sid)
-                if e > epoch:
-                    continue  # captured ahead: the next epoch's
-                if e < epoch or unit not in wanted:
+        wanted = {u.unit for u in ds.manifest.units if self._own(u.unit)} - done
+        try:
+            while wanted and not halted():
+                for sid, ref in stream.wait(epoch, halted):
+                    if halted():
+                        return
+                    e, unit = split_unit(sid)
+                    if e < epoch or unit not in wanted:
+                        stream.take(sid, read=False)
+                        continue
+                    reader = stream.fetch(sid, ref, halted)
+                    if reader is None:  # lost (captured again) or halted
+                        continue
+                    wanted.discard(unit)
+                    yield unit, reader
                     stream.take(sid)
-                    continue
-                try:
-                    reader = source.open_shard(source.read_commit(sid))
-                except FileNotFoundError:  # taken by an earlier run meanwhile
-                    continue
-                found = True
-                wanted.discard(unit)
-                read.add(unit)
-                yield unit, reader
-                stream.take(sid)
-            if not found and wanted:
-                time.sleep(self.poll_interval)
+        except StreamLost as err:
+            logger.warning("%s; the training stops at its next step", err)
+            self.stop.set()
 
     def _wait_for_complete(self, halted: Callable[[], bool]) -> None:
         while not self.output.is_complete() and not halted():
@@ -349,16 +358,17 @@ class TrainingData:
             thread.join(timeout=READER_JOIN_S)
 
     def held_out_samples(self, ds: HiddenStatesDataset) -> Iterator[dict[str, Any]]:
-        """This worker's share of the held-out samples committed so far."""
+        """This worker's share of the held-out samples committed so far (online: those
+        of its own units read from the stream so far; each unit is one worker's)."""
         import bisect
 
+        if self.stream is not None:
+            for idx in sorted(self._held):
+                yield self._held[idx]
+            return
         wanted = {i for n, i in enumerate(self.val_indices)
                   if n % self.group.world == self.group.rank}
         if not wanted:
-            return
-        if self.stream is not None:  # online: those read from the stream so far
-            for idx in sorted(wanted & self._held.keys()):
-                yield self._held[idx]
             return
         mine = sorted(self._val_rows[i] for i in wanted)
 

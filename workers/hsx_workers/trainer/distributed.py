@@ -21,6 +21,8 @@ from hsx.spec import TargetModel, TrainSpec
 from hsx_workers.trainer.draft_trainer import DraftTrainer
 from hsx_workers.trainer.plan import TrainRefused
 
+NODE_DEATH_S = 60.0  # Ray declares a silent node dead after ~30 s of missed heartbeats
+
 
 class WorkerDied(RuntimeError):
     """A Ray Train worker's process died: a new run resumes from the newest checkpoint."""
@@ -51,6 +53,7 @@ def train_distributed(
     output: str | Path | Output, spec: TrainSpec, *, draft_root: str | Path | None = None,
     use_gpu: bool | None = None, stop: threading.Event | None = None,
     poll_interval: float = 0.5, target: TargetModel | None = None,
+    resources: dict[str, float] | None = None, label_selector: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Train on `spec.workers` Ray Train workers (DDP; gloo on CPU, NCCL on GPU).
 
@@ -58,7 +61,10 @@ def train_distributed(
     metrics, validations and checkpoints into `<output>/draft/` (or `<draft_root>/draft/`)
     as `DraftTrainer` does alone; every worker must reach that folder (one host, or a
     shared file system). `stop` asks the workers to checkpoint and stop (through
-    draft/.stop); `target` is `DraftTrainer`'s. Returns train.json's final content.
+    draft/.stop); `target` is `DraftTrainer`'s. Each worker takes a CPU (and a GPU), the
+    custom `resources` besides, on a node that `label_selector` admits (Ray's syntax:
+    the spec's `node_labels`, and the nodes of the engines left out for `place: apart`).
+    Returns train.json's final content.
     """
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -81,7 +87,8 @@ def train_distributed(
                            "poll_interval": poll_interval, "threads": 1},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=spec.workers, use_gpu=use_gpu,
-                                     resources_per_worker={"CPU": 1}),
+                                     resources_per_worker={"CPU": 1, **(resources or {})},
+                                     label_selector=label_selector or None),
         run_config=RunConfig(name=f"hsx-train-{os.getpid()}-{int(time.time())}",
                              storage_path=str(root / DRAFT_DIR / ".ray"),
                              failure_config=FailureConfig(max_failures=0)),
@@ -101,13 +108,11 @@ def train_distributed(
     try:
         trainer.fit()
     except Exception as err:
-        from ray.exceptions import RayActorError
-
         cause = _root_cause(err)
         if isinstance(cause, TrainRefused):
             raise cause from None
         message = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-        if isinstance(cause, RayActorError):
+        if _died(err) or _node_lost(root):
             raise WorkerDied(f"a training worker died: {message}") from err
         raise RuntimeError(f"distributed training failed: {message}") from err
     finally:
@@ -115,6 +120,49 @@ def train_distributed(
         (root / DRAFT_STOP).unlink(missing_ok=True)
     state = json.loads((root / DRAFT_STATE).read_text())
     return dict(state)
+
+
+def _died(err: BaseException) -> bool:
+    """Whether one of the run's workers died (its process or its node), by what Ray Train
+    says of each worker."""
+    from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
+
+    seen = set()
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, RayActorError | NodeDiedError | WorkerCrashedError):
+            return True
+        failures = getattr(e, "worker_failures", None)
+        more = list(failures.values()) if isinstance(failures, dict) else []
+        more += [getattr(e, "controller_failure", None), getattr(e, "cause", None),
+                 e.__cause__]
+        todo += [m for m in more if isinstance(m, BaseException)]
+    return False
+
+
+def _node_lost(root: Path) -> bool:
+    """Whether a node one of the run's workers ran on died (train.json's `nodes`). A
+    worker whose peer's node dies fails first, in its collective, before Ray declares the
+    node dead (its heartbeats time out): NODE_DEATH_S is waited for that."""
+    import ray
+
+    try:
+        nodes = set(json.loads((root / DRAFT_STATE).read_text()).get("nodes") or [])
+    except (OSError, ValueError):
+        return False
+    deadline = time.monotonic() + NODE_DEATH_S
+    while nodes:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if nodes - alive:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1.0)
+    return False
 
 
 def _root_cause(err: BaseException) -> BaseException:

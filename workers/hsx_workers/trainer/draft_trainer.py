@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -136,6 +137,12 @@ def read_trainer_state(path: Path, device: torch.device | None = None) -> dict[s
     return saved
 
 
+def ray_node() -> str:
+    """The Ray node this process runs on ('' outside Ray)."""
+    ray = sys.modules.get("ray")
+    return str(ray.get_runtime_context().get_node_id()) if ray and ray.is_initialized() else ""
+
+
 class ShareTooSmall(RuntimeError):
     """An online trainer sharing an engine's GPU ran out of memory inside its share."""
 
@@ -192,6 +199,9 @@ class DraftTrainer:
         self.last_validation: dict[str, Any] | None = None
         self._wait_s = 0.0  # waits billed to steps so far
         self._step_s = 0.0  # steps so far, their waits included
+        # This worker's visits since the last checkpoint, each {step, rank, epoch, samples}:
+        self._visits: list[dict[str, Any]] = []  # the main writes all into visits.jsonl
+        self.nodes: list[str] = []  # the Ray node of each worker, by rank ('' outside Ray)
 
     # -- setup
 
@@ -357,6 +367,7 @@ class DraftTrainer:
                                   exclude=self.val_indices, target=target).to(self.device)
         opt, sched = self._optimizer(model, plan)
         self._resume(model, opt, sched, plan)
+        self.nodes = self.group.gather(ray_node())  # where each worker runs (train.json)
         if self.group.main:
             (self.root / DRAFT_STOP).unlink(missing_ok=True)
             # What a run killed mid-checkpoint left staged: never a checkpoint.
@@ -416,8 +427,8 @@ class DraftTrainer:
         self._checkpoint(model, opt, sched)
         if self.group.main:
             self._write_state("stopped" if stopped else "done")
-        if stream is not None:
-            stream.set_trainer("stopped" if stopped else "done", step=self.state.step)
+            if stream is not None:
+                stream.set_trainer("stopped" if stopped else "done", step=self.state.step)
         self.group.barrier()
         return self.state
 
@@ -431,9 +442,10 @@ class DraftTrainer:
         for unit in batch.units:
             self.state.partial.pop(unit, None)
         self.state.units_done.extend(batch.units)
-        if batch.samples and self.group.main and self.group.world == 1:
-            self._append(DRAFT_VISITS, {"step": self.state.step, "epoch": self.state.epoch,
-                                        "samples": [i for _, i in batch.samples]})
+        if batch.samples:
+            self._visits.append({"step": self.state.step, "rank": self.group.rank,
+                                 "epoch": self.state.epoch,
+                                 "samples": [i for _, i in batch.samples]})
 
     def _stop_requested(self) -> bool:
         """Whether any worker was asked to stop (collective: all stop at the same step)."""
@@ -573,6 +585,7 @@ class DraftTrainer:
 
     def _write_state(self, state: str, error: str | None = None) -> None:
         body = {"state": state, "step": self.state.step, "epoch": self.state.epoch,
+                "nodes": self.nodes,
                 "resumed_from": self.resumed_from, "error": error, "time": time.time(),
                 "first_step_at": self.first_step_at,
                 "plan": asdict(self.plan) if self.plan else None,
@@ -595,9 +608,15 @@ class DraftTrainer:
         if self.group.any(self.group.main and final.exists()):
             return final  # written already (the last step was a checkpoint step)
         validation = self._validate(model)
-        states = self.group.gather(asdict(self.state))
+        gathered = self.group.gather((asdict(self.state), self._visits))
+        self._visits = []
         if not self.group.main:
             return None
+        states = [state for state, _ in gathered]
+        visits = sorted((v for _, rows in gathered for v in rows),
+                        key=lambda v: (v["step"], v["rank"]))
+        for visit in visits:  # before the checkpoint: a resume cuts them back to it
+            self._append(DRAFT_VISITS, visit)
         self.last_validation = validation
         if validation is not None:
             self._append(DRAFT_VALIDATION, validation)

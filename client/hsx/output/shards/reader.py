@@ -11,6 +11,7 @@ import math
 import mmap
 import os
 import struct
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,8 @@ class ByteSource:
         return _RangedSource(storage, key, size)
 
     @property
-    def mapping(self) -> mmap.mmap | None:
-        """The whole shard mapped in memory (local disk), else None."""
+    def mapping(self) -> Any:
+        """The whole shard in memory (mapped from local disk, or a buffer), else None."""
         return None
 
     def read(self, start: int, length: int) -> memoryview:
@@ -152,6 +153,28 @@ def _torch_dtype(name: str) -> Any:
         "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32,
         "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,
     }[name]
+
+
+class BufferSource(ByteSource):
+    """A shard whole in memory: a buffer it was handed (an online job's unit from Ray's
+    object store, read-only and shared with the store). Read like a mapped file."""
+
+    def __init__(self, name: str, buffer: Any) -> None:
+        self._buf: Any = memoryview(buffer).cast("B")
+        super().__init__(name, self._buf.nbytes)
+
+    @property
+    def mapping(self) -> Any:
+        return self._buf
+
+    def read(self, start: int, length: int) -> memoryview:
+        if start + length > self.size:
+            raise ShardCorrupt(f"{self.name}: ended early (wanted bytes up to "
+                               f"{start + length} of {self.size})")
+        return memoryview(self._buf)[start : start + length]
+
+    def close(self) -> None:
+        self._buf = None  # views handed out keep the buffer alive
 
 
 class ShardReader:
@@ -406,6 +429,13 @@ class ShardReader:
         count = math.prod(shape)
         if count == 0:
             return torch.zeros(shape, dtype=dtype)
+        if isinstance(self._source, BufferSource):
+            # A buffer shared with Ray's object store is read-only, and the trainer
+            # reads (never writes) its samples: torch's caveat does not apply.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                return torch.frombuffer(buf, dtype=dtype, count=count,
+                                        offset=offset).view(shape)
         return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
 
     def sample(
