@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from hsx.methods import METHOD_NAMES
+from hsx.methods import method_names
 
 SAMPLES = 3000  # the learnable language's samples, as the integration tests use
 CPU_ENV = {  # vLLM's CPU CI switches, as tests/conftest.py sets them
@@ -64,7 +64,7 @@ def capture(work: Path) -> tuple[Path, float]:
     job = work / "job.json"
     job.write_text(json.dumps({
         "model": str(target), "dataset": str(dataset), "output": str(output),
-        "layers": list(METHOD_NAMES), "max_seq_len": 256, "unit_tokens": 8192,
+        "layers": list(method_names()), "max_seq_len": 256, "unit_tokens": 8192,
         "ray_address": "local",
     }))
     seconds, _ = _hsx("extract", str(job))
@@ -147,7 +147,7 @@ def run_method(output: Path, method: str, work: Path, alone: dict[str, Any]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default=",".join(METHOD_NAMES))
+    parser.add_argument("--methods", default=",".join(method_names()))
     parser.add_argument("--work", type=Path, default=None, help="working folder (kept)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" /
                         f"{time.strftime('%Y-%m-%d')}-methods" / "methods.json")
@@ -159,7 +159,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "command": "python -m benchmarks.bench_methods " + " ".join(sys.argv[1:]),
         "date": common.now_iso(), "machine": common.machine_info(),
-        "capture": {"layers": list(METHOD_NAMES), "samples": SAMPLES,
+        "capture": {"layers": list(method_names()), "samples": SAMPLES,
                     "extract_seconds": round(extract_s, 1)},
         "target_alone": alone, "methods": [],
     }

@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from hsx.methods import METHODS, DraftMethod, MethodName
+from hsx.methods import DEFAULT_METHOD, DraftMethod, method, method_names
 
 EngineName = Literal["vllm", "hf"]
 StorageDtype = Literal["bf16", "fp8"]
@@ -118,14 +118,15 @@ class TrainSpec(BaseModel):
             "At most 1,048,576 (four times the largest vocabularies, 262,144)."
         ),
     )
-    method: MethodName = Field("eagle3", description=(
-        "Draft method: `eagle3` (autoregressive, `ttt_steps` tokens a step), `dflash` "
-        "(a block of `block_size` - 1 tokens in one forward pass) or `dspark` (DFlash's "
-        "blocks of `block_size` tokens with a Markov and a confidence head)."))
+    method: str = Field(DEFAULT_METHOD, description=(
+        f"Draft method, one of {', '.join(method_names())} (hsx.methods; "
+        "docs/TRAINING.md, \"Draft methods\"): `eagle3` (autoregressive, `ttt_steps` "
+        "tokens a step), `dflash` (a block of `block_size` - 1 tokens in one forward "
+        "pass) or `dspark` (DFlash's blocks with a Markov and a confidence head)."))
     num_layers: int | None = Field(None, ge=1, le=32, description=(
-        "Decoder layers of the draft, each of the target's layer size. None: 1 for "
-        "EAGLE-3, 5 for DFlash and DSpark (speculators' recipes). At most 32 (32 of a "
-        "large target's layers take hundreds of GB)."))
+        "Decoder layers of the draft, each of the target's layer size. None: the "
+        "method's (speculators' recipes; docs/TRAINING.md). At most 32 (32 of a large "
+        "target's layers take hundreds of GB)."))
     block_size: int = Field(8, ge=2, le=64, description=(
         "DFlash, DSpark: tokens of a block, from the anchor (the target's own token)."))
     max_anchors: int | None = Field(None, ge=1, le=2**16, description=(
@@ -151,8 +152,9 @@ class TrainSpec(BaseModel):
         ),
     )
     lr: float | None = Field(
-        None, gt=0, description="Peak AdamW learning rate; None: 1e-3 on CPU, 1e-4 on GPU."
-    )
+        None, gt=0, description=(
+            "Peak AdamW learning rate; None: the method's where it has one (DFlash and "
+            "DSpark: 5e-3 on CPU, 3e-4 on GPU), else 1e-3 on CPU, 1e-4 on GPU."))
     lr_schedule: Literal["cosine", "constant"] = Field(
         "cosine",
         description="After the warm-up: cosine decay to 0 over the schedule, or constant.",
@@ -295,10 +297,16 @@ class TrainSpec(BaseModel):
         ),
     )
 
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, name: str) -> str:
+        method(name)  # ValueError naming the known ones
+        return name
+
     @property
     def draft(self) -> DraftMethod:
         """The draft method (hsx.methods)."""
-        return METHODS[self.method]
+        return method(self.method)
 
     @property
     def loss_fn(self) -> str:
@@ -308,9 +316,7 @@ class TrainSpec(BaseModel):
     @property
     def proposed_tokens(self) -> int:
         """Tokens the draft proposes per verification step (vLLM's num_speculative_tokens)."""
-        if self.draft.block:  # the anchor is the target's own token: given, not proposed
-            return self.block_size - 1
-        return self.ttt_steps
+        return self.draft.proposed_tokens(self)
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainSpec:
@@ -522,8 +528,9 @@ class JobSpec(BaseModel):
     train: TrainSpec | None = Field(
         None,
         description=(
-            "Train an EAGLE-3 draft on this output: with `follow` (the default) the "
-            "trainer starts with the extraction and keeps up with it."
+            "Train a draft on this output (EAGLE-3 unless `method` names another): with "
+            "`follow` (the default) the trainer starts with the extraction and keeps up "
+            "with it."
         ),
     )
     regenerate: RegenerateSpec | None = Field(
@@ -558,9 +565,9 @@ class JobSpec(BaseModel):
         if not layers:
             raise ValueError("layers must not be empty (omit it for the default)")
         for i, k in enumerate(layers):
-            if isinstance(k, str) and k not in METHODS:
+            if isinstance(k, str) and k not in method_names():
                 raise ValueError(f"layers.{i}: {k!r} is neither a layer id nor a draft "
-                                 f"method ({', '.join(METHODS)})")
+                                 f"method ({', '.join(method_names())})")
         negative = [k for k in layers if isinstance(k, int) and k < 0]
         if negative:
             raise ValueError(f"layer ids must be >= 0, got {negative}")
@@ -574,7 +581,7 @@ class JobSpec(BaseModel):
     @property
     def layers_method(self) -> str:
         """The method whose ids a job without `layers:` captures."""
-        return self.train.method if self.train is not None else "eagle3"
+        return self.train.method if self.train is not None else DEFAULT_METHOD
 
     @property
     def trains_online(self) -> bool:

@@ -5,7 +5,7 @@ What is checked: the plan (schedule sized from the data, device defaults, the wa
 when the data is small), the held-out split, the expected acceptance length, the
 samples speculators' Eagle3 model gets, packing (steps of packs, every training token
 once per epoch, held-out samples never trained on), the vocabulary mapping, refusals,
-the draft layer config vLLM can serve, checkpoints (whole, published, pruned, each
+each method's draft as vLLM reads it, checkpoints (whole, published, pruned, each
 with its metrics), best-checkpoint selection, resume (weights, optimizer, step, units),
 stop, following an extraction whose shards arrive while training runs, the learnable
 target's language, and the coordinator's status read from the draft folder.
@@ -37,7 +37,6 @@ from hsx_workers.trainer import (
     Scores,
     StepMetrics,
     TrainRefused,
-    draft_layer_config,
     draft_layout,
     held_out,
     plan_schedule,
@@ -199,7 +198,8 @@ def test_block_drafter_scores_from_speculators_metrics() -> None:
     assert scores.acc == pytest.approx([1.0, 0.5, 1.0])
     assert scores.expected_acceptance_length == pytest.approx(((1 + 1) + (3 + 1)) / 2)
     back = scores.from_tensor(scores.as_tensor() * 2)  # two workers' sums
-    assert back.block and back.expected_acceptance_length == pytest.approx(3.0)
+    assert back.draft.run_metric == "eal"
+    assert back.expected_acceptance_length == pytest.approx(3.0)
 
 
 def test_task_language_answers_follow_the_prompt() -> None:
@@ -288,40 +288,6 @@ def test_refusals() -> None:
     assert draft_layout(manifest([1, 3, 7, 8], 8), "dflash") == ([1, 3, 7], 8)
     with pytest.raises(TrainRefused, match=r"dflash draft .* \[2, 3, 4, 5, 6, 8\]"):
         draft_layout(manifest([2, 4, 5], 8), "dflash")
-
-
-def test_draft_layer_config_is_one_vllm_serves() -> None:
-    from transformers import DeepseekV3Config, LlamaConfig
-
-    llama = LlamaConfig(hidden_size=256, num_attention_heads=4, num_hidden_layers=4)
-    own = draft_layer_config(llama, 1, 2)
-    assert own.model_type == "llama" and own.num_hidden_layers == 1
-    assert own.num_aux_hidden_states == 2 and llama.num_hidden_layers == 4  # a copy
-    ds = DeepseekV3Config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3,
-                          vocab_size=512, intermediate_size=384, rms_norm_eps=1e-6)
-    layer = draft_layer_config(ds, 1, 3)
-    assert layer.model_type == "llama" and layer.architectures == ["LlamaForCausalLM"]
-    assert (layer.hidden_size, layer.vocab_size, layer.head_dim) == (256, 512, 64)
-    assert layer.num_hidden_layers == 1 and layer.num_aux_hidden_states == 3
-
-
-@pytest.mark.parametrize(("length", "window"), [(7, None), (64, None), (64, 5), (512, 16)])
-def test_the_dense_attention_mask_is_speculators_own(length: int, window: int | None) -> None:
-    """hsx builds the draft's CPU attention mask with tensor operations; it must be the
-    one speculators' mask functions give: packs of whole samples, padding at the end."""
-    from speculators.models.attention import create_float_mask
-    from speculators.models.eagle3.attention import create_combined_mask_mod
-
-    from hsx_workers.trainer.draft_model import dense_attention_mask
-
-    rng = np.random.default_rng(length)
-    sizes = rng.integers(1, 40, size=length)
-    doc = torch.from_numpy(np.repeat(np.arange(length), sizes)[:length])
-    doc[length - length // 10:] = -1
-    theirs = create_float_mask(create_combined_mask_mod(doc, length, sliding_window=window),
-                               B=None, H=None, Q_LEN=length, KV_LEN=length, device="cpu")
-    assert torch.equal(dense_attention_mask(doc, length, "cpu", sliding_window=window), theirs)
-    assert theirs.dtype == torch.bfloat16 and theirs.shape == (1, 1, length, length)
 
 
 # ---------------------------------------------------------------------- training

