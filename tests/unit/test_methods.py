@@ -34,7 +34,7 @@ METHODS_DIR = REPO / "client" / "hsx" / "methods"
 def test_the_methods_are_their_files() -> None:
     files = sorted(p.stem for p in METHODS_DIR.glob("*.py")
                    if p.stem not in ("__init__", "base"))
-    assert sorted(method_names()) == files == ["dflash", "dspark", "eagle3"]
+    assert sorted(method_names()) == files == ["dflash", "dspark", "eagle3", "peagle"]
     assert method_names()[0] == DEFAULT_METHOD == "eagle3"
     assert [m.name for m in all_methods()] == list(method_names())
     with pytest.raises(ValueError, match="unknown draft method 'medusa'; known: eagle3"):
@@ -57,6 +57,7 @@ def test_importing_the_methods_imports_no_framework() -> None:
 
 @pytest.mark.parametrize(("name", "n", "ids"), [
     ("eagle3", 4, [1, 2, 4]), ("eagle3", 36, [2, 18, 33, 36]),
+    ("peagle", 36, [2, 18, 33, 36]),  # EAGLE-3's: one capture serves both
     ("dflash", 4, [2, 4]), ("dflash", 36, [2, 10, 18, 26, 34, 36]),
     ("dspark", 36, [2, 10, 18, 26, 34, 36]),
 ])
@@ -66,7 +67,7 @@ def test_layers(name: str, n: int, ids: list[int]) -> None:
 
 def test_each_method_trains_and_is_served_as_before() -> None:
     """Defaults and vLLM's view per method: EAGLE-3, DFlash and DSpark as they were
-    before the methods were objects."""
+    before the methods were objects; P-EAGLE drafting `block_size` at once."""
     rows = {}
     for m in all_methods():
         spec = TrainSpec(method=m.name)
@@ -80,31 +81,37 @@ def test_each_method_trains_and_is_served_as_before() -> None:
                    {"method": "dflash", "model": "D", "num_speculative_tokens": 7}),
         "dspark": (7, "kl_div", 5, 0, (0.9, 0.95), {"cpu": 5e-3, "cuda": 3e-4}, 16,
                    {"method": "dspark", "model": "D", "num_speculative_tokens": 7}),
+        "peagle": (8, "kl_div", 4, 1, (0.9, 0.999), {}, None,
+                   {"method": "eagle3", "parallel_drafting": True, "model": "D",
+                    "num_speculative_tokens": 8}),
     }
     assert [m.name for m in all_methods() if m.vllm_cpu_refuses] == ["dspark"]
-    assert [m.name for m in all_methods() if m.specforge_features is None] == []
+    assert [m.name for m in all_methods() if m.specforge_features is None] == ["peagle"]
 
 
 def test_expected_acceptance_length_per_method() -> None:
     acc = [0.9, 0.72, 0.54]
-    eagle3, dflash = method("eagle3"), method("dflash")
+    eagle3, peagle, dflash = method("eagle3"), method("peagle"), method("dflash")
     # EAGLE-3's acc[k] is P(steps 0..k right): the sum is the expectation.
     assert eagle3.conditional_accuracies(acc) == pytest.approx([0.9, 0.8, 0.75])
     assert eagle3.expected_acceptance_length(acc, None) == pytest.approx(1 + sum(acc))
+    # P-EAGLE's depths are scored each on its own: their product.
+    assert peagle.expected_acceptance_length(acc, None) == pytest.approx(
+        1 + 0.9 + 0.9 * 0.72 + 0.9 * 0.72 * 0.54)
     # A block drafter counts its accepted runs itself.
     assert dflash.expected_acceptance_length(acc, 3.25) == 3.25
     assert dflash.expected_acceptance_length(acc, None) == 1.0
 
 
 def test_a_saved_draft_names_its_method(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": "dspark"}))
-    assert method_of_draft(tmp_path).name == "dspark"
+    (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
+    assert method_of_draft(tmp_path).name == "peagle"
     assert method_of_draft(tmp_path / "missing").name == DEFAULT_METHOD
 
 
 def test_draft_aux_layers_of_a_capture_for_several_methods() -> None:
     both = sorted({*method("eagle3").layers(8), *method("dflash").layers(8)})
-    assert draft_aux_layers(both, 8, "eagle3") == draft_aux_layers(both, 8) == [2, 4, 5]
+    assert draft_aux_layers(both, 8, "peagle") == draft_aux_layers(both, 8) == [2, 4, 5]
     assert draft_aux_layers(both, 8, "dflash") == [2, 3, 4, 5, 6]
 
 
@@ -157,6 +164,29 @@ def test_the_dense_attention_mask_is_speculators_own(length: int, window: int | 
                                B=None, H=None, Q_LEN=length, KV_LEN=length, device="cpu")
     assert torch.equal(dense_attention_mask(doc, length, "cpu", sliding_window=window), theirs)
     assert theirs.dtype == torch.bfloat16 and theirs.shape == (1, 1, length, length)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_the_peagle_mask_is_speculators_own(window: int | None) -> None:
+    """P-EAGLE's mask over its COD sample, evaluated on broadcast indices, equals
+    speculators' `create_float_mask` (vmap) of the same mask function."""
+    from speculators.models.attention import create_float_mask
+    from speculators.models.peagle.attention import create_peagle_mask_mod
+    from speculators.models.peagle.data import generate_cod_sample_indices
+
+    from hsx.methods.peagle import broadcast_float_mask
+
+    torch.manual_seed(0)
+    length = 128
+    loss_mask = torch.zeros(1, length)
+    loss_mask[0, 10:60] = loss_mask[0, 70:120] = 1
+    doc = torch.cat([torch.zeros(60), torch.ones(60), -torch.ones(8)]).long()
+    anchors, depth = generate_cod_sample_indices(length, loss_mask, 8)
+    mod = create_peagle_mask_mod(anchors, depth, doc, sliding_window=window)
+    n = int(anchors.shape[0])
+    theirs = create_float_mask(mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device="cpu")
+    assert torch.equal(broadcast_float_mask(mod, B=None, H=None, Q_LEN=n, KV_LEN=n,
+                                            device="cpu"), theirs)
 
 
 # ---------------------------------------------------------------------- one place each

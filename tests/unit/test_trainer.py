@@ -377,6 +377,46 @@ def test_a_block_draft_trains_validates_and_resumes(tmp_path: Path, tiny_llama: 
     assert second.run().step == 5 and second.resumed_from == 3
 
 
+def test_a_peagle_draft_trains_from_an_eagle3_capture(tmp_path: Path,
+                                                      tiny_llama: Path) -> None:
+    """`method: peagle` reads EAGLE-3's ids ([1, 2] of [1, 2, 4]), shifted as EAGLE-3's;
+    it drafts `block_size` tokens at once, each depth scored on its own; its config is
+    the one vLLM's speculators reader serves as EAGLE-3 with parallel drafting (a mask
+    token, the auxiliary count where vLLM reads it), and it resumes like the others."""
+    root = make_output(tmp_path / "out", tiny_llama)
+    seen: list[StepMetrics] = []
+    peagle = spec(method="peagle", block_size=4, max_steps=3, val_fraction=0.25)
+    trainer = DraftTrainer(root, peagle, on_metrics=seen.append)
+    assert trainer.run().step == 3
+    assert all(np.isfinite(m.loss) and len(m.acc) == 4 for m in seen)
+    config = json.loads((root / DRAFT_DIR / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2]
+    assert config["mask_token_id"] is not None
+    layer = config["transformer_layer_config"]
+    assert layer["num_hidden_layers"] == 4 and layer["num_aux_hidden_states"] == 2
+    proposal = config["speculators_config"]["proposal_methods"][0]
+    assert proposal["speculative_tokens"] == peagle.proposed_tokens == 4
+    from vllm.transformers_utils.configs.speculators.algos import (
+        SUPPORTED_SPECULATORS_TYPES,
+    )
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    served = SpeculatorsConfig.build_vllm_speculative_config(config)
+    own = peagle.draft.speculative_config("draft", 4)
+    assert served == {key: own[key] for key in served}  # eagle3, parallel, 4 tokens
+    read: dict[str, Any] = dict(layer)
+    SUPPORTED_SPECULATORS_TYPES["peagle"](config, read)
+    assert read["pard_token"] == config["mask_token_id"]
+    rows = [json.loads(x) for x in (root / "draft/validation.jsonl").read_text().splitlines()]
+    assert rows and all(1.0 <= r["expected_acceptance_length"] <= 5 for r in rows)
+    assert rows[-1]["cond_acc"] == rows[-1]["acc"]  # each depth on its own
+    state = json.loads((root / DRAFT_DIR / "train.json").read_text())
+    assert state["plan"]["anchors"] is None  # every answer token, speculators' default
+    second = DraftTrainer(root, peagle.model_copy(update={"max_steps": 5}))
+    assert second.run().step == 5 and second.resumed_from == 3
+
+
 def test_resume_drops_metrics_past_the_checkpoint(tmp_path: Path, tiny_llama: Path) -> None:
     root = make_output(tmp_path / "out", tiny_llama)
     DraftTrainer(root, spec(max_steps=4)).run()
