@@ -240,18 +240,20 @@ class TrainSpec(BaseModel):
         ),
     )
     eval_prompts: int = Field(
-        32,
+        256,
         ge=0,
         le=65536,
         description=(
-            "After a training run by the coordinator: held-out prompts that vLLM answers "
-            "with the draft, to measure its acceptance (draft/eval.json); 0: no evaluation. "
-            "At most 65,536."
+            "After a job's training: held-out prompts that vLLM answers with the draft, as "
+            "a server does (greedy, stopping at the end of the turn), to measure its "
+            "acceptance (draft/eval.json); as many as are held out when fewer; 0: no "
+            "evaluation. At most 65,536."
         ),
     )
     eval_max_tokens: int = Field(
         256, ge=1, le=2**17, description=(
-            "At most this many tokens generated per evaluation prompt; at most 131,072 (a "
+            "At most this many tokens generated per evaluation prompt (each prompt's own "
+            "limit is its answer's length in the dataset); at most 131,072 (a "
             "long-context model's window).")
     )
     seed: int = Field(0, description="Seed of the initial weights and the sample order.")

@@ -233,6 +233,31 @@ def test_task_language_answers_follow_the_prompt() -> None:
     assert len(set(lang.word_map.values())) == lang.size
 
 
+def test_a_language_whose_answers_end() -> None:
+    """`ends`: the likeliest successor walks down the levels to the end of the turn, so
+    the target's greedy answers are short and end with EOT; the data's end where their
+    chain samples it; the language without `ends` never ends a turn."""
+    import random
+
+    from hsx_workers.tiny_models import EOT_ID
+
+    lang = TaskLanguage(ends=True)
+    rng = random.Random(3)
+    lengths = []
+    for _ in range(200):
+        ids, mask = lang.sample(rng)
+        sep = ids.index(SEP_ID)
+        greedy = lang.continuation(ids[: sep + 1], 100)
+        assert greedy[-1] == EOT_ID and EOT_ID not in greedy[:-1]
+        lengths.append(len(greedy))
+        assert EOT_ID not in ids[: -1] and mask[-1] == 1
+        targets = lang.greedy_targets(ids)
+        assert targets[sep] == greedy[0]
+    assert min(lengths) >= 1 and max(lengths) <= lang.max_words + lang.levels + 1
+    assert 4 <= sum(lengths) / len(lengths) <= 7
+    assert all(EOT_ID not in s for s in TaskLanguage().successors.values())
+
+
 def test_speculators_sample_layout_and_shift() -> None:
     from speculators.models.eagle3.data import shift_batch
 

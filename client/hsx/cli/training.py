@@ -326,10 +326,13 @@ def _eval_path(output: Any, root: Path) -> str:
 
 def _print_eval(result: dict[str, Any], recorded_in: str | None) -> None:
     rates = " ".join(f"{r:.2f}" for r in result["acceptance_per_position"])
+    interval = result.get("confidence_interval")
+    within = f" (95% interval {interval[0]:.2f}-{interval[1]:.2f})" if interval else ""
     console().print(
-        f"mean acceptance length {result['mean_acceptance_length']:.2f} at k={result['k']} "
-        f"on {result['prompts']} {result['prompt_source']} ({result['accepted_tokens']} of "
-        f"{result['draft_tokens']} draft tokens accepted in {result['drafts']} drafts; "
+        f"mean acceptance length {result['mean_acceptance_length']:.2f}{within} at "
+        f"k={result['k']} on {result['prompts']} {result['prompt_source']}, "
+        f"{result['stopped_at_eos']} of them ending their turn ({result['accepted_tokens']} "
+        f"of {result['draft_tokens']} draft tokens accepted in {result['drafts']} drafts; "
         f"acceptance per position [{rates}])", markup=False, highlight=False)
     if recorded_in is not None:
         console().print(f"recorded in {recorded_in}", markup=False, highlight=False)
@@ -408,13 +411,16 @@ def add_parsers(sub: Any) -> None:
                    help="GPUs the target spans (default: the job's, else 1)")
     p.add_argument("--k", type=int, default=None,
                    help="num_speculative_tokens (default: what the training's draft proposes: "
-                        "EAGLE-3's ttt_steps, 3; a DFlash block less its anchor, 7)")
-    p.add_argument("--prompts", type=int, default=32,
-                   help="held-out samples whose prompts vLLM answers (default 32)")
+                        "EAGLE-3's ttt_steps, 3; a DFlash block less its anchor, 7; "
+                        "P-EAGLE's block, 8)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="held-out samples whose prompts vLLM answers (default: the "
+                        "training's `eval_prompts`, 256; as many as are held out)")
     p.add_argument("--prefix", type=int, default=8,
                    help="prompt length for samples without a question (all loss-masked)")
-    p.add_argument("--max-tokens", type=int, default=256,
-                   help="at most this many tokens per answer (default: each sample's "
-                        "answer length, at most 256)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="at most this many tokens per answer; each stops at the end of "
+                        "its turn or at its answer's length in the dataset (default: the "
+                        "training's `eval_max_tokens`, 256)")
     p.add_argument("--json", action="store_true", help="the counters as JSON on stdout")
     p.set_defaults(func=_cmd_eval_draft)
