@@ -328,12 +328,14 @@ def _print_eval(result: dict[str, Any], recorded_in: str | None) -> None:
     rates = " ".join(f"{r:.2f}" for r in result["acceptance_per_position"])
     interval = result.get("confidence_interval")
     within = f" (95% interval {interval[0]:.2f}-{interval[1]:.2f})" if interval else ""
+    ended = result.get("stopped_at_eos")
+    ending = f", {ended} of them ending their turn" if ended is not None else ""
     console().print(
         f"mean acceptance length {result['mean_acceptance_length']:.2f}{within} at "
-        f"k={result['k']} on {result['prompts']} {result['prompt_source']}, "
-        f"{result['stopped_at_eos']} of them ending their turn ({result['accepted_tokens']} "
-        f"of {result['draft_tokens']} draft tokens accepted in {result['drafts']} drafts; "
-        f"acceptance per position [{rates}])", markup=False, highlight=False)
+        f"k={result['k']} on {result['prompts']} {result['prompt_source']}{ending} "
+        f"({result['accepted_tokens']} of {result['draft_tokens']} draft tokens accepted "
+        f"in {result['drafts']} drafts; acceptance per position [{rates}])",
+        markup=False, highlight=False)
     if recorded_in is not None:
         console().print(f"recorded in {recorded_in}", markup=False, highlight=False)
 
