@@ -41,6 +41,8 @@ from hsx.spec import TrainSpec
 EVAL_FILE = DRAFT_EVAL.rpartition("/")[2]
 
 Z_95 = 1.959964  # the standard normal's 97.5th percentile: a two-sided 95% interval
+INTERVAL_METHOD = ("95% normal interval over prompts of 1 + accepted / drafts (delta method "
+                   "of the ratio), from vLLM's per-request counts")
 
 
 @dataclass
@@ -179,9 +181,9 @@ def measure_acceptance(
     accepted = int(_counter(metrics, "vllm:spec_decode_num_accepted_tokens").value)
     per_pos = [int(v) for v in _counter(
         metrics, "vllm:spec_decode_num_accepted_tokens_per_pos").values]
-    counts = [_request_counts(o.outputs[0]) for o in outputs] if per_request else [None]
+    counts = [_request_counts(o.outputs[0]) for o in outputs] if per_request else []
     known = [c for c in counts if c is not None]
-    interval = acceptance_interval(known) if len(known) == len(counts) else None
+    interval = acceptance_interval(known) if counts and len(known) == len(counts) else None
     return Acceptance(
         k=k, prompts=len(prompts),
         generated_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
@@ -199,10 +201,6 @@ def measure_acceptance(
             "vllm": vllm_version(),
         },
     )
-
-
-INTERVAL_METHOD = ("95% normal interval over prompts of 1 + accepted / drafts (delta method "
-                   "of the ratio), from vLLM's per-request counts")
 
 
 def _request_counts(completion: Any) -> tuple[int, int] | None:
