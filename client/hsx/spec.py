@@ -122,16 +122,19 @@ class TrainSpec(BaseModel):
         f"Draft method, one of {', '.join(method_names())} (hsx.methods; "
         "docs/TRAINING.md, \"Draft methods\"): `eagle3` (autoregressive, `ttt_steps` "
         "tokens a step), `dflash` (a block of `block_size` - 1 tokens in one forward "
-        "pass) or `dspark` (DFlash's blocks with a Markov and a confidence head)."))
+        "pass), `dspark` (DFlash's blocks with a Markov and a confidence head) or "
+        "`peagle` (EAGLE-3's layers, `block_size` tokens drafted at once)."))
     num_layers: int | None = Field(None, ge=1, le=32, description=(
         "Decoder layers of the draft, each of the target's layer size. None: the "
         "method's (speculators' recipes; docs/TRAINING.md). At most 32 (32 of a large "
         "target's layers take hundreds of GB)."))
     block_size: int = Field(8, ge=2, le=64, description=(
-        "DFlash, DSpark: tokens of a block, from the anchor (the target's own token)."))
+        "DFlash, DSpark: tokens of a block, from the anchor (the target's own token). "
+        "P-EAGLE: tokens drafted at once."))
     max_anchors: int | None = Field(None, ge=1, le=2**16, description=(
-        "DFlash, DSpark: blocks trained per packed sequence, at positions drawn at random. "
-        "None: one per `block_size` tokens of a pack, at most 512."))
+        "DFlash, DSpark: blocks trained per packed sequence, at positions drawn at random "
+        "(None: one per `block_size` tokens of a pack, at most 512). P-EAGLE: positions "
+        "its parallel groups start from (None: every answer token)."))
     ttt_steps: int = Field(
         3, ge=1, le=32, description=(
             "Training-time-test steps: draft tokens trained per position. At most 32 "

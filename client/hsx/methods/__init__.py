@@ -1,4 +1,4 @@
-"""Draft methods: one module each (eagle3.py, dflash.py, dspark.py), found by
+"""Draft methods: one module each (eagle3.py, dflash.py, dspark.py, peagle.py), found by
 name; what a method is and who asks it what: base.py.
 
 One capture can serve several methods: a job's `layers:` may name methods, and the

@@ -1,7 +1,7 @@
 """What a draft method is (`DraftMethod`), and where each one is found.
 
 A draft method is one module of this package, named as the method (eagle3.py, dflash.py,
-dspark.py), whose `METHOD` is an instance of a `DraftMethod` subclass. The
+dspark.py, peagle.py), whose `METHOD` is an instance of a `DraftMethod` subclass. The
 rest of hsx asks that object whatever differs between methods, and never compares a
 method's name:
 
@@ -21,7 +21,8 @@ Two sides in one object. The light side (layer ids, defaults, vLLM's config, exp
 keys, the scores' formula) is plain Python, so `import hsx` stays free of torch. The
 heavy side (`build`, `forward_kwargs`, `preprocess`) imports torch, transformers and
 speculators inside the methods, and only the trainer (hsx_workers) calls it. A method
-built on another subclasses it (DSpark is DFlash's blocks with more heads).
+built on another subclasses it (DSpark is DFlash's blocks with more heads; P-EAGLE is
+EAGLE-3's layers drafting in parallel).
 
 The methods are listed from this folder's files and a method's module is imported when
 it is first asked for (`method(name)`), as hsx/registry.py's registries import their
