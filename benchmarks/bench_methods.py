@@ -1,7 +1,8 @@
-"""Draft methods compared on one capture: EAGLE-3, DFlash and DSpark on the learnable target.
+"""Draft methods compared on one capture: every method of hsx.methods (EAGLE-3, DFlash,
+DSpark, P-EAGLE) on the learnable target.
 
-One extraction with `layers: [eagle3, dflash, dspark]` (the union of the methods' ids) of
-the learnable target's 3,000 samples; then, for each method, `hsx train OUTPUT --method M`
+One extraction with `layers:` naming every method (the union of their ids) of the
+learnable target's 3,000 samples; then, for each method, `hsx train OUTPUT --method M`
 with no other option (each in a draft folder of its own), `hsx eval-draft` (vLLM loads
 the draft with its method and answers the held-out prompts greedily), and vLLM without a
 draft on the same prompts. Reported per method: the best held-out validation (expected
@@ -13,8 +14,9 @@ per token for that method's layers. Where this vLLM cannot serve a method's draf
 on vLLM's CPU build), its row holds the training's figures and the reason in place of
 vLLM's.
 
-Run: `python -m benchmarks.bench_methods [--methods eagle3,dflash,dspark] [--work DIR]`
-(~25 minutes on 2 cores for EAGLE-3 and DFlash). Results:
+Run: `python -m benchmarks.bench_methods [--methods eagle3,dflash,peagle] [--work DIR]`
+(~25 minutes on 2 cores for EAGLE-3 and DFlash). vLLM generates as `hsx eval-draft` does:
+greedily, each held-out prompt until the end of its turn or its answer's length. Results:
 benchmarks/results/<date>-methods/methods.json.
 """
 
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from hsx.methods import METHOD_NAMES
+from hsx.methods import method_names
 
 SAMPLES = 3000  # the learnable language's samples, as the integration tests use
 CPU_ENV = {  # vLLM's CPU CI switches, as tests/conftest.py sets them
@@ -64,7 +66,7 @@ def capture(work: Path) -> tuple[Path, float]:
     job = work / "job.json"
     job.write_text(json.dumps({
         "model": str(target), "dataset": str(dataset), "output": str(output),
-        "layers": list(METHOD_NAMES), "max_seq_len": 256, "unit_tokens": 8192,
+        "layers": list(method_names()), "max_seq_len": 256, "unit_tokens": 8192,
         "ray_address": "local",
     }))
     seconds, _ = _hsx("extract", str(job))
@@ -84,7 +86,8 @@ from hsx.output import Output
 from hsx.spec import TrainSpec
 from hsx_workers.acceptance import held_out_prompts
 out = Output({str(output)!r})
-prompts, _ = held_out_prompts(out, TrainSpec(), 32, prefix=8, max_tokens=256)
+spec = TrainSpec()
+prompts, _ = held_out_prompts(out, spec, spec.eval_prompts, max_tokens=spec.eval_max_tokens)
 from hsx_workers.dtypes import vllm_dtype
 model = out.manifest().model
 llm = LLM(model=model, enforce_eager=True, dtype=vllm_dtype("auto", model),
@@ -93,8 +96,8 @@ timed = []
 for _ in range(2):
     t0 = time.perf_counter()
     res = llm.generate([TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts],
-                       [SamplingParams(max_tokens=p.max_tokens, temperature=0.0,
-                                       ignore_eos=True) for p in prompts], use_tqdm=False)
+                       [SamplingParams(max_tokens=p.max_tokens, temperature=0.0)
+                        for p in prompts], use_tqdm=False)
     timed.append(time.perf_counter() - t0)
 print(json.dumps({{"seconds": timed[0], "seconds_again": timed[1],
                   "generated_tokens": sum(len(o.outputs[0].token_ids) for o in res)}}))
@@ -136,6 +139,8 @@ def run_method(output: Path, method: str, work: Path, alone: dict[str, Any]) -> 
     return {
         **trained, "k": acc["k"],
         "vllm_mean_acceptance_length": round(acc["mean_acceptance_length"], 3),
+        "vllm_interval_95": [round(x, 3) for x in acc["confidence_interval"] or []] or None,
+        "vllm_prompts": acc["prompts"], "vllm_stopped_at_eos": acc["stopped_at_eos"],
         "vllm_acceptance_per_position": [round(a, 3) for a in acc["acceptance_per_position"]],
         "tokens_per_s_with_draft": round(with_draft, 1),
         "tokens_per_s_target_alone": round(without, 1),
@@ -147,7 +152,7 @@ def run_method(output: Path, method: str, work: Path, alone: dict[str, Any]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default=",".join(METHOD_NAMES))
+    parser.add_argument("--methods", default=",".join(method_names()))
     parser.add_argument("--work", type=Path, default=None, help="working folder (kept)")
     parser.add_argument("--out", type=Path, default=common.campaign_path("methods", "methods.json"))
     args = parser.parse_args()
@@ -158,7 +163,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "command": "python -m benchmarks.bench_methods " + " ".join(sys.argv[1:]),
         "date": common.now_iso(), "machine": common.machine_info(),
-        "capture": {"layers": list(METHOD_NAMES), "samples": SAMPLES,
+        "capture": {"layers": list(method_names()), "samples": SAMPLES,
                     "extract_seconds": round(extract_s, 1)},
         "target_alone": alone, "methods": [],
     }

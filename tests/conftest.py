@@ -78,7 +78,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # their worker reaches them after the first has built the learnable target they share
 # (tests/integration/conftest.py), not waiting on it.
 LONGEST_FIRST = (
-    "integration/test_train.py", "integration/test_regenerate.py", "chaos/test_faults.py",
+    "integration/test_train.py", "integration/test_regenerate.py",
+    "integration/test_eval_as_served.py", "chaos/test_faults.py",
     "integration/test_service.py", "integration/test_train_job.py", "integration/test_online.py",
     "integration/test_crash.py",
     "integration/test_gpu_sharing.py", "chaos/test_node_loss.py",

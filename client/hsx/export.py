@@ -52,8 +52,8 @@ dequantized to bf16: speculators' own fp8 files have one scale per token over al
 (`hs_connectors/fp8_utils.py`), hsx has one per token and layer, so the scales cannot be
 carried over as they are.
 
-This module imports only the standard library at import time; torch, safetensors and
-datasets (which any speculators install has) are imported when an export runs.
+This module imports only the standard library (and hsx.methods) at import time; torch,
+safetensors and datasets (which any speculators install has) are imported when an export runs.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hsx.methods import DEFAULT_METHOD, draft_aux_layers
+from hsx.methods import method as draft_method
 from hsx.output.shards import MODALITY_MASK
 
 logger = logging.getLogger(__name__)
@@ -131,8 +133,7 @@ class ExportSummary:
 
     def specforge_hint(self) -> str:
         """What a SpecForge run on this export sets: the data, the strategy, the layers."""
-        key = ("eagle_config.eagle_aux_hidden_state_layer_ids" if self.method == "eagle3"
-               else "dflash_config.target_layer_ids")
+        key = draft_method(self.method or DEFAULT_METHOD).specforge_layer_key
         return (f"specforge train --config RECIPE.yaml data.hidden_states_path="
                 f"{shlex.quote(self.dest)} training.strategy={self.method} "
                 f"model.target_model_path={shlex.quote(self.model)}, with "
@@ -147,7 +148,7 @@ class ExportSummary:
         dest = shlex.quote(self.dest)
         draft_vocab_size = min(DRAFT_VOCAB, _vocab_size(self.model) or DRAFT_VOCAB)
         parts = [
-            f"speculators train --speculator-type {self.method or 'eagle3'}",
+            f"speculators train --speculator-type {self.method or DEFAULT_METHOD}",
             f"--verifier-name-or-path {shlex.quote(self.model)}",
             *(["--trust-remote-code"] if self.trust_remote_code else []),
             f"--data-path {dest}",
@@ -184,28 +185,21 @@ def _vocab_size(model: str) -> int | None:
     return int(size) if size else None
 
 
-VLLM_DEFAULT_AUX_LAYERS = 3
-
-
 def fix_speculators_draft(path: str | Path) -> list[Path]:
-    """Make every EAGLE-3 draft speculators saved under PATH load in vLLM with its own
-    number of auxiliary layers; returns the config.json files it changed.
+    """Make every draft speculators saved under PATH load in vLLM as it was trained;
+    returns the config.json files it changed.
 
-    speculators 0.9 records the auxiliary layer ids at the top of the draft's config
-    (`eagle_aux_hidden_state_layer_ids`); vLLM 0.25's speculators reader copies them to
-    the top of the draft's text config, but its Llama EAGLE-3 takes the width of `fc`
-    from `num_aux_hidden_states` or `eagle_config` in that text config and otherwise
-    assumes 3 (vllm/model_executor/models/llama_eagle3.py). A draft trained on 2 or 4
-    auxiliary layers therefore fails to load ("Tried to load weights of size [H, 2H] to
-    a parameter of size [H, 3H]"). Writing the count into `transformer_layer_config`
-    fixes that; a draft that already says it is left alone (the command is idempotent)."""
+    What vLLM would read wrongly is the draft's method's to say
+    (`DraftMethod.fix_draft_config`): speculators 0.9 records an EAGLE-3 draft's
+    auxiliary layer count where vLLM 0.25's Llama EAGLE-3 does not read it, so a draft
+    on 2 or 4 auxiliary layers failed to load ("Tried to load weights of size [H, 2H] to
+    a parameter of size [H, 3H]"). A draft that needs nothing is left alone (the command
+    is idempotent)."""
     changed = []
     for config_path in sorted(Path(path).rglob("config.json")):
         config = json.loads(config_path.read_text())
-        if not _aux_count_unread(config):
+        if not _fixed(config):
             continue
-        config["transformer_layer_config"]["num_aux_hidden_states"] = len(
-            config["eagle_aux_hidden_state_layer_ids"])
         staged = config_path.with_name(f".config.json.{uuid.uuid4().hex}")
         staged.write_text(json.dumps(config, indent=2) + "\n")
         os.replace(staged, config_path)
@@ -214,23 +208,22 @@ def fix_speculators_draft(path: str | Path) -> list[Path]:
 
 
 def draft_aux_count_unread(draft: str | Path) -> bool:
-    """True when vLLM would read a wrong auxiliary layer count from the speculators
-    draft in DRAFT (a folder with config.json); see `fix_speculators_draft`."""
+    """True when vLLM would read the speculators draft in DRAFT (a folder with
+    config.json) wrongly; see `fix_speculators_draft`."""
     try:
-        return _aux_count_unread(json.loads((Path(draft) / "config.json").read_text()))
+        return _fixed(json.loads((Path(draft) / "config.json").read_text()))
     except (OSError, ValueError):
         return False
 
 
-def _aux_count_unread(config: dict[str, Any]) -> bool:
-    layers = config.get("eagle_aux_hidden_state_layer_ids")
-    text = config.get("transformer_layer_config")
-    if config.get("speculators_model_type") != "eagle3" or not layers or not isinstance(
-            text, dict):
+def _fixed(config: dict[str, Any]) -> bool:
+    """Whether the draft's method changed `config` (in place) for vLLM; False for a
+    config of no method hsx knows."""
+    try:
+        chosen = draft_method(str(config.get("speculators_model_type") or ""))
+    except ValueError:
         return False
-    said = text.get("num_aux_hidden_states") or len(
-        (text.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [])
-    return (said or VLLM_DEFAULT_AUX_LAYERS) != len(layers)
+    return chosen.fix_draft_config(config)
 
 
 def hs_file_name(index: int) -> str:
@@ -282,10 +275,8 @@ def export_output(
     stored, num_layers = _check_source(ds, allow_incomplete=allow_incomplete)
     layers = stored
     if fmt == SPECFORGE_FORMAT:
-        method = method or "eagle3"
+        method = method or DEFAULT_METHOD
     if method is not None:
-        from hsx.methods import draft_aux_layers
-
         try:
             layers = [*draft_aux_layers(stored, num_layers, method), num_layers]
         except ValueError as err:

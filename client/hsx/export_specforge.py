@@ -13,7 +13,8 @@ DEST/
 ```
 
 Each strategy names its own features (its `OfflineCaptureLayout` in
-`specforge/algorithms/<strategy>/providers.py`), all per token of the sample, unshifted:
+`specforge/algorithms/<strategy>/providers.py`; hsx's method holds them,
+`DraftMethod.specforge_features`), all per token of the sample, unshifted:
 
 | strategy | auxiliary layers, concatenated [1, T, n*H] | post-norm final state [1, T, H] |
 |---|---|---|
@@ -42,17 +43,12 @@ from pathlib import Path
 from typing import Any
 
 from hsx.finalnorm import FinalNorm, FinalNormUnavailable
+from hsx.methods import all_methods
+from hsx.methods import method as draft_method
 from hsx.output.shards import MODALITY_MASK
 
 SAMPLE_INDICES = "hsx_sample_index.json"
 SPECFORGE_GROUP = 2000  # files per rows_{g}-{g+2000} folder (SpecForge's --file-group-size)
-# SpecForge's offline record of each strategy (its OfflineCaptureLayout): the feature of
-# the auxiliary layers (concatenated), and that of the post-norm final state (None: none).
-SPECFORGE_FEATURES = {
-    "eagle3": ("aux_hidden_state", "hidden_state"),
-    "dflash": ("hidden_states", None),
-    "dspark": ("hidden_states", "target_last_hidden_states"),
-}
 
 
 def specforge_file(index: int) -> str:
@@ -76,10 +72,14 @@ class SpecForgeWriter:
         """The writer of `method`'s records; ValueError when SpecForge has no such
         strategy, or it needs the post-norm state and the target's norm cannot be read
         (the export refuses with its words)."""
-        if method not in SPECFORGE_FEATURES:
-            raise ValueError(f"SpecForge's layout holds {', '.join(SPECFORGE_FEATURES)} "
-                              f"drafts, not {method!r}")
-        aux, last = SPECFORGE_FEATURES[method]
+        # SpecForge's offline record of the strategy (its OfflineCaptureLayout): the
+        # feature of the auxiliary layers (concatenated), that of the post-norm state.
+        features = draft_method(method).specforge_features
+        if features is None:
+            held = [m.name for m in all_methods() if m.specforge_features is not None]
+            raise ValueError(f"SpecForge's layout holds {', '.join(held)} drafts, not "
+                             f"{method!r}")
+        aux, last = features
         norm = None
         if last is not None:
             try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsx.methods import resolve_layers
+from hsx.methods import DEFAULT_METHOD, resolve_layers
 
 
 class ModelConfigError(ValueError):
@@ -99,13 +99,14 @@ class ModelInfo:
     def valid_layers(self, engine: str | None = None) -> list[int]:
         return list(range(self.min_layer_id(engine), self.num_layers + 1))
 
-    def default_layers(self, engine: str | None = None, method: str = "eagle3") -> list[int]:
+    def default_layers(self, engine: str | None = None, method: str = DEFAULT_METHOD
+                       ) -> list[int]:
         """The ids a capture for `method` holds (hsx.methods) that `engine` can capture."""
         low = self.min_layer_id(engine)
         return resolve_layers([method], self.num_layers, low) or [self.num_layers]
 
     def job_layers(self, asked: Sequence[int | str] | None, engine: str | None = None,
-                   method: str = "eagle3") -> list[int]:
+                   method: str = DEFAULT_METHOD) -> list[int]:
         """A job's `layers:` as ids (method names stand for their ids); unset: `method`'s."""
         if asked is None:
             return self.default_layers(engine, method)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,12 @@ from pydantic import (
 )
 
 from hsx.images_spec import ImageSpec
-from hsx.methods import METHODS, DraftMethod, MethodName
+from hsx.methods import DEFAULT_METHOD, method_names
+
+# The job file's `train:` section, a module of its own (re-exported here).
+from hsx.train_spec import TrainDevice as TrainDevice
+from hsx.train_spec import TrainLoss as TrainLoss
+from hsx.train_spec import TrainSpec as TrainSpec
 
 EngineName = Literal["vllm", "hf"]
 StorageDtype = Literal["bf16", "fp8"]
@@ -93,293 +97,6 @@ class VllmOptions(BaseModel):
 
 
 # Ray's label syntax (ray/_private/label_utils.py), checked here without importing Ray.
-_LABEL_NAME = r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?"
-_LABEL_KEY = re.compile(rf"({_LABEL_NAME}(\.{_LABEL_NAME})*/)?{_LABEL_NAME}")
-_LABEL_SELECTOR = re.compile(
-    rf"!?(in)?\({_LABEL_NAME}(, ?{_LABEL_NAME})*\)|!?{_LABEL_NAME}")
-
-TrainDevice = Literal["auto", "cpu", "cuda"]
-TrainLoss = Literal["kl_div", "ce", "rkl", "jsd", "tv"]
-
-
-class TrainSpec(BaseModel):
-    """How to train a draft on a job's output (speculators' model of its `method`).
-
-    The draft's shape comes from the target's (text) config and the output's layer ids:
-    the last id must be N (the final layer before the norm: the draft's training target);
-    the ids before it are the auxiliary states the draft reads (its method's own, when
-    the output holds several methods' ids: hsx.methods).
-
-    Fields left unset (None) are chosen when training starts, from the data and the
-    device (docs/TRAINING.md, "Defaults"): the number of steps from the training tokens,
-    the learning rate and the tokens per step from CPU or GPU. The trainer records what
-    it chose in `draft/train.json` (`plan`).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    draft_vocab_size: int = Field(
-        32000,
-        gt=0,
-        le=2**20,
-        description=(
-            "Tokens the draft predicts: the most frequent loss-masked tokens of the inputs. "
-            "At or above the target's vocabulary size the draft uses the whole vocabulary. "
-            "At most 1,048,576 (four times the largest vocabularies, 262,144)."
-        ),
-    )
-    method: MethodName = Field("eagle3", description=(
-        "Draft method: `eagle3` (autoregressive, `ttt_steps` tokens a step), `dflash` "
-        "(a block of `block_size` - 1 tokens in one forward pass) or `dspark` (DFlash's "
-        "blocks of `block_size` tokens with a Markov and a confidence head)."))
-    num_layers: int | None = Field(None, ge=1, le=32, description=(
-        "Decoder layers of the draft, each of the target's layer size. None: 1 for "
-        "EAGLE-3, 5 for DFlash and DSpark (speculators' recipes). At most 32 (32 of a "
-        "large target's layers take hundreds of GB)."))
-    block_size: int = Field(8, ge=2, le=64, description=(
-        "DFlash, DSpark: tokens of a block, from the anchor (the target's own token)."))
-    max_anchors: int | None = Field(None, ge=1, le=2**16, description=(
-        "DFlash, DSpark: blocks trained per packed sequence, at positions drawn at random. "
-        "None: one per `block_size` tokens of a pack, at most 512."))
-    ttt_steps: int = Field(
-        3, ge=1, le=32, description=(
-            "Training-time-test steps: draft tokens trained per position. At most 32 "
-            "(EAGLE-3 trains 3 to 8; each step holds its own activations).")
-    )
-    ttt_step_loss_decay: float = Field(
-        1.0, gt=0, description="Weight of step k's loss is decay**k."
-    )
-    loss: TrainLoss | None = Field(None, description=(
-        "Loss against the target's distribution. None: the method's in speculators: "
-        "`kl_div`, `ce` for DFlash (with per-position D-PACE weights)."))
-    loss_implementation: Literal["auto", "fused", "eager"] = Field(
-        "auto",
-        description=(
-            "speculators' loss kernels: `fused` (Triton; the GPU default under auto) or "
-            "`eager` (plain torch; the CPU default, and the fallback where the fused "
-            "kernels do not compile with the installed torch)."
-        ),
-    )
-    lr: float | None = Field(
-        None, gt=0, description="Peak AdamW learning rate; None: 1e-3 on CPU, 1e-4 on GPU."
-    )
-    lr_schedule: Literal["cosine", "constant"] = Field(
-        "cosine",
-        description="After the warm-up: cosine decay to 0 over the schedule, or constant.",
-    )
-    warmup_steps: int | None = Field(
-        None, ge=0, description="Linear warm-up steps; None: 5% of the schedule, at most 500."
-    )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    steps: int | None = Field(
-        None,
-        gt=0,
-        description=(
-            "Optimizer steps of the schedule (the learning rate decays over them). None: "
-            "from `epochs` if set, else sized from the data: 3 passes over the training "
-            "tokens, at least 500 steps on CPU and 2000 on GPU."
-        ),
-    )
-    epochs: float | None = Field(
-        None,
-        gt=0,
-        description="Passes over the training samples, instead of `steps` (not both).",
-    )
-    max_steps: int | None = Field(
-        None,
-        gt=0,
-        description="Stop at this step (a checkpoint is written); the schedule is unchanged.",
-    )
-    batch_tokens: int | None = Field(
-        None,
-        gt=1,
-        le=2**24,
-        description=(
-            "Tokens per optimizer step and worker: whole samples, packed into sequences of "
-            "`pack_tokens`. None: 1024 on CPU, 8192 on GPU. At most 16,777,216 (a step's "
-            "samples are read at once)."
-        ),
-    )
-    pack_tokens: int | None = Field(
-        None,
-        gt=1,
-        le=2**20,
-        description=(
-            "Tokens per forward pass (one packed sequence; a longer sample is cut to it). "
-            "The draft's attention over a packed sequence costs its length squared on CPU, "
-            "so steps of `batch_tokens` are split into packs and their gradients summed. "
-            "None: 512 on CPU, 8192 on GPU (block-sparse flex attention). At most "
-            "1,048,576, the longest max_seq_len."
-        ),
-    )
-    checkpoint_every: int | None = Field(
-        None,
-        gt=0,
-        description=(
-            "Steps between checkpoints, each validated first (a final one is always "
-            "written). None: a tenth of the schedule, at most 2000."
-        ),
-    )
-    keep_checkpoints: int = Field(
-        2, ge=1, description="Newest checkpoints kept in draft/checkpoints/ (plus the best)."
-    )
-    log_every: int = Field(1, ge=1, description="Steps between metrics records.")
-    val_fraction: float = Field(
-        0.05,
-        ge=0,
-        lt=1,
-        description=(
-            "Fraction of the samples held out for validation, chosen by sample index (the "
-            "same ones on every run and resume); 0 disables validation, and the newest "
-            "checkpoint is then the draft."
-        ),
-    )
-    val_max_samples: int = Field(
-        256, ge=1, le=2**20, description=(
-            "At most this many samples are held out (validated at each checkpoint); at "
-            "most 1,048,576.")
-    )
-    workers: int = Field(
-        1,
-        ge=1,
-        description=(
-            "Training processes (Ray Train, DDP): each reads its own units of the output "
-            "(online: of each epoch's capture). 1 trains in the calling process (or the "
-            "coordinator's trainer actor)."
-        ),
-    )
-    place: Literal["any", "apart"] = Field(
-        "any",
-        description=(
-            "Where the trainer's workers run against the job's engines: `any`, where Ray "
-            "finds room; `apart`, never on a Ray node that runs one of the job's engines "
-            "(the engines are placed first). A plan that cannot keep them apart is refused "
-            "at submit, naming what is missing."
-        ),
-    )
-    node_labels: dict[str, str] = Field(
-        default_factory=dict,
-        description=(
-            "Ray node labels each trainer worker's node must have (Ray's label selector: "
-            "`value`, `!value`, `in(a,b)`, `!in(a,b)`), e.g. {hsx-role: trainer} for the "
-            "nodes of a KubeRay worker group started with `labels: hsx-role=trainer`."
-        ),
-    )
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description=(
-            "Custom Ray resources each trainer worker takes besides its CPU and GPU, e.g. "
-            "{trainer: 1} where only the trainer's nodes have `trainer` (`ray start "
-            "--resources`)."
-        ),
-    )
-    eval_prompts: int = Field(
-        32,
-        ge=0,
-        le=65536,
-        description=(
-            "After a training run by the coordinator: held-out prompts that vLLM answers "
-            "with the draft, to measure its acceptance (draft/eval.json); 0: no evaluation. "
-            "At most 65,536."
-        ),
-    )
-    eval_max_tokens: int = Field(
-        256, ge=1, le=2**17, description=(
-            "At most this many tokens generated per evaluation prompt; at most 131,072 (a "
-            "long-context model's window).")
-    )
-    seed: int = Field(0, description="Seed of the initial weights and the sample order.")
-    device: TrainDevice = Field("auto", description="`cuda` when a GPU is present under auto.")
-    follow: bool = Field(
-        True,
-        description=(
-            "Start on the first committed shards and keep up while extraction runs; "
-            "False waits for the extraction to finish."
-        ),
-    )
-    norm_before_residual: bool = Field(
-        True, description="Normalize the hidden input before the residual (speculators default)."
-    )
-    online: bool = Field(
-        False,
-        description=(
-            "A job's training fed by its engines directly: the captured states go to the "
-            "trainer's workers through the job's stream (Ray's object store, across nodes) "
-            "and are never stored as shards; the engines capture the data again for each "
-            "epoch. Only in a job's `train:` section (`hsx extract`, the coordinator)."
-        ),
-    )
-    buffer_bytes: int | None = Field(
-        None,
-        gt=0,
-        le=2**40,
-        description=(
-            "Online: captured states the trainer has not taken yet, at most (the engines "
-            "wait beyond it). None: 1 GiB, or three of the job's largest units when more. "
-            "At most 1 TiB."
-        ),
-    )
-    gpu_share: float = Field(
-        0.3,
-        gt=0,
-        le=0.8,
-        description=(
-            "Online, when the cluster has no GPU to spare for the trainer (one GPU, or the "
-            "engines take them all): the part of an engine's GPU the trainer takes, in "
-            "Ray's accounting and in memory (torch caps it there); the engines' vLLM then "
-            "takes at most 0.95 less this of the GPU's memory."
-        ),
-    )
-
-    @field_validator("node_labels")
-    @classmethod
-    def _label_syntax(cls, labels: dict[str, str]) -> dict[str, str]:
-        for key, value in labels.items():
-            if not _LABEL_KEY.fullmatch(key):
-                raise ValueError(f"{key!r} is not a Ray label key (letters, digits, '-', "
-                                 "'_', '.', an optional prefix/)")
-            if not _LABEL_SELECTOR.fullmatch(value):
-                raise ValueError(f"{key}: {value!r} is not a Ray label selector (value, "
-                                 "!value, in(a,b), !in(a,b))")
-        return labels
-
-    @field_validator("resources")
-    @classmethod
-    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
-        for name, amount in resources.items():
-            if name in ("CPU", "GPU", "memory", "object_store_memory"):
-                raise ValueError(f"{name}: a worker's CPU and GPU are hsx's to set; name "
-                                 "custom resources only")
-            if amount <= 0:
-                raise ValueError(f"{name}: must be > 0, got {amount}")
-        return resources
-
-    @property
-    def draft(self) -> DraftMethod:
-        """The draft method (hsx.methods)."""
-        return METHODS[self.method]
-
-    @property
-    def loss_fn(self) -> str:
-        """`loss`, or the method's own when unset."""
-        return self.loss or self.draft.loss
-
-    @property
-    def proposed_tokens(self) -> int:
-        """Tokens the draft proposes per verification step (vLLM's num_speculative_tokens)."""
-        if self.draft.block:  # the anchor is the target's own token: given, not proposed
-            return self.block_size - 1
-        return self.ttt_steps
-
-    @model_validator(mode="after")
-    def _steps_or_epochs(self) -> TrainSpec:
-        if self.steps is not None and self.epochs is not None:
-            raise ValueError("set steps or epochs, not both")
-        if self.online and not self.follow:
-            raise ValueError("online training follows the engines: follow must be true")
-        return self
-
-
 class RegenerateSpec(BaseModel):
     """Regenerate the assistant turns with the target before capturing them.
 
@@ -604,9 +321,9 @@ class JobSpec(BaseModel):
     train: TrainSpec | None = Field(
         None,
         description=(
-            "Train a draft of its `method` (EAGLE-3 by default, DFlash, DSpark) on this "
-            "output: with `follow` (the default) the trainer starts with the extraction "
-            "and keeps up with it."
+            "Train a draft on this output, of its `method` (EAGLE-3 unless it names "
+            "another: DFlash, DSpark, P-EAGLE): with `follow` (the default) the trainer "
+            "starts with the extraction and keeps up with it."
         ),
     )
     regenerate: RegenerateSpec | None = Field(
@@ -649,9 +366,9 @@ class JobSpec(BaseModel):
         if not layers:
             raise ValueError("layers must not be empty (omit it for the default)")
         for i, k in enumerate(layers):
-            if isinstance(k, str) and k not in METHODS:
+            if isinstance(k, str) and k not in method_names():
                 raise ValueError(f"layers.{i}: {k!r} is neither a layer id nor a draft "
-                                 f"method ({', '.join(METHODS)})")
+                                 f"method ({', '.join(method_names())})")
         negative = [k for k in layers if isinstance(k, int) and k < 0]
         if negative:
             raise ValueError(f"layer ids must be >= 0, got {negative}")
@@ -665,7 +382,7 @@ class JobSpec(BaseModel):
     @property
     def layers_method(self) -> str:
         """The method whose ids a job without `layers:` captures."""
-        return self.train.method if self.train is not None else "eagle3"
+        return self.train.method if self.train is not None else DEFAULT_METHOD
 
     @property
     def target(self) -> TargetModel:

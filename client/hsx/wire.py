@@ -354,6 +354,16 @@ class DraftEval(BaseModel):
         default_factory=list, description="accepted_per_position ÷ drafts.")
     mean_acceptance_length: float | None = Field(
         None, description="1 + accepted ÷ drafts: tokens per verification step.")
+    confidence_interval: list[float] | None = Field(
+        None, description="95% interval of mean_acceptance_length over the prompts (where "
+        "vLLM counts each request's drafts; `measurement.interval` says how).")
+    stopped_at_eos: int | None = Field(
+        None, description="Generations that ended their turn (EOS); the others reached "
+        "their limit.")
+    measurement: dict[str, Any] | None = Field(
+        None, description="How the figure was made: vLLM's speculative_config, sampling, "
+        "where generation stops, the prompts and their limits, the interval, vLLM's "
+        "version.")
     seconds: float = Field(0.0, description="Generation time.")
     time: float | None = Field(None, description="Unix time of the measurement.")
     error: str | None = Field(None, description="Why the measurement failed, if it did.")

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from hsx.methods import METHOD_NAMES, METHODS
+from hsx.methods import method, method_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md"),
@@ -136,9 +136,9 @@ def _train_help() -> str:
     return str(sub.choices["train"].format_help())
 
 
-@pytest.mark.parametrize("name", METHOD_NAMES)
+@pytest.mark.parametrize("name", method_names())
 def test_every_method_is_named_where_users_look(name: str) -> None:
-    title = METHODS[name].title
+    title = method(name).title
     places = {"README.md": (ROOT / "README.md").read_text(),
               "docs/reference/cli.md": (ROOT / "docs" / "reference" / "cli.md").read_text(),
               "docs/methods/README.md": (METHODS_DIR / "README.md").read_text(),
@@ -148,7 +148,7 @@ def test_every_method_is_named_where_users_look(name: str) -> None:
     assert (METHODS_DIR / f"{name}.md").exists()
 
 
-@pytest.mark.parametrize("name", METHOD_NAMES)
+@pytest.mark.parametrize("name", method_names())
 def test_each_method_page_gives_what_the_code_does(name: str) -> None:
     """Its page: the job file's `layers: [NAME]` and the ids they are for an 8B target,
     `hsx train --method NAME`, `hsx eval-draft`, a `vllm serve` line with the method's
@@ -158,12 +158,14 @@ def test_each_method_page_gives_what_the_code_does(name: str) -> None:
 
     page = (METHODS_DIR / f"{name}.md").read_text()
     tokens = TrainSpec(method=name).proposed_tokens
-    assert f"layers: [{name}]" in page and str(METHODS[name].layers(EIGHT_B_LAYERS)) in page
+    assert f"layers: [{name}]" in page and str(method(name).layers(EIGHT_B_LAYERS)) in page
     assert re.search(rf"hsx train \S+ --method {name}\b", page) and "hsx eval-draft " in page
     (config,) = [json.loads(c) for c in SERVE.findall(page)]
-    assert (config["method"], config["num_speculative_tokens"]) == (name, tokens), config
+    serving = method(name).speculative_config(config["model"], tokens)
+    assert config == serving, (config, serving)
     assert "benchmarks/README.md#current-figures" in page
-    row = f'`"method": "{name}"`, `"num_speculative_tokens": {tokens}`'
+    row = ", ".join(f'`"{key}": {json.dumps(value)}`' for key, value in serving.items()
+                    if key != "model")
     for table in (ROOT / "README.md", METHODS_DIR / "README.md"):
         assert row in table.read_text(), (table, row)
 

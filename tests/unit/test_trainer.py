@@ -5,7 +5,7 @@ What is checked: the plan (schedule sized from the data, device defaults, the wa
 when the data is small), the held-out split, the expected acceptance length, the
 samples speculators' Eagle3 model gets, packing (steps of packs, every training token
 once per epoch, held-out samples never trained on), the vocabulary mapping, refusals,
-the draft layer config vLLM can serve, checkpoints (whole, published, pruned, each
+each method's draft as vLLM reads it, checkpoints (whole, published, pruned, each
 with its metrics), best-checkpoint selection, resume (weights, optimizer, step, units),
 stop, following an extraction whose shards arrive while training runs, the learnable
 target's language, and the coordinator's status read from the draft folder.
@@ -37,7 +37,6 @@ from hsx_workers.trainer import (
     Scores,
     StepMetrics,
     TrainRefused,
-    draft_layer_config,
     draft_layout,
     held_out,
     plan_schedule,
@@ -199,7 +198,8 @@ def test_block_drafter_scores_from_speculators_metrics() -> None:
     assert scores.acc == pytest.approx([1.0, 0.5, 1.0])
     assert scores.expected_acceptance_length == pytest.approx(((1 + 1) + (3 + 1)) / 2)
     back = scores.from_tensor(scores.as_tensor() * 2)  # two workers' sums
-    assert back.block and back.expected_acceptance_length == pytest.approx(3.0)
+    assert back.draft.run_metric == "eal"
+    assert back.expected_acceptance_length == pytest.approx(3.0)
 
 
 def test_task_language_answers_follow_the_prompt() -> None:
@@ -231,6 +231,31 @@ def test_task_language_answers_follow_the_prompt() -> None:
             assert targets[t] == lang.successors[ids[t]][0]
     assert kinds == {5, 6, 7}
     assert len(set(lang.word_map.values())) == lang.size
+
+
+def test_a_language_whose_answers_end() -> None:
+    """`ends`: the likeliest successor walks down the levels to the end of the turn, so
+    the target's greedy answers are short and end with EOT; the data's end where their
+    chain samples it; the language without `ends` never ends a turn."""
+    import random
+
+    from hsx_workers.tiny_models import EOT_ID
+
+    lang = TaskLanguage(ends=True)
+    rng = random.Random(3)
+    lengths = []
+    for _ in range(200):
+        ids, mask = lang.sample(rng)
+        sep = ids.index(SEP_ID)
+        greedy = lang.continuation(ids[: sep + 1], 100)
+        assert greedy[-1] == EOT_ID and EOT_ID not in greedy[:-1]
+        lengths.append(len(greedy))
+        assert EOT_ID not in ids[: -1] and mask[-1] == 1
+        targets = lang.greedy_targets(ids)
+        assert targets[sep] == greedy[0]
+    assert min(lengths) >= 1 and max(lengths) <= lang.max_words + lang.levels + 1
+    assert 4 <= sum(lengths) / len(lengths) <= 7
+    assert all(EOT_ID not in s for s in TaskLanguage().successors.values())
 
 
 def test_speculators_sample_layout_and_shift() -> None:
@@ -288,40 +313,6 @@ def test_refusals() -> None:
     assert draft_layout(manifest([1, 3, 7, 8], 8), "dflash") == ([1, 3, 7], 8)
     with pytest.raises(TrainRefused, match=r"dflash draft .* \[2, 3, 4, 5, 6, 8\]"):
         draft_layout(manifest([2, 4, 5], 8), "dflash")
-
-
-def test_draft_layer_config_is_one_vllm_serves() -> None:
-    from transformers import DeepseekV3Config, LlamaConfig
-
-    llama = LlamaConfig(hidden_size=256, num_attention_heads=4, num_hidden_layers=4)
-    own = draft_layer_config(llama, 1, 2)
-    assert own.model_type == "llama" and own.num_hidden_layers == 1
-    assert own.num_aux_hidden_states == 2 and llama.num_hidden_layers == 4  # a copy
-    ds = DeepseekV3Config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3,
-                          vocab_size=512, intermediate_size=384, rms_norm_eps=1e-6)
-    layer = draft_layer_config(ds, 1, 3)
-    assert layer.model_type == "llama" and layer.architectures == ["LlamaForCausalLM"]
-    assert (layer.hidden_size, layer.vocab_size, layer.head_dim) == (256, 512, 64)
-    assert layer.num_hidden_layers == 1 and layer.num_aux_hidden_states == 3
-
-
-@pytest.mark.parametrize(("length", "window"), [(7, None), (64, None), (64, 5), (512, 16)])
-def test_the_dense_attention_mask_is_speculators_own(length: int, window: int | None) -> None:
-    """hsx builds the draft's CPU attention mask with tensor operations; it must be the
-    one speculators' mask functions give: packs of whole samples, padding at the end."""
-    from speculators.models.attention import create_float_mask
-    from speculators.models.eagle3.attention import create_combined_mask_mod
-
-    from hsx_workers.trainer.draft_model import dense_attention_mask
-
-    rng = np.random.default_rng(length)
-    sizes = rng.integers(1, 40, size=length)
-    doc = torch.from_numpy(np.repeat(np.arange(length), sizes)[:length])
-    doc[length - length // 10:] = -1
-    theirs = create_float_mask(create_combined_mask_mod(doc, length, sliding_window=window),
-                               B=None, H=None, Q_LEN=length, KV_LEN=length, device="cpu")
-    assert torch.equal(dense_attention_mask(doc, length, "cpu", sliding_window=window), theirs)
-    assert theirs.dtype == torch.bfloat16 and theirs.shape == (1, 1, length, length)
 
 
 # ---------------------------------------------------------------------- training
@@ -408,6 +399,46 @@ def test_a_block_draft_trains_validates_and_resumes(tmp_path: Path, tiny_llama: 
     state = json.loads((root / DRAFT_DIR / "train.json").read_text())
     assert state["plan"]["lr"] == 1e-3  # the spec's own; unset, a block drafter's default
     second = DraftTrainer(root, dflash.model_copy(update={"max_steps": 5}))
+    assert second.run().step == 5 and second.resumed_from == 3
+
+
+def test_a_peagle_draft_trains_from_an_eagle3_capture(tmp_path: Path,
+                                                      tiny_llama: Path) -> None:
+    """`method: peagle` reads EAGLE-3's ids ([1, 2] of [1, 2, 4]), shifted as EAGLE-3's;
+    it drafts `block_size` tokens at once, each depth scored on its own; its config is
+    the one vLLM's speculators reader serves as EAGLE-3 with parallel drafting (a mask
+    token, the auxiliary count where vLLM reads it), and it resumes like the others."""
+    root = make_output(tmp_path / "out", tiny_llama)
+    seen: list[StepMetrics] = []
+    peagle = spec(method="peagle", block_size=4, max_steps=3, val_fraction=0.25)
+    trainer = DraftTrainer(root, peagle, on_metrics=seen.append)
+    assert trainer.run().step == 3
+    assert all(np.isfinite(m.loss) and len(m.acc) == 4 for m in seen)
+    config = json.loads((root / DRAFT_DIR / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2]
+    assert config["mask_token_id"] is not None
+    layer = config["transformer_layer_config"]
+    assert layer["num_hidden_layers"] == 4 and layer["num_aux_hidden_states"] == 2
+    proposal = config["speculators_config"]["proposal_methods"][0]
+    assert proposal["speculative_tokens"] == peagle.proposed_tokens == 4
+    from vllm.transformers_utils.configs.speculators.algos import (
+        SUPPORTED_SPECULATORS_TYPES,
+    )
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    served = SpeculatorsConfig.build_vllm_speculative_config(config)
+    own = peagle.draft.speculative_config("draft", 4)
+    assert served == {key: own[key] for key in served}  # eagle3, parallel, 4 tokens
+    read: dict[str, Any] = dict(layer)
+    SUPPORTED_SPECULATORS_TYPES["peagle"](config, read)
+    assert read["pard_token"] == config["mask_token_id"]
+    rows = [json.loads(x) for x in (root / "draft/validation.jsonl").read_text().splitlines()]
+    assert rows and all(1.0 <= r["expected_acceptance_length"] <= 5 for r in rows)
+    assert rows[-1]["cond_acc"] == rows[-1]["acc"]  # each depth on its own
+    state = json.loads((root / DRAFT_DIR / "train.json").read_text())
+    assert state["plan"]["anchors"] is None  # every answer token, speculators' default
+    second = DraftTrainer(root, peagle.model_copy(update={"max_steps": 5}))
     assert second.run().step == 5 and second.resumed_from == 3
 
 

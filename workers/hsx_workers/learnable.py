@@ -16,6 +16,11 @@ shows in vLLM's acceptance length instead of hiding:
   The target's greedy choice is the likeliest successor, but the data shows all three:
   a draft trained on states paired with the wrong token (states one token early or
   late) cannot tell which successor the data took, and learns the wrong thing.
+- **Answers that end** (`ends`, for measuring as a server does): the chain's words
+  have levels 0 to `levels`; a word's likeliest successor is a word one level lower,
+  and a level-0 word's is the end of the turn (EOT). The target's greedy answer then
+  ends a few words into its chain (answers of about 1 to 11 tokens); the data's
+  sampled answers end where their chain samples EOT.
 - **A final norm with outlier weights**: after training, a few dimensions of the final
   norm get weights NORM_OUTLIER times the others, the rest are spread over [1/2, 2],
   and `lm_head`'s columns are divided by the same factors (the model computes the same
@@ -51,6 +56,7 @@ from hsx_workers.tiny_models import (
     BOS,
     BOS_ID,
     EOT,
+    EOT_ID,
     PAD,
     SPECIAL_TOKENS,
     make_tiny_model,
@@ -78,6 +84,11 @@ class TaskLanguage:
     max_words: int = 6
     min_chain: int = 6
     max_chain: int = 18
+    ends: bool = False
+    """Answers end their turn: a chain runs until it samples EOT (at most `max_chain`
+    words, then it is cut without one; `min_chain` is not used). Else chains run
+    `min_chain` to `max_chain` words and the target never ends a turn."""
+    levels: int = 3  # with `ends`: a word's greedy distance to the end of the turn, at most
 
     @property
     def words(self) -> list[int]:
@@ -90,12 +101,27 @@ class TaskLanguage:
 
     @cached_property
     def successors(self) -> dict[int, tuple[int, int, int]]:
-        """Each word's three successors in the chain, likeliest first (all distinct)."""
+        """Each word's three successors in the chain, likeliest first (all distinct);
+        with `ends`, the likeliest is a word one level lower, or EOT from level 0."""
         rng = random.Random(self.seed * 7919 + 2)
+        if self.ends:
+            return self._ending_successors(rng)
         out: dict[int, tuple[int, int, int]] = {}
         for w in self.words:
             choices = [v for v in self.words if v != w]
             first, second, third = rng.sample(choices, 3)
+            out[w] = (first, second, third)
+        return out
+
+    def _ending_successors(self, rng: random.Random) -> dict[int, tuple[int, int, int]]:
+        order = self.words
+        rng.shuffle(order)
+        level = {w: i % (self.levels + 1) for i, w in enumerate(order)}
+        lower = {k: [w for w in order if level[w] == k - 1] for k in range(1, self.levels + 1)}
+        out: dict[int, tuple[int, int, int]] = {}
+        for w in self.words:
+            first = rng.choice(lower[level[w]]) if level[w] else EOT_ID
+            second, third = rng.sample([v for v in self.words if v not in (w, first)], 2)
             out[w] = (first, second, third)
         return out
 
@@ -114,9 +140,12 @@ class TaskLanguage:
         prompt = [BOS_ID, task, *words, SEP_ID]
         answer = self._head(task, words)
         token = answer[-1] if answer else words[-1]
-        for _ in range(rng.randint(self.min_chain, self.max_chain)):
+        length = self.max_chain if self.ends else rng.randint(self.min_chain, self.max_chain)
+        for _ in range(length):
             token = rng.choices(self.successors[token], SUCCESSOR_PROBS)[0]
             answer.append(token)
+            if token == EOT_ID:
+                break
         return prompt + answer, [0] * len(prompt) + [1] * len(answer)
 
     def _head(self, task: int, words: list[int]) -> list[int]:
@@ -127,13 +156,14 @@ class TaskLanguage:
         return []
 
     def continuation(self, prompt: list[int], n: int) -> list[int]:
-        """The target's greedy answer to a prompt `BOS TASK w1..wn SEP`: n tokens."""
+        """The target's greedy answer to a prompt `BOS TASK w1..wn SEP`: n tokens, or
+        fewer where it ends its turn (`ends`)."""
         if len(prompt) < 4 or prompt[-1] != SEP_ID or prompt[1] not in TASKS:
             raise ValueError(f"not a prompt of this language: {prompt}")
         words = prompt[2:-1]
         out = self._head(prompt[1], words)
         token = out[-1] if out else words[-1]
-        while len(out) < n:
+        while len(out) < n and token != EOT_ID:
             token = self.successors[token][0]
             out.append(token)
         return out[:n]
@@ -147,9 +177,10 @@ class TaskLanguage:
                               lambda word: self.successors[word][0])
 
     def as_json(self) -> dict[str, Any]:
+        ending = {"ends": True, "levels": self.levels} if self.ends else {}
         return {"kind": "tasks", "size": self.size, "seed": self.seed,
                 "min_words": self.min_words, "max_words": self.max_words,
-                "min_chain": self.min_chain, "max_chain": self.max_chain}
+                "min_chain": self.min_chain, "max_chain": self.max_chain, **ending}
 
 
 def answer_targets(ids: list[int], start: int, words: list[int], head: list[int],
@@ -302,7 +333,8 @@ def language_of(model_dir: str | Path) -> TaskLanguage:
     info = json.loads((Path(model_dir) / "language.json").read_text())
     fields = {k: int(info[k]) for k in ("size", "seed", "min_words", "max_words",
                                         "min_chain", "max_chain")}
-    return TaskLanguage(**fields)
+    return TaskLanguage(**fields, ends=bool(info.get("ends", False)),
+                        levels=int(info.get("levels", TaskLanguage.levels)))
 
 
 # --------------------------------------------------------------------------- as chats

@@ -347,8 +347,11 @@ def write_vision_chats(path: str | Path, n: int, *, language: VisionLanguage,
 def language_of(model_dir: str | Path) -> VisionLanguage:
     info = json.loads((Path(model_dir) / "language.json").read_text())
     text = info["text"]
-    return VisionLanguage(TaskLanguage(**{k: int(text[k]) for k in (
-        "size", "seed", "min_words", "max_words", "min_chain", "max_chain")}))
+    size, seed, min_words, max_words, min_chain, max_chain = (int(text[k]) for k in (
+        "size", "seed", "min_words", "max_words", "min_chain", "max_chain"))
+    return VisionLanguage(TaskLanguage(size=size, seed=seed, min_words=min_words,
+                                       max_words=max_words, min_chain=min_chain,
+                                       max_chain=max_chain))
 
 
 __all__ = ["CHAIN_ID", "COLOURS", "VisionLanguage", "language_of",

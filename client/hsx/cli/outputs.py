@@ -12,7 +12,7 @@ from typing import Any
 
 from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, error
 from hsx.export import FORMATS, SPECULATORS_FORMAT
-from hsx.methods import METHOD_NAMES
+from hsx.methods import method_names
 from hsx.progress import console
 
 
@@ -113,7 +113,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("dest", help="directory to create (must be absent or empty)")
     p.add_argument("--format", choices=FORMATS, default=SPECULATORS_FORMAT,
                    help="target layout (default speculators)")
-    p.add_argument("--method", choices=METHOD_NAMES,
+    p.add_argument("--method", choices=method_names(),
                    help="only the layers a draft of this method reads (and N), for an output "
                         "captured for several methods (default: every stored layer; "
                         "eagle3 for specforge, whose layout is per method)")

@@ -11,7 +11,7 @@ from typing import Any
 
 from hsx.cli.jobs import client_for, remote
 from hsx.cli.report import EXIT_FAILED, EXIT_REFUSED, error
-from hsx.methods import METHOD_NAMES, METHODS
+from hsx.methods import all_methods, method_names
 from hsx.progress import console
 
 
@@ -118,10 +118,9 @@ def _train_output(target: str, spec: Any, draft_dir: str | None, *,
     _print_trained(outcome, output, root, DRAFT_DIR)
     again = "" if draft_dir is None else f" --draft-dir {draft_dir}"
     out.print(f"measure with: hsx eval-draft {output}{again}", markup=False, highlight=False)
+    serving = spec.draft.speculative_config(str(root / DRAFT_DIR), spec.proposed_tokens)
     out.print(f"serve with: vllm serve {output.manifest().model} --speculative-config "
-              f"'{{\"method\": \"{spec.method}\", \"model\": \"{root / DRAFT_DIR}\", "
-              f"\"num_speculative_tokens\": {spec.proposed_tokens}}}'", markup=False,
-              highlight=False)
+              f"'{json.dumps(serving)}'", markup=False, highlight=False)
     return 0
 
 
@@ -311,11 +310,16 @@ def _eval_path(output: Any, root: Path) -> str:
 
 def _print_eval(result: dict[str, Any], recorded_in: str | None) -> None:
     rates = " ".join(f"{r:.2f}" for r in result["acceptance_per_position"])
+    interval = result.get("confidence_interval")
+    within = f" (95% interval {interval[0]:.2f}-{interval[1]:.2f})" if interval else ""
+    ended = result.get("stopped_at_eos")
+    ending = f", {ended} of them ending their turn" if ended is not None else ""
     console().print(
-        f"mean acceptance length {result['mean_acceptance_length']:.2f} at k={result['k']} "
-        f"on {result['prompts']} {result['prompt_source']} ({result['accepted_tokens']} of "
-        f"{result['draft_tokens']} draft tokens accepted in {result['drafts']} drafts; "
-        f"acceptance per position [{rates}])", markup=False, highlight=False)
+        f"mean acceptance length {result['mean_acceptance_length']:.2f}{within} at "
+        f"k={result['k']} on {result['prompts']} {result['prompt_source']}{ending} "
+        f"({result['accepted_tokens']} of {result['draft_tokens']} draft tokens accepted "
+        f"in {result['drafts']} drafts; acceptance per position [{rates}])",
+        markup=False, highlight=False)
     for modality, part in (result.get("per_modality") or {}).items():
         console().print(
             f"  {modality} prompts ({part['prompts']}): mean acceptance length "
@@ -369,8 +373,8 @@ _EXAMPLE_LAYERS = 32
 
 
 def method_titles() -> str:
-    """`EAGLE-3, DFlash, DSpark`: every method hsx trains."""
-    return ", ".join(m.title for m in METHODS.values())
+    """`EAGLE-3, DFlash, ...`: every method hsx trains."""
+    return ", ".join(m.title for m in all_methods())
 
 
 def _defaults(name: str) -> Any:
@@ -386,38 +390,36 @@ def _methods_epilog() -> str:
 
     lines = ["draft methods (--method) and each one's defaults (--set and --spec override "
              "them):"]
-    for name, m in METHODS.items():
-        spec = _defaults(name)
+    for m in all_methods():
+        spec = _defaults(m.name)
         layers = f"{m.default_draft_layers} decoder layer" + "s" * (m.default_draft_layers > 1)
-        proposes = (f"block_size {spec.block_size} less the target's own token" if m.block
-                    else f"ttt_steps {spec.ttt_steps}")
-        served = "" if m.served_on_cpu else "; served by vLLM's GPU build only"
+        served = "" if m.vllm_cpu_refuses is None else "; served by vLLM's GPU build only"
         text = (f"{m.title}, {m.summary}: {layers}; {spec.proposed_tokens} tokens a step "
-                f"({proposes}: vLLM's num_speculative_tokens); loss {spec.loss_fn}; reads "
-                f"ids {m.layers(_EXAMPLE_LAYERS)} of a {_EXAMPLE_LAYERS}-layer target "
-                f"(`layers: [{name}]`){served}.")
-        lines += textwrap.wrap(text, 86, initial_indent=f"  {name:<8}",
+                f"({m.proposed_by(spec)}: vLLM's num_speculative_tokens); loss "
+                f"{spec.loss_fn}; reads ids {m.layers(_EXAMPLE_LAYERS)} of a "
+                f"{_EXAMPLE_LAYERS}-layer target (`layers: [{m.name}]`){served}.")
+        lines += textwrap.wrap(text, 86, initial_indent=f"  {m.name:<8}",
                                subsequent_indent=" " * 10)
     lines += ["", *textwrap.wrap(
         "The command ends by printing the line that serves the draft: vllm serve TARGET "
         "--speculative-config '{\"method\": METHOD, \"model\": DRAFT, "
-        "\"num_speculative_tokens\": K}'.", 88)]
+        "\"num_speculative_tokens\": K, ...}'.", 88)]
     return "\n".join(lines)
 
 
 def _serving_epilog() -> str:
     """What vLLM runs for each method's draft, for `hsx eval-draft --help`."""
     lines = ["the draft's method (its config.json) and what vLLM runs it with by default:"]
-    for name, m in METHODS.items():
-        served = "" if m.served_on_cpu else " (vLLM's GPU build only)"
-        lines.append(f"  {name:<8}{{\"method\": \"{name}\", \"num_speculative_tokens\": "
-                     f"{_defaults(name).proposed_tokens}}}{served}")
+    for m in all_methods():
+        served = "" if m.vllm_cpu_refuses is None else " (vLLM's GPU build only)"
+        config = m.speculative_config("DRAFT", _defaults(m.name).proposed_tokens)
+        lines.append(f"  {m.name:<8}{json.dumps(config)}{served}")
     return "\n".join(lines)
 
 
 def _proposed_defaults() -> str:
-    """`eagle3 3, dflash 7, dspark 7`: what each method's draft proposes a step."""
-    return ", ".join(f"{name} {_defaults(name).proposed_tokens}" for name in METHODS)
+    """`eagle3 3, dflash 7, ...`: what each method's draft proposes a step."""
+    return ", ".join(f"{name} {_defaults(name).proposed_tokens}" for name in method_names())
 
 
 def add_parsers(sub: Any) -> None:
@@ -429,7 +431,7 @@ def add_parsers(sub: Any) -> None:
                                   "job id (the coordinator trains it)")
     p.add_argument("--follow", action="store_true",
                    help="start on the shards committed so far and keep up with the extraction")
-    p.add_argument("--method", choices=METHOD_NAMES,
+    p.add_argument("--method", choices=method_names(),
                    help="draft method (default eagle3; the spec's when it names one); each "
                         "method's defaults are listed below")
     p.add_argument("--spec", help="TrainSpec file (YAML or JSON)")
@@ -447,7 +449,7 @@ def add_parsers(sub: Any) -> None:
 
     p = sub.add_parser(
         "eval-draft", help="acceptance of an output's trained draft in vLLM (greedy, the "
-                           f"draft's method: {', '.join(METHOD_NAMES)})",
+                           f"draft's method: {', '.join(method_names())})",
         epilog=_serving_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output", help="the output the draft was trained on (prompts come from it)")
     p.add_argument("--draft-dir", help="the local folder the draft was trained in (as "
@@ -468,12 +470,14 @@ def add_parsers(sub: Any) -> None:
                    help="num_speculative_tokens (default: what the trained draft proposes, "
                         "from its training's spec; with each method's defaults: "
                         f"{_proposed_defaults()})")
-    p.add_argument("--prompts", type=int, default=32,
-                   help="held-out samples whose prompts vLLM answers (default 32)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="held-out samples whose prompts vLLM answers (default: the "
+                        "training's `eval_prompts`, 256; as many as are held out)")
     p.add_argument("--prefix", type=int, default=8,
                    help="prompt length for samples without a question (all loss-masked)")
-    p.add_argument("--max-tokens", type=int, default=256,
-                   help="at most this many tokens per answer (default: each sample's "
-                        "answer length, at most 256)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="at most this many tokens per answer; each stops at the end of "
+                        "its turn or at its answer's length in the dataset (default: the "
+                        "training's `eval_max_tokens`, 256)")
     p.add_argument("--json", action="store_true", help="the counters as JSON on stdout")
     p.set_defaults(func=_cmd_eval_draft)

@@ -1,5 +1,4 @@
-"""Train a draft (speculators' model of the spec's method: Eagle3DraftModel,
-DFlashDraftModel, DSparkDraftModel) on an hsx output.
+"""Train a draft (speculators' model of the spec's method: hsx.methods) on an hsx output.
 
 `DraftTrainer(output, spec).run()` (draft_trainer.py) is the whole loop in one process;
 `train_distributed` (distributed.py) runs it on N Ray Train workers (DDP); the Ray actor
@@ -21,19 +20,20 @@ collectives among workers group.py's.
   epochs shuffle units. Worker r of N reads the units u with u % N == r. Samples held
   out for validation (`held_out`: by sample index, the same on every run) are skipped.
   Each sample becomes speculators' sample dict (aux layers flattened, the last layer as
-  the target's hidden state), shifted with speculators' `shift_batch` and packed, whole
+  the target's hidden state), shifted where the method says (EAGLE-3's speculators'
+  `shift_batch`) and packed, whole
   samples only, by its `CollateFn` into sequences of `pack_tokens`; a step is packs
   worth `batch_tokens`, their gradients summed. A producer thread builds steps ahead.
 - Why packs: on CPU the draft's attention over one packed sequence is dense (eager
   attention and a [T, T] mask, growing to [T, 4T] over the TTT steps), so its cost grows
   with the square of the packed length although samples only attend to themselves;
   packs of 512 tokens keep a step's cost linear in `batch_tokens`.
-- Model: the draft's decoder layer is the target's (text) config with `num_layers`
-  layers; embeddings and lm_head come from the target (speculators'
+- Model: the method builds it (`DraftMethod.build`) with `num_layers` decoder layers
+  of the target's sizes; embeddings and lm_head come from the target (speculators'
   `load_verifier_weights`); d2t/t2d from the frequencies of loss-masked tokens of the
   training samples (speculators' `build_vocab_mappings_from_distribution`).
-- Validation: at every checkpoint, the held-out samples give loss, per-TTT-step
-  accuracy and the expected acceptance length 1 + sum_k P(steps 0..k all right).
+- Validation: at every checkpoint, the held-out samples give loss, accuracy per draft
+  position and the expected acceptance length, as the method counts them (scores.py).
 - Checkpoints: `draft/checkpoints/step-N/` (speculators' save_pretrained, the optimizer
   in trainer_state.pt, the checkpoint's metrics in metrics.json), written under
   draft/.tmp and published by a directory rename; the best one by validation is then
@@ -50,7 +50,6 @@ from hsx_workers.trainer.data import EpochEnd, StepBatch, TrainingData, to_specu
 from hsx_workers.trainer.distributed import WorkerDied, train_distributed
 from hsx_workers.trainer.draft_model import (
     build_draft_model,
-    draft_layer_config,
     draft_layout,
     token_frequencies,
     vocab_mappings,
@@ -82,7 +81,6 @@ __all__ = [
     "TrainingData",
     "WorkerDied",
     "build_draft_model",
-    "draft_layer_config",
     "draft_layout",
     "held_out",
     "plan_schedule",

@@ -5,9 +5,10 @@ Worker r of N reads the units u with u % N == r. The first epoch follows the ext
 (`spec.follow`): a shard is trained on as soon as its commit lands; later epochs shuffle
 units. Held-out samples (`held_out`: by sample index, the same on every run) are
 skipped. Each sample becomes speculators' sample dict (the layers its method's draft
-reads), shifted with speculators' `shift_batch` for EAGLE-3 (a block drafter reads
-states and tokens as they are), and packed, whole samples only, by its `CollateFn` into
-sequences of `pack_tokens`; a step is packs worth `batch_tokens`.
+reads), shifted as the method says (`DraftMethod.preprocess`: EAGLE-3's speculators'
+`shift_batch`; a block drafter reads states and tokens as they are), and packed, whole
+samples only, by its `CollateFn` into sequences of `pack_tokens`; a step is packs worth
+`batch_tokens`.
 """
 
 from __future__ import annotations
@@ -205,13 +206,12 @@ class TrainingData:
 
     def collate(self, dtype: torch.dtype, manifest: Manifest, plan: Plan, *, pad: bool
                 ) -> Callable[..., Any]:
-        """What turns samples into one pack (speculators' CollateFn, after shift_batch
-        for EAGLE-3), padded to `plan.pack_tokens` when `pad` (on GPU)."""
-        from speculators.models.eagle3.data import shift_batch
+        """What turns samples into one pack (speculators' CollateFn, after the method's
+        `preprocess`: EAGLE-3's shift), padded to `plan.pack_tokens` when `pad` (on GPU)."""
         from speculators.train.data import CollateFn
 
         aux = len(layer_picks(manifest, self.spec.method))
-        shift = None if self.spec.draft.block else shift_batch
+        shift = self.spec.draft.preprocess()
 
         def collate(samples: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
             # Padded to pack_tokens on GPU (one shape for the compiled model); exactly
@@ -225,11 +225,10 @@ class TrainingData:
 
     def trained(self, raw: dict[str, Any], dtype: torch.dtype, manifest: Manifest,
                 pack_tokens: int) -> tuple[dict[str, Any], int]:
-        """A read sample as the draft trains on it, and its tokens in a pack (EAGLE-3's
-        shifted states are one shorter; at most `pack_tokens`)."""
+        """A read sample as the draft trains on it, and its tokens in a pack (shifted
+        states, EAGLE-3's, are `shift` shorter; at most `pack_tokens`)."""
         sample = to_speculators_sample(raw, dtype, layer_picks(manifest, self.spec.method))
-        shifted = 0 if self.spec.draft.block else 1
-        return sample, min(int(sample["lengths"][0]) - shifted, pack_tokens)
+        return sample, min(int(sample["lengths"][0]) - self.spec.draft.shift, pack_tokens)
 
     def batches(self, epoch: int, dtype: torch.dtype, plan: Plan, *, pad: bool,
                 done: Sequence[int] = (), partial: Mapping[int, Sequence[int]] | None = None,

@@ -54,7 +54,7 @@ from hsx.output.quota import QUOTA_ENV, folder_bytes, output_quota
 from hsx.output.shards.encoding import HIDDEN_DTYPE, NUMPY_DTYPES
 from hsx.spec import TargetModel, TrainSpec
 from hsx_workers.trainer.data import EpochEnd, StepBatch, TrainingData
-from hsx_workers.trainer.draft_model import build_draft_model, draft_layout, forward_kwargs
+from hsx_workers.trainer.draft_model import build_draft_model, draft_layout
 from hsx_workers.trainer.group import WorkerGroup
 from hsx_workers.trainer.plan import (
     Plan,
@@ -241,10 +241,7 @@ class DraftTrainer:
 
     def _optimizer(self, model: Any, plan: Plan) -> tuple[torch.optim.Optimizer, Any]:
         params = [p for p in model.parameters() if p.requires_grad]
-        # A block drafter's loss moves more from step to step (its anchors are drawn at
-        # random): the second moment follows it faster, as DFlash's own recipe does.
-        betas = (0.9, 0.95) if self.spec.draft.block else (0.9, 0.999)
-        opt = torch.optim.AdamW(params, lr=plan.lr, betas=betas,
+        opt = torch.optim.AdamW(params, lr=plan.lr, betas=self.spec.draft.betas,
                                 weight_decay=self.spec.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: plan.lr_factor(s))
         return opt, sched
@@ -385,7 +382,7 @@ class DraftTrainer:
         kernels = self.spec.loss_implementation
         if kernels == "auto":
             kernels = "fused" if self.device.type == "cuda" else "eager"
-        forward = forward_kwargs(self.spec, kernels, plan.anchors)
+        forward = self.spec.draft.forward_kwargs(self.spec, kernels, plan.anchors)
         model.train()
         end = min(plan.steps, self.spec.max_steps or plan.steps)
         stopped = False
@@ -538,7 +535,7 @@ class DraftTrainer:
             else torch.float32
         ds = HiddenStatesDataset(self.output, backend="torch")
         collate = self.data.collate(dtype, ds.manifest, plan, pad=self._pad)
-        forward = forward_kwargs(self.spec, "eager", plan.anchors)
+        forward = self.spec.draft.forward_kwargs(self.spec, "eager", plan.anchors)
         scores = Scores.of(self.spec)
         was_training = model.training
         model.eval()

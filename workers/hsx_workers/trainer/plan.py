@@ -24,18 +24,17 @@ class DeviceDefaults:
     lr: float
     min_steps: int
     min_pack_tokens: int | None = None  # packs as short as the samples allow, from this
-    block_lr: float | None = None  # a block drafter's (DFlash), where it differs
 
 
 # CPU: small drafts and short runs; packs short enough that dense attention stays cheap:
 # the smallest power of two from 128 to 512 that holds the longest training sample
 # (`pack_length`). GPU: speculators' packed length (8192, block-sparse flex attention)
-# and the learning rate of common EAGLE-3 recipes.
+# and the learning rate of common EAGLE-3 recipes (a method may have its own:
+# `DraftMethod.peak_lr`).
 DEVICE_DEFAULTS = {
     "cpu": DeviceDefaults(batch_tokens=1024, pack_tokens=512, lr=1e-3, min_steps=500,
-                          min_pack_tokens=128, block_lr=5e-3),
-    "cuda": DeviceDefaults(batch_tokens=8192, pack_tokens=8192, lr=1e-4, min_steps=2000,
-                           block_lr=3e-4),
+                          min_pack_tokens=128),
+    "cuda": DeviceDefaults(batch_tokens=8192, pack_tokens=8192, lr=1e-4, min_steps=2000),
 }
 DEFAULT_PASSES = 3  # passes over the training tokens when nothing says otherwise
 WARN_PASSES = 10  # more than this many passes: the data is too small for the schedule
@@ -62,7 +61,7 @@ class Plan:
     passes: float  # steps x tokens per step / training tokens
     warning: str | None = None
     online: str | None = None  # an online training: what the target captures for it
-    anchors: int | None = None  # a block drafter's blocks per pack (`block_anchors`)
+    anchors: int | None = None  # positions a pack trains from, where the method draws them
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of the peak learning rate after `step` optimizer steps."""
@@ -83,7 +82,8 @@ def plan_schedule(
     `longest`: the tokens of the longest training sample, shifted (0: not known)."""
     if train_tokens <= 0:
         raise TrainRefused("no training samples: every sample is held out or empty")
-    defaults = DEVICE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    defaults = DEVICE_DEFAULTS[kind]
     batch = spec.batch_tokens or defaults.batch_tokens
     pack = min(spec.pack_tokens or pack_length(defaults, longest), batch)
     per_step = batch * workers
@@ -108,28 +108,12 @@ def plan_schedule(
     every = spec.checkpoint_every or max(1, min(MAX_CHECKPOINT_EVERY, steps // 10))
     return Plan(
         device=device, workers=workers, steps=steps, batch_tokens=batch, pack_tokens=pack,
-        lr=spec.lr or (spec.draft.block and defaults.block_lr) or defaults.lr,
+        lr=spec.lr or spec.draft.peak_lr.get(kind) or defaults.lr,
         lr_schedule=spec.lr_schedule, warmup_steps=warmup,
         checkpoint_every=every, train_samples=train_samples, train_tokens=train_tokens,
         val_samples=val_samples, passes=passes, warning=warning,
-        anchors=block_anchors(spec, pack) if spec.draft.block else None,
+        anchors=spec.draft.anchors(spec, pack),
     )
-
-
-MAX_ANCHORS = 512  # speculators' default for its packs of 8,192 tokens
-
-
-def block_anchors(spec: TrainSpec, pack_tokens: int) -> int:
-    """Blocks a block drafter trains per pack: `max_anchors`, else one per block's
-    length of the pack, at most 512 (speculators' 512 in 8,192 tokens is one per 16).
-
-    Every anchor costs a block of queries whether the pack has room for it or not
-    (speculators pads the missing ones), so a count fixed for GPU packs would make a
-    CPU pack of 128 tokens compute 4,096 queries for at most 120 real blocks.
-    """
-    if spec.max_anchors is not None:
-        return spec.max_anchors
-    return max(1, min(MAX_ANCHORS, pack_tokens // spec.block_size))
 
 
 def pack_length(defaults: DeviceDefaults, longest: int) -> int:

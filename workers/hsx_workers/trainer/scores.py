@@ -1,10 +1,13 @@
 """Validation and step scores: loss, accuracy per draft position, expected acceptance
-length, for either kind of draft (hsx.methods).
+length, as the draft's method counts them (hsx.methods).
 
-An EAGLE-3 draft's metrics count, per TTT step k, the positions whose steps 0..k were all
-right (`full_acc_{k}`); a block drafter's (DFlash) count each position of a block
-(`position_{i}_acc`) and the accepted run of each block plus the target's bonus token
-(`eal`), which is its expected acceptance length directly.
+speculators' metrics count, per draft position, the positions right (`<name>_sum`) and
+scored (`<name>_total`), under the keys the method names (`score_names`: an EAGLE-3
+draft's `full_acc_{k}`, the positions whose TTT steps 0..k were all right; a block
+drafter's `position_{i}_acc`, each slot of a block); a block drafter's forward also
+counts the accepted run of each block plus the target's bonus token (`eal`, the method's
+`run_metric`). The method turns them into conditional accuracies and an expected
+acceptance length.
 """
 
 from __future__ import annotations
@@ -14,21 +17,23 @@ from typing import Any
 
 import torch
 
+from hsx.methods import DEFAULT_METHOD, DraftMethod, method
 from hsx.spec import TrainSpec
 
 
 @dataclass
 class Scores:
     """Sums over packs (and workers): loss x tokens, tokens, right and total per draft
-    position (`names`: the metrics' keys), and a block drafter's accepted lengths."""
+    position (`names`: the metrics' keys), and the accepted runs where the method's
+    forward counts them."""
 
     names: list[str]
-    block: bool = False
+    draft: DraftMethod = field(default_factory=lambda: method(DEFAULT_METHOD))
     loss_sum: float = 0.0
     tokens: int = 0
     right: list[float] = field(default_factory=list)
     total: list[float] = field(default_factory=list)
-    accepted: float = 0.0  # block drafters: sum of accepted lengths, and blocks counted
+    accepted: float = 0.0  # the method's run metric: sum of accepted runs, and runs counted
     blocks: float = 0.0
 
     def __post_init__(self) -> None:
@@ -38,10 +43,7 @@ class Scores:
     @classmethod
     def of(cls, spec: TrainSpec) -> Scores:
         """Empty scores for a draft trained by `spec`."""
-        if spec.draft.block:
-            # Slot 0 is the anchor (the target's token), given: slots 1.. are proposed.
-            return cls([f"position_{i}_acc" for i in range(1, spec.block_size)], block=True)
-        return cls([f"full_acc_{k}" for k in range(spec.ttt_steps)])
+        return cls(spec.draft.score_names(spec), spec.draft)
 
     def add(self, loss: float, tokens: int, metrics: dict[str, Any]) -> None:
         self.loss_sum += loss * tokens
@@ -49,9 +51,10 @@ class Scores:
         for k, name in enumerate(self.names):
             self.right[k] += float(metrics[f"{name}_sum"])
             self.total[k] += float(metrics[f"{name}_total"])
-        if self.block:
-            self.accepted += float(metrics["eal_sum"])
-            self.blocks += float(metrics["eal_total"])
+        run = self.draft.run_metric
+        if run is not None:
+            self.accepted += float(metrics[f"{run}_sum"])
+            self.blocks += float(metrics[f"{run}_total"])
 
     def as_tensor(self) -> torch.Tensor:
         return torch.tensor([self.loss_sum, float(self.tokens), self.accepted, self.blocks,
@@ -61,7 +64,7 @@ class Scores:
         """Scores like these with the sums of `t` (as_tensor's layout, summed over
         workers)."""
         v, n = t.tolist(), len(self.names)
-        return Scores(self.names, self.block, v[0], int(v[1]), v[4:4 + n], v[4 + n:],
+        return Scores(self.names, self.draft, v[0], int(v[1]), v[4:4 + n], v[4 + n:],
                       v[2], v[3])
 
     @property
@@ -70,31 +73,16 @@ class Scores:
 
     @property
     def acc(self) -> list[float]:
-        """EAGLE-3: P(TTT steps 0..k all right), per k. Block drafter: P(position i of a
-        block right), per proposed position."""
+        """Right ÷ scored, per draft position, as the method's metrics count them."""
         return [r / t if t else 0.0 for r, t in zip(self.right, self.total, strict=True)]
 
     @property
     def cond_acc(self) -> list[float]:
-        """EAGLE-3: P(TTT step k right | steps before it right), per k (a block drafter's
-        positions are scored each on its own: `acc`)."""
-        if self.block:
-            return self.acc
-        out, prev = [], 1.0
-        for a in self.acc:
-            out.append(a / prev if prev > 0 else 0.0)
-            prev = a
-        return out
+        """P(position k right | the positions before it right), per k."""
+        return self.draft.conditional_accuracies(self.acc)
 
     @property
     def expected_acceptance_length(self) -> float:
-        """Tokens per verification step the draft would give. EAGLE-3: 1 + the sum of the
-        products of the conditional accuracies (= 1 + sum_k P(steps 0..k right)); a
-        block drafter: the mean accepted run of its blocks plus the bonus token."""
-        if self.block:
-            return self.accepted / self.blocks if self.blocks else 1.0
-        expected, product = 1.0, 1.0
-        for c in self.cond_acc:
-            product *= c
-            expected += product
-        return expected
+        """Tokens per verification step the draft would give (the method's formula)."""
+        run = self.accepted / self.blocks if self.blocks else None
+        return self.draft.expected_acceptance_length(self.acc, run)
