@@ -14,7 +14,9 @@ per token for that method's layers. Where this vLLM cannot serve a method's draf
 on vLLM's CPU build), its row holds the training's figures and the reason in place of
 vLLM's.
 
-Run: `python -m benchmarks.bench_methods [--methods eagle3,dflash,peagle] [--work DIR]`
+Run: `python -m benchmarks.bench_methods [--methods eagle3,dflash,peagle] [--work DIR]
+[--side-by-side]` (`--side-by-side`: the trainings at once on the one device, as the GPU
+campaign runs them; their seconds are then each one's share)
 (~25 minutes on 2 cores for EAGLE-3 and DFlash). vLLM generates as `hsx eval-draft` does:
 greedily, each held-out prompt until the end of its turn or its answer's length. Results:
 benchmarks/results/<date>-methods/methods.json.
@@ -107,13 +109,38 @@ print(json.dumps({{"seconds": timed[0], "seconds_again": timed[1],
     return json.loads([x for x in done.stdout.splitlines() if x.startswith("{")][-1])
 
 
-def run_method(output: Path, method: str, work: Path, alone: dict[str, Any]) -> dict[str, Any]:
+def train_side_by_side(output: Path, methods: list[str], work: Path) -> dict[str, float]:
+    """`hsx train --method M` for every method at once, each in a process of its own on
+    the one device (a lent GPU's time); the seconds each took while sharing it."""
+    started = {}
+    for method in methods:
+        draft_dir = work / f"draft-{method}"
+        shutil.rmtree(draft_dir, ignore_errors=True)
+        log = (work / f"train-{method}.log").open("w")
+        started[method] = (time.perf_counter(), subprocess.Popen(
+            [sys.executable, "-m", "hsx.cli", "train", str(output), "--method", method,
+             "--draft-dir", str(draft_dir)], stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, **CPU_ENV}))
+    seconds = {}
+    for method, (t0, proc) in started.items():
+        if proc.wait() != 0:
+            raise RuntimeError(f"hsx train --method {method}: see {work}/train-{method}.log")
+        seconds[method] = time.perf_counter() - t0
+    return seconds
+
+
+def run_method(output: Path, method: str, work: Path, alone: dict[str, Any],
+               trained_s: float | None = None) -> dict[str, Any]:
+    """Train (unless `trained_s`: trained already, in that many seconds) and measure."""
     from hsx.methods import draft_aux_layers
     from hsx.output import Output
 
     draft_dir = work / f"draft-{method}"
-    shutil.rmtree(draft_dir, ignore_errors=True)  # trained from nothing, not resumed
-    train_s, _ = _hsx("train", str(output), "--method", method, "--draft-dir", str(draft_dir))
+    if trained_s is None:
+        shutil.rmtree(draft_dir, ignore_errors=True)  # trained from nothing, not resumed
+        trained_s, _ = _hsx("train", str(output), "--method", method,
+                            "--draft-dir", str(draft_dir))
+    train_s = trained_s
     rows = [json.loads(x) for x in
             (draft_dir / "draft" / "validation.jsonl").read_text().splitlines()]
     best = max(rows, key=lambda r: r["expected_acceptance_length"])
@@ -155,6 +182,9 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(method_names()))
     parser.add_argument("--work", type=Path, default=None, help="working folder (kept)")
     parser.add_argument("--out", type=Path, default=common.campaign_path("methods", "methods.json"))
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="train every method at once on the one device, then measure "
+                             "each (training seconds are then under sharing)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="hsx-methods-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -166,11 +196,14 @@ def main() -> None:
         "capture": {"layers": list(method_names()), "samples": SAMPLES,
                     "extract_seconds": round(extract_s, 1)},
         "target_alone": alone, "methods": [],
+        "trained_side_by_side": args.side_by_side,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = result["methods"]
-    for method in args.methods.split(","):
-        rows.append(run_method(output, method, work, alone))
+    methods = args.methods.split(",")
+    trained = train_side_by_side(output, methods, work) if args.side_by_side else {}
+    for method in methods:
+        rows.append(run_method(output, method, work, alone, trained.get(method)))
         # written after each method: a run cut short (a lent GPU's time) keeps its rows
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(common.table(

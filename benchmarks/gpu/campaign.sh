@@ -171,10 +171,13 @@ for s in "$@"; do
       step methods
       # The draft methods on one capture of the learnable target (bench_methods.py), each
       # trained with its GPU defaults and measured by vLLM 0.25.1, DSpark too (vLLM's CPU
-      # build cannot serve it). METHODS picks them (default all three).
-      timeout 2400 python3 -m benchmarks.bench_methods --methods ${METHODS:-eagle3,dflash,dspark} \
-        --work /tmp/mwork --out "$RES/methods.json" > "$RES/methods-log.txt" 2>&1
-      echo "methods: rc=$? $(tail -8 "$RES/methods-log.txt")"
+      # build cannot serve it). METHODS picks them (default every method of hsx.methods);
+      # METHODS_FLAGS, e.g. --side-by-side (the trainings at once on the one GPU).
+      timeout 2400 python3 -m benchmarks.bench_methods ${METHODS:+--methods $METHODS} \
+        ${METHODS_FLAGS:-} --work /tmp/mwork --out "$RES/methods.json" > "$RES/methods-log.txt" 2>&1
+      rc=$?
+      cp /tmp/mwork/train-*.log "$RES/" 2>/dev/null && gzip -9nf "$RES"/train-*.log
+      echo "methods: rc=$rc $(tail -8 "$RES/methods-log.txt")"
       for d in /tmp/mwork/draft-*; do keep "$d/draft" "$RES/$(basename "$d")"; done ;;
     dflash-loss)
       step dflash-loss
