@@ -103,6 +103,9 @@ class NotReadyError(ApiError):
     """503: the coordinator is still starting; try again shortly."""
 
 
+KEEPALIVE_S = 2.0  # seconds a pooled connection may idle before the client drops it
+
+
 class TooBusyError(ApiError):
     """429: the coordinator checks as many submits and inspects as it may at once (the
     caller's, or in all); `retry_after` seconds later it may take this one. The client
@@ -186,8 +189,13 @@ class Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = timeout
         self._busy_wait = busy_wait  # seconds of 429s a call waits through before raising
+        # An idle connection is dropped well before a server closes it (uvicorn's default
+        # after 5 s, `hsx serve`'s after 30): a request sent on a connection the server
+        # is closing at that moment fails with a reset, and 429 waits leave connections
+        # idle for seconds.
         self._http = httpx.Client(
-            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
+            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
         )
 
     def close(self) -> None:

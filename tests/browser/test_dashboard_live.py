@@ -107,8 +107,8 @@ def test_hostile_names_reasons_and_file_names_are_shown_as_text(
     job id in the link, all carrying markup: the page shows each as text and runs none.
 
     Neither job needs an engine: every row of the first is refused at ingestion (so it
-    succeeds with nothing to extract), the second's Parquet file is truncated (it fails
-    naming the file)."""
+    fails naming the commonest reasons), the second's Parquet file is truncated (it
+    fails naming the file)."""
     folder = tmp_path / HOSTILE_DIR
     folder.mkdir()
     rows = folder / "rows.jsonl"
@@ -123,7 +123,9 @@ def test_hostile_names_reasons_and_file_names_are_shown_as_text(
                                   "output": str(folder / "out-rows")})
     unreadable = client.submit({**spec, "name": "unreadable", "dataset": str(broken),
                                 "output": str(folder / "out-broken")})
-    assert client.wait(refused_rows.id, timeout=300).state == JobState.succeeded
+    all_bad = client.wait(refused_rows.id, timeout=300)
+    assert all_bad.state == JobState.failed and "the commonest reasons" in (all_bad.last_error or ""), \
+        all_bad.last_error
     failed = client.wait(unreadable.id, timeout=300)
     assert failed.state == JobState.failed and HOSTILE_FILE in (failed.last_error or "")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,8 +143,8 @@ def test_units_start_while_the_dataset_is_tokenized(
     (before it publishes the second) until a unit is committed: the job's first units
     run while the rest of its rows are still tokenized, its progress shows both, and the
     plan is the one `plan_units` makes of the whole table (ramping up from the first
-    unit's tokens, as ingest.json records), so the samples are the reference run's. Once
-    the engines start, this process tokenizes on one thread (behind them)."""
+    unit's tokens, as ingest.json records), so the samples are the reference run's. This
+    process never loads the tokenizer: a child of its own tokenizes (hsx.ingest.bounded)."""
     import threading
 
     import hsx.plan
@@ -154,8 +153,9 @@ def test_units_start_while_the_dataset_is_tokenized(
 
     monkeypatch.setattr(pipeline, "ROWS_PER_PART", 32)
     monkeypatch.setattr(hsx.plan, "FIRST_UNIT_TOKENS", 256)
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "")  # (restored as it was after)
-    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    from hsx.ingest import slices
+
+    monkeypatch.setattr(slices, "_WORKER_TOKENIZER", {})
     committed = threading.Event()
     held: list[bool] = []
     publish = Output.publish_part
@@ -186,7 +186,7 @@ def test_units_start_while_the_dataset_is_tokenized(
     assert out.manifest().work_units == plan_units(lengths, 1024, 256)
     assert plan_units(lengths, 1024, 256) != plan_units(lengths, 1024)  # it ramped
     assert summary.shards == len(out.manifest().units)
-    assert os.environ.get("TOKENIZERS_PARALLELISM") == "false"
+    assert not slices._WORKER_TOKENIZER  # the rows were tokenized by the child
     _same_samples(by_sample(Path(spec.output)), vllm_samples)
 
 

@@ -30,6 +30,7 @@ acceptance of each modality (`per_modality` in eval.json).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -203,8 +204,9 @@ def measure_acceptance(
     serving = chosen.speculative_config(draft, k)
     per_request = per_request_spec_metrics()  # each prompt's counts, where vLLM has them
     with starting_engine():  # as VllmEngine
-        llm = LLM(model=target, disable_log_stats=False, speculative_config=serving,
-                  **per_request, **args)
+        # a copy: vLLM 0.25.1 adds its own objects (the target's dtype...) to the dict
+        llm = LLM(model=target, disable_log_stats=False,
+                  speculative_config=copy.deepcopy(serving), **per_request, **args)
     groups = [(m, [p for p in prompts if p.modality == m]) for m in ("image", "text")]
     t0 = time.perf_counter()
     outputs: list[Any] = []

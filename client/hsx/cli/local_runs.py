@@ -239,6 +239,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_level="info" if args.verbose else "warning",
         # Open event streams (dashboards, `hsx watch`) must not hold up a Ctrl-C.
         timeout_graceful_shutdown=5,
+        # Longer than clients keep an idle connection (hsx.client: 2 s), so a client
+        # never sends on a connection the server is closing.
+        timeout_keep_alive=30,
     )
     return 0
 
