@@ -29,7 +29,7 @@ def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int],
     if spec.vllm.engine_args():
         options["engine_args"] = spec.vllm.engine_args()
     if spec.regenerate is not None:
-        options["generates"] = True  # sampling with per-request seeds (vllm_engine.py)
+        options["generates"] = True  # sampling with per-request seeds (engines/vllm/engine.py)
     if spec.images is not None:
         options["images"] = image_options(spec, model)
     return EngineConfig(

@@ -296,7 +296,7 @@ def check_engine_args(spec: JobSpec, info: ModelInfo) -> None:
                              f"but the job's engine is {spec.engine}")
         return
     try:
-        from hsx_workers import vllm_compat
+        from hsx_workers.engines.vllm import compat as vllm_compat
     except ImportError:  # the workers' package is not installed here
         return
     problem = vllm_compat.capture_problem(uses_mla=info.uses_mla,

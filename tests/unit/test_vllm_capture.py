@@ -29,8 +29,8 @@ from hsx_workers.engines.base import (  # noqa: E402
     EngineConfig,
     EngineDead,
 )
-from hsx_workers.engines.vllm_engine import VllmEngine  # noqa: E402
-from hsx_workers.spool import SPOOL_SUFFIX, publish_spool_file  # noqa: E402
+from hsx_workers.engines.vllm.engine import VllmEngine  # noqa: E402
+from hsx_workers.engines.vllm.spool import SPOOL_SUFFIX, publish_spool_file  # noqa: E402
 
 LAYERS, HIDDEN, TOKENS = 2, 4, 3
 WAIT_S = 30.0  # how long a test waits for something that must happen

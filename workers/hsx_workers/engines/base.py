@@ -1,7 +1,7 @@
 """The one interface every capture engine implements.
 
 Variants:
-- `VllmEngine` (engines/vllm_engine.py): vLLM's `extract_hidden_states` method with
+- `VllmEngine` (engines/vllm/engine.py): vLLM's `extract_hidden_states` method with
   hsx's connector. The default.
 - `HfEngine` (engines/hf_engine.py): a transformers forward. The reference the vLLM
   engine is tested against, and the fallback for architectures vLLM cannot capture.

@@ -6,7 +6,7 @@ torch, vLLM or transformers) is imported the first time an engine of that name i
 built. base.py is the interface alone and imports no engine; the engines import it.
 
 Engines:
-- `vllm`: `VllmEngine` (engines/vllm_engine.py), the default.
+- `vllm`: `VllmEngine` (engines/vllm/engine.py), the default.
 - `hf`: `HfEngine` (engines/hf_engine.py), the reference and the fallback.
 
 Who calls what: `ExtractionWorker` (worker.py) calls `create_engine` once per actor.
@@ -25,7 +25,7 @@ from hsx_workers.engines.base import (
 )
 
 ENGINES: ClassRegistry[Any] = ClassRegistry("engine")
-ENGINES.register("vllm", "hsx_workers.engines.vllm_engine", "VllmEngine")
+ENGINES.register("vllm", "hsx_workers.engines.vllm.engine", "VllmEngine")
 ENGINES.register("hf", "hsx_workers.engines.hf_engine", "HfEngine")
 
 

@@ -36,9 +36,15 @@ from hsx_workers.engines.base import (
     GenerateResult,
     RequestStream,
 )
-from hsx_workers.engines.compile_cache import raise_explained
-from hsx_workers.spool import ERROR_SUFFIX, SPOOL_SUFFIX, read_error, spool_root, take_spool_file
-from hsx_workers.vllm_compat import starting_engine
+from hsx_workers.engines.vllm.compat import starting_engine
+from hsx_workers.engines.vllm.compile_cache import raise_explained
+from hsx_workers.engines.vllm.spool import (
+    ERROR_SUFFIX,
+    SPOOL_SUFFIX,
+    read_error,
+    spool_root,
+    take_spool_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +141,7 @@ class VllmEngine:
             },
             kv_transfer_config={
                 "kv_connector": "HsxHiddenStatesConnector",
-                "kv_connector_module_path": "hsx_workers.connector",
+                "kv_connector_module_path": "hsx_workers.engines.vllm.connector",
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {
                     "shared_storage_path": str(self.spool),
@@ -210,7 +216,7 @@ class VllmEngine:
             enforce_eager=True, max_num_seqs=1,
             max_num_batched_tokens=max(engine_args["max_model_len"],
                                        int(engine_args.get("max_num_batched_tokens") or 0)),
-            worker_extension_cls="hsx_workers.hooks.HookWorkerExtension",
+            worker_extension_cls="hsx_workers.engines.vllm.hooks.HookWorkerExtension",
         )
 
     def _text_path_of_wrapper(self, engine_args: dict[str, Any]) -> None:
@@ -338,7 +344,7 @@ class VllmEngine:
         vLLM, and hands each finished request's spool file name to `_in_order`."""
         from vllm import SamplingParams
 
-        from hsx_workers.connector import SKIP_SAVE
+        from hsx_workers.engines.vllm.connector import SKIP_SAVE
 
         engine = self.llm.llm_engine
         params = SamplingParams(max_tokens=1, detokenize=False)
@@ -562,7 +568,8 @@ def wrapper_in_this_process(architecture: str, tensor_parallel_size: int,
     its model inspection subprocess would import the real, missing torchvision: one
     rank, the class imported here registered to skip the inspection process. True when
     so (`engine_args` then says it)."""
-    from hsx_workers.preflight import install_torchvision_stub, needs_torchvision_stub
+    from hsx_workers.engines.vllm.classes import needs_torchvision_stub
+    from hsx_workers.engines.vllm.missing_torchvision import install_torchvision_stub
 
     if not (needs_torchvision_stub(architecture) and install_torchvision_stub()):
         return False
