@@ -869,6 +869,7 @@ class ModelPhases:
 
         from hsx_workers.engines.base import EngineConfig
         from hsx_workers.engines.hf_engine import HfEngine
+        from hsx_workers.engines.hf_settings import HfSettings
 
         cfg = EngineConfig(
             model="(in-memory random Llama)",
@@ -877,7 +878,7 @@ class ModelPhases:
             hidden_size=self.h,
             max_seq_len=self.seq,
             dtype="bfloat16",
-            options={"device": str(self.b.dev), "batch_tokens": self.batch * self.seq},
+            settings=HfSettings(device=str(self.b.dev), batch_tokens=self.batch * self.seq),
         )
         # HfEngine loads with from_pretrained; hand it the model built on the device instead
         # of a 16 GB save + load round trip (--real-load measures that round trip).
@@ -1032,6 +1033,7 @@ class ModelPhases:
     def real_load(self) -> dict[str, Any]:
         from hsx_workers.engines.base import EngineConfig
         from hsx_workers.engines.hf_engine import HfEngine
+        from hsx_workers.engines.hf_settings import HfSettings
 
         path = Path(self.b.args.workdir) / "llama-random"
         shutil.rmtree(path, ignore_errors=True)
@@ -1060,7 +1062,7 @@ class ModelPhases:
             hidden_size=self.h,
             max_seq_len=self.seq,
             dtype="bfloat16",
-            options={"device": str(self.b.dev)},
+            settings=HfSettings(device=str(self.b.dev)),
         )
         t = time.perf_counter()
         eng = HfEngine(cfg)

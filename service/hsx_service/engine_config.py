@@ -6,54 +6,62 @@ manifest's provenance can ask without importing the pool."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import BaseModel
 
 from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
 from hsx.spec import JobSpec
 
+if TYPE_CHECKING:  # the workers' package is imported where an engine is built
+    from hsx_workers.engines.base import ImageSettings
+    from hsx_workers.engines.factory import AnyEngineConfig
+
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
+
 
 def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int],
-                      memory: float | None = None) -> Any:
-    """`memory`: the fraction of each GPU's memory vLLM takes, as the job's plan says
-    (`ResourcePlan.engine_memory`: less when an online trainer shares the GPU); default
-    the spec's."""
+                      memory: float | None = None) -> AnyEngineConfig:
+    """The config of the job's capture engines: what every engine takes, and the typed
+    settings of the job's engine (`VllmSettings`, `HfSettings`). `memory`: the fraction of
+    each GPU's memory vLLM takes, as the job's plan says (`ResourcePlan.engine_memory`:
+    less when an online trainer shares the GPU); default the spec's."""
     from hsx_workers.engines.base import EngineConfig
+    from hsx_workers.engines.hf_settings import HfSettings
+    from hsx_workers.engines.vllm.settings import VllmSettings
 
-    options: dict[str, Any] = {"cpu_kvcache_gib": spec.vllm.cpu_kvcache_gib}
-    if spec.vllm.max_num_batched_tokens is not None:
-        options["max_num_batched_tokens"] = spec.vllm.max_num_batched_tokens
-    if spec.vllm.enforce_eager:
-        options["enforce_eager"] = True
-    options["gpu_memory_utilization"] = memory or spec.vllm.gpu_memory_utilization
-    options["max_inflight_tokens"] = spec.vllm.max_inflight_tokens
-    if spec.vllm.engine_args():
-        options["engine_args"] = spec.vllm.engine_args()
-    if spec.regenerate is not None:
-        options["generates"] = True  # sampling with per-request seeds (engines/vllm/engine.py)
-    if spec.images is not None:
-        options["images"] = image_options(spec, model)
-    return EngineConfig(
-        model=spec.model,
-        layers=layers,
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        max_seq_len=spec.max_seq_len,
-        tensor_parallel_size=spec.tensor_parallel_size,
-        trust_remote_code=spec.trust_remote_code,
-        dtype=spec.vllm.dtype,
-        options=options,
-        storage_dtype=spec.storage_dtype,
-    )
+    def config(settings: SettingsT) -> EngineConfig[SettingsT]:
+        return EngineConfig(
+            model=spec.model,
+            layers=layers,
+            num_layers=model.num_layers,
+            hidden_size=model.hidden_size,
+            max_seq_len=spec.max_seq_len,
+            settings=settings,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            trust_remote_code=spec.trust_remote_code,
+            dtype=spec.vllm.dtype,
+            storage_dtype=spec.storage_dtype,
+            images=image_settings(spec, model) if spec.images is not None else None,
+        )
+
+    if spec.engine == "hf":
+        return config(HfSettings())
+    options = spec.vllm.model_copy(
+        update={"gpu_memory_utilization": memory or spec.vllm.gpu_memory_utilization})
+    return config(VllmSettings(options=options, generates=spec.regenerate is not None))
 
 
-def image_options(spec: JobSpec, model: ModelInfo) -> dict[str, Any]:
+def image_settings(spec: JobSpec, model: ModelInfo) -> ImageSettings:
     """What an engine of a job that takes images needs: how many a prompt may hold, how
     large (vLLM sizes its profiling by them), and the token the vision tokens carry."""
+    from hsx_workers.engines.base import ImageSettings
+
     images = spec.images
     if images is None or model.image_token_id is None:
         raise ValueError(f"{spec.model} takes no images, or the job asks none")
-    return {"max_per_row": images.max_per_row, "max_pixels": images.max_pixels,
-            "image_token_id": model.image_token_id}
+    return ImageSettings(max_per_row=images.max_per_row, max_pixels=images.max_pixels,
+                         image_token_id=model.image_token_id)
 
 
 def target_engine_args(spec: JobSpec) -> dict[str, Any]:
