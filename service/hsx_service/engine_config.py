@@ -1,12 +1,11 @@
-"""The engine a job's spec asks for: `EngineConfig` for its capture engines, vLLM's
-arguments for its target outside capture (the draft's evaluation), and the spec fitted to
-what the model's engine can run (`fit_to_model`). Pure functions of the spec and the
-model's config, kept apart from the pool that starts engines so preflight and the
-manifest's provenance can ask without importing the pool."""
+"""The engine a job's spec asks for: `EngineConfig` for its capture engines, and the spec
+fitted to what the model's engine can run (`fit_to_model`, by the vllm engine's rules).
+Pure functions of the spec and the model's config, kept apart from the pool that starts
+engines so preflight and the manifest's provenance can ask without importing the pool."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel
 
@@ -64,35 +63,20 @@ def image_settings(spec: JobSpec, model: ModelInfo) -> ImageSettings:
                          image_token_id=model.image_token_id)
 
 
-def target_engine_args(spec: JobSpec) -> dict[str, Any]:
-    """vLLM's arguments for the job's target outside capture (the draft's evaluation):
-    as the job's engines load it — tensor parallelism, dtype, memory share, remote code
-    and the job's own `vllm:` engine arguments; a job that takes images, its vision
-    tower with as many images a prompt as its rows hold."""
-    args = {
-        "tensor_parallel_size": spec.tensor_parallel_size,
-        "dtype": spec.vllm.dtype,
-        "trust_remote_code": spec.trust_remote_code,
-        "gpu_memory_utilization": spec.vllm.gpu_memory_utilization,
-        **spec.vllm.engine_args(),
-    }
-    if spec.images is not None:  # its held-out image prompts, as many images as a row
-        args["limit_mm_per_prompt"] = {"image": spec.images.max_per_row, "video": 0}
-    return args
-
-
 def fit_to_model(spec: JobSpec) -> JobSpec:
     """The spec as it runs on its model: a `max_seq_len` left at its default (4,096)
     that the model's positions cannot hold with vLLM's capture (2 beyond the prompt)
     becomes the longest they can. Called where a job enters (the coordinator's submit,
     `hsx extract`), so everything after, the ledger included, sees one spec; a
     `max_seq_len` the user set is theirs, and too long is refused (check_engine_args)."""
+    from hsx_workers.engines.vllm.rules import longest_prompt, max_model_len
+
     if "max_seq_len" in spec.model_fields_set or spec.engine != "vllm":
         return spec
     try:
         positions = read_model_info(spec.model).max_positions
     except ModelConfigError:
         return spec  # preflight says what is wrong with the model
-    if positions is None or spec.max_seq_len + 2 <= positions or positions < 4:
+    if positions is None or max_model_len(spec.max_seq_len) <= positions or positions < 4:
         return spec
-    return spec.model_copy(update={"max_seq_len": positions - 2})
+    return spec.model_copy(update={"max_seq_len": longest_prompt(positions)})

@@ -38,6 +38,7 @@ from hsx_workers.engines.base import (
 )
 from hsx_workers.engines.vllm.compat import starting_engine
 from hsx_workers.engines.vllm.compile_cache import raise_explained
+from hsx_workers.engines.vllm.rules import max_model_len
 from hsx_workers.engines.vllm.settings import VllmSettings
 from hsx_workers.engines.vllm.spool import (
     ERROR_SUFFIX,
@@ -128,7 +129,7 @@ class VllmEngine:
             model=config.model,
             tensor_parallel_size=config.tensor_parallel_size,
             # +1 for the one generated token, +1 for the speculative slot.
-            max_model_len=config.max_seq_len + 2,
+            max_model_len=max_model_len(config.max_seq_len),
             dtype=vllm_dtype(config.dtype, config.model),
             trust_remote_code=config.trust_remote_code,
             enable_prefix_caching=False,
