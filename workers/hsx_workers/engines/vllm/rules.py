@@ -5,7 +5,7 @@ here instead of restating it.
   and one speculative slot after it, so vLLM needs 2 positions beyond the prompt;
 - `job_problem`: a job's `vllm:` against the installed vLLM and capture (the preflight,
   hsx_service/prepare.py): its length, the settings under which this vLLM captures wrong
-  states (compat.py), engine arguments vLLM lacks or hsx sets itself (`HSX_ENGINE_ARGS`);
+  states (compat.py), engine arguments vLLM lacks or hsx sets itself (`ARGS_HSX_SETS`);
 - `ENGINE_OPTIONS`, `engine_options_problem`: the engine arguments a job may pass through
   on a coordinator (policy.py), an allow-list because vLLM's arguments that load code or
   files outnumber any deny-list;
@@ -16,7 +16,7 @@ here instead of restating it.
 
 Light: pydantic and hsx alone at import; vLLM is imported inside compat.py's functions.
 The engine itself (engine.py) builds its arguments with `max_model_len` and
-`HSX_ENGINE_ARGS`' keys.
+`ARGS_HSX_SETS`' keys.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ CAPTURE_POSITIONS = 2
 speculative slot of `extract_hidden_states`."""
 
 # Engine arguments hsx sets itself for capture; a job that names one is refused.
-HSX_ENGINE_ARGS = {
+ARGS_HSX_SETS = {
     "model": "the job's `model`",
     "tensor_parallel_size": "the job's `tensor_parallel_size`",
     "max_model_len": f"the job's `max_seq_len` (+{CAPTURE_POSITIONS})",
@@ -138,8 +138,8 @@ def engine_args_problem(names: Iterable[str], known: frozenset[str] | None) -> s
 
     problems = []
     for name in sorted(names):
-        if name in HSX_ENGINE_ARGS:
-            problems.append(f"`{name}` is set by {HSX_ENGINE_ARGS[name]}")
+        if name in ARGS_HSX_SETS:
+            problems.append(f"`{name}` is set by {ARGS_HSX_SETS[name]}")
         elif known is not None and name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             hint = f" (did you mean `{close[0]}`?)" if close else ""
