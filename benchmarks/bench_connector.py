@@ -38,7 +38,7 @@ TARGET = 2.0  # the engine thread's hand-off at least twice as fast per step
 def run(requests: int, tokens: int, steps: int, reps: int) -> dict[str, Any]:
     import torch
 
-    from hsx_workers.hostcopy import (
+    from hsx_workers.engines.vllm.hostcopy import (
         gather_to_host,
         slots_of_blocks,
         slots_of_requests,

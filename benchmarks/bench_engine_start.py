@@ -1,6 +1,6 @@
 """A vLLM engine's start on a machine that never started one for this model (cold
 caches): vLLM's model registry inspecting the model classes in the engine's process
-(`here`, hsx's way: `vllm_compat.models_inspected_here`) against in fresh Python
+(`here`, hsx's way: `compat.models_inspected_here`) against in fresh Python
 processes (`elsewhere`, vLLM's own way).
 
 Each start is `VllmEngine` (the engine an `ExtractionWorker` builds) on the tiny Llama,
@@ -42,8 +42,8 @@ def child(variant: str, model: str) -> dict[str, Any]:
     from hsx.modelinfo import read_model_info
     from hsx.spec import JobSpec
     from hsx_service.engine_config import engine_config_for
-    from hsx_workers import vllm_compat
     from hsx_workers.engines.factory import create_engine
+    from hsx_workers.engines.vllm import compat as vllm_compat
 
     if variant == "elsewhere":
         vllm_compat.models_inspected_here = contextlib.nullcontext  # type: ignore[assignment]

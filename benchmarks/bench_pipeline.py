@@ -58,7 +58,7 @@ DIAGNOSTIC_VARIANTS = ("hsx-capture", "hsx-nice0", "hsx-direct", "hsx-bf16", "dr
 # Environment of a diagnostic variant: hsx-nice0 is hsx with its background threads
 # (shard writer, committer, connector's spool writers) at normal priority; hsx-direct
 # writes shards with direct I/O (HSX_DIRECT_IO=1); hsx-aot compiles through vLLM's AOT
-# artifact, which its CPU build saves and cannot load (vllm_compat.compile_through_loadable_cache).
+# artifact, which its CPU build saves and cannot load (compat.compile_through_loadable_cache).
 VARIANT_ENV = {"hsx-nice0": {"HSX_BACKGROUND_NICE": "0"}, "hsx-direct": {"HSX_DIRECT_IO": "1"},
                "hsx-aot": {"VLLM_USE_AOT_COMPILE": "1"}}
 # The model's dtype of each variant (`vllm.dtype`): `auto` is float32 on a CPU without

@@ -19,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     PendingSave,
 )
 
-from hsx_workers.connector import HsxHiddenStatesConnector
-from hsx_workers.hostcopy import DoneEvent, slots_of_blocks
+from hsx_workers.engines.vllm.connector import HsxHiddenStatesConnector
+from hsx_workers.engines.vllm.hostcopy import DoneEvent, slots_of_blocks
 
 __all__ = ["DoneEvent", "DropHiddenStatesConnector", "slot_mapping_of"]
 

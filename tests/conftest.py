@@ -61,7 +61,7 @@ _cores_of_this_worker()
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # vLLM's engine core in the engine's own process (vLLM's switch; hsx's engine steps it,
-# vllm_engine.py): a CPU engine then starts several times sooner, with a fraction of
+# engines/vllm/engine.py): a CPU engine then starts several times sooner, with a fraction of
 # the CPU (the spawned engine-core process imports torch and vLLM again), and the suite
 # starts dozens. The product's default, an engine-core process beside each
 # engine's actor, runs in test_crash.py: `hsx extract` with its worker killed, then rerun.

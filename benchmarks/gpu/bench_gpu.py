@@ -5,7 +5,7 @@ Measures, in one run, on an 8B-shaped Llama with random weights:
 1. ceilings: bf16 matmul TFLOP/s (-> compute ceiling in tokens/s), sequential write with
    fsync on the local disk (-> disk ceiling in tokens/s), GPU->host copy GB/s into pinned
    and pageable memory, sha256 and memcpy GB/s on the host;
-2. the connector copy path (`hsx_workers.hostcopy.gather_to_host`): gather + D2H into
+2. the connector copy path (`hsx_workers.engines.vllm.hostcopy.gather_to_host`): gather + D2H into
    pinned memory on a side stream, alone and beside a matmul loop on the default stream;
 3. `ShardWriter` alone with numpy / CPU torch / pinned torch / CUDA tensors vs a raw
    write with fsync;
@@ -352,7 +352,7 @@ def bench_d2h(b: Bench) -> dict[str, Any]:
 
 
 def bench_connector(b: Bench) -> dict[str, Any]:
-    from hsx_workers.hostcopy import gather, gather_to_host, slots_of_blocks
+    from hsx_workers.engines.vllm.hostcopy import gather, gather_to_host, slots_of_blocks
 
     s = b.args.sizes
     nl, h, bs = 4, s["hidden"], 16
@@ -869,6 +869,7 @@ class ModelPhases:
 
         from hsx_workers.engines.base import EngineConfig
         from hsx_workers.engines.hf_engine import HfEngine
+        from hsx_workers.engines.hf_settings import HfSettings
 
         cfg = EngineConfig(
             model="(in-memory random Llama)",
@@ -877,7 +878,7 @@ class ModelPhases:
             hidden_size=self.h,
             max_seq_len=self.seq,
             dtype="bfloat16",
-            options={"device": str(self.b.dev), "batch_tokens": self.batch * self.seq},
+            settings=HfSettings(device=str(self.b.dev), batch_tokens=self.batch * self.seq),
         )
         # HfEngine loads with from_pretrained; hand it the model built on the device instead
         # of a 16 GB save + load round trip (--real-load measures that round trip).
@@ -1032,6 +1033,7 @@ class ModelPhases:
     def real_load(self) -> dict[str, Any]:
         from hsx_workers.engines.base import EngineConfig
         from hsx_workers.engines.hf_engine import HfEngine
+        from hsx_workers.engines.hf_settings import HfSettings
 
         path = Path(self.b.args.workdir) / "llama-random"
         shutil.rmtree(path, ignore_errors=True)
@@ -1060,7 +1062,7 @@ class ModelPhases:
             hidden_size=self.h,
             max_seq_len=self.seq,
             dtype="bfloat16",
-            options={"device": str(self.b.dev)},
+            settings=HfSettings(device=str(self.b.dev)),
         )
         t = time.perf_counter()
         eng = HfEngine(cfg)

@@ -603,7 +603,7 @@ class PeerServer:
 
 
 def _vllm_version() -> tuple[int, ...]:
-    from hsx_workers.vllm_compat import vllm_version
+    from hsx_workers.engines.vllm.compat import vllm_version
 
     return tuple(int(p) for p in str(vllm_version()).split("+")[0].split(".")[:3])
 

@@ -558,7 +558,7 @@ def machine() -> dict[str, Any]:
     except Exception as err:
         info["torch"] = f"unavailable: {err}"
     try:
-        from hsx_workers.vllm_compat import vllm_version
+        from hsx_workers.engines.vllm.compat import vllm_version
 
         info["vllm"] = vllm_version()
     except Exception:

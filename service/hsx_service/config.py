@@ -147,9 +147,9 @@ class Settings(BaseSettings):
     engine_options: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description=(
-            "vLLM engine options a job may set beyond hsx's list (hsx_service.policy."
-            "ENGINE_OPTIONS), passed as the job gives them: an option added here may load "
-            "code or files (docs/SECURITY.md). Names separated by `,`, or a JSON list."
+            "vLLM engine options a job may set beyond hsx's list (hsx_workers.engines.vllm."
+            "rules.ENGINE_OPTIONS), passed as the job gives them: an option added here may "
+            "load code or files (docs/SECURITY.md). Names separated by `,`, or a JSON list."
         ),
     )
     image_hosts: Annotated[list[str], NoDecode] = Field(

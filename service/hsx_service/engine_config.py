@@ -1,76 +1,66 @@
-"""The engine a job's spec asks for: `EngineConfig` for its capture engines, vLLM's
-arguments for its target outside capture (the draft's evaluation), and the spec fitted to
-what the model's engine can run (`fit_to_model`). Pure functions of the spec and the
-model's config, kept apart from the pool that starts engines so preflight and the
-manifest's provenance can ask without importing the pool."""
+"""The engine a job's spec asks for: `EngineConfig` for its capture engines, and the spec
+fitted to what the model's engine can run (`fit_to_model`, by the vllm engine's rules).
+Pure functions of the spec and the model's config, kept apart from the pool that starts
+engines so preflight and the manifest's provenance can ask without importing the pool."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
+
+from pydantic import BaseModel
 
 from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
 from hsx.spec import JobSpec
 
+if TYPE_CHECKING:  # the workers' package is imported where an engine is built
+    from hsx_workers.engines.base import ImageSettings
+    from hsx_workers.engines.factory import AnyEngineConfig
+
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
+
 
 def engine_config_for(spec: JobSpec, model: ModelInfo, layers: list[int],
-                      memory: float | None = None) -> Any:
-    """`memory`: the fraction of each GPU's memory vLLM takes, as the job's plan says
-    (`ResourcePlan.engine_memory`: less when an online trainer shares the GPU); default
-    the spec's."""
+                      memory: float | None = None) -> AnyEngineConfig:
+    """The config of the job's capture engines: what every engine takes, and the typed
+    settings of the job's engine (`VllmSettings`, `HfSettings`). `memory`: the fraction of
+    each GPU's memory vLLM takes, as the job's plan says (`ResourcePlan.engine_memory`:
+    less when an online trainer shares the GPU); default the spec's."""
     from hsx_workers.engines.base import EngineConfig
+    from hsx_workers.engines.hf_settings import HfSettings
+    from hsx_workers.engines.vllm.settings import VllmSettings
 
-    options: dict[str, Any] = {"cpu_kvcache_gib": spec.vllm.cpu_kvcache_gib}
-    if spec.vllm.max_num_batched_tokens is not None:
-        options["max_num_batched_tokens"] = spec.vllm.max_num_batched_tokens
-    if spec.vllm.enforce_eager:
-        options["enforce_eager"] = True
-    options["gpu_memory_utilization"] = memory or spec.vllm.gpu_memory_utilization
-    options["max_inflight_tokens"] = spec.vllm.max_inflight_tokens
-    if spec.vllm.engine_args():
-        options["engine_args"] = spec.vllm.engine_args()
-    if spec.regenerate is not None:
-        options["generates"] = True  # sampling with per-request seeds (vllm_engine.py)
-    if spec.images is not None:
-        options["images"] = image_options(spec, model)
-    return EngineConfig(
-        model=spec.model,
-        layers=layers,
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        max_seq_len=spec.max_seq_len,
-        tensor_parallel_size=spec.tensor_parallel_size,
-        trust_remote_code=spec.trust_remote_code,
-        dtype=spec.vllm.dtype,
-        options=options,
-        storage_dtype=spec.storage_dtype,
-    )
+    def config(settings: SettingsT) -> EngineConfig[SettingsT]:
+        return EngineConfig(
+            model=spec.model,
+            layers=layers,
+            num_layers=model.num_layers,
+            hidden_size=model.hidden_size,
+            max_seq_len=spec.max_seq_len,
+            settings=settings,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            trust_remote_code=spec.trust_remote_code,
+            dtype=spec.vllm.dtype,
+            storage_dtype=spec.storage_dtype,
+            images=image_settings(spec, model) if spec.images is not None else None,
+        )
+
+    if spec.engine == "hf":
+        return config(HfSettings())
+    options = spec.vllm.model_copy(
+        update={"gpu_memory_utilization": memory or spec.vllm.gpu_memory_utilization})
+    return config(VllmSettings(options=options, generates=spec.regenerate is not None))
 
 
-def image_options(spec: JobSpec, model: ModelInfo) -> dict[str, Any]:
+def image_settings(spec: JobSpec, model: ModelInfo) -> ImageSettings:
     """What an engine of a job that takes images needs: how many a prompt may hold, how
     large (vLLM sizes its profiling by them), and the token the vision tokens carry."""
+    from hsx_workers.engines.base import ImageSettings
+
     images = spec.images
     if images is None or model.image_token_id is None:
         raise ValueError(f"{spec.model} takes no images, or the job asks none")
-    return {"max_per_row": images.max_per_row, "max_pixels": images.max_pixels,
-            "image_token_id": model.image_token_id}
-
-
-def target_engine_args(spec: JobSpec) -> dict[str, Any]:
-    """vLLM's arguments for the job's target outside capture (the draft's evaluation):
-    as the job's engines load it — tensor parallelism, dtype, memory share, remote code
-    and the job's own `vllm:` engine arguments; a job that takes images, its vision
-    tower with as many images a prompt as its rows hold."""
-    args = {
-        "tensor_parallel_size": spec.tensor_parallel_size,
-        "dtype": spec.vllm.dtype,
-        "trust_remote_code": spec.trust_remote_code,
-        "gpu_memory_utilization": spec.vllm.gpu_memory_utilization,
-        **spec.vllm.engine_args(),
-    }
-    if spec.images is not None:  # its held-out image prompts, as many images as a row
-        args["limit_mm_per_prompt"] = {"image": spec.images.max_per_row, "video": 0}
-    return args
+    return ImageSettings(max_per_row=images.max_per_row, max_pixels=images.max_pixels,
+                         image_token_id=model.image_token_id)
 
 
 def fit_to_model(spec: JobSpec) -> JobSpec:
@@ -79,12 +69,14 @@ def fit_to_model(spec: JobSpec) -> JobSpec:
     becomes the longest they can. Called where a job enters (the coordinator's submit,
     `hsx extract`), so everything after, the ledger included, sees one spec; a
     `max_seq_len` the user set is theirs, and too long is refused (check_engine_args)."""
+    from hsx_workers.engines.vllm.rules import longest_prompt, max_model_len
+
     if "max_seq_len" in spec.model_fields_set or spec.engine != "vllm":
         return spec
     try:
         positions = read_model_info(spec.model).max_positions
     except ModelConfigError:
         return spec  # preflight says what is wrong with the model
-    if positions is None or spec.max_seq_len + 2 <= positions or positions < 4:
+    if positions is None or max_model_len(spec.max_seq_len) <= positions or positions < 4:
         return spec
-    return spec.model_copy(update={"max_seq_len": positions - 2})
+    return spec.model_copy(update={"max_seq_len": longest_prompt(positions)})

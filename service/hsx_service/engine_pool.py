@@ -26,7 +26,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from hsx import settings
 from hsx.modelinfo import ModelInfo
@@ -37,6 +37,11 @@ from hsx_service.errors import JobCancelled
 from hsx_service.placement import ENGINE, ClusterShape, GpuArbiter, Holder, place, plan_job
 from hsx_service.prepare import preflight
 
+if TYPE_CHECKING:
+    from hsx_workers.engines.base import EngineConfig
+    from hsx_workers.engines.factory import AnyEngineConfig
+    from hsx_workers.engines.vllm.settings import VllmSettings
+
 logger = logging.getLogger(__name__)
 
 DISPATCH_DEPTH = 2
@@ -45,6 +50,13 @@ requests, the next one's requests already keep the engine busy (worker.py)."""
 LOCAL_RAY = "local"  # ray_address that asks for a private local Ray
 LOCAL_RAY_MIN_CPUS = 8  # a local Ray started here has at least these logical CPUs
 STOP_GRACE_S = 30.0  # an engine asked to shut down gets this long before it is killed
+
+
+def on_vllm(config: AnyEngineConfig) -> TypeGuard[EngineConfig[VllmSettings]]:
+    """Whether `config` is a vllm engine's (its settings typed as such from here on)."""
+    from hsx_workers.engines.vllm.settings import VllmSettings
+
+    return isinstance(config.settings, VllmSettings)
 
 
 def engine_key(spec: JobSpec, model: ModelInfo, layers: list[int],
@@ -271,7 +283,7 @@ class EnginePool:
         if self.arbiter.on_waiter is None:
             self.arbiter.on_waiter = self.release_idle
 
-    def slots(self, engine: str, config: Any, replicas: int, spec: JobSpec, *,
+    def slots(self, engine: str, config: AnyEngineConfig, replicas: int, spec: JobSpec, *,
               job: str = "local", order: float = 0.0, waits: Waits | None = None,
               part: float = 1.0, label_selector: dict[str, str] | None = None
               ) -> list[EngineSlot]:
@@ -297,11 +309,13 @@ class EnginePool:
             if slot.holder is not None:
                 slot.holder.job, slot.holder.idle = job, False
         tp = config.tensor_parallel_size
+        # vLLM's CPU build allocates its KV cache at start, from the actor's environment.
+        kvcache_gib = config.settings.options.cpu_kvcache_gib if on_vllm(config) else 1
         while len(have) < replicas:
             index = len(have)
             name = f"engine-{index}"
             env = {
-                "VLLM_CPU_KVCACHE_SPACE": str(config.options.get("cpu_kvcache_gib", 1)),
+                "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
                 "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
             }
@@ -339,10 +353,10 @@ class EnginePool:
                 "scheduling_strategy": in_group(pg),
                 **resources,
             }
-            actor_config = config
-            if backend is not None:
-                actor_config = dataclasses.replace(
-                    config, options={**config.options, "distributed_executor_backend": backend})
+            actor_config: AnyEngineConfig = config
+            if backend is not None and on_vllm(config):
+                actor_config = dataclasses.replace(config, settings=config.settings.model_copy(
+                    update={"distributed_executor_backend": backend}))
             actor_cls: Any = ray.remote(ExtractionWorker)
             actor = actor_cls.options(**options).remote(engine, actor_config, name)
             have.append(EngineSlot(name=name, actor=actor, ready_ref=actor.ready.remote(),

@@ -36,6 +36,7 @@ from typing import Any
 from hsx.spec import JobSpec
 from hsx.wire import NodePlan, ResourcePlan
 from hsx_service.errors import JobRefused
+from hsx_workers.engines.vllm.rules import binds_cpu_cores, engine_memory
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,6 @@ POLL_S = 0.5
 # Ray takes a moment to place a group after a holder released its GPUs; a placement
 # that takes longer than this is a wait worth telling.
 PLACE_QUIET_S = 3.0
-# Of a GPU an online trainer shares with an engine, the memory neither vLLM nor the
-# trainer budgets for: CUDA contexts, and what vLLM allocates beyond its budget.
-SHARE_MARGIN = 0.05
 
 Cancelled = Callable[[], bool]
 OnWait = Callable[[str | None], None]
@@ -167,7 +165,7 @@ def plan_job(spec: JobSpec, cluster: ClusterShape) -> ResourcePlan:
     plan = ResourcePlan(gpus=gpus, replicas=replicas, tensor_parallel_size=tp,
                         engine_gpus=engine_gpus, train_gpus=train_gpus, eval_gpus=eval_gpus,
                         training=training, train_share=share,
-                        engine_memory=engine_memory(spec, share),
+                        engine_memory=engine_memory(spec.vllm.gpu_memory_utilization, share),
                         train_place=train.place if train is not None else "any")
     plan.nodes = place_on_nodes(spec, plan, cluster)
     plan.summary = _summary(plan)
@@ -315,21 +313,11 @@ def _place_trainer(spec: JobSpec, plan: ResourcePlan, nodes: list[NodeShape],
         placed[node.id].trainer_workers.append(rank)
 
 
-def engine_memory(spec: JobSpec, share: float) -> float:
-    """The fraction of each GPU's memory the job's vLLM takes: `vllm.gpu_memory_utilization`,
-    less what a trainer sharing the GPU takes (`share`) and a margin for its CUDA context
-    and what vLLM allocates beyond its budget."""
-    wanted = spec.vllm.gpu_memory_utilization
-    if share <= 0:
-        return wanted
-    return round(min(wanted, 1.0 - share - SHARE_MARGIN), 3)
-
-
 def _plan_on_cpus(spec: JobSpec, cluster: ClusterShape) -> ResourcePlan:
     tp = spec.tensor_parallel_size
     replicas = spec.replicas or 1
     ranks = replicas * tp
-    if tp > 1 and cluster.cores is not None and ranks > cluster.cores:
+    if binds_cpu_cores(tp) and cluster.cores is not None and ranks > cluster.cores:
         fit = cluster.cores // tp
         fix = (f"set replicas to {fit}" if fit >= 1
                else f"lower tensor_parallel_size to {cluster.cores}")

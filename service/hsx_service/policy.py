@@ -5,8 +5,9 @@ submit route before the scheduler sees a job, and refuses (422, the field named)
 
 - `trust_remote_code` unless the operator allows models' own code;
 - a `vllm:` option that is not on the list of engine options a job may set
-  (`ENGINE_OPTIONS`: the ones that tune capture and memory, each taking one plain value),
-  naming the option and the list. vLLM takes many options that load code or files
+  (`ENGINE_OPTIONS`, owned by the vllm engine's rules, hsx_workers/engines/vllm/rules.py:
+  the ones that tune capture and memory, each taking one plain value), naming the
+  option and the list. vLLM takes many options that load code or files
   (`log_config_file` hands a file to `logging.config.dictConfig`, whose handlers may be
   any callable; `model_class_overrides`, `compilation_config.backend`, `worker_cls`
   name classes to import), so the list says what is allowed rather than what is not.
@@ -23,7 +24,6 @@ submit route before the scheduler sees a job, and refuses (422, the field named)
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import Any
 
 from hsx.spec import JobSpec
@@ -31,70 +31,7 @@ from hsx_service.config import Settings
 from hsx_service.errors import JobRefused
 from hsx_service.paths import check_job_paths
 from hsx_service.users import Caller
-
-# The vLLM engine options a job may set, with what each tunes (docs/SECURITY.md lists
-# them). Each takes a plain value (a string, a number, a boolean); none names code or a
-# file. The typed fields of `vllm:` (dtype, gpu_memory_utilization, ...) are hsx's own.
-ENGINE_OPTIONS: dict[str, str] = {
-    "load_format": "how weights are read (one of LOAD_FORMATS; dummy: random weights)",
-    "quantization": "the weights' quantization method, by vLLM's name",
-    "kv_cache_dtype": "the KV cache's dtype (auto, fp8, ...)",
-    "max_num_seqs": "sequences in one engine step",
-    "block_size": "tokens per KV cache block",
-    "swap_space": "CPU swap space per GPU, GiB",
-    "cpu_offload_gb": "weights kept in CPU memory, GiB",
-    "kv_cache_memory_bytes": "bytes of KV cache per GPU, instead of a memory share",
-    "num_gpu_blocks_override": "KV cache blocks, instead of profiling",
-    "enable_chunked_prefill": "split long prompts across engine steps",
-    "max_num_partial_prefills": "prompts prefilled in parts at once",
-    "max_long_partial_prefills": "long prompts prefilled in parts at once",
-    "long_prefill_token_threshold": "tokens from which a prompt counts as long",
-    "enable_expert_parallel": "a MoE model's experts spread over the engine's GPUs",
-    "disable_custom_all_reduce": "NCCL's all-reduce instead of vLLM's own",
-    "disable_cascade_attn": "no cascade attention",
-    "calculate_kv_scales": "fp8 KV cache scales computed on the fly",
-    "async_scheduling": "schedule the next step while this one runs",
-    "seed": "the engine's random seed",
-    "revision": "the model's hub revision (a hub model only)",
-    "tokenizer_revision": "the tokenizer's hub revision (a hub model only)",
-}
-
-# `load_format` values that read weights as data (no tensorizer, no plugin's loader).
-LOAD_FORMATS = frozenset({
-    "auto", "safetensors", "pt", "npcache", "dummy", "fastsafetensors", "bitsandbytes",
-    "gguf", "sharded_state", "mistral",
-})
-
-_PLAIN = (str, int, float, bool)
-
-
-def allowed_engine_options(extra: Iterable[str] = ()) -> frozenset[str]:
-    """The engine options a job may set here: hsx's list and the operator's additions."""
-    return frozenset(ENGINE_OPTIONS) | frozenset(extra)
-
-
-def engine_options_problem(options: dict[str, Any], extra: Iterable[str] = ()) -> str | None:
-    """Why a job's `vllm:` options are refused by this server's list; None if they pass.
-
-    Options on hsx's list must have a plain value; those the operator added are passed
-    as they are (the operator chose them)."""
-    allowed = allowed_engine_options(extra)
-    added = frozenset(extra)
-    unlisted = sorted(name for name in options if name not in allowed)
-    if unlisted:
-        return (f"{', '.join(unlisted)} {'is' if len(unlisted) == 1 else 'are'} not among "
-                f"the engine options a job may set on this server ({', '.join(sorted(allowed))}"
-                "; its operator can add others with HSX_ENGINE_OPTIONS)")
-    for name, value in sorted(options.items()):
-        if name in added:
-            continue
-        if value is not None and not isinstance(value, _PLAIN):
-            return f"{name} takes one plain value (a string, number or boolean), not a " \
-                   f"{type(value).__name__}"
-        if name == "load_format" and value not in LOAD_FORMATS:
-            return (f"load_format {value!r} is not one this server reads weights with "
-                    f"({', '.join(sorted(LOAD_FORMATS))})")
-    return None
+from hsx_workers.engines.vllm.rules import engine_options_problem
 
 
 def vet_spec(spec: JobSpec, settings: Settings, caller: Caller) -> None:

@@ -279,44 +279,21 @@ def check_capturable(spec: JobSpec, info: ModelInfo, layers: list[int]) -> None:
 
 
 def check_engine_args(spec: JobSpec, info: ModelInfo) -> None:
-    """Refuse `vllm:` keys that the installed vLLM does not take, or that hsx sets itself,
-    and settings under which the installed vLLM is known to capture wrong states."""
-    positions = info.max_positions
-    if spec.engine == "vllm" and positions is not None and spec.max_seq_len + 2 > positions:
-        # vLLM's capture runs each prompt with one generated token and one speculative
-        # slot after it, and refuses a max_model_len beyond the model's positions.
-        raise JobRefused(
-            f"max_seq_len: {spec.max_seq_len} is too long for {spec.model}: it has "
-            f"{positions} positions (max_position_embeddings) and vLLM's capture needs 2 "
-            f"beyond the prompt; set max_seq_len to {positions - 2} or less")
-    passed = spec.vllm.engine_args()
+    """Refuse what the job's engine cannot run as asked: `vllm:` engine arguments on
+    another engine, and for the vllm engine whatever its rules refuse (the model's
+    length, keys the installed vLLM does not take or that hsx sets itself, settings under
+    which it is known to capture wrong states: hsx_workers/engines/vllm/rules.py)."""
     if spec.engine != "vllm":
+        passed = spec.vllm.engine_args()
         if passed:
             raise JobRefused(f"vllm: {', '.join(sorted(passed))} are vLLM engine arguments, "
                              f"but the job's engine is {spec.engine}")
         return
-    try:
-        from hsx_workers import vllm_compat
-    except ImportError:  # the workers' package is not installed here
-        return
-    problem = vllm_compat.capture_problem(uses_mla=info.uses_mla,
-                                          enforce_eager=spec.vllm.enforce_eager)
+    from hsx_workers.engines.vllm.rules import job_problem
+
+    problem = job_problem(spec, info)
     if problem:
-        raise JobRefused(f"vllm.enforce_eager: {problem}")
-    problem = vllm_compat.dtype_problem(uses_linear_attention=info.uses_linear_attention,
-                                        requested=spec.vllm.dtype, model=spec.model,
-                                        model_dtype=info.torch_dtype)
-    if problem:
-        raise JobRefused(f"vllm.dtype: {problem}")
-    if not passed:
-        return
-    try:
-        known: frozenset[str] | None = vllm_compat.engine_arg_names()
-    except ImportError:  # no vLLM here: the engine's own start says what it refuses
-        known = None
-    problem = vllm_compat.engine_args_problem(passed, known)
-    if problem:
-        raise JobRefused(f"vllm: {problem}")
+        raise JobRefused(problem)
 
 
 def output_quota(quota_bytes: int | None = None) -> int | None:

@@ -52,15 +52,37 @@ def config_sha256(info: ModelInfo) -> str | None:
 
 
 def engine_arguments(spec: JobSpec, info: ModelInfo, layers: list[int]) -> dict[str, Any]:
-    """What the job's engines are built with, secret-looking values redacted."""
+    """What the job's engines are built with, secret-looking values redacted: what every
+    engine takes, then the engine's own settings (vllm: the `vllm:` options, as set or
+    defaulted, and engine arguments)."""
     from hsx_service.engine_config import engine_config_for
     from hsx_service.policy import redacted
+    from hsx_workers.engines.vllm.settings import VllmSettings
 
     config = engine_config_for(redacted(spec), info, layers)
-    return {"engine": spec.engine, "dtype": config.dtype,
-            "tensor_parallel_size": config.tensor_parallel_size,
-            "max_seq_len": config.max_seq_len, "trust_remote_code": config.trust_remote_code,
-            **config.options}
+    record: dict[str, Any] = {
+        "engine": spec.engine, "dtype": config.dtype,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "max_seq_len": config.max_seq_len, "trust_remote_code": config.trust_remote_code}
+    settings = config.settings
+    if isinstance(settings, VllmSettings):
+        vllm = settings.options
+        record["cpu_kvcache_gib"] = vllm.cpu_kvcache_gib
+        if vllm.max_num_batched_tokens is not None:
+            record["max_num_batched_tokens"] = vllm.max_num_batched_tokens
+        if vllm.enforce_eager:
+            record["enforce_eager"] = True
+        record["gpu_memory_utilization"] = vllm.gpu_memory_utilization
+        record["max_inflight_tokens"] = vllm.max_inflight_tokens
+        if vllm.engine_args():
+            record["engine_args"] = vllm.engine_args()
+        if settings.generates:
+            record["generates"] = True
+    else:
+        record.update(settings.model_dump())
+    if config.images is not None:
+        record["images"] = config.images.model_dump()
+    return record
 
 
 def provenance(spec: JobSpec, info: ModelInfo, layers: list[int]) -> dict[str, Any]:

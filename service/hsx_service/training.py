@@ -53,7 +53,6 @@ from hsx.wire import (
     TrainPoint,
     TrainState,
 )
-from hsx_service.engine_config import target_engine_args
 from hsx_service.engine_pool import (
     connect_ray,
     engine_bundles,
@@ -69,6 +68,7 @@ from hsx_service.placement import (
     place,
     trains_on_gpus,
 )
+from hsx_workers.engines.vllm.rules import target_engine_args
 
 logger = logging.getLogger(__name__)
 

@@ -48,8 +48,8 @@ def tiny_kimi(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_kimi_k25_preflight_answers_extract_hidden_states(tiny_kimi: Path, record: Any) -> None:
+    from hsx_workers.engines.vllm.compat import vllm_version
     from hsx_workers.preflight import format_report, inspect_model
-    from hsx_workers.vllm_compat import vllm_version
 
     report = inspect_model(str(tiny_kimi))
     record("kimi_k25_preflight", vllm=vllm_version(), report=report.as_dict())
@@ -70,7 +70,7 @@ def test_kimi_k25_text_path_matches_transformers(tiny_kimi: Path, ray_gpus: None
     from hsx.spec import JobSpec
     from hsx_service.engine_pool import EnginePool
     from hsx_service.runner import run_job
-    from hsx_workers.vllm_compat import vllm_version
+    from hsx_workers.engines.vllm.compat import vllm_version
     from tests.integration.helpers import by_sample, error_per_layer, wrapper_text_states
 
     chats = make_chat_dataset(tmp_path / "chat.jsonl", n=24, seed=3)

@@ -98,7 +98,7 @@ def test_image_prompts_through_vllm_on_gpu(arch: str, ray_gpus: None, tmp_path: 
     from hsx_service.engine_pool import EnginePool
     from hsx_service.errors import JobRefused
     from hsx_service.runner import run_job
-    from hsx_workers.vllm_compat import vllm_version
+    from hsx_workers.engines.vllm.compat import vllm_version
 
     layers, median_bound, worst_bound = CASES[arch]
     model = make_tiny_model(tmp_path / "model", arch, num_layers=3)

@@ -123,7 +123,7 @@ def test_another_unit_plan_gives_every_sample_the_same_answer(
     """A turn's seed depends on the sample, not on its unit or batch: units of another
     size (other batches in the engine) answer token for token the same. vLLM's CPU
     build broke this (15 of 199 equal) until hsx fixed its sampling under capture
-    (vllm_compat.fix_cpu_sampling_constraints)."""
+    (compat.fix_cpu_sampling_constraints)."""
     first = _regenerations(regenerated[0])
     output = tmp_path / "other-plan"
     run_job(make_job(output, regenerate=REGEN, unit_tokens=1024), pool=engine_pool)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hsx_service.dispatch import _first_line
-from hsx_workers.engines.compile_cache import (
+from hsx_workers.engines.vllm.compile_cache import (
     EngineStartError,
     explain_start_failure,
     is_truncated_elf,
@@ -93,7 +93,7 @@ def test_the_job_status_shows_the_explanation(tmp_path: Path) -> None:
         '  File "vllm_engine.py", line 160, in __init__\n'
         "ImportError: b.main.so: file too short\n\n"
         "The above exception was the direct cause of the following exception:\n\n"
-        f"hsx_workers.engines.compile_cache.EngineStartError: {caught.value}\n"
+        f"hsx_workers.engines.vllm.compile_cache.EngineStartError: {caught.value}\n"
     )
     assert _first_line(Exception(ray_text)) == (
-        f"hsx_workers.engines.compile_cache.EngineStartError: {caught.value}")
+        f"hsx_workers.engines.vllm.compile_cache.EngineStartError: {caught.value}")

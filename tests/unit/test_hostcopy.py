@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hsx_workers.hostcopy import (  # noqa: E402
+from hsx_workers.engines.vllm.hostcopy import (  # noqa: E402
     gather,
     gather_to_host,
     mark_stream,

@@ -25,9 +25,9 @@ TREES = ("client", "workers", "service")
 
 BASES = {
     "hsx.output.storage": ["hsx.output.local_storage", "hsx.output.object_storage"],
-    "hsx_workers.engines.base": ["hsx_workers.engines.vllm_engine",
+    "hsx_workers.engines.base": ["hsx_workers.engines.vllm.engine",
                                  "hsx_workers.engines.hf_engine"],
-    "hsx_workers.engines.factory": ["hsx_workers.engines.vllm_engine",
+    "hsx_workers.engines.factory": ["hsx_workers.engines.vllm.engine",
                                     "hsx_workers.engines.hf_engine"],
 }
 

@@ -478,8 +478,12 @@ def test_a_pool_without_a_scheduler_hands_its_idle_engines_gpu_to_its_next_job(
 
     import ray
 
+    from hsx.spec import VllmOptions
     from hsx_service import engine_pool
     from hsx_service.engine_pool import EnginePool, EngineSlot
+    from hsx_workers.engines.base import EngineConfig
+    from hsx_workers.engines.hf_settings import HfSettings
+    from hsx_workers.engines.vllm.settings import VllmSettings
 
     stopped: list[str] = []
 
@@ -503,7 +507,8 @@ def test_a_pool_without_a_scheduler_hands_its_idle_engines_gpu_to_its_next_job(
     monkeypatch.setattr(engine_pool, "place", lambda *a, **k: "group")
     monkeypatch.setattr(engine_pool, "in_group", lambda group: None)
     monkeypatch.setattr(EnginePool, "_stop", stop)
-    config = types.SimpleNamespace(tensor_parallel_size=1, options={})
+    config = EngineConfig(model="m", layers=[1], num_layers=2, hidden_size=8, max_seq_len=16,
+                          settings=VllmSettings(options=VllmOptions()))
 
     pool = EnginePool(arbiter=GpuArbiter(total=lambda: 1))
     first = pool.slots("vllm", config, 1, _spec(), job="a")
@@ -511,7 +516,8 @@ def test_a_pool_without_a_scheduler_hands_its_idle_engines_gpu_to_its_next_job(
     pool.park()  # job a ended; its engine is kept warm
 
     got: list[list[EngineSlot]] = []
-    other = types.SimpleNamespace(tensor_parallel_size=1, options={"dtype": "float32"})
+    other = EngineConfig(model="m", layers=[1], num_layers=2, hidden_size=8, max_seq_len=16,
+                         settings=HfSettings(), dtype="float32")
     thread = threading.Thread(target=lambda: got.append(pool.slots("hf", other, 1, _spec(),
                                                                    job="b")), daemon=True)
     thread.start()

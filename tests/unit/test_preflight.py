@@ -20,15 +20,15 @@ from hsx.modelinfo import read_model_info
 from hsx.spec import JobSpec, TrainSpec
 from hsx_service.errors import JobRefused
 from hsx_service.prepare import preflight, prepare
+from hsx_workers.engines.vllm import missing_torchvision
+from hsx_workers.engines.vllm.classes import needs_torchvision_stub
+from hsx_workers.engines.vllm.missing_torchvision import torchvision_missing
 from hsx_workers.preflight import (
     ModelReport,
     environment_report,
     format_report,
     image_processors,
     inspect_model,
-    missing_torchvision,
-    needs_torchvision_stub,
-    torchvision_missing,
 )
 from hsx_workers.tiny_models import ARCHS, ChatDataset, make_tiny_model
 
@@ -220,7 +220,7 @@ def test_kimi_k25_refused_when_its_processor_cannot_be_built(
 
 
 def test_wrappers_without_torchvision_say_only_text_runs(reports: dict[str, ModelReport]) -> None:
-    from hsx_workers.preflight import torchvision_missing
+    from hsx_workers.engines.vllm.missing_torchvision import torchvision_missing
 
     if not torchvision_missing():
         pytest.skip("torchvision is installed here")
@@ -560,7 +560,7 @@ def test_refused_engine_args_vllm_lacks_or_hsx_sets(configs: dict[str, Path],
 
 def test_refused_eager_mla_on_the_cpu_build(configs: dict[str, Path], chat_dataset: ChatDataset,
                                             tmp_path: Path) -> None:
-    from hsx_workers.vllm_compat import cpu_build
+    from hsx_workers.engines.vllm.compat import cpu_build
 
     spec = _spec(configs["deepseek_v3"], chat_dataset, tmp_path / "o", layers=[1, 2, 3],
                  vllm={"enforce_eager": True})
@@ -576,7 +576,7 @@ def test_refused_gated_delta_net_outside_bf16_on_the_cpu_build(
         configs: dict[str, Path], chat_dataset: ChatDataset, tmp_path: Path) -> None:
     """vLLM's CPU kernel for gated delta-net layers takes bf16 only and fails at the first
     forward otherwise (after the engine started): such a job is refused before."""
-    from hsx_workers.vllm_compat import cpu_build
+    from hsx_workers.engines.vllm.compat import cpu_build
 
     assert read_model_info(str(configs["qwen3_next"])).uses_linear_attention
     assert not read_model_info(str(configs["qwen3_moe"])).uses_linear_attention
@@ -593,7 +593,7 @@ def test_refused_gated_delta_net_outside_bf16_on_the_cpu_build(
 
 
 def test_supported_vllm_range() -> None:
-    from hsx_workers.vllm_compat import version_problem, vllm_version
+    from hsx_workers.engines.vllm.compat import version_problem, vllm_version
 
     assert version_problem() is None, f"the installed vLLM {vllm_version()} is supported"
     assert version_problem("0.25.1") is None

@@ -16,8 +16,9 @@ from hsx_service.config import Settings
 from hsx_service.errors import JobRefused
 from hsx_service.main import create_app
 from hsx_service.paths import Roots, check_job_paths
-from hsx_service.policy import ENGINE_OPTIONS, engine_options_problem, redacted, vet_spec
+from hsx_service.policy import redacted, vet_spec
 from hsx_service.users import TokenTable, caller
+from hsx_workers.engines.vllm.rules import ENGINE_OPTIONS, engine_options_problem
 
 from .test_api import FakeScheduler, job_fields, local_client
 

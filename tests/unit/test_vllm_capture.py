@@ -22,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
+from hsx.spec import VllmOptions  # noqa: E402
 from hsx_workers.engines.base import (  # noqa: E402
     WAIT,
     CaptureRequest,
@@ -29,8 +30,9 @@ from hsx_workers.engines.base import (  # noqa: E402
     EngineConfig,
     EngineDead,
 )
-from hsx_workers.engines.vllm_engine import VllmEngine  # noqa: E402
-from hsx_workers.spool import SPOOL_SUFFIX, publish_spool_file  # noqa: E402
+from hsx_workers.engines.vllm.engine import VllmEngine  # noqa: E402
+from hsx_workers.engines.vllm.settings import VllmSettings  # noqa: E402
+from hsx_workers.engines.vllm.spool import SPOOL_SUFFIX, publish_spool_file  # noqa: E402
 
 LAYERS, HIDDEN, TOKENS = 2, 4, 3
 WAIT_S = 30.0  # how long a test waits for something that must happen
@@ -94,7 +96,7 @@ def _engine(tmp_path: Path, batch: int, budget_requests: int) -> tuple[VllmEngin
     fake = FakeLLMEngine(tmp_path, batch)
     engine = object.__new__(VllmEngine)
     engine.config = EngineConfig(model="m", layers=[1, 2], num_layers=2, hidden_size=HIDDEN,
-                                 max_seq_len=16)
+                                 max_seq_len=16, settings=VllmSettings(options=VllmOptions()))
     engine.max_inflight_tokens = budget_requests * TOKENS
     engine.spool = tmp_path
     engine.hooks = False

@@ -1,4 +1,4 @@
-"""vllm_compat's fixes of vLLM on its CPU platform (the platform of these machines):
+"""compat's fixes of vLLM on its CPU platform (the platform of these machines):
 
 - sampling under capture: the installed function expands per-request values over draft
   tokens the way vLLM's kernel means to, where the CPU build's own returns uninitialized
@@ -29,7 +29,7 @@ rejection_sampler = pytest.importorskip("vllm.v1.sample.rejection_sampler")
 def test_expansion_over_draft_tokens_is_exact() -> None:
     from vllm.platforms import current_platform
 
-    from hsx_workers.vllm_compat import fix_cpu_sampling_constraints
+    from hsx_workers.engines.vllm.compat import fix_cpu_sampling_constraints
 
     if not current_platform.is_cpu():
         pytest.skip("the fix applies to vLLM's CPU platform only")
@@ -65,7 +65,7 @@ class _LibraryFunction:
 
 def test_kernel_overrides_register_beside_llvmlite(monkeypatch: pytest.MonkeyPatch) -> None:
     dispatcher = pytest.importorskip("vllm.triton_utils.dispatcher")
-    from hsx_workers.vllm_compat import fix_kernel_override_scan
+    from hsx_workers.engines.vllm.compat import fix_kernel_override_scan
 
     def kernel(x: int) -> int:
         raise AssertionError("the original kernel ran")
@@ -103,7 +103,7 @@ def test_the_cpu_platform_compiles_through_the_cache_it_loads(
     import vllm.envs as envs
     from vllm.platforms import current_platform
 
-    from hsx_workers.vllm_compat import compile_through_loadable_cache
+    from hsx_workers.engines.vllm.compat import compile_through_loadable_cache
 
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: True)
@@ -128,7 +128,7 @@ def test_model_classes_are_inspected_in_this_process(
     import vllm.envs as envs
     from vllm.model_executor.models import registry
 
-    from hsx_workers.vllm_compat import models_inspected_here
+    from hsx_workers.engines.vllm.compat import models_inspected_here
 
     class Spawned(Exception):
         pass

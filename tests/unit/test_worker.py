@@ -20,6 +20,7 @@ import pytest
 
 from hsx.output import Output
 from hsx.plan import WorkUnit
+from hsx.spec import VllmOptions
 from hsx_workers.engines.base import (
     WAIT,
     CaptureRequest,
@@ -28,6 +29,7 @@ from hsx_workers.engines.base import (
     EngineDead,
     RequestStream,
 )
+from hsx_workers.engines.vllm.settings import VllmSettings
 from hsx_workers.worker import ExtractionWorker
 
 from .outputs import write_inputs_table
@@ -93,7 +95,7 @@ def _output(tmp_path: Path, n: int = 12) -> Path:
 def _worker(monkeypatch: pytest.MonkeyPatch, engine: WindowEngine) -> ExtractionWorker:
     monkeypatch.setattr("hsx_workers.worker.create_engine", lambda name, config: engine)
     config = EngineConfig(model="m", layers=LAYERS, num_layers=2, hidden_size=HIDDEN,
-                          max_seq_len=64)
+                          max_seq_len=64, settings=VllmSettings(options=VllmOptions()))
     return ExtractionWorker("vllm", config, name="w0")
 
 

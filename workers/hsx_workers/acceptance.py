@@ -183,8 +183,12 @@ def measure_acceptance(
     from vllm.platforms import current_platform
 
     from hsx_workers.dtypes import vllm_dtype
-    from hsx_workers.engines.vllm_engine import image_prompt
-    from hsx_workers.vllm_compat import per_request_spec_metrics, starting_engine, vllm_version
+    from hsx_workers.engines.vllm.compat import (
+        per_request_spec_metrics,
+        starting_engine,
+        vllm_version,
+    )
+    from hsx_workers.engines.vllm.engine import image_prompt
 
     if not prompts:
         raise ValueError("no prompts to generate from")
@@ -288,9 +292,9 @@ def _rates(after: tuple[int, int, int, list[int]], before: tuple[int, int, int, 
 def _image_engine(target: str, args: dict[str, Any], prompts: list[EvalPrompt]) -> None:
     """vLLM's arguments for a target answering image prompts: its vision tower (no
     `language_model_only`), as many images a prompt as they hold, and where torchvision
-    is missing, the engine in this process with it stubbed (vllm_engine.py)."""
+    is missing, the engine in this process with it stubbed (engines/vllm/engine.py)."""
     from hsx.modelinfo import read_model_info
-    from hsx_workers.engines.vllm_engine import wrapper_in_this_process
+    from hsx_workers.engines.vllm.engine import wrapper_in_this_process
 
     most = max(len(p.images or ()) for p in prompts)
     limit = args.setdefault("limit_mm_per_prompt", {"image": most, "video": 0})

@@ -72,13 +72,13 @@ from hsx_workers.engines.base import (
     WAIT,
     CaptureRequest,
     CaptureResult,
-    EngineConfig,
     EngineDead,
     GenerateRequest,
     GenerateResult,
     _Wait,
 )
-from hsx_workers.engines.factory import create_engine
+from hsx_workers.engines.factory import AnyEngineConfig, create_engine
+from hsx_workers.engines.vllm.settings import VllmSettings
 from hsx_workers.headcheck import FinalHead
 from hsx_workers.selfcheck import StatesCheck, StatesCheckFailed, UnitTally, head_ahead
 
@@ -195,7 +195,7 @@ def _vllm_version() -> str:
 class ExtractionWorker:
     """Owns one capture engine and turns work units into committed shards."""
 
-    def __init__(self, engine: str, engine_config: EngineConfig, name: str = "worker"):
+    def __init__(self, engine: str, engine_config: AnyEngineConfig, name: str = "worker"):
         self.name = name
         self.config = engine_config
         self._lock = threading.Lock()
@@ -216,8 +216,11 @@ class ExtractionWorker:
         self._check_of_job: tuple[str, str] = ("", "")  # (output uri, mode) it checks
         # The target's head (headcheck.py), read while the engine starts: the default
         # `checks: on` compares id N with it from a job's first unit.
+        settings = engine_config.settings
+        # vLLM's own arguments may say how the weights load (`load_format: dummy`).
+        engine_args = settings.options.engine_args() if isinstance(settings, VllmSettings) else {}
         self._head: Future[FinalHead] | None = head_ahead(
-            engine_config.model, engine_config.options.get("engine_args") or {}
+            engine_config.model, engine_args
         ) if engine_config.num_layers in engine_config.layers else None
         self.engine = create_engine(engine, engine_config)
 
@@ -260,8 +263,8 @@ class ExtractionWorker:
 
     def _images_of(self, table: pa.Table) -> dict[int, tuple[list[bytes], int]] | None:
         """The unit's images and expanded lengths, when its job takes images (its engine
-        was built to: `options["images"]`, and its inputs keep them)."""
-        if "images" not in self.config.options:
+        was built to: `EngineConfig.images`, and its inputs keep them)."""
+        if self.config.images is None:
             return None
         if IMAGES_COLUMN not in table.column_names:
             raise ValueError("the job takes images but its inputs hold none (an output "
@@ -574,8 +577,10 @@ class ExtractionWorker:
             return mask, None
         from hsx.ingest.images import realign
 
-        image_token = int(self.config.options["images"]["image_token_id"])
-        return realign(ids, mask, result.input_ids, image_token)
+        images = self.config.images
+        if images is None:
+            raise RuntimeError("a unit with images on a worker built for text prompts")
+        return realign(ids, mask, result.input_ids, images.image_token_id)
 
     def _stop_job(self, run: _UnitRun, err: StatesCheckFailed) -> None:
         """A tripped self-check (`checks: on`): this unit fails now, and so does every

@@ -343,7 +343,7 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
         target = args.target
         if args.job:  # the target as the job's engines load it: TP, dtype, its vllm: ones
             from hsx.spec import load_job
-            from hsx_service.engine_config import target_engine_args
+            from hsx_workers.engines.vllm.rules import target_engine_args
 
             job = load_job(args.job)
             engine = target_engine_args(job)

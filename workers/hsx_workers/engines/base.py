@@ -1,10 +1,11 @@
 """The one interface every capture engine implements.
 
-Variants:
-- `VllmEngine` (engines/vllm_engine.py): vLLM's `extract_hidden_states` method with
-  hsx's connector. The default.
-- `HfEngine` (engines/hf_engine.py): a transformers forward. The reference the vLLM
-  engine is tested against, and the fallback for architectures vLLM cannot capture.
+Variants, each with the settings it takes beside the common ones (`EngineConfig.settings`):
+- `VllmEngine` (engines/vllm/engine.py; `VllmSettings`, engines/vllm/settings.py):
+  vLLM's `extract_hidden_states` method with hsx's connector. The default.
+- `HfEngine` (engines/hf_engine.py; `HfSettings`, engines/hf_settings.py): a
+  transformers forward. The reference the vLLM engine is tested against, and the
+  fallback for architectures vLLM cannot capture.
 
 This module is the interface alone and imports no engine; the engines import it.
 `create_engine` (engines/factory.py) maps an engine's name to its module, imported when
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     import torch
@@ -137,25 +140,44 @@ class CaptureResult:
     predicted: list[int] | None = None
 
 
+class ImageSettings(BaseModel):
+    """What an engine of a job that takes images needs (either engine): how many a prompt
+    may hold, how large (vLLM sizes its profiling by them), and the token its images'
+    placeholders carry. Built from the job's `images:` and the model's config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_per_row: int = Field(gt=0, description="The most images one prompt holds.")
+    max_pixels: int = Field(gt=0, description="The most pixels of one image.")
+    image_token_id: int = Field(ge=0, description="The model's image placeholder token.")
+
+
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
+
+
 @dataclass
-class EngineConfig:
-    """What an engine needs to start; built by the worker from the JobSpec."""
+class EngineConfig(Generic[SettingsT]):
+    """What an engine needs to start: what every engine takes, and `settings`, the typed
+    settings of the one engine it is for (`VllmSettings`, `HfSettings`). Built by the
+    service from the JobSpec (hsx_service/engine_config.py)."""
 
     model: str
     layers: list[int]
     num_layers: int
     hidden_size: int
     max_seq_len: int
+    settings: SettingsT
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
     dtype: str = "auto"
-    options: dict[str, Any] = field(default_factory=dict)
     # How the shards store states; the vllm engine's connector quantizes fp8 on the device.
     storage_dtype: str = "bf16"
+    # A job that takes images; None: text prompts only.
+    images: ImageSettings | None = None
 
 
 class CaptureEngine(Protocol):
-    config: EngineConfig
+    """An engine built on an `EngineConfig` of its own settings (`create_engine`)."""
 
     def capture(self, requests: RequestStream) -> Iterator[CaptureResult]:
         """Yield one result per CaptureRequest, in request order. `requests` may yield

@@ -9,7 +9,7 @@ normed one would make a trainer apply the norm twice.
 Samples are batched by length with right padding: under a causal mask, padding after a
 sequence cannot change the states of its real tokens.
 
-A job that takes images (`options["images"]`) loads the model as an image-text-to-text
+A job that takes images (`EngineConfig.images`) loads the model as an image-text-to-text
 model with its processor; a prompt with images runs alone: each placeholder expanded by
 the processor (hsx.ingest.images.ImageTokens, as ingestion counts them), its pixels from
 the processor's image processor. Its result's input_ids are the expanded ones.
@@ -35,6 +35,7 @@ from hsx_workers.engines.base import (
     GenerateResult,
     RequestStream,
 )
+from hsx_workers.engines.hf_settings import HfSettings
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +66,19 @@ def _final_norm(model: torch.nn.Module) -> torch.nn.Module:
 class HfEngine:
     """transformers forward with `output_hidden_states`, batched by a token budget."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig[HfSettings]):
         import transformers
 
         self.config = config
+        settings = config.settings
         self.device = torch.device(
-            config.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+            settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
         dtype: Any = _DTYPES.get(
             compute_dtype(config.dtype, on_cpu=self.device.type == "cpu",
                           model=config.model), "auto")
-        self.batch_tokens = int(config.options.get("batch_tokens", 16384))
-        images = config.options.get("images")
+        self.batch_tokens = settings.batch_tokens
+        images = config.images
         auto = "AutoModelForImageTextToText" if images else "AutoModelForCausalLM"
         model: Any = getattr(transformers, auto).from_pretrained(
             config.model, dtype=dtype, trust_remote_code=config.trust_remote_code
@@ -85,7 +87,7 @@ class HfEngine:
         if images:
             from hsx.ingest.images import ImageTokens
 
-            self.image_tokens = ImageTokens.load(config.model, int(images["image_token_id"]),
+            self.image_tokens = ImageTokens.load(config.model, images.image_token_id,
                                                  trust_remote_code=config.trust_remote_code)
         self.model = model.to(self.device)
         self.model.eval()

@@ -18,24 +18,18 @@ functions: importing this package stays light.
 
 - model.py: `inspect_model` (and its cached form for job submission);
 - report.py: `ModelReport`, its JSON and its human form;
-- vllm_classes.py: the vLLM class that serves an architecture, and whether it has
-  EAGLE-3 aux outputs;
+- vLLM's side (hsx_workers.engines.vllm): classes.py, the vLLM class that serves an
+  architecture and whether it has EAGLE-3 aux outputs; missing_torchvision.py, importing
+  vLLM's multimodal modules where torchvision is missing;
 - image_processors.py: whether a multimodal wrapper's image processor lets vLLM start;
-- missing_torchvision.py: importing vLLM's multimodal modules where torchvision is missing;
 - environment.py: `environment_report` (`hsx doctor`).
 """
 
 from __future__ import annotations
 
 from hsx_workers.preflight.environment import EnvCheck, environment_report
-from hsx_workers.preflight.missing_torchvision import (
-    install_torchvision_stub,
-    torchvision_missing,
-    torchvision_stub,
-)
 from hsx_workers.preflight.model import inspect_model, inspect_model_cached, warm_imports
 from hsx_workers.preflight.report import Capture, EngineChoice, ModelReport, format_report
-from hsx_workers.preflight.vllm_classes import needs_torchvision_stub
 
 __all__ = [
     "Capture",
@@ -46,9 +40,5 @@ __all__ = [
     "format_report",
     "inspect_model",
     "inspect_model_cached",
-    "install_torchvision_stub",
-    "needs_torchvision_stub",
-    "torchvision_missing",
-    "torchvision_stub",
     "warm_imports",
 ]

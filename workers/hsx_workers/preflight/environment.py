@@ -47,7 +47,7 @@ def environment_report() -> list[EnvCheck]:
         checks.append(EnvCheck("vllm", False, "vLLM is not installed: the vllm engine cannot "
                                               "run here (the hf engine can)."))
     else:
-        from hsx_workers.vllm_compat import SUPPORTED_VLLM, version_problem
+        from hsx_workers.engines.vllm.compat import SUPPORTED_VLLM, version_problem
 
         problem = version_problem(found[vllm_name])
         checks.append(EnvCheck("vllm-range", problem is None, problem or (

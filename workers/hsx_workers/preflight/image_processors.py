@@ -8,7 +8,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from hsx.modelinfo import ModelInfo
-from hsx_workers.preflight import missing_torchvision
+from hsx_workers.engines.vllm import missing_torchvision
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from typing import Any
 
 from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
 from hsx.spec import DatasetSpec
-from hsx_workers.preflight import missing_torchvision
+from hsx_workers.engines.vllm import missing_torchvision
+from hsx_workers.engines.vllm.classes import resolve, supports_eagle3
 from hsx_workers.preflight.image_processors import wrapper_image_processor
 from hsx_workers.preflight.report import Capture, EngineChoice, ModelReport, gib
-from hsx_workers.preflight.vllm_classes import resolve, supports_eagle3
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ def vision_problem(info: ModelInfo, engine: str, trust_remote_code: bool = False
             return None  # its own code decides; the engine's start says what fails
         return (f"transformers has no image-text-to-text class for model_type "
                 f"{info.model_type!r}")
+    from hsx_workers.engines.vllm.classes import resolve
     from hsx_workers.preflight.model import _hf_config
-    from hsx_workers.preflight.vllm_classes import resolve
 
     resolved = resolve([info.architecture], _hf_config(info, trust_remote_code))
     if resolved.cls is None:

