@@ -124,8 +124,8 @@ def test_hostile_names_reasons_and_file_names_are_shown_as_text(
     unreadable = client.submit({**spec, "name": "unreadable", "dataset": str(broken),
                                 "output": str(folder / "out-broken")})
     all_bad = client.wait(refused_rows.id, timeout=300)
-    assert all_bad.state == JobState.failed and "the commonest reasons" in (all_bad.last_error or ""), \
-        all_bad.last_error
+    said = all_bad.last_error or ""
+    assert all_bad.state == JobState.failed and "the commonest reasons" in said, said
     failed = client.wait(unreadable.id, timeout=300)
     assert failed.state == JobState.failed and HOSTILE_FILE in (failed.last_error or "")
 
