@@ -265,8 +265,8 @@ def hand_off(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def online_jobs(args: argparse.Namespace) -> dict[str, Any]:
-    """The learnable target's online job on a local cluster, with 1 and 2 workers."""
+def _learnable(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """The work folder, the learnable target and its 3,000 chats (made once)."""
     from hsx_workers.learnable import TaskLanguage, make_learnable_model, write_language_dataset
 
     work = Path(args.workdir)
@@ -276,6 +276,12 @@ def online_jobs(args: argparse.Namespace) -> dict[str, Any]:
     rows = work / "tasks.jsonl"
     if not rows.exists():
         write_language_dataset(rows, 3000, language=language)
+    return work, target, rows
+
+
+def online_jobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The learnable target's online job on a local cluster, with 1 and 2 workers."""
+    work, target, rows = _learnable(args)
     runs: dict[str, Any] = {}
     for workers in (1, 2):
         runs[f"{workers} worker{'s' * (workers > 1)}"] = _job(work, target, rows, workers,
@@ -289,15 +295,7 @@ def online_jobs(args: argparse.Namespace) -> dict[str, Any]:
 
 def online_ab(args: argparse.Namespace) -> dict[str, Any]:
     """The one-node online job on this tree and on `args.baseline`'s, alternately."""
-    from hsx_workers.learnable import TaskLanguage, make_learnable_model, write_language_dataset
-
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    language = TaskLanguage(seed=0)
-    target = make_learnable_model(work / "target", language=language, steps=500)
-    rows = work / "tasks.jsonl"
-    if not rows.exists():
-        write_language_dataset(rows, 3000, language=language)
+    work, target, rows = _learnable(args)
     trees = {"new": ROOT, "baseline": Path(args.baseline).resolve()}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     for rep in range(args.reps):

@@ -442,7 +442,12 @@ class Scheduler:
     def _error_records(self, row: JobRow) -> builtins.list[ErrorRecord]:
         output = open_output(row.output)
         if not output.has_manifest():
-            return []
+            # A job that kept no row (each one bad) has no manifest, but its ingestion's
+            # errors say why: what its failure tells the user to read.
+            table = output.ingest_errors()
+            return [ErrorRecord(sample_index=i, reason=r) for i, r in zip(
+                table.column("sample_index").to_pylist(), table.column("reason").to_pylist(),
+                strict=True)]
         given_up = [(start, end, f"unit {unit} was given up: {error}")
                     for unit, start, end, error in self.ledger.failed_units(row.id)]
         return [ErrorRecord(sample_index=e.sample_index, reason=e.reason)

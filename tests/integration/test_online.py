@@ -163,8 +163,9 @@ def _run(server: Server, cluster: LocalCluster, learnable: Learnable,
     while time.monotonic() < deadline:
         try:
             status = server.coordinator().client().get(job.id)
-        except Exception:  # the coordinator is restarting
-            time.sleep(0.5)
+            training = server.train_status(job.id)
+        except Exception:  # the coordinator is restarting (or, just restarted and taking
+            time.sleep(0.5)  # its job back on a loaded machine, slow to answer)
             continue
         run.plan = status.plan or run.plan
         if status.waiting_for:
@@ -173,7 +174,6 @@ def _run(server: Server, cluster: LocalCluster, learnable: Learnable,
         if any(e for e, _ in where.values()) and any(t for _, t in where.values()):
             run.placements.append(where)
         run.in_flight = max([run.in_flight, *(n.bytes_in_flight for n in status.nodes)])
-        training = server.train_status(job.id)
         if training is None:
             time.sleep(0.5)
             continue

@@ -153,7 +153,7 @@ def test_a_row_that_blows_up_past_the_sample_is_a_bad_row_while_the_api_answers(
     assert (final.samples_done, final.samples_failed) == (299, 1)
     errors = list(client.iter_errors(job.id))
     assert [e.sample_index for e in errors] == [280]
-    assert "ran for more than" in errors[0].reason
+    assert "computed for more than" in errors[0].reason
 
 
 def test_inspecting_a_model_whose_template_blows_up_answers_while_the_api_answers(

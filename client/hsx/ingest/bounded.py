@@ -7,10 +7,15 @@ Every ingestion tokenizes through `TokenizingProcess`: a child forked from the f
 server (`pool_context`: transformers imported once), which loads the tokenizer, takes
 slices from its parent and sends back their tokenized batches. It beats as each row's
 rendering starts (limits.py, `row_started`) and after each batch. The parent kills it
-when no beat came for WALL_FACTOR x (HSX_TEMPLATE_SECONDS + GRACE_SECONDS) of wall
-time (a row's own CPU limit, limits.py, stops loops in Python first; this stops one
-long call into C, such as a huge integer power, that nothing inside the process can
-interrupt), or it dies (MEMORY_BYTES past its imports, a crash). The row that stopped
+when, since its last beat, it computed for more than HSX_TEMPLATE_SECONDS +
+GRACE_SECONDS of CPU time (a row's own CPU limit, limits.py, stops loops in Python
+first; this stops one long call into C, such as a huge integer power, that nothing
+inside the process can interrupt), or waited without computing for HANG_SECONDS (a
+read that never returns), or it dies (MEMORY_BYTES past its imports, a crash). CPU
+time, not wall time: the child runs at nice 19, and on a machine busy with engines a
+good row may wait minutes for a core; a kill must mean the row, not the load. Where
+the child's times cannot be read (no /proc), WALL_FACTOR x that CPU time of wall time
+stands for them. The row that stopped
 it is then found: the batch's rows again, one at a time, in a new child; the one that
 stops that child is a bad row with the reason, and the slice goes on after it.
 KILLED_ROWS such rows in one slice end the ingestion (TemplateLimitError): a template
@@ -32,6 +37,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from hsx import settings as hsx_settings
@@ -50,7 +56,8 @@ SETUP_SECONDS = 60.0  # a new child's start and tokenizer, wall time
 # loaded machine was seen).
 IMAGE_SETUP_SECONDS = 240.0
 GRACE_SECONDS = 2.0  # beyond HSX_TEMPLATE_SECONDS: a row's own CPU limit stops it first
-WALL_FACTOR = 3.0  # wall time without a beat, in those seconds: the child is at nice 19
+WALL_FACTOR = 3.0  # without /proc: wall time without a beat, in those CPU seconds
+HANG_SECONDS = 300.0  # asleep (not computing, not waiting for a core) without a beat
 MEMORY_BYTES = 8 * 2**30  # what a child may map beyond its imports
 KILLED_ROWS = 3  # rows of one slice whose child was stopped that end the ingestion
 MEMORY_EXIT = 86  # a child's exit code when it ran out of MEMORY_BYTES
@@ -116,11 +123,54 @@ class _Stopped(Exception):
 
 
 def stall_seconds(template_seconds: float) -> float | None:
-    """Wall time without a beat after which a child is killed (None: never, when the
+    """CPU time without a beat after which a child is killed (None: never, when the
     template's time is not limited)."""
     if template_seconds <= 0:
         return None
-    return WALL_FACTOR * (template_seconds + GRACE_SECONDS)
+    return template_seconds + GRACE_SECONDS
+
+
+def _times(pid: int) -> tuple[float, bool] | None:
+    """A process's CPU seconds (user + system) and whether it is asleep (neither running
+    nor waiting for a core), from /proc; None where they cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks, fields[0] not in ("R",)
+
+
+class _Watch:
+    """Since a child's last beat: the CPU time it computed and the time it slept."""
+
+    def __init__(self) -> None:
+        self.beat = -1.0
+        self.cpu = 0.0
+        self.slept = 0.0
+        self.at = time.monotonic()
+
+    def over(self, pid: int, beat: float, stall: float) -> str | None:
+        """Why the row must be stopped now, or None."""
+        now, times = time.monotonic(), _times(pid)
+        if times is None:  # no /proc: wall time stands for CPU time
+            if now - beat > WALL_FACTOR * stall:
+                return (f"the chat template ran for more than {WALL_FACTOR * stall:g} s "
+                        "on the row without ending")
+            return None
+        cpu, asleep = times
+        if beat != self.beat:  # a new row (or batch) began: count from here
+            self.beat, self.cpu, self.slept = beat, cpu, 0.0
+        elif asleep:
+            self.slept += now - self.at
+        self.at = now
+        if cpu - self.cpu > stall:
+            return (f"the chat template computed for more than {stall:g} s of CPU time "
+                    "on the row without ending")
+        if self.slept > HANG_SECONDS:
+            return (f"the row's tokenizing waited {HANG_SECONDS:g} s without computing "
+                    "or ending")
+        return None
 
 
 class TokenizingProcess:
@@ -220,6 +270,7 @@ class TokenizingProcess:
         """The child's next message; _Stopped (with the row's reason) when it died or did
         not beat for `stall` seconds."""
         conn = self._connection()
+        watch = _Watch()
         while True:
             if conn.poll(POLL_S):
                 try:
@@ -229,10 +280,10 @@ class TokenizingProcess:
                     raise _Stopped(self._death()) from None
             if not self._child.is_alive():
                 raise _Stopped(self._death())
-            if stall is not None and time.monotonic() - self._beat.value > stall:
-                raise _Stopped(
-                    f"the chat template ran for more than {stall:g} s on the row without "
-                    f"ending ({limits.TEMPLATE_SECONDS_ENV})")
+            why = None if stall is None else watch.over(self._child.pid, self._beat.value,
+                                                        stall)
+            if why is not None:
+                raise _Stopped(f"{why} ({limits.TEMPLATE_SECONDS_ENV})")
 
     def _death(self) -> str:
         self._child.join(5)
