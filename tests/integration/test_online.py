@@ -167,6 +167,8 @@ def _run(server: Server, cluster: LocalCluster, learnable: Learnable,
         except Exception:  # the coordinator is restarting (or, just restarted and taking
             time.sleep(0.5)  # its job back on a loaded machine, slow to answer)
             continue
+        if status.state in (JobState.failed, JobState.cancelled):  # the asserts say why
+            break
         run.plan = status.plan or run.plan
         if status.waiting_for:
             run.waits.add(status.waiting_for)

@@ -32,6 +32,7 @@ from hsx.output.shards.reader import BufferSource, ShardReader
 NAMESPACE = "hsx"
 WAIT_S = 1.0  # a worker's wait for units is answered at least this often
 LOOKUP_S = 0.5  # a worker looks for the job's stream this often until it exists
+UNAVAILABLE_S = 120.0  # the driver asks a stream Ray calls unavailable again this long
 
 
 class StreamLost(RuntimeError):
@@ -138,22 +139,35 @@ class DriverStream:
         self.location = location
         self.actor = open_stream(location)
 
-    def books(self) -> Books:
+    def _call(self, method: str, *args: Any) -> Any:
+        """The stream's `method`, asked again while Ray says the actor is only
+        unavailable (its node's heartbeats late on a loaded machine, say: the call could
+        not reach it). A unit put twice while the stream holds it is kept once; one put
+        again after a worker took it would be trained twice, which needs the first put
+        to have reached the actor that the second found unreachable. An actor that
+        died raises at once."""
         import ray
+        from ray.exceptions import ActorUnavailableError
 
-        books: Books = ray.get(self.actor.books.remote())
+        deadline = time.monotonic() + UNAVAILABLE_S
+        while True:
+            try:
+                return ray.get(getattr(self.actor, method).remote(*args))
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(LOOKUP_S)
+
+    def books(self) -> Books:
+        books: Books = self._call("books")
         return books
 
     def put(self, unit: Captured, payload: Any) -> bool:
-        import ray
-
-        added: bool = ray.get(self.actor.put.remote(unit, [payload]))
+        added: bool = self._call("put", unit, [payload])
         return added
 
     def set_trainer(self, state: str, **extra: Any) -> None:
-        import ray
-
-        ray.get(self.actor.set_trainer.remote(state, extra))
+        self._call("set_trainer", state, extra)
 
     def close(self) -> None:
         close_stream(self.location)
