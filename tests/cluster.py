@@ -26,8 +26,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# Every node of a test cluster shares one core with the engines and trainers it runs
+# (tests/conftest.py pins each pytest-xdist worker): under CI's load a live raylet
+# answered Ray's health checks late five times running (Ray's default: 10 s each), and
+# Ray declared its node dead with the job's actors on it. Each check here may take 30 s
+# (a live node is dead only after ~5 minutes without an answer), while a killed node,
+# whose port refuses at once, is dead after 10 checks a second apart.
+HEALTH_CHECKS: dict[str, Any] = {"health_check_period_ms": 1000,
+                                 "health_check_timeout_ms": 30_000,
+                                 "health_check_failure_threshold": 10}
 NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 120 * 2**20}
-HEAD_ARGS: dict[str, Any] = {"num_cpus": 0, "object_store_memory": 120 * 2**20}
+HEAD_ARGS: dict[str, Any] = {"num_cpus": 0, "object_store_memory": 120 * 2**20,
+                             "_system_config": HEALTH_CHECKS}
 
 
 def kill_node(cluster: Any, node: Any) -> int:

@@ -38,11 +38,13 @@ def main(spec_path: str, result_path: str) -> int:
     from hsx_service.dispatch import DispatchHooks
     from hsx_service.engine_pool import EnginePool
     from hsx_service.runner import run_job
+    from tests.cluster import HEALTH_CHECKS
 
     logging.basicConfig(level=logging.WARNING)
     spec = JobSpec.model_validate(json.loads(Path(spec_path).read_text()))
     small = {"object_store_memory": 80 * 2**20}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **small})
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "_system_config": HEALTH_CHECKS, **small})
     nodes = [cluster.add_node(num_cpus=1, **small) for _ in range(2)]
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
