@@ -1,4 +1,6 @@
-"""`VllmSettings`: what the vllm engine takes beside `EngineConfig`'s common fields.
+"""`VllmSettings`: what the vllm engine takes beside `EngineConfig`'s common fields;
+`CaptureArgs`: the engine arguments a model's capture path sets (the model preflight's
+answer, `ModelReport.engine_options`).
 
 Light (pydantic and hsx.spec), so the service builds them without importing vLLM or
 torch; engine.py reads them.
@@ -31,3 +33,23 @@ class VllmSettings(BaseModel):
         None, description=(
             "How vLLM runs its ranks, where the engine pool decides it (engine_pool."
             "engine_resources: ray for TP over GPUs, mp for TP on CPUs); None: vLLM's choice."))
+
+
+class CaptureArgs(BaseModel):
+    """The vLLM engine arguments a model's capture path sets whatever the job asks: the
+    model preflight's answer (hsx_workers/preflight), shown to users as the arguments set
+    (`engine_args`). Strict: a key or a value of another type is an error, not a silent
+    default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    language_model_only: bool = Field(False, description=(
+        "A multimodal wrapper captured through extract_hidden_states runs its text path "
+        "only (unless a job takes images)."))
+    enforce_eager: bool = Field(False, description=(
+        "The hook fallback runs in eager mode: under torch.compile or CUDA graphs hooks "
+        "see nothing."))
+
+    def engine_args(self) -> dict[str, bool]:
+        """The arguments set, by vLLM's names (empty where the capture path sets none)."""
+        return self.model_dump(exclude_defaults=True)
