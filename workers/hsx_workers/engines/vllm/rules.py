@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from hsx.modelinfo import ModelInfo
-from hsx.spec import JobSpec
+from hsx.spec import JobSpec, VllmOptions
 
 CAPTURE_POSITIONS = 2
 """Positions capture needs beyond the prompt: the one generated token and the
@@ -153,14 +153,15 @@ def allowed_engine_options(extra: Iterable[str] = ()) -> frozenset[str]:
     return frozenset(ENGINE_OPTIONS) | frozenset(extra)
 
 
-def engine_options_problem(options: dict[str, Any], extra: Iterable[str] = ()) -> str | None:
-    """Why a job's `vllm:` engine arguments are refused by a coordinator's list; None if
-    they pass.
+def engine_options_problem(vllm: VllmOptions, extra: Iterable[str] = ()) -> str | None:
+    """Why the engine arguments of a job's `vllm:` section are refused by a coordinator's
+    list; None if they pass.
 
     Options on hsx's list must have a plain value; those the operator added are passed
     as they are (the operator chose them)."""
     allowed = allowed_engine_options(extra)
     added = frozenset(extra)
+    options = vllm.engine_args()
     unlisted = sorted(name for name in options if name not in allowed)
     if unlisted:
         return (f"{', '.join(unlisted)} {'is' if len(unlisted) == 1 else 'are'} not among "
