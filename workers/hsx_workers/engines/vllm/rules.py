@@ -11,6 +11,8 @@ here instead of restating it.
   files outnumber any deny-list;
 - `engine_memory`: vLLM's share of a GPU an online trainer shares;
 - `binds_cpu_cores`: where vLLM's CPU build binds each rank to cores of its own;
+- `engine_env`: the environment vLLM reads in the process that builds an engine (the
+  engine pool's actors, hsx_service/engine_pool.py);
 - `target_engine_args`: vLLM's arguments for the job's target outside capture (the
   draft's evaluation).
 
@@ -22,6 +24,7 @@ The engine itself (engine.py) builds its arguments with `max_model_len` and
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -192,6 +195,46 @@ def binds_cpu_cores(tensor_parallel_size: int) -> bool:
     """Whether vLLM's CPU build binds each rank of an engine to cores of its own (it does
     for more than one rank), so its ranks must fit the machine's cores."""
     return tensor_parallel_size > 1
+
+
+def engine_env(cpu_kvcache_gib: int, *, tp: int, gpus: bool, part: float = 1.0,
+               replica: int = 0, replicas: int = 1) -> dict[str, str]:
+    """The environment of the process that builds engine `replica` of `replicas` (TP
+    `tp`, each rank `part` of a GPU on a GPU cluster): vLLM reads these at start, not
+    from its arguments. vLLM's CPU build allocates its KV cache (`cpu_kvcache_gib`, the
+    job's `vllm.cpu_kvcache_gib`) and binds each rank to its own cores (`cpu_binding`);
+    ranks of vLLM's Ray executor take `part` of a GPU each, to fit a group's bundles
+    when an online trainer shares the GPUs (hsx_service/engine_pool.engine_bundles)."""
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": str(cpu_kvcache_gib),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
+    if not gpus:
+        binding = cpu_binding(replica, replicas, tp)
+        if binding:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    elif part < 1 and tp > 1:
+        env["VLLM_RAY_PER_WORKER_GPUS"] = f"{part:g}"
+    return env
+
+
+def cpu_binding(replica: int, replicas: int, tp: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND giving each rank of engine `replica` its own cores, when
+    there are enough.
+
+    vLLM's CPU build refuses TP>1 on a small machine unless threads are bound by hand.
+    """
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per_rank = len(cores) // (replicas * tp)
+    if per_rank < 1:
+        return None
+    ranks = []
+    for rank in range(tp):
+        first = (replica * tp + rank) * per_rank
+        chosen = cores[first : first + per_rank]
+        ranks.append(f"{chosen[0]}-{chosen[-1]}" if len(chosen) > 1 else str(chosen[0]))
+    return "|".join(ranks)
 
 
 def target_engine_args(spec: JobSpec) -> dict[str, Any]:
