@@ -27,7 +27,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 from hsx import settings
 from hsx.modelinfo import ModelInfo
@@ -205,7 +205,7 @@ def engine_bundles(tp: int, gpus: bool, part: float = 1.0) -> list[dict[str, flo
 
 
 def engine_resources(tp: int, gpus: bool, part: float = 1.0
-                     ) -> tuple[dict[str, Any], str | None]:
+                     ) -> tuple[dict[str, Any], Literal["ray", "mp"] | None]:
     """What the process that builds a vLLM engine (the engine's actor, the evaluation's
     task) takes inside the engine's placement group, and the executor vLLM must use.
 

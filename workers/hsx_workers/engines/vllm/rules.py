@@ -13,8 +13,8 @@ here instead of restating it.
 - `binds_cpu_cores`: where vLLM's CPU build binds each rank to cores of its own;
 - `engine_env`: the environment vLLM reads in the process that builds an engine (the
   engine pool's actors, hsx_service/engine_pool.py);
-- `target_engine_args`: vLLM's arguments for the job's target outside capture (the
-  draft's evaluation).
+- `target_settings`: vLLM's settings for the job's target outside capture (the draft's
+  evaluation).
 
 Light: pydantic and hsx alone at import; vLLM is imported inside compat.py's functions.
 The engine itself (engine.py) builds its arguments with `max_model_len` and
@@ -26,10 +26,11 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Literal
 
 from hsx.modelinfo import ModelInfo
 from hsx.spec import JobSpec, VllmOptions
+from hsx_workers.engines.vllm.settings import TargetSettings
 
 CAPTURE_POSITIONS = 2
 """Positions capture needs beyond the prompt: the one generated token and the
@@ -237,18 +238,15 @@ def cpu_binding(replica: int, replicas: int, tp: int) -> str | None:
     return "|".join(ranks)
 
 
-def target_engine_args(spec: JobSpec) -> dict[str, Any]:
-    """vLLM's arguments for the job's target outside capture (the draft's evaluation):
-    as the job's engines load it — tensor parallelism, dtype, memory share, remote code
-    and the job's own `vllm:` engine arguments; a job that takes images, its vision
-    tower with as many images a prompt as its rows hold."""
-    args = {
-        "tensor_parallel_size": spec.tensor_parallel_size,
-        "dtype": spec.vllm.dtype,
-        "trust_remote_code": spec.trust_remote_code,
-        "gpu_memory_utilization": spec.vllm.gpu_memory_utilization,
-        **spec.vllm.engine_args(),
-    }
-    if spec.images is not None:  # its held-out image prompts, as many images as a row
-        args["limit_mm_per_prompt"] = {"image": spec.images.max_per_row, "video": 0}
-    return args
+def target_settings(spec: JobSpec, *, tensor_parallel_size: int | None = None,
+                    distributed_executor_backend: Literal["ray", "mp"] | None = None
+                    ) -> TargetSettings:
+    """vLLM's settings for the job's target outside capture (the draft's evaluation): as
+    the job's engines load it — tensor parallelism (unless the evaluation has its own),
+    dtype, memory share, remote code and the job's own `vllm:` engine arguments; a job
+    that takes images, its vision tower with as many images a prompt as its rows hold."""
+    return TargetSettings(
+        tensor_parallel_size=tensor_parallel_size or spec.tensor_parallel_size,
+        options=spec.vllm, trust_remote_code=spec.trust_remote_code,
+        images_per_prompt=spec.images.max_per_row if spec.images is not None else None,
+        distributed_executor_backend=distributed_executor_backend)
