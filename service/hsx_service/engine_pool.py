@@ -6,8 +6,9 @@ engines instead of starting new ones. `EnginePool.slots` gives a job its `replic
 workers (`EngineSlot`s): the warm ones, and new ones once the pool's GPU arbiter and Ray
 have their GPUs (placement.py), each in a placement group of its own (`engine_bundles`;
 `engine_resources` and `in_group` say what the process that builds the engine takes in
-it, for the draft's evaluation too: training.py). When a job ends the pool parks its
-engines (idle, kept warm) and stops the idle ones when something waits for their GPUs.
+it, for the draft's evaluation too: training.py; the environment vLLM reads there is the
+vllm engine's rule, `engine_env`). When a job ends the pool parks its engines (idle,
+kept warm) and stops the idle ones when something waits for their GPUs.
 `ensure_ray` connects Ray, or starts a local one sized so a job's engines fit, its
 authentication token in an owner-only file (`private_ray_token`).
 
@@ -26,7 +27,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 from hsx import settings
 from hsx.modelinfo import ModelInfo
@@ -36,6 +37,7 @@ from hsx_service.engine_config import engine_config_for
 from hsx_service.errors import JobCancelled
 from hsx_service.placement import ENGINE, ClusterShape, GpuArbiter, Holder, place, plan_job
 from hsx_service.prepare import preflight
+from hsx_workers.engines.vllm.rules import engine_env
 
 if TYPE_CHECKING:
     from hsx_workers.engines.base import EngineConfig
@@ -164,23 +166,6 @@ def connect_ray(spec: JobSpec) -> None:
     ensure_ray(spec.ray_address, (spec.replicas or 1) * spec.tensor_parallel_size)
 
 
-def _cpu_binding(replica: int, replicas: int, tp: int) -> str | None:
-    """VLLM_CPU_OMP_THREADS_BIND giving each engine rank its own cores, when there are enough.
-
-    vLLM's CPU build refuses TP>1 on a small machine unless threads are bound by hand.
-    """
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    per_rank = len(cores) // (replicas * tp)
-    if per_rank < 1:
-        return None
-    ranks = []
-    for rank in range(tp):
-        first = (replica * tp + rank) * per_rank
-        chosen = cores[first : first + per_rank]
-        ranks.append(f"{chosen[0]}-{chosen[-1]}" if len(chosen) > 1 else str(chosen[0]))
-    return "|".join(ranks)
-
-
 @dataclass
 class EngineSlot:
     """One worker of a job: an actor that owns one engine, and the units it holds."""
@@ -220,7 +205,7 @@ def engine_bundles(tp: int, gpus: bool, part: float = 1.0) -> list[dict[str, flo
 
 
 def engine_resources(tp: int, gpus: bool, part: float = 1.0
-                     ) -> tuple[dict[str, Any], str | None]:
+                     ) -> tuple[dict[str, Any], Literal["ray", "mp"] | None]:
     """What the process that builds a vLLM engine (the engine's actor, the evaluation's
     task) takes inside the engine's placement group, and the executor vLLM must use.
 
@@ -309,25 +294,15 @@ class EnginePool:
             if slot.holder is not None:
                 slot.holder.job, slot.holder.idle = job, False
         tp = config.tensor_parallel_size
-        # vLLM's CPU build allocates its KV cache at start, from the actor's environment.
         kvcache_gib = config.settings.options.cpu_kvcache_gib if on_vllm(config) else 1
         while len(have) < replicas:
             index = len(have)
             name = f"engine-{index}"
-            env = {
-                "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
-                "TOKENIZERS_PARALLELISM": "false",
-                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-            }
+            env = engine_env(kvcache_gib, tp=tp, gpus=bool(gpus), part=part, replica=index,
+                             replicas=replicas)
             fault_point = settings.FAULT_POINT.raw()
             if fault_point:  # crash tests: the workers are the ones to die
                 env[settings.FAULT_POINT.name] = fault_point
-            if not gpus:
-                binding = _cpu_binding(index, replicas, tp)
-                if binding:
-                    env["VLLM_CPU_OMP_THREADS_BIND"] = binding
-            elif part < 1 and tp > 1:
-                env["VLLM_RAY_PER_WORKER_GPUS"] = f"{part:g}"  # its ranks fit the bundles
             holder = None
             if gpus:
                 holder = Holder(job=job, role=name, gpus=round(tp * part, 6),

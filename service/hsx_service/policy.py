@@ -47,7 +47,7 @@ def vet_spec(spec: JobSpec, settings: Settings, caller: Caller) -> None:
             "trust_remote_code: this server does not run models' own code "
             "(its operator can allow it with HSX_ALLOW_TRUST_REMOTE_CODE=1)"
         )
-    problem = engine_options_problem(spec.vllm.engine_args(), settings.engine_options)
+    problem = engine_options_problem(spec.vllm, settings.engine_options)
     if problem:
         raise JobRefused(f"vllm: {problem}")
     hosts = sorted(set(spec.images.allow_hosts) - set(settings.image_hosts)

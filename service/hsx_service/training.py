@@ -68,7 +68,8 @@ from hsx_service.placement import (
     place,
     trains_on_gpus,
 )
-from hsx_workers.engines.vllm.rules import target_engine_args
+from hsx_workers.engines.vllm.rules import target_settings
+from hsx_workers.engines.vllm.settings import TargetSettings
 
 logger = logging.getLogger(__name__)
 
@@ -509,11 +510,10 @@ def evaluation_args(request: TrainingRequest, holder: Holder) -> dict[str, Any]:
     `vllm:` arguments, its own code only if the job trusts it)."""
     spec, job = request.spec, request.job
     gpus, tp = holder.gpus > 0, max(int(holder.gpus), 1)
-    engine = target_engine_args(job) if job is not None else {}
-    engine["tensor_parallel_size"] = tp
     _, backend = engine_resources(tp, gpus)
-    if backend is not None:
-        engine["distributed_executor_backend"] = backend
+    engine = (target_settings(job, tensor_parallel_size=tp,
+                              distributed_executor_backend=backend) if job is not None else
+              TargetSettings(tensor_parallel_size=tp, distributed_executor_backend=backend))
     return {"prompts": spec.eval_prompts, "max_tokens": spec.eval_max_tokens,
             "k": spec.proposed_tokens, "engine": engine,
             "target": job.model if job is not None else None}

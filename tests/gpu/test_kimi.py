@@ -58,7 +58,7 @@ def test_kimi_k25_preflight_answers_extract_hidden_states(tiny_kimi: Path, recor
     assert report.vllm_class is not None and report.vllm_class.endswith(
         "KimiK25ForConditionalGeneration")
     assert report.language_model_architecture == "DeepseekV3ForCausalLM"
-    assert report.engine_options == {"language_model_only": True}
+    assert report.as_dict()["engine_options"] == {"language_model_only": True}
     assert report.valid_layers == LAYERS and report.default_layers == LAYERS
     assert report.gpu_memory_bytes and report.weights_fit is True
 

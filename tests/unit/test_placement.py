@@ -110,6 +110,26 @@ def test_cpu_clusters_share_the_cores() -> None:
                             "then the evaluation on a CPU")
 
 
+def test_an_engines_environment_is_the_vllm_engines_rule(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What vLLM reads from the environment of an engine's process (its CPU KV cache,
+    each rank's cores on a CPU machine, each rank's part of a shared GPU), said by the
+    vllm engine's rules; the pool only adds its crash tests' fault point."""
+    from hsx_workers.engines.vllm import rules
+
+    monkeypatch.setattr(rules.os, "sched_getaffinity", lambda pid: set(range(8)),
+                        raising=False)
+    cpu = rules.engine_env(4, tp=2, gpus=False, replica=1, replicas=2)
+    assert cpu["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert cpu["VLLM_CPU_OMP_THREADS_BIND"] == "4-5|6-7"  # the second engine's ranks
+    assert "VLLM_RAY_PER_WORKER_GPUS" not in cpu
+    shared = rules.engine_env(1, tp=2, gpus=True, part=0.5)
+    assert shared["VLLM_RAY_PER_WORKER_GPUS"] == "0.5"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in shared
+    assert "VLLM_RAY_PER_WORKER_GPUS" not in rules.engine_env(1, tp=1, gpus=True, part=0.5)
+    assert rules.cpu_binding(0, 16, 1) is None  # fewer cores than ranks: vLLM binds
+
+
 # ------------------------------------------------------------------ the arbiter
 
 
@@ -478,14 +498,17 @@ def test_a_pool_without_a_scheduler_hands_its_idle_engines_gpu_to_its_next_job(
 
     import ray
 
+    from hsx import settings
     from hsx.spec import VllmOptions
     from hsx_service import engine_pool
     from hsx_service.engine_pool import EnginePool, EngineSlot
     from hsx_workers.engines.base import EngineConfig
     from hsx_workers.engines.hf_settings import HfSettings
+    from hsx_workers.engines.vllm.rules import engine_env
     from hsx_workers.engines.vllm.settings import VllmSettings
 
     stopped: list[str] = []
+    envs: list[dict[str, str]] = []
 
     class Actor:
         def __init__(self, name: str) -> None:
@@ -494,6 +517,7 @@ def test_a_pool_without_a_scheduler_hands_its_idle_engines_gpu_to_its_next_job(
 
     class Remote:
         def options(self, **options: Any) -> Any:
+            envs.append(options["runtime_env"]["env_vars"])
             return types.SimpleNamespace(remote=lambda engine, config, name: Actor(name))
 
     def stop(pool: EnginePool, slots: list[EngineSlot]) -> None:
@@ -507,12 +531,14 @@ def test_a_pool_without_a_scheduler_hands_its_idle_engines_gpu_to_its_next_job(
     monkeypatch.setattr(engine_pool, "place", lambda *a, **k: "group")
     monkeypatch.setattr(engine_pool, "in_group", lambda group: None)
     monkeypatch.setattr(EnginePool, "_stop", stop)
+    monkeypatch.delenv(settings.FAULT_POINT.name, raising=False)
     config = EngineConfig(model="m", layers=[1], num_layers=2, hidden_size=8, max_seq_len=16,
-                          settings=VllmSettings(options=VllmOptions()))
+                          settings=VllmSettings(options=VllmOptions(cpu_kvcache_gib=3)))
 
     pool = EnginePool(arbiter=GpuArbiter(total=lambda: 1))
     first = pool.slots("vllm", config, 1, _spec(), job="a")
     assert [h.job for h in pool.arbiter.holders()] == ["a"]
+    assert envs == [engine_env(3, tp=1, gpus=True)]  # its settings' KV cache, vLLM's rule
     pool.park()  # job a ended; its engine is kept warm
 
     got: list[list[EngineSlot]] = []

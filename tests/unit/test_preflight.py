@@ -23,6 +23,7 @@ from hsx_service.prepare import preflight, prepare
 from hsx_workers.engines.vllm import missing_torchvision
 from hsx_workers.engines.vllm.classes import needs_torchvision_stub
 from hsx_workers.engines.vllm.missing_torchvision import torchvision_missing
+from hsx_workers.engines.vllm.settings import CaptureArgs
 from hsx_workers.preflight import (
     ModelReport,
     environment_report,
@@ -110,7 +111,12 @@ def test_preflight_answers_from_config_alone(arch: str, reports: dict[str, Model
         "bf16": per_token, "fp8": per_token // 2 + 4 * len(data["default_layers"])
     }
     if wrapper and data["capture"] == "extract_hidden_states":
-        assert report.engine_options == {"language_model_only": True}
+        assert report.engine_options == CaptureArgs(language_model_only=True)
+        assert data["engine_options"] == {"language_model_only": True}
+    elif data["capture"] == "hooks":
+        assert data["engine_options"] == {"enforce_eager": True}
+    else:
+        assert data["engine_options"] == {}
     assert format_report(report)
 
 
@@ -139,7 +145,7 @@ def test_kimi_k25_with_numba_needs_no_torchvision(reports: dict[str, ModelReport
         pytest.skip("numba is not importable here")
     kimi = reports["kimi_k25"]
     assert kimi.capture == "extract_hidden_states", kimi.reasons
-    assert kimi.engine_options == {"language_model_only": True}
+    assert kimi.engine_options == CaptureArgs(language_model_only=True)
     assert any("KimiK25FusedVisionProcessor" in r and "built here" in r for r in kimi.reasons)
     assert not any("Kimi_K25ImageProcessor" in r for r in kimi.reasons)
     # Its module imports without torchvision, so an engine needs no stub (and keeps
@@ -231,11 +237,29 @@ def test_wrappers_without_torchvision_say_only_text_runs(reports: dict[str, Mode
 def test_forced_engines(configs: dict[str, Path]) -> None:
     gemma = inspect_model(str(configs["gemma2"]), engine="vllm")
     assert gemma.capture == "hooks"
+    assert gemma.engine_options == CaptureArgs(enforce_eager=True)
+    assert "with {'enforce_eager': True}" in format_report(gemma)
     assert any("EAGLE-3" in r and "hooks" in r and "eager" in r for r in gemma.reasons)
     assert inspect_model(str(configs["gemma2"]), engine="hf").capture == "hf"
     llava = inspect_model(str(configs["llava"]), engine="hf")
     assert llava.capture == "unsupported"
     assert any("causal-LM" in r for r in llava.reasons)
+
+
+def test_capture_args_refuse_what_is_not_theirs() -> None:
+    """The preflight's engine arguments are typed: a key vLLM's capture path does not set,
+    or a value of another type, is an error where it is made (a dict took either)."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="extra"):
+        CaptureArgs(language_model_onyl=True)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="bool"):
+        CaptureArgs(enforce_eager="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="frozen"):
+        CaptureArgs().enforce_eager = True  # type: ignore[misc]
+    assert CaptureArgs().engine_args() == {}
+    assert CaptureArgs(language_model_only=True, enforce_eager=True).engine_args() == {
+        "language_model_only": True, "enforce_eager": True}
 
 
 def test_layer_ids_checked_per_model(configs: dict[str, Path]) -> None:
@@ -657,6 +681,8 @@ def test_rest_inspect(configs: dict[str, Path], tmp_path: Path) -> None:
         ok = client.post("/v1/models/inspect", json={"model": str(configs["kimi_k25"])})
         assert ok.status_code == 200, ok.text
         assert ok.json()["language_model_architecture"] == "DeepseekV3ForCausalLM"
+        if KIMI_CAPTURE == "extract_hidden_states":  # the JSON's shape, as before it was typed
+            assert ok.json()["engine_options"] == {"language_model_only": True}
         missing = client.post("/v1/models/inspect", json={"model": str(tmp_path / "nope")})
         assert missing.status_code == 422 and "does not exist" in missing.text
         typo = client.post("/v1/models/inspect", json={"model": "x", "engin": "hf"})

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hsx.spec import JobSpec
+from hsx.spec import JobSpec, VllmOptions
 from hsx_service.config import Settings
 from hsx_service.errors import JobRefused
 from hsx_service.main import create_app
@@ -39,14 +39,19 @@ def _as(token: str) -> dict[str, str]:
 
 
 def test_engine_options_are_an_allow_list() -> None:
-    assert engine_options_problem({"max_num_seqs": 8, "load_format": "dummy"}) is None
-    problem = engine_options_problem({"log_config_file": "/x", "max_num_seqs": 8})
+    def problem_of(vllm: dict[str, Any], extra: list[str] | None = None) -> str | None:
+        return engine_options_problem(VllmOptions.model_validate(vllm), extra or [])
+
+    assert problem_of({"max_num_seqs": 8, "load_format": "dummy"}) is None
+    problem = problem_of({"log_config_file": "/x", "max_num_seqs": 8})
     assert problem is not None and problem.startswith("log_config_file is not among")
     assert all(name in problem for name in ENGINE_OPTIONS)
-    assert "takes one plain value" in (engine_options_problem({"seed": [1]}) or "")
-    assert "tensorizer" in (engine_options_problem({"load_format": "tensorizer"}) or "")
+    assert "takes one plain value" in (problem_of({"seed": [1]}) or "")
+    assert "tensorizer" in (problem_of({"load_format": "tensorizer"}) or "")
+    # hsx's own fields of `vllm:` are not engine arguments passed through.
+    assert problem_of({"enforce_eager": True, "cpu_kvcache_gib": 2}) is None
     # The operator's additions pass as the job gives them.
-    assert engine_options_problem({"hf_overrides": {"a": 1}}, ["hf_overrides"]) is None
+    assert problem_of({"hf_overrides": {"a": 1}}, ["hf_overrides"]) is None
 
 
 def test_vet_spec_names_the_field(tmp_path: Path) -> None:

@@ -523,8 +523,13 @@ def test_a_jobs_draft_is_measured_with_the_target_as_its_engines_load_it(
     arguments), on the spec's held-out prompts and k; the target and its code are the
     job's, never what the output's manifest says. `hsx train OUTPUT` has no job to load
     the target from: it does not measure."""
+    from pydantic import ValidationError
+
+    from hsx.spec import ImageSpec
     from hsx_service.placement import Holder
     from hsx_service.training import TrainingRequest, evaluation_args
+    from hsx_workers.engines.vllm.rules import target_settings
+    from hsx_workers.engines.vllm.settings import TargetSettings
 
     job = JobSpec(model=str(tiny_llama), dataset="d.jsonl", output=str(tmp_path / "out"),
                   tensor_parallel_size=2, vllm={"max_model_len": 512},
@@ -535,14 +540,55 @@ def test_a_jobs_draft_is_measured_with_the_target_as_its_engines_load_it(
     args = evaluation_args(request, Holder(job="j", role="evaluation", gpus=2,
                                            order=(0.0, 2)))
     assert args["target"] == str(tiny_llama)
-    assert args["engine"]["tensor_parallel_size"] == 2
-    assert args["engine"]["max_model_len"] == 512
-    assert args["engine"]["distributed_executor_backend"] == "ray"
+    engine = args["engine"]
+    assert isinstance(engine, TargetSettings)  # typed across Ray, not a dict of LLM's args
+    assert engine.tensor_parallel_size == 2 and engine.distributed_executor_backend == "ray"
+    assert engine.engine_args() == {
+        "tensor_parallel_size": 2, "trust_remote_code": False, "dtype": "auto",
+        "gpu_memory_utilization": 0.85, "max_model_len": 512,
+        "distributed_executor_backend": "ray"}
     assert (args["prompts"], args["max_tokens"], args["k"]) == (5, 9, 2)
     on_cpu = evaluation_args(request, Holder(job="j", role="evaluation", gpus=0,
                                              order=(0.0, 2)))
-    assert on_cpu["engine"]["tensor_parallel_size"] == 1  # CPU: one rank
+    assert on_cpu["engine"].tensor_parallel_size == 1  # CPU: one rank
+    # A setting the evaluation does not have is an error where it is made.
+    with pytest.raises(ValidationError, match="extra"):
+        TargetSettings(tensor_parallel_sise=2)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="distributed_executor_backend"):
+        TargetSettings(distributed_executor_backend="threads")  # type: ignore[arg-type]
+    images = job.model_copy(update={"images": ImageSpec(max_per_row=3)})
+    assert target_settings(images).engine_args()["limit_mm_per_prompt"] == {
+        "image": 3, "video": 0}
     assert not TrainingRequest(job.output, job.train, here=True).measure
+
+
+def test_eval_draft_loads_the_target_as_the_job_file_says(
+        tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hsx eval-draft --job`: vLLM's settings for the target from the job file, its
+    tensor parallelism the command line's where given; without a job, vLLM's defaults."""
+    from hsx_workers import acceptance
+    from hsx_workers.engines.vllm.settings import TargetSettings
+
+    seen: list[TargetSettings | None] = []
+
+    def evaluate(output: Any, **kwargs: Any) -> dict[str, Any]:
+        seen.append(kwargs["engine"])
+        return {"error": "not measured here"}
+
+    monkeypatch.setattr(acceptance, "evaluate_draft", evaluate)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {tiny_llama}\ndataset: d.jsonl\noutput: {tmp_path / 'o'}\n"
+                   "vllm: {max_num_seqs: 4}\n")
+    draft = ["--draft", str(tmp_path), "--json"]
+    main(["eval-draft", str(tmp_path / "o"), "--job", str(job),
+          "--tensor-parallel-size", "2", *draft])
+    main(["eval-draft", str(tmp_path / "o"), "--tensor-parallel-size", "2", *draft])
+    main(["eval-draft", str(tmp_path / "o"), *draft])
+    with_job, tp_only, bare = seen
+    assert with_job is not None and with_job.engine_args()["max_num_seqs"] == 4
+    assert with_job.tensor_parallel_size == 2
+    assert tp_only == TargetSettings(tensor_parallel_size=2)
+    assert bare is None
 
 
 def test_coordinator_status_reads_the_draft_folder(tmp_path: Path, tiny_llama: Path) -> None:

@@ -44,6 +44,7 @@ from hsx.output import Output
 from hsx.output.layout import DRAFT_DIR, DRAFT_EVAL
 from hsx.output.tables import IMAGES_COLUMN
 from hsx.spec import TrainSpec
+from hsx_workers.engines.vllm.settings import TargetSettings
 
 EVAL_FILE = DRAFT_EVAL.rpartition("/")[2]
 
@@ -170,12 +171,12 @@ def acceptance_interval(counts: list[tuple[int, int]]) -> list[float] | None:
 
 def measure_acceptance(
     target: str, draft: str, prompts: list[EvalPrompt], *, k: int = 3,
-    enforce_eager: bool = True, engine: dict[str, Any] | None = None,
+    enforce_eager: bool = True, engine: TargetSettings | None = None,
 ) -> Acceptance:
     """vLLM with the draft (its method, k tokens) answers the prompts as a server does:
     greedily, each until the end of its turn (EOS) or its own limit; its counters give
-    the acceptance. `engine`: more arguments of `LLM(...)`, the target as the job runs it
-    (tensor_parallel_size, dtype, gpu_memory_utilization, its `vllm:` ones). ValueError
+    the acceptance. `engine`: vLLM's settings for the target as the job runs it
+    (tensor_parallel_size, dtype, gpu_memory_utilization, its `vllm:` arguments). ValueError
     when this vLLM cannot serve the draft's method."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -198,7 +199,8 @@ def measure_acceptance(
                          "`hsx eval-draft`")
     # As long as the longest prompt and answer need (and the draft's k tokens past it).
     longest = max(p.length + p.max_tokens for p in prompts) + k + 1
-    args: dict[str, Any] = {"enforce_eager": enforce_eager, **(engine or {})}
+    args: dict[str, Any] = {"enforce_eager": enforce_eager,
+                            **(engine.engine_args() if engine is not None else {})}
     if any(p.images for p in prompts):
         _image_engine(target, args, prompts)
     # The dtype the job's engines computed its states in (dtypes.py).
@@ -309,7 +311,7 @@ def evaluate_draft(
     output: Output | str | Path, *, draft_root: str | Path | None = None,
     prompts: int | None = None, max_tokens: int | None = None, k: int | None = None,
     prefix: int = 8, draft: str | None = None, target: str | None = None,
-    record: bool = True, engine: dict[str, Any] | None = None,
+    record: bool = True, engine: TargetSettings | None = None,
 ) -> dict[str, Any]:
     """Measure the output's draft (or `draft`) in vLLM on the prompts its training held
     out (by its spec in draft/train.json, else the default one): `prompts` of them, each
@@ -318,7 +320,7 @@ def evaluate_draft(
     output's own draft) the result is written to draft/eval.json too. The draft lives in
     `<draft_root>/draft/` (`hsx.draft.draft_folder`: the output's own folder on disk);
     an object-store output's is downloaded there first, and its eval.json uploaded.
-    `engine`: the target's vLLM arguments as the job runs it (see measure_acceptance)."""
+    `engine`: vLLM's settings for the target as the job runs it (see measure_acceptance)."""
     out = Output.of(output)
     root: Path | None
     if draft is None:

@@ -337,19 +337,20 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
     from hsx.export import draft_aux_count_unread
     from hsx.output import Output, StorageError
     from hsx_workers.acceptance import evaluate_draft
+    from hsx_workers.engines.vllm.settings import TargetSettings
 
     try:
-        engine: dict[str, Any] = {}
+        engine: TargetSettings | None = None
         target = args.target
         if args.job:  # the target as the job's engines load it: TP, dtype, its vllm: ones
             from hsx.spec import load_job
-            from hsx_workers.engines.vllm.rules import target_engine_args
+            from hsx_workers.engines.vllm.rules import target_settings
 
             job = load_job(args.job)
-            engine = target_engine_args(job)
+            engine = target_settings(job, tensor_parallel_size=args.tensor_parallel_size)
             target = target or job.model
-        if args.tensor_parallel_size:
-            engine["tensor_parallel_size"] = args.tensor_parallel_size
+        elif args.tensor_parallel_size:
+            engine = TargetSettings(tensor_parallel_size=args.tensor_parallel_size)
         if args.draft is not None and draft_aux_count_unread(args.draft):
             return error(f"vLLM would read a wrong auxiliary layer count from {args.draft}; "
                          f"run `hsx fix-draft {args.draft}` first", EXIT_REFUSED)
@@ -357,7 +358,7 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
         root = draft_folder(output, args.draft_dir) if args.draft is None else None
         result = evaluate_draft(output, draft_root=args.draft_dir, prompts=args.prompts,
                                 max_tokens=args.max_tokens, k=args.k, prefix=args.prefix,
-                                draft=args.draft, target=target, engine=engine or None)
+                                draft=args.draft, target=target, engine=engine)
     except (StorageError, ValueError, FileNotFoundError) as err:
         return error(str(err), EXIT_REFUSED)
     if args.json:

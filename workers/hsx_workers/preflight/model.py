@@ -13,6 +13,7 @@ from hsx.modelinfo import ModelConfigError, ModelInfo, read_model_info
 from hsx.spec import DatasetSpec
 from hsx_workers.engines.vllm import missing_torchvision
 from hsx_workers.engines.vllm.classes import resolve, supports_eagle3
+from hsx_workers.engines.vllm.settings import CaptureArgs
 from hsx_workers.preflight.image_processors import wrapper_image_processor
 from hsx_workers.preflight.report import Capture, EngineChoice, ModelReport, gib
 
@@ -152,11 +153,11 @@ def _vllm_view(info: ModelInfo, lm_arch: str | None, trust_remote_code: bool,
 
 def _capture_path(model: str, info: ModelInfo, engine: EngineChoice, view: _VllmView,
                   lm_arch: str | None, trust_remote_code: bool, reasons: list[str]
-                  ) -> tuple[Capture, dict[str, Any]]:
+                  ) -> tuple[Capture, CaptureArgs]:
     """The capture path for the asked engine, and the vLLM settings it needs; why, in
     `reasons`."""
     capture: Capture
-    options: dict[str, Any] = {}
+    options = CaptureArgs()
     hf_ok, hf_why = _safe(lambda: _hf_can_capture(info, trust_remote_code),
                           (False, "transformers cannot be imported here"))
     if info.wrapper:
@@ -174,13 +175,13 @@ def _capture_path(model: str, info: ModelInfo, engine: EngineChoice, view: _Vllm
         reasons.append(f"vLLM's {view.vllm_class.rsplit('.', 1)[-1]} has EAGLE-3 aux "
                        "outputs: vLLM's extract_hidden_states method captures the layers.")
         if info.wrapper:
-            options["language_model_only"] = True
+            options = CaptureArgs(language_model_only=True)
             reasons.append("Only its text path is captured (vLLM's language_model_only), "
                            "unless a job takes images (`images:`; docs/MODELS.md).")
     elif view.vllm_class is not None:
         name = view.vllm_class.rsplit(".", 1)[-1]
         capture = "hooks"
-        options["enforce_eager"] = True
+        options = CaptureArgs(enforce_eager=True)
         reasons.append(f"vLLM's {name} lacks EAGLE-3 aux outputs (vLLM refuses "
                        "extract_hidden_states for it): forward hooks on its decoder layers "
                        "inside the vLLM worker capture them instead, in eager mode (under "

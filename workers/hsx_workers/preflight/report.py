@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from hsx_workers.engines.vllm.settings import CaptureArgs
+
 Capture = Literal["extract_hidden_states", "hooks", "hf", "unsupported"]
 EngineChoice = Literal["auto", "vllm", "hf"]
 
@@ -29,8 +31,9 @@ class ModelReport:
     trust_remote_code_needed: bool
     vllm_class: str | None = None
     language_model_class: str | None = None
-    engine_options: dict[str, Any] = field(default_factory=dict)
-    """vLLM settings the capture path needs (language_model_only, enforce_eager)."""
+    engine_options: CaptureArgs = field(default_factory=CaptureArgs)
+    """vLLM settings the capture path needs (language_model_only, enforce_eager); in the
+    JSON, the ones set (`CaptureArgs.engine_args`)."""
     num_params: int | None = None
     weight_bytes: int | None = None
     tensor_parallel_size: int = 1
@@ -46,7 +49,7 @@ class ModelReport:
     output_bytes: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "engine_options": self.engine_options.engine_args()}
 
     @property
     def capturable(self) -> bool:
@@ -63,7 +66,7 @@ def format_report(report: ModelReport) -> str:
         f"layers         {report.num_layers} (hidden size {report.hidden_size})",
         f"EAGLE-3 aux    {'yes' if report.supports_eagle3 else 'no'}",
         f"capture        {report.capture}"
-        + (f" with {report.engine_options}" if report.engine_options else ""),
+        + (f" with {args}" if (args := report.engine_options.engine_args()) else ""),
         f"default layers {report.default_layers}",
         f"valid ids      {report.valid_layers[0]}..{report.valid_layers[-1]}"
         if report.valid_layers else "valid ids      none",

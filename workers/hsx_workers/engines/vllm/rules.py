@@ -11,8 +11,10 @@ here instead of restating it.
   files outnumber any deny-list;
 - `engine_memory`: vLLM's share of a GPU an online trainer shares;
 - `binds_cpu_cores`: where vLLM's CPU build binds each rank to cores of its own;
-- `target_engine_args`: vLLM's arguments for the job's target outside capture (the
-  draft's evaluation).
+- `engine_env`: the environment vLLM reads in the process that builds an engine (the
+  engine pool's actors, hsx_service/engine_pool.py);
+- `target_settings`: vLLM's settings for the job's target outside capture (the draft's
+  evaluation).
 
 Light: pydantic and hsx alone at import; vLLM is imported inside compat.py's functions.
 The engine itself (engine.py) builds its arguments with `max_model_len` and
@@ -22,11 +24,13 @@ The engine itself (engine.py) builds its arguments with `max_model_len` and
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Literal
 
 from hsx.modelinfo import ModelInfo
-from hsx.spec import JobSpec
+from hsx.spec import JobSpec, VllmOptions
+from hsx_workers.engines.vllm.settings import TargetSettings
 
 CAPTURE_POSITIONS = 2
 """Positions capture needs beyond the prompt: the one generated token and the
@@ -153,14 +157,15 @@ def allowed_engine_options(extra: Iterable[str] = ()) -> frozenset[str]:
     return frozenset(ENGINE_OPTIONS) | frozenset(extra)
 
 
-def engine_options_problem(options: dict[str, Any], extra: Iterable[str] = ()) -> str | None:
-    """Why a job's `vllm:` engine arguments are refused by a coordinator's list; None if
-    they pass.
+def engine_options_problem(vllm: VllmOptions, extra: Iterable[str] = ()) -> str | None:
+    """Why the engine arguments of a job's `vllm:` section are refused by a coordinator's
+    list; None if they pass.
 
     Options on hsx's list must have a plain value; those the operator added are passed
     as they are (the operator chose them)."""
     allowed = allowed_engine_options(extra)
     added = frozenset(extra)
+    options = vllm.engine_args()
     unlisted = sorted(name for name in options if name not in allowed)
     if unlisted:
         return (f"{', '.join(unlisted)} {'is' if len(unlisted) == 1 else 'are'} not among "
@@ -193,18 +198,55 @@ def binds_cpu_cores(tensor_parallel_size: int) -> bool:
     return tensor_parallel_size > 1
 
 
-def target_engine_args(spec: JobSpec) -> dict[str, Any]:
-    """vLLM's arguments for the job's target outside capture (the draft's evaluation):
-    as the job's engines load it — tensor parallelism, dtype, memory share, remote code
-    and the job's own `vllm:` engine arguments; a job that takes images, its vision
-    tower with as many images a prompt as its rows hold."""
-    args = {
-        "tensor_parallel_size": spec.tensor_parallel_size,
-        "dtype": spec.vllm.dtype,
-        "trust_remote_code": spec.trust_remote_code,
-        "gpu_memory_utilization": spec.vllm.gpu_memory_utilization,
-        **spec.vllm.engine_args(),
+def engine_env(cpu_kvcache_gib: int, *, tp: int, gpus: bool, part: float = 1.0,
+               replica: int = 0, replicas: int = 1) -> dict[str, str]:
+    """The environment of the process that builds engine `replica` of `replicas` (TP
+    `tp`, each rank `part` of a GPU on a GPU cluster): vLLM reads these at start, not
+    from its arguments. vLLM's CPU build allocates its KV cache (`cpu_kvcache_gib`, the
+    job's `vllm.cpu_kvcache_gib`) and binds each rank to its own cores (`cpu_binding`);
+    ranks of vLLM's Ray executor take `part` of a GPU each, to fit a group's bundles
+    when an online trainer shares the GPUs (hsx_service/engine_pool.engine_bundles)."""
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": str(cpu_kvcache_gib),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
-    if spec.images is not None:  # its held-out image prompts, as many images as a row
-        args["limit_mm_per_prompt"] = {"image": spec.images.max_per_row, "video": 0}
-    return args
+    if not gpus:
+        binding = cpu_binding(replica, replicas, tp)
+        if binding:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    elif part < 1 and tp > 1:
+        env["VLLM_RAY_PER_WORKER_GPUS"] = f"{part:g}"
+    return env
+
+
+def cpu_binding(replica: int, replicas: int, tp: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND giving each rank of engine `replica` its own cores, when
+    there are enough.
+
+    vLLM's CPU build refuses TP>1 on a small machine unless threads are bound by hand.
+    """
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per_rank = len(cores) // (replicas * tp)
+    if per_rank < 1:
+        return None
+    ranks = []
+    for rank in range(tp):
+        first = (replica * tp + rank) * per_rank
+        chosen = cores[first : first + per_rank]
+        ranks.append(f"{chosen[0]}-{chosen[-1]}" if len(chosen) > 1 else str(chosen[0]))
+    return "|".join(ranks)
+
+
+def target_settings(spec: JobSpec, *, tensor_parallel_size: int | None = None,
+                    distributed_executor_backend: Literal["ray", "mp"] | None = None
+                    ) -> TargetSettings:
+    """vLLM's settings for the job's target outside capture (the draft's evaluation): as
+    the job's engines load it — tensor parallelism (unless the evaluation has its own),
+    dtype, memory share, remote code and the job's own `vllm:` engine arguments; a job
+    that takes images, its vision tower with as many images a prompt as its rows hold."""
+    return TargetSettings(
+        tensor_parallel_size=tensor_parallel_size or spec.tensor_parallel_size,
+        options=spec.vllm, trust_remote_code=spec.trust_remote_code,
+        images_per_prompt=spec.images.max_per_row if spec.images is not None else None,
+        distributed_executor_backend=distributed_executor_backend)
