@@ -19,7 +19,9 @@
 # bench_first_commit.py), dspark (a DSpark job, trained and measured by vLLM:
 # dspark_job.sh), methods (the draft methods on one capture, each measured by vLLM:
 # bench_methods.py), dflash-loss (DFlash with each loss on the dspark step's capture,
-# measured by vLLM), selfcheck (the self-check's cost on the 8B shape and its faults:
+# measured by vLLM), ways (each methods draft measured as served and the former way:
+# measure_ways.py), online-ab (the online job on this tree and on .gpu/baseline's:
+# bench_product.py --online --baseline), selfcheck (the self-check's cost on the 8B shape and its faults:
 # bench_selfcheck.py --model 8b --faults, then --head-product). Each step writes into
 # /tmp/hsx-gpu/results; one failing step does not stop the next.
 set -uo pipefail
@@ -107,6 +109,18 @@ for s in "$@"; do
       cp /tmp/hsx-bench-product/*-serve-tail.log /tmp/hsx-bench-product/*-pmon.log "$RES/" \
         2>/dev/null
       rm -rf /tmp/hsx-bench-product/offline-out /tmp/hsx-bench-product/online-out ;;
+    online-ab)
+      step online-ab
+      # The online job alone on this tree and on .gpu/baseline's (the code before the
+      # stream moved into Ray's object store: `git archive ef39bea client workers
+      # service`, carried), alternately, ONLINE_AB_ARGS (default: one run each, 150 steps
+      # of 256 prompts).
+      timeout 1500 python3 -m benchmarks.gpu.bench_product --online --baseline .gpu/baseline \
+        --no-drop ${ONLINE_AB_ARGS:---ab-reps 1 --steps 150 --prompts 256} \
+        --out "$RES/online-ab.json" > "$RES/online-ab.log" 2>&1
+      echo "online-ab: rc=$? $(tail -1 "$RES/online-ab.log")"
+      cp /tmp/hsx-bench-product/*-serve-tail.log "$RES/" 2>/dev/null
+      rm -rf /tmp/hsx-bench-product/online-*-out ;;
     multi)
       step multi
       timeout 900 python3 -m benchmarks.gpu.bench_vllm --phases hsx replicas2 tp2 --reps 1 \
@@ -179,6 +193,17 @@ for s in "$@"; do
       cp /tmp/mwork/train-*.log "$RES/" 2>/dev/null && gzip -9nf "$RES"/train-*.log
       echo "methods: rc=$rc $(tail -8 "$RES/methods-log.txt")"
       for d in /tmp/mwork/draft-*; do keep "$d/draft" "$RES/$(basename "$d")"; done ;;
+    ways)
+      step ways
+      # Each draft of the methods step measured by one vLLM engine as served (150
+      # held-out prompts, stop at EOS) and the former way (ignore_eos, >= 8 tokens; the
+      # first 32 prompts and all): benchmarks/measure_ways.py.
+      for d in /tmp/mwork/draft-*; do
+        m=$(basename "$d"); m=${m#draft-}
+        timeout 600 python3 -m benchmarks.measure_ways /tmp/mwork/out --draft-dir "$d" \
+          --prompts 150 --out "$RES/ways-$m.json" > "$RES/ways-$m.log" 2>&1
+        echo "ways $m: rc=$? $(tail -1 "$RES/ways-$m.log")"
+      done ;;
     dflash-loss)
       step dflash-loss
       # DFlash's two losses on the GPU, on the dspark step's capture (its layers hold
