@@ -28,11 +28,17 @@ set -uo pipefail
 RES=/tmp/hsx-gpu/results
 mkdir -p "$RES"
 export PYTHONPATH=/tmp/site:$PWD/client:$PWD/workers:$PWD/service:$PWD:/tmp/site-extra
-# Test tools the GPU image lacks (pytest, rich...) and compressed-tensors (vLLM's
-# kimi_k25 module imports it), carried as wheels in .gpu/extra:
+# Test tools the GPU image lacks (pytest, rich...), compressed-tensors (vLLM's
+# kimi_k25 module imports it) and mistral_common with what it needs (vLLM 0.25.1's llava
+# module imports it: without it a Llava job is refused), carried as wheels in .gpu/extra:
 #   pip download -d .gpu/extra --only-binary=:all: --python-version 3.12 --no-deps \
 #     --platform manylinux2014_x86_64 pytest pluggy iniconfig pytest-timeout rich \
 #     markdown-it-py mdurl pygments ml_dtypes compressed-tensors
+#   pip download -d .gpu/extra --only-binary=:all: --python-version 3.12 --no-deps \
+#     --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux_2_28_x86_64 mistral-common==1.13.1 pydantic-extra-types==2.11.1 \
+#     tiktoken==0.14.0 regex==2026.12.2 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
+#     referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
 # last on the path, so nothing the image or the bundle has is replaced.
 if [ -d .gpu/extra ] && [ ! -d /tmp/site-extra ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site-extra .gpu/extra/*.whl

@@ -201,8 +201,9 @@ def measure_acceptance(
     longest = max(p.length + p.max_tokens for p in prompts) + k + 1
     args: dict[str, Any] = {"enforce_eager": enforce_eager,
                             **(engine.engine_args() if engine is not None else {})}
-    if any(p.images for p in prompts):
-        _image_engine(target, args, prompts)
+    # the modality vLLM's class takes images under (classes.image_modality)
+    takes = (_image_engine(target, args, prompts) if any(p.images for p in prompts)
+             else "image")
     # The dtype the job's engines computed its states in (dtypes.py).
     args["dtype"] = vllm_dtype(str(args.get("dtype", "auto")), target)
     # As long as the prompts need, at most what the job's own arguments allow.
@@ -222,7 +223,7 @@ def measure_acceptance(
         if not group:
             continue
         outputs += llm.generate(  # stopping at the target's EOS, as a server does
-            [image_prompt(p.token_ids, p.images) if p.images
+            [image_prompt(p.token_ids, p.images, modality=takes) if p.images
              else TokensPrompt(prompt_token_ids=p.token_ids) for p in group],
             [SamplingParams(max_tokens=p.max_tokens, temperature=0.0) for p in group],
             use_tqdm=False,
@@ -291,20 +292,29 @@ def _rates(after: tuple[int, int, int, list[int]], before: tuple[int, int, int, 
             "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0}
 
 
-def _image_engine(target: str, args: dict[str, Any], prompts: list[EvalPrompt]) -> None:
+def _image_engine(target: str, args: dict[str, Any], prompts: list[EvalPrompt]) -> str:
     """vLLM's arguments for a target answering image prompts: its vision tower (no
-    `language_model_only`), as many images a prompt as they hold, and where torchvision
+    `language_model_only`), as many images a prompt as they hold (under the modality its
+    class takes them: classes.image_modality, which this returns), and where torchvision
     is missing, the engine in this process with it stubbed (engines/vllm/engine.py)."""
     from hsx.modelinfo import read_model_info
+    from hsx_workers.engines.vllm.classes import image_limits, image_modality
     from hsx_workers.engines.vllm.engine import wrapper_in_this_process
 
-    most = max(len(p.images or ()) for p in prompts)
-    limit = args.setdefault("limit_mm_per_prompt", {"image": most, "video": 0})
-    if isinstance(limit, dict) and isinstance(limit.get("image"), int):
-        limit["image"] = max(limit["image"], most)
     info = read_model_info(target)
+    modality = image_modality(info.architecture)
+    most = max(len(p.images or ()) for p in prompts)
+    limit = args.setdefault("limit_mm_per_prompt", image_limits(info.architecture, most))
+    if isinstance(limit, dict) and "image" in limit and modality != "image":
+        # The job's `image` limit (TargetSettings.engine_args), in the class's modality.
+        given = limit["image"]
+        limit = args["limit_mm_per_prompt"] = image_limits(
+            info.architecture, given if isinstance(given, int) else most)
+    if isinstance(limit, dict) and isinstance(limit.get(modality), int):
+        limit[modality] = max(limit[modality], most)
     wrapper_in_this_process(info.architecture, int(args.get("tensor_parallel_size", 1)),
                             args)
+    return modality
 
 
 def evaluate_draft(

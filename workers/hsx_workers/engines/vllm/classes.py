@@ -115,3 +115,35 @@ def _vllm_version() -> str:
     from hsx_workers.engines.vllm.compat import vllm_version
 
     return vllm_version() or "(not installed)"
+
+
+# vLLM classes that take images under a modality of their own. Kimi-K2.5's processor
+# takes images and video chunks as one modality, `vision_chunk` (its only one: an image
+# is a `{"type": "image", "image", "uuid"}` item there); it refuses an `image` item ("At
+# most 0 image(s) may be provided in one prompt"), as vLLM 0.25.1 to 0.32 do.
+VISION_CHUNK_CLASSES = frozenset({"KimiK25ForConditionalGeneration"})
+
+
+def image_modality(architecture: str) -> str:
+    """The modality under which vLLM's class for `architecture` takes an image: `image`,
+    or `vision_chunk` (VISION_CHUNK_CLASSES)."""
+    return "vision_chunk" if architecture in VISION_CHUNK_CLASSES else "image"
+
+
+def image_items(modality: str, images: list[Any]) -> dict[str, list[Any]]:
+    """vLLM's `multi_modal_data` of decoded images under `modality` (image_modality)."""
+    if modality == "vision_chunk":
+        return {"vision_chunk": [{"type": "image", "image": image, "uuid": None}
+                                 for image in images]}
+    return {"image": list(images)}
+
+
+def image_limits(architecture: str, count: int, side: int | None = None) -> dict[str, Any]:
+    """vLLM's `limit_mm_per_prompt` for prompts of at most `count` images and no video:
+    profiled at `side` x `side` pixels where the modality takes a size (`image`; vLLM's
+    Kimi-K2.5 profiles its `vision_chunk` at its own largest size)."""
+    if image_modality(architecture) == "vision_chunk":
+        return {"vision_chunk": count}
+    if side is None:
+        return {"image": count, "video": 0}
+    return {"image": {"count": count, "width": side, "height": side}, "video": 0}

