@@ -16,10 +16,12 @@ engines, driven over HTTP with the SDK.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -365,6 +367,14 @@ def test_a_killed_coordinator_under_load_is_taken_over_and_nothing_is_lost(
         standby.kill()
 
 
+def _ledger_states(ledger: Path) -> dict[str, JobState]:
+    """Each job's state in the ledger's file (a job's state is written at once, never
+    behind: hsx_service/ledger.py)."""
+    with contextlib.closing(sqlite3.connect(ledger, timeout=30)) as db:
+        return {job_id: JobState(state)
+                for job_id, state in db.execute("SELECT id, state FROM jobs")}
+
+
 def _load_kill_and_take_over(
     holder: Coordinator, standby: Coordinator,
     two_replica_run: tuple[JobStatus, list[JobStatus]], tiny_llama: Path,
@@ -400,10 +410,12 @@ def _load_kill_and_take_over(
     client.cancel(cancelled_mid_run)
     for job_id in tiny[2:RAN_JOBS]:
         submit(job_id)()
-    # Small units: many left to resume when the kill lands (28 of 1,024 tokens all
-    # committed between the first commit and the kill once engines started in seconds).
-    big = client.submit(_spec(tiny_llama, chat_dataset, tmp_path / "resumed", unit_tokens=256),
-                        job_id="resumed")
+    # Small units, two at a time in an engine: many left to resume when the kill lands
+    # (28 of 1,024 tokens all committed between the first commit and the kill once
+    # engines started in seconds; with the default 65,536 tokens in flight, all 131 of
+    # 256 were in the engines at once and committed as the holder died).
+    big = client.submit(_spec(tiny_llama, chat_dataset, tmp_path / "resumed", unit_tokens=256,
+                              vllm={"max_inflight_tokens": 512}), job_id="resumed")
     retries = [submit(job_id) for job_id in tiny[RAN_JOBS : RAN_JOBS + 20]]
     submitted = _each([submit(job_id) for job_id in tiny[RAN_JOBS:]] + retries)
     assert {j.id for j in submitted} == set(tiny[RAN_JOBS:])  # a retry is the same job
@@ -415,7 +427,10 @@ def _load_kill_and_take_over(
         if time.monotonic() > deadline:
             raise AssertionError("no unit committed in time")
         time.sleep(0.01)
-    before = {j.id: j.state for j in client.list()}
+    # The jobs' states as the ledger holds them at the kill: read from its file in a
+    # moment (the holder's list under this load took seconds on CI, in which the big job
+    # committed its every unit and left nothing to resume).
+    before = _ledger_states(ledger)
     holder.kill()
     killed_at = time.monotonic()
     committed = len(list((output / COMMITS_DIR).glob("*.json")))
