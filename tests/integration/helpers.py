@@ -141,3 +141,12 @@ def kill_tree(pid: int) -> None:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
         psutil.wait_procs(family, timeout=30)
+
+
+def size_of(path: Path) -> int:
+    """A file's size; 0 once it is gone (a staging file renamed into place between a
+    listing and this look)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0

@@ -25,7 +25,7 @@ from hsx.dataset import HiddenStatesDataset
 from hsx.output.layout import COMMITS_DIR, SHARDS_DIR, TMP_DIR
 from hsx_workers.tiny_models import ChatDataset
 
-from .helpers import by_sample, kill_tree, relative_error, worker_processes
+from .helpers import by_sample, kill_tree, relative_error, size_of, worker_processes
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ def _wait_for_partial_shard(output: Path, proc: subprocess.Popen[str], min_commi
         if proc.poll() is not None:
             raise AssertionError(f"hsx extract ended early: {proc.communicate()}")
         commits = list((output / COMMITS_DIR).glob("*.json"))
-        partial = [p for p in (output / TMP_DIR).glob("shards--*.part") if _size(p) > 65536]
+        partial = [p for p in (output / TMP_DIR).glob("shards--*.part") if size_of(p) > 65536]
         if len(commits) >= min_commits and partial:
             return
         if len(commits) != verified:
@@ -78,15 +78,6 @@ def _wait_for_partial_shard(output: Path, proc: subprocess.Popen[str], min_commi
             verified = len(commits)
         time.sleep(0.005)
     raise AssertionError("no unit was ever seen mid-write")
-
-
-def _size(path: Path) -> int:
-    """A staging file's size; 0 once it is gone (renamed into place between the listing
-    and this look)."""
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 def _assert_only_complete_shards_visible(output: Path) -> None:

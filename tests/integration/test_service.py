@@ -46,7 +46,7 @@ from hsx.output.layout import COMMITS_DIR, TMP_DIR
 from hsx.wire import JobState, JobStatus
 from hsx_workers.tiny_models import ChatDataset
 
-from .helpers import by_sample, kill_tree, relative_error, worker_processes
+from .helpers import by_sample, kill_tree, relative_error, size_of, worker_processes
 
 pytestmark = pytest.mark.integration
 
@@ -274,7 +274,7 @@ def test_killed_worker_actor_is_restarted_and_the_job_completes(
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         commits = list((output / COMMITS_DIR).glob("*.json"))
-        partial = [p for p in (output / TMP_DIR).glob("shards--*.part") if p.stat().st_size > 65536]
+        partial = [p for p in (output / TMP_DIR).glob("shards--*.part") if size_of(p) > 65536]
         if commits and partial:
             break
         time.sleep(0.005)
