@@ -28,6 +28,7 @@ task there: hsx_service.ingest_tasks): the calling thread's own child tokenizes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import multiprocessing
 import os
@@ -62,6 +63,8 @@ MEMORY_BYTES = 8 * 2**30  # what a child may map beyond its imports
 KILLED_ROWS = 3  # rows of one slice whose child was stopped that end the ingestion
 MEMORY_EXIT = 86  # a child's exit code when it ran out of MEMORY_BYTES
 POLL_S = 0.25
+
+log = logging.getLogger(__name__)
 
 
 def pool_context() -> Any:
@@ -238,6 +241,11 @@ class TokenizingProcess:
                     delivered = value.first + value.rows
                     yield value
             except _Stopped as stopped:
+                # Said where the ingestion logs: a good row's rows tokenized again cost
+                # the wait that stopped the child, and nothing else would show it.
+                log.warning("tokenizing process %s stopped at row %d of a %s slice "
+                            "(from %d): %s", self._child.pid if self._child else "?",
+                            delivered, slc.kind, slc.start, stopped)
                 self.close()
                 if delivered >= alone_until:  # one row of the next batch: find it
                     alone_until = delivered + self.settings.batch_rows
