@@ -302,19 +302,15 @@ def _image_engine(target: str, args: dict[str, Any], prompts: list[EvalPrompt]) 
     from hsx_workers.engines.vllm.engine import wrapper_in_this_process
 
     info = read_model_info(target)
-    modality = image_modality(info.architecture)
+    # The job's count of images a row (TargetSettings.engine_args), raised to the most a
+    # prompt holds, in the modality the class takes them under.
+    given = (args.get("limit_mm_per_prompt") or {}).get("image")
     most = max(len(p.images or ()) for p in prompts)
-    limit = args.setdefault("limit_mm_per_prompt", image_limits(info.architecture, most))
-    if isinstance(limit, dict) and "image" in limit and modality != "image":
-        # The job's `image` limit (TargetSettings.engine_args), in the class's modality.
-        given = limit["image"]
-        limit = args["limit_mm_per_prompt"] = image_limits(
-            info.architecture, given if isinstance(given, int) else most)
-    if isinstance(limit, dict) and isinstance(limit.get(modality), int):
-        limit[modality] = max(limit[modality], most)
+    args["limit_mm_per_prompt"] = image_limits(
+        info.architecture, max(given if isinstance(given, int) else 0, most))
     wrapper_in_this_process(info.architecture, int(args.get("tensor_parallel_size", 1)),
                             args)
-    return modality
+    return image_modality(info.architecture)
 
 
 def evaluate_draft(
