@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 # Every node of a test cluster shares one core with the engines and trainers it runs
-# (tests/conftest.py pins each pytest-xdist worker): under CI's load a live raylet
-# answered Ray's health checks late five times running (Ray's default: 10 s each), and
-# Ray declared its node dead with the job's actors on it. Each check here may take 30 s
-# (a live node is dead only after ~5 minutes without an answer), while a killed node,
-# whose port refuses at once, is dead after 10 checks a second apart.
+# (tests/conftest.py pins each pytest-xdist worker): a live raylet may answer Ray's
+# health checks late. Each check here may take 30 s (a live node is dead only after ~5
+# minutes without an answer), while a killed node, whose port refuses at once, is dead
+# after 10 checks a second apart.
 HEALTH_CHECKS: dict[str, Any] = {"health_check_period_ms": 1000,
                                  "health_check_timeout_ms": 30_000,
                                  "health_check_failure_threshold": 10}

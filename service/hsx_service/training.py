@@ -365,8 +365,8 @@ class TrainingRun:
 
     def _new_actor(self, seat: _Seat) -> Any:
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from hsx_workers.nodes import on_this_node
         from hsx_workers.trainer_actor import TrainerActor
 
         req = self.request
@@ -374,9 +374,7 @@ class TrainingRun:
         if req.spec.workers > 1:
             # It only drives Ray Train, whose workers take the CPUs and GPUs: on this
             # node, where the job's driver runs.
-            here = ray.get_runtime_context().get_node_id()
-            options.update(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                here, soft=True))
+            options.update(num_cpus=0, scheduling_strategy=on_this_node())
         elif seat.pg is not None:
             options.update(num_gpus=req.share or 1, scheduling_strategy=in_group(seat.pg))
         else:

@@ -100,14 +100,14 @@ def open_stream(location: str) -> Any:
     """The job's stream actor, created on this process's node if it does not exist yet
     (the driver of the job, and its training's driver, both ask; the first makes it)."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = ray.get_runtime_context().get_node_id()
+    from hsx_workers.nodes import on_this_node
+
     actor: Any = ray.remote(StreamActor)
     return actor.options(
         name=stream_name(location), namespace=NAMESPACE, get_if_exists=True,
         num_cpus=0, max_concurrency=64, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+        scheduling_strategy=on_this_node()).remote()
 
 
 def stream_waits(location: str) -> dict[int, float] | None:
