@@ -86,17 +86,18 @@ def free_port() -> int:
 class Serve:
     """`hsx serve` in its own session, as a user starts it."""
 
-    def __init__(self, work: Path, tree: Path | None = None) -> None:
+    def __init__(self, work: Path, name: str, tree: Path | None = None) -> None:
         self.port = free_port()
-        self.log = work / "serve.log"
+        self.log = work / f"{name}-serve.log"
         env = {**os.environ, "HSX_API_TOKEN": TOKEN, "HSX_ALLOWED_ROOTS": str(work)}
         env.pop("RAY_ADDRESS", None)
         if tree is not None:  # another hsx's code first on the path (--baseline)
             packages = ":".join(str(tree / p) for p in ("client", "workers", "service"))
             env["PYTHONPATH"] = f"{packages}:{env.get('PYTHONPATH', '')}"
         self.proc = subprocess.Popen(
+            # A ledger per run: another tree's coordinator cannot read this one's jobs.
             [sys.executable, "-m", "hsx.cli", "serve", "--port", str(self.port), "--ledger",
-             str(work / "ledger.sqlite")],
+             str(work / f"{name}-ledger.sqlite")],
             stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env,  # noqa: SIM115
             start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -223,7 +224,7 @@ def run_job(bench: Bench, args: argparse.Namespace, drop_tps: float | None,
     spec = {"model": str(bench.model), "dataset": str(work / "rows.jsonl"),
             "output": str(output), "layers": bench.layers, "max_seq_len": bench.length + 64,
             "vllm": vllm, "train": train}
-    server = Serve(work, tree)
+    server = Serve(work, name, tree)
     timeline: dict[str, float] = {}
     waits: list[dict[str, Any]] = []
     split = None
@@ -327,10 +328,13 @@ def main() -> int:
                    help="with --online: the online job on this tree against DIR's code")
     p.add_argument("--ab-reps", type=int, default=2,
                    help="with --baseline: runs of each tree")
+    p.add_argument("--ab-trees", default="new,baseline",
+                   help="with --baseline: which trees run (one alone: on a machine where the "
+                        "other ran)")
     args = p.parse_args()
     # What Bench (bench_vllm.py) reads for its set-up and its drop child.
     args.reps, args.tmpfs, args.child_timeout = 1, "/dev/shm/hsx-bench-product", 900.0
-    args.gpu_memory_utilization, args.profile, args.inflight = 0.85, False, 0
+    args.gpu_memory_utilization, args.profile, args.inflight, args.layers = 0.85, False, 0, None
     bench = Bench(args)
     bench.setup()
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -397,8 +401,9 @@ def online_ab(bench: Bench, args: argparse.Namespace, result: dict[str, Any],
     docstring), and this tree ÷ the baseline's."""
     import statistics
 
-    trees = {"new": None, "baseline": args.baseline.resolve()}
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    trees = {name: tree for name, tree in (("new", None), ("baseline", args.baseline.resolve()))
+             if name in args.ab_trees.split(",")}
+    runs: dict[str, list[dict[str, Any]]] = {"new": [], "baseline": []}
     for rep in range(args.ab_reps):
         order = list(trees) if rep % 2 == 0 else list(trees)[::-1]
         for name in order:
@@ -419,8 +424,8 @@ def online_ab(bench: Bench, args: argparse.Namespace, result: dict[str, Any],
         values = [v for r in runs[name] if (v := pick(r)) is not None]
         return statistics.median(values) if values else None
 
-    tps = {n: median(n, lambda r: r["trainer"].get("tokens_per_s_median")) for n in trees}
-    done = {n: median(n, lambda r: r["seconds"].get("submit_to_train_done")) for n in trees}
+    tps = {n: median(n, lambda r: r["trainer"].get("tokens_per_s_median")) for n in runs}
+    done = {n: median(n, lambda r: r["seconds"].get("submit_to_train_done")) for n in runs}
     result["online_ab"]["new_over_baseline"] = {
         "train_tokens_per_s": round(tps["new"] / tps["baseline"], 3)
         if tps["new"] and tps["baseline"] else None,
