@@ -101,7 +101,10 @@ def test_trainer_killed_mid_checkpoint_resumes_from_the_last_whole_one(
                                        "final_step": state.step})
 
 
-TRAIN = {"max_steps": 40, "batch_tokens": 48, "checkpoint_every": 4, "keep_checkpoints": 2,
+# The killed coordinator's trainer runs on until Ray reaps what the dead driver owned:
+# ~4 s on a loaded machine, where 40 steps of ~0.1 s once finished in that time and left
+# nothing to resume. 160 steps keep the run going ~15 s past the first checkpoint.
+TRAIN = {"max_steps": 160, "batch_tokens": 48, "checkpoint_every": 4, "keep_checkpoints": 2,
          "draft_vocab_size": 128, "val_fraction": 0.0, "eval_prompts": 0, "device": "cpu",
          "workers": 2}
 
