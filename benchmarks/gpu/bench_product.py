@@ -401,8 +401,11 @@ def online_ab(bench: Bench, args: argparse.Namespace, result: dict[str, Any],
     docstring), and this tree ÷ the baseline's."""
     import statistics
 
+    asked = args.ab_trees.split(",")
+    if not asked or set(asked) - {"new", "baseline"}:
+        raise SystemExit(f"--ab-trees takes new, baseline or both, got {args.ab_trees!r}")
     trees = {name: tree for name, tree in (("new", None), ("baseline", args.baseline.resolve()))
-             if name in args.ab_trees.split(",")}
+             if name in asked}
     runs: dict[str, list[dict[str, Any]]] = {"new": [], "baseline": []}
     for rep in range(args.ab_reps):
         order = list(trees) if rep % 2 == 0 else list(trees)[::-1]

@@ -29,8 +29,7 @@ from hsx_workers.nodes import on_this_node
 from hsx_workers.stream import open_stream
 
 class Driven:
-    def node(self):
-        return ray.get_runtime_context().get_node_id()
+    pass
 
 cluster = Cluster(initialize_head=True, head_node_args=HEAD_ARGS)
 try:
@@ -41,9 +40,8 @@ try:
     node = lambda self: ray.get_runtime_context().get_node_id()
     streams = [ray.get(open_stream(f"out-{{i}}").__ray_call__.remote(node))
                for i in range({PLACED})]
-    driven = [ray.get(ray.remote(Driven).options(
-                  num_cpus=0, scheduling_strategy=on_this_node()).remote().node.remote())
-              for _ in range({PLACED})]
+    driven = [ray.get(ray.remote(Driven).options(num_cpus=0, scheduling_strategy=on_this_node())
+                      .remote().__ray_call__.remote(node)) for _ in range({PLACED})]
     print(json.dumps({{"head": cluster.head_node.node_id, "driver": here,
                       "streams": streams, "driven": driven}}))
 finally:
