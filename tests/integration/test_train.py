@@ -231,9 +231,10 @@ def test_a_wrong_capture_drops_acceptance(
     bug: str, extracted: Path, learnable: Learnable, default_draft: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    # The wrong captures train as far as the correct run's first validated checkpoint past
-    # step 80 (100 of the CPU default's 500), so the two compare at the same step.
-    steps = next(int(r["step"]) for r in read_validation(default_draft) if r["step"] >= 80)
+    # The wrong captures train as far as the correct run's first validated checkpoint (50
+    # of the CPU default's 500: held-out expected acceptance 3.0 there, 3.75 at the end),
+    # so the two compare at the same step.
+    steps = int(read_validation(default_draft)[0]["step"])
     change = _shift_one_token if bug == "shifted" else _final_norm(learnable.target)
     output = _copy_output(extracted, tmp_path_factory.mktemp(bug) / "tasks", change)
     # The default schedule, stopped early (CI time): the same steps, learning rate and
