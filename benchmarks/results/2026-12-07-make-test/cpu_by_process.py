@@ -60,8 +60,7 @@ def sample(path: str) -> None:
 def kind(cmd: str, comm: str) -> str:
     if match := re.match(r"ray::(\w+)", cmd):
         return f"ray actor/task {match.group(1)}"
-    for name in ("gcs_server", "raylet", "dashboard_agent", "log_monitor", "monitor.py",
-                 "dashboard.py"):
+    for name in ("gcs_server", "raylet", "log_monitor", "monitor.py", "dashboard.py"):
         if name in cmd or name in comm:
             return f"ray infra {name}"
     if "multiprocessing.forkserver" in cmd:
@@ -87,8 +86,9 @@ def report(path: str) -> None:
     cpu: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
     for _, _, seconds, cmd, comm in rows:
-        cpu[kind(cmd, comm)] += seconds
-        count[kind(cmd, comm)] += 1
+        name = kind(cmd, comm)
+        cpu[name] += seconds
+        count[name] += 1
     print(f"total {sum(cpu.values()):.0f} CPU s over {len(rows)} processes")
     print(f"{'CPU s':>8} {'procs':>5}  kind")
     for name, seconds in cpu.most_common(30):
