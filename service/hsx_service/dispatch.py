@@ -295,6 +295,7 @@ class Dispatch:
         slot.state = "busy" if slot.inflight else "idle"
 
     def unit_done(self, slot: EngineSlot, ref: Any, report: Any) -> None:
+        self.moved(slot, getattr(report, "node", ""))
         unit = slot.inflight.pop(ref)
         self.committed_here += 1
         self.alone.discard(unit.unit)
@@ -505,16 +506,21 @@ class Dispatch:
         except (RayActorError, NodeDiedError) as err:
             self.not_ready(slot, err)
             return
-        node = node if isinstance(node, str) else ""
-        if node and node != slot.node:
-            slot.node = node
-            if self.hooks.on_engines is not None:
-                self.hooks.on_engines({s.name: s.node for s in self.slots})
+        self.moved(slot, node if isinstance(node, str) else "")
         slot.state = "idle"
         slot.ready_failures = 0
         slot.ever_ready = True
         if self.first_ready is None:
             self.first_ready = time.monotonic()
+
+    def moved(self, slot: EngineSlot, node: str) -> None:
+        """The worker said which Ray node it runs on (readiness, a unit's report). Ray
+        restarts a worker whose node died elsewhere, and when it held no unit then, no
+        call failed to tell: its first report after says where it is now."""
+        if node and node != slot.node:
+            slot.node = node
+            if self.hooks.on_engines is not None:
+                self.hooks.on_engines({s.name: s.node for s in self.slots})
 
     def not_ready(self, slot: EngineSlot, err: BaseException) -> None:
         if not slot.ever_ready:

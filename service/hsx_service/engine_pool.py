@@ -182,7 +182,7 @@ class EngineSlot:
     ready_failures: int = 0  # readiness checks of the current restart that failed
     ever_ready: bool = False  # it served once: a failed readiness check is a restart's
     check_at: float = 0.0  # when to ask a restarting worker again (ready_ref is None)
-    node: str = ""  # the Ray node it runs on, as its last readiness answer said
+    node: str = ""  # the Ray node it runs on, as it last said (readiness, a report)
 
     @property
     def unit(self) -> WorkUnit | None:

@@ -81,7 +81,7 @@ def _units(n: int) -> list[WorkUnit]:
 
 def _dispatch(units: int, heard: _Heard | None = None, *, workers: int = 1,
               max_attempts: int = 3, output: _Output | None = None,
-              ingestion: Any = None) -> Dispatch:
+              ingestion: Any = None, hooks: DispatchHooks | None = None) -> Dispatch:
     out = output or _Output()
     job: Any = SimpleNamespace(spec=SimpleNamespace(storage_dtype="bfloat16", checksum="xxh3",
                                                     checks="on", regenerate=None),
@@ -91,7 +91,7 @@ def _dispatch(units: int, heard: _Heard | None = None, *, workers: int = 1,
     slots = [EngineSlot(name=f"engine-{i}", actor=_Actor(), state="idle")
              for i in range(workers)]
     pool: Any = SimpleNamespace(restarts=0)
-    return Dispatch(job, pool, (heard or _Heard()).hooks(), slots, max_attempts)
+    return Dispatch(job, pool, hooks or (heard or _Heard()).hooks(), slots, max_attempts)
 
 
 def _busy(units: int, heard: _Heard | None = None, **options: Any
@@ -254,6 +254,22 @@ def test_a_committed_unit_counts_into_the_progress() -> None:
     assert slot.state == "busy"  # it still holds unit 1
     run.unit_done(slot, next(iter(slot.inflight)), _report(1))
     assert slot.state == "idle" and [r.unit for r in heard.done] == [0, 1]
+
+
+def test_an_engine_ray_restarted_on_another_node_is_placed_there_by_its_next_report(
+) -> None:
+    # Its node died while it held no unit: no call failed, and only its next report
+    # says where it runs now (the status, `place: apart`, an online unit's bytes).
+    placed: list[dict[str, str]] = []
+    run, slot = _busy(2, hooks=DispatchHooks(on_engines=placed.append))
+    slot.node = "node-a"
+    refs = list(slot.inflight)
+    run.unit_done(slot, refs[0], _report(0))  # a report of an older worker says no node
+    assert slot.node == "node-a" and placed == []
+    report = _report(1)
+    report.node = "node-b"
+    run.unit_done(slot, refs[1], report)
+    assert slot.node == "node-b" and placed == [{"engine-0": "node-b"}]
 
 
 def test_what_is_shown_includes_the_units_still_running() -> None:

@@ -99,6 +99,10 @@ class UnitReport:
     errors: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     worker: str = ""
+    # The Ray node the unit ran on ('' outside Ray): where an online unit's bytes lie.
+    # Ray may have restarted the worker on another node since the driver last heard of
+    # it (its node died while it held no unit), and the driver learns it here.
+    node: str = ""
     generated: int = 0  # samples regenerated (a regenerating job)
     generated_tokens: int = 0
     truncated: int = 0  # regenerated samples with a turn that reached max_tokens
@@ -654,6 +658,7 @@ class ExtractionWorker:
             errors=[e.model_dump() for e in record.errors],
             seconds=time.monotonic() - run.started,
             worker=self.name,
+            node=self.ready(),
             generated=record.regenerations.rows if record.regenerations else 0,
             generated_tokens=record.regenerations.tokens if record.regenerations else 0,
             truncated=record.regenerations.truncated if record.regenerations else 0,
