@@ -26,6 +26,14 @@ consumed and what the stream no longer holds. A worker drops unread what it does
 need: a unit of an epoch before its own, or one its checkpoint already holds. A unit
 whose bytes Ray lost (the engine's node died before the trainer read it) is reported
 `lost` by the worker and captured again.
+
+The books are the driver's inference; the worker's own word settles them. A worker that
+finds nothing ready says which units of its epoch it still wants (`Books.wants`), and
+the driver captures again any of them that is neither in the stream nor being captured,
+whatever its books said: a unit can leave the stream unseen by them (a worker of a run
+that has ended, still reading as its node is taken down, takes it). And only a worker's
+current run takes units: a late `take` of a run that has ended is ignored, so it cannot
+remove a unit that the run after it needs.
 """
 
 from __future__ import annotations
@@ -96,6 +104,8 @@ class Books:
     taken_bytes: int = 0
     since: float = 0.0  # when the stream started counting
     waits: dict[int, float] = field(default_factory=dict)  # worker -> waiting for units since
+    # A waiting worker -> (its epoch, the units of it it still wants), as it said last.
+    wants: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
 
 class StreamHub:
@@ -108,7 +118,8 @@ class StreamHub:
     worker says where it resumed (`start_run`), takes what is `ready` for it, reports
     each unit read (`take`) or whose bytes are gone (`lose`); the main worker and the
     training's driver set the trainer's state (`set_trainer`). A worker that asked for
-    units while none was ready for it `waits` until it gets one.
+    units while none was ready for it `waits` until it gets one, and `wants` the units
+    it named.
     """
 
     def __init__(self) -> None:
@@ -122,6 +133,7 @@ class StreamHub:
         self.taken_bytes = 0
         self.since = time.time()
         self.waits: dict[int, float] = {}  # worker -> since when it waits with nothing ready
+        self.wants: dict[int, tuple[int, list[int]]] = {}  # see Books.wants
 
     def put(self, unit: Captured, payload: Any) -> bool:
         """A captured unit; False (and dropped) if the stream holds it already."""
@@ -131,9 +143,12 @@ class StreamHub:
         self.payloads[unit.sid] = payload
         return True
 
-    def ready(self, rank: int, epoch: int) -> list[tuple[int, Any]]:
+    def ready(self, rank: int, epoch: int, wanted: list[int] | None = None,
+              run: str | None = None) -> list[tuple[int, Any]]:
         """(stream unit, payload) of the units for worker `rank` of epochs up to
-        `epoch`, in order; each stays in the stream until it is taken."""
+        `epoch`, in order; each stays in the stream until it is taken. `wanted`: the
+        units of `epoch` the worker still needs, its word for the driver when none is
+        ready (ignored from a run that is not the worker's current one)."""
         out = []
         for sid in sorted(self.units):
             unit = self.units[sid]
@@ -142,13 +157,25 @@ class StreamHub:
                 out.append((sid, self.payloads[sid]))
         if out:
             self.waits.pop(rank, None)
+            self.wants.pop(rank, None)
         else:
             self.waits.setdefault(rank, time.time())
+            if wanted is not None and self._current(rank, run):
+                self.wants[rank] = (epoch, sorted(wanted))
         return out
 
-    def take(self, sid: int, read: bool = True) -> None:
+    def _current(self, rank: int, run: str | None) -> bool:
+        """Whether `run` is worker `rank`'s current run (None: a caller that names none)."""
+        current = self.runs.get(rank)
+        return run is None or current is None or current.run == run
+
+    def take(self, sid: int, read: bool = True, run: str | None = None) -> None:
         """The worker is done with a unit (`read`: it trained on it; else dropped
-        unread): the stream lets it go."""
+        unread): the stream lets it go. Ignored from a `run` that has ended: the unit is
+        its worker's next run's now."""
+        held = self.units.get(sid)
+        if held is not None and not self._current(held.rank, run):
+            return
         unit = self.units.pop(sid, None)
         self.payloads.pop(sid, None)
         self.reading.pop(sid, None)
@@ -162,9 +189,14 @@ class StreamHub:
             self.take(sid, read=False)
             self.lost.append(sid)
 
+    def waiting(self) -> dict[int, float]:
+        """The workers waiting with nothing ready: rank -> since when (a status's read)."""
+        return dict(self.waits)
+
     def start_run(self, resume: Resume) -> None:
         """A worker's run begins from a checkpoint at (`resume.epoch`, `units_done`)."""
         self.runs[resume.rank] = resume
+        self.wants.pop(resume.rank, None)
         if resume.rank == 0:
             self.trainer = {"state": "running", "run": resume.run}
 
@@ -173,8 +205,11 @@ class StreamHub:
         self.trainer = {"state": state, **extra}
 
     def books(self) -> Books:
+        """The driver's read, once a round. It is the only reader: each lost unit is in
+        one read alone (then captured again), so another reader would take it from the
+        driver (`waiting` is the read for everyone else)."""
         lost, self.lost = self.lost, []
         return Books(dict(self.units), dict(self.runs),
                      None if self.trainer is None else dict(self.trainer), lost,
                      dict(self.reading), self.taken_units, self.taken_bytes, self.since,
-                     dict(self.waits))
+                     dict(self.waits), dict(self.wants))

@@ -225,7 +225,7 @@ class Dispatch:
             if self.hooks.on_unit_error is not None:
                 self.hooks.on_unit_error(unit, attempt, message, gave_up)
             self.live.pop(unit.unit, None)
-            if self.online is not None:
+            if self.online is not None and gave_up:  # a retried one is still coming
                 self.online.answered(unit.unit)
             if gave_up:
                 self.result.failed_units[unit.unit] = message
@@ -242,6 +242,9 @@ class Dispatch:
                 "every uncommitted unit)")
             logger.error("%s", self.result.fatal)
             self.queue.clear()
+            if self.online is not None:
+                for unit in retry:
+                    self.online.answered(unit.unit)
             retry.clear()
         self.queue.extendleft(reversed(retry))
         slot.inflight.clear()

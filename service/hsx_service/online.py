@@ -16,11 +16,15 @@ the next epoch's. When a worker starts a run (its `Resume` in the books changes:
 start, a restart after a crash, a coordinator restart), its books are made again from
 what it resumed: its checkpoint's units of its epoch, and whatever the stream still
 holds or the engines are capturing for it. A unit whose bytes were lost is captured
-again. The feed ends when the trainer says it ended (done or failed).
+again. A worker that waits with nothing ready names the units of its epoch it still
+wants: any of them neither in the stream nor in flight is captured again, whatever the
+books said, and the worker's books move to that epoch. The feed ends when the trainer
+says it ended (done or failed).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,6 +39,8 @@ from hsx.online import (
     stream_unit,
 )
 from hsx.plan import WorkUnit
+
+logger = logging.getLogger(__name__)
 
 # Without `buffer_bytes` the buffer holds this many of the job's largest units, when that
 # is more than DEFAULT_BUFFER_BYTES: one the trainer reads, one committed behind it, one
@@ -86,6 +92,7 @@ class OnlineFeed:
         self.ended: str | None = None  # the trainer's final state
         self.error: str | None = None  # why it failed
         self.captures = 0  # stream units committed, all epochs
+        self._missing: dict[int, list[int]] = {}  # what each waiting worker missed last
 
     @property
     def buffer_bytes(self) -> int:
@@ -105,7 +112,8 @@ class OnlineFeed:
         self.whole = self.whole or whole
 
     def answered(self, stream_id: int) -> None:
-        """A stream unit came back failed (the dispatcher retries it)."""
+        """A stream unit failed for good (given up, or dispatch stopped): it is not being
+        captured. (One the dispatcher retries still is.)"""
         self.inflight.pop(stream_id, None)
 
     def committed(self, stream_id: int, nbytes: int, node: str, payload: Any) -> None:
@@ -174,7 +182,32 @@ class OnlineFeed:
             self.error = trainer.get("error")
         for sid in books.lost:
             epoch, unit = split_unit(sid)
+            logger.warning("unit %d of epoch %d: its captured states were lost with their "
+                           "node before the trainer read them; capturing it again",
+                           unit, epoch)
             self.workers[rank_of(unit, self.world)].captured.get(epoch, set()).discard(unit)
+        for rank, (epoch, wanted) in books.wants.items():
+            if rank < self.world:
+                self.wanted(rank, epoch, wanted)
+
+    def wanted(self, rank: int, epoch: int, units: list[int]) -> None:
+        """Worker `rank` waits in `epoch` for `units`: those the books count as captured
+        but that are neither in the stream nor being captured are captured again, and
+        epochs before it are not. (The rest are due anyway: a worker with nothing coming
+        for its epoch is starved, and served first.)"""
+        books = self.workers[rank]
+        if epoch > books.epoch:
+            books.epoch = epoch
+            books.captured = {e: u for e, u in books.captured.items() if e >= epoch}
+        coming = {split_unit(sid) for sid in (*self.present, *self.inflight)}
+        counted = books.captured.get(epoch, set())
+        missing = [u for u in units if u in counted and (epoch, u) not in coming]
+        if missing and missing != self._missing.get(rank):
+            logger.warning("trainer worker %d waits for units %s of epoch %d, counted as "
+                           "captured but neither in the stream nor being captured; "
+                           "capturing them again", rank, missing, epoch)
+        self._missing[rank] = missing
+        counted.difference_update(missing)
 
     def _choose(self) -> tuple[int, int, WorkUnit] | None:
         """The next (worker, epoch, unit) to capture: the worker with the fewest bytes

@@ -211,6 +211,74 @@ def test_a_unit_whose_bytes_were_lost_is_captured_again(stream: HubStream) -> No
     assert ids(feed.take(1)) == [(0, 1)]
 
 
+def test_a_unit_the_books_count_but_nobody_holds_is_captured_again_once_a_worker_wants_it(
+        stream: HubStream) -> None:
+    # The buffer is full (a later epoch's unit), and the books say unit 2 of epoch 0 is
+    # captured: it was in the stream when the run began, then left it unseen. The worker
+    # waits for it; its word settles the books, and unit 2 is captured again.
+    feed = OnlineFeed(stream, buffer_bytes=150, bytes_per_token=1)
+    feed.planned(UNITS, whole=True)
+    capture(feed, [WorkUnit(2, 20, 30, 100)])
+    stream.start_run(0, [0, 1])
+    capture(feed, [WorkUnit(stream_unit(1, 0), 0, 10, 100)])
+    feed.read_books()  # the run began with unit 2 in the stream
+    stream.hub.units.pop(2)  # then it left, and no worker said so
+    assert feed.take(2) == [] and feed.waiting_for is not None  # the books: nothing due
+    run = stream.hub.runs[0].run
+    assert stream.hub.ready(0, 0, wanted=[2], run=run) == []
+    assert stream.hub.books().wants == {0: (0, [2])}
+    assert ids(feed.take(2)) == [(0, 2)]
+    assert feed.take(2) == []  # being captured: not again
+
+
+def test_a_worker_waiting_in_a_later_epoch_is_not_sent_earlier_ones(stream: HubStream) -> None:
+    feed = OnlineFeed(stream, buffer_bytes=10**9, bytes_per_token=1)
+    feed.planned(UNITS, whole=True)
+    stream.start_run(0, [])
+    capture(feed, feed.take(3))
+    for u in range(3):
+        stream.take(u)
+    # A second copy of unit 1 (captured again after a fault) is lost after the worker
+    # finished epoch 0: the books alone would capture it once more.
+    stream.hub.put(Captured(1, 0, 100, "e"), "again")
+    stream.hub.lose(1)
+    run = stream.hub.runs[0].run
+    assert stream.hub.ready(0, 1, wanted=[0, 1, 2], run=run) == []
+    assert ids(feed.take(5)) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]
+
+
+def test_a_run_that_ended_neither_takes_units_nor_speaks_for_its_worker() -> None:
+    hub = StreamHub()
+    old = Resume.new(0, 1, 0, [])
+    hub.start_run(old)
+    hub.put(Captured(3, 0, 100, "e"), "p3")
+    assert hub.ready(0, 0, wanted=[3], run=old.run) == [(3, "p3")]
+    hub.start_run(Resume.new(0, 1, 0, []))  # its worker was restarted
+    hub.take(3, run=old.run)  # the old run, still reading as its node went down
+    assert set(hub.books().units) == {3}  # the new run's to read
+    hub.units.pop(3)
+    hub.ready(0, 0, wanted=[3], run=old.run)
+    assert hub.books().wants == {}
+
+
+def test_a_status_asking_who_waits_leaves_the_lost_units_to_the_driver() -> None:
+    # The trainer's status asks the stream who waits as often as the driver reads its
+    # books: a lost unit told to the status alone was never captured again, and its
+    # worker waited for it forever.
+    from hsx_workers.stream import StreamActor
+
+    actor = StreamActor()  # the Ray actor's class, called in this process
+    feed = OnlineFeed(actor, buffer_bytes=10**9, bytes_per_token=1)  # type: ignore[arg-type]
+    feed.planned(UNITS, whole=True)
+    actor.start_run(Resume.new(0, 1, 0, []))
+    handed = feed.take(3)
+    for unit in handed:
+        feed.committed(unit.unit, 100, "engine-node", [f"bytes of {unit.unit}"])
+    actor.lose(stream_unit(0, 1))
+    assert actor.waiting() == {}  # what stream_waits asks, for the status
+    assert ids(feed.take(1)) == [(0, 1)]
+
+
 def test_two_workers_each_get_their_own_units_every_epoch(stream: HubStream) -> None:
     units = [WorkUnit(u, 10 * u, 10 * u + 10, 100) for u in range(4)]
     feed = OnlineFeed(stream, buffer_bytes=10**9, bytes_per_token=1, workers=2)

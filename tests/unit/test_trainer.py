@@ -667,16 +667,18 @@ class LocalStream:
 
     def __init__(self, hub: Any, rank: int = 0, world: int = 1) -> None:
         self.hub, self.rank, self.world = hub, rank, world
+        self.run: str | None = None
 
     def start_run(self, epoch: int, units_done: list[int]) -> Any:
         from hsx.online import Resume
 
         resume = Resume.new(self.rank, self.world, epoch, units_done)
         self.hub.start_run(resume)
+        self.run = resume.run
         return resume
 
-    def wait(self, epoch: int, halted: Any) -> list[tuple[int, Any]]:
-        ready = self.hub.ready(self.rank, epoch)
+    def wait(self, epoch: int, halted: Any, wanted: set[int]) -> list[tuple[int, Any]]:
+        ready = self.hub.ready(self.rank, epoch, sorted(wanted), self.run)
         if not ready:
             time.sleep(0.05)
         return ready
@@ -687,7 +689,7 @@ class LocalStream:
         return ShardReader(BufferSource(f"stream unit {sid}", payload))
 
     def take(self, sid: int, read: bool = True) -> None:
-        self.hub.take(sid, read)
+        self.hub.take(sid, read, self.run)
 
     def set_trainer(self, state: str, **extra: Any) -> None:
         self.hub.set_trainer(state, **extra)

@@ -61,21 +61,23 @@ class StreamActor:
             self.cond.notify_all()
         return added
 
-    def wait(self, rank: int, epoch: int, timeout: float = WAIT_S) -> list[tuple[int, list[Any]]]:
+    def wait(self, rank: int, epoch: int, timeout: float = WAIT_S,
+             wanted: list[int] | None = None, run: str | None = None
+             ) -> list[tuple[int, list[Any]]]:
         """The units ready for worker `rank` up to `epoch`, once there is one (or after
-        `timeout`: an empty list)."""
+        `timeout`: an empty list); `wanted`, `run`: `StreamHub.ready`'s."""
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
-                ready = self.hub.ready(rank, epoch)
+                ready = self.hub.ready(rank, epoch, wanted, run)
                 left = deadline - time.monotonic()
                 if ready or left <= 0:
                     return [(sid, [payload]) for sid, payload in ready]
                 self.cond.wait(left)
 
-    def take(self, sid: int, read: bool = True) -> None:
+    def take(self, sid: int, read: bool = True, run: str | None = None) -> None:
         with self.cond:
-            self.hub.take(sid, read)
+            self.hub.take(sid, read, run)
 
     def lose(self, sid: int) -> None:
         with self.cond:
@@ -92,8 +94,13 @@ class StreamActor:
             self.cond.notify_all()
 
     def books(self) -> Books:
+        """The driver's alone (`StreamHub.books`)."""
         with self.cond:
             return self.hub.books()
+
+    def waiting(self) -> dict[int, float]:
+        with self.cond:
+            return self.hub.waiting()
 
 
 def open_stream(location: str) -> Any:
@@ -118,10 +125,10 @@ def stream_waits(location: str) -> dict[int, float] | None:
 
     try:
         actor = ray.get_actor(stream_name(location), namespace=NAMESPACE)
-        books: Books = ray.get(actor.books.remote(), timeout=10)
+        waits: dict[int, float] = ray.get(actor.waiting.remote(), timeout=10)
     except (ValueError, RayActorError, GetTimeoutError):
         return None
-    return books.waits
+    return waits
 
 
 def close_stream(location: str) -> None:
@@ -179,6 +186,7 @@ class TrainerStream:
     def __init__(self, location: str, rank: int, world: int) -> None:
         self.location = location
         self.rank, self.world = rank, world
+        self.run: str | None = None  # this worker's run, once started
         self._actor: Any = None
 
     def _stream(self, halted: Callable[[], bool] | None = None) -> Any:
@@ -211,13 +219,17 @@ class TrainerStream:
         resume = Resume.new(self.rank, self.world, epoch, units_done,
                             ray.get_runtime_context().get_node_id())
         self._call("start_run", resume)
+        self.run = resume.run
         return resume
 
-    def wait(self, epoch: int, halted: Callable[[], bool]) -> list[tuple[int, Any]]:
+    def wait(self, epoch: int, halted: Callable[[], bool], wanted: set[int]
+             ) -> list[tuple[int, Any]]:
         """(stream unit, reference) of the units ready for this worker up to `epoch`;
-        empty after WAIT_S without one."""
+        empty after WAIT_S without one, the driver told the units of `epoch` it still
+        wants."""
         self._stream(halted)
-        return [(sid, payload[0]) for sid, payload in self._call("wait", self.rank, epoch)]
+        ready = self._call("wait", self.rank, epoch, WAIT_S, sorted(wanted), self.run)
+        return [(sid, payload[0]) for sid, payload in ready]
 
     def fetch(self, sid: int, ref: Any, halted: Callable[[], bool]) -> ShardReader | None:
         """The unit's shard, read in place from this node's object store; None when its
@@ -237,7 +249,7 @@ class TrainerStream:
         return None
 
     def take(self, sid: int, read: bool = True) -> None:
-        self._call("take", sid, read)
+        self._call("take", sid, read, self.run)
 
     def set_trainer(self, state: str, **extra: Any) -> None:
         self._call("set_trainer", state, extra)

@@ -183,7 +183,7 @@ class TrainingData:
         wanted = {u.unit for u in ds.manifest.units if self._own(u.unit)} - done
         try:
             while wanted and not halted():
-                for sid, ref in stream.wait(epoch, halted):
+                for sid, ref in stream.wait(epoch, halted, wanted):
                     if halted():
                         return
                     e, unit = split_unit(sid)
