@@ -3,11 +3,11 @@ place: apart}` on the learnable target, on a local Ray cluster of a head and thr
 worker nodes (tests/cluster.py, a process of its own). The engine runs on one node and
 the two trainer workers (Ray Train, DDP) on the other two; the engines capture the data
 again for every epoch and hand each unit to the worker whose unit it is through Ray's
-object store, and no shard is ever stored. Meanwhile a trainer worker's node is killed
-(every process of it, after the first checkpoint: mid-epoch), then the engine's node,
-then the coordinator itself (kill -9 and a new one on the same ledger); each lost node
-is replaced by a new one, as a cluster's autoscaler would. The draft the job ends with
-has trained on every sample exactly once per epoch along its line of checkpoints
+object store, and no shard is ever stored. Meanwhile a trainer worker's node and the
+engine's node are killed together (every process of each, after the first checkpoint:
+mid-epoch), then the coordinator itself (kill -9 and a new one on the same ledger);
+each lost node is replaced by a new one, as a cluster's autoscaler would. The draft the
+job ends with has trained on every sample exactly once per epoch along its line of checkpoints
 (draft/visits.jsonl: every worker's steps), and vLLM accepts it as often as the draft of
 an offline job with the same data, steps, tokens per step and seed (`offline_run`,
 whose own checks are test_train_job.py's; the two modules share the coordinator of the
@@ -156,7 +156,9 @@ def _run(server: Server, cluster: LocalCluster, learnable: Learnable,
         "output": str(output), **JOB, "train": ONLINE,
     }, job_id="online")
     run = OnlineRun(output, job, None, {})  # type: ignore[arg-type]
-    faults = ["trainer", "engine", "coordinator"]
+    # After the first checkpoint the trainer worker's node and the engine's node die at
+    # once (each recovery runs while the other does); after the next, the coordinator.
+    faults = [("trainer", "engine"), ("coordinator",)]
     done_at = 0  # the checkpoint after which the last fault was made
     replaced = 0
     deadline = time.monotonic() + 3000
@@ -183,21 +185,24 @@ def _run(server: Server, cluster: LocalCluster, learnable: Learnable,
             run.train_waits.add(training.waiting_for)
         step = training.checkpoint_step or 0
         if faults and step > done_at:
-            kind = faults[0]
-            if kind == "coordinator":
+            kinds = faults[0]
+            if kinds == ("coordinator",):
                 server.restart()
             else:
-                victim = next((node for node, (engines, ranks) in where.items()
-                               if (ranks if kind == "trainer" else engines)), None)
-                if victim is None:  # not placed (again) yet
+                victims = [next((node for node, (engines, ranks) in where.items()
+                                 if (ranks if kind == "trainer" else engines)), None)
+                           for kind in kinds]
+                if None in victims:  # not placed (again) yet
                     time.sleep(0.3)
                     continue
-                cluster.kill(victim)
-                replaced += 1
-                cluster.add(f"node-{3 + replaced}")
+                for victim in victims:
+                    cluster.kill(victim)
+                for _ in victims:
+                    replaced += 1
+                    cluster.add(f"node-{3 + replaced}")
             faults.pop(0)
             done_at = step
-            run.killed.append(f"{kind} after checkpoint {step}")
+            run.killed.extend(f"{kind} after checkpoint {step}" for kind in kinds)
         if training.state.finished:
             break
         time.sleep(0.3)
