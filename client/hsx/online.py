@@ -33,7 +33,8 @@ the driver captures again any of them that is neither in the stream nor being ca
 whatever its books said: a unit can leave the stream unseen by them (a worker of a run
 that has ended, still reading as its node is taken down, takes it). And only a worker's
 current run takes units: a late `take` of a run that has ended is ignored, so it cannot
-remove a unit that the run after it needs.
+remove a unit that the run after it needs. The books are the driver's read alone (they
+hand each lost unit once); a status asks only who waits (`waiting`).
 """
 
 from __future__ import annotations
