@@ -29,12 +29,13 @@ whose bytes Ray lost (the engine's node died before the trainer read it) is repo
 
 The books are the driver's inference; the worker's own word settles them. A worker that
 finds nothing ready says which units of its epoch it still wants (`Books.wants`), and
-the driver captures again any of them that is neither in the stream nor being captured,
-whatever its books said: a unit can leave the stream unseen by them (a worker of a run
-that has ended, still reading as its node is taken down, takes it). And only a worker's
-current run takes units: a late `take` of a run that has ended is ignored, so it cannot
-remove a unit that the run after it needs. The books are the driver's read alone (they
-hand each lost unit once); a status asks only who waits (`waiting`).
+the driver captures again any of them that its books count as captured but that is
+neither in the stream nor being captured: a unit can leave the stream unseen by them (a
+worker of a run that has ended, still reading as its node is taken down, takes it). And
+only a worker's current run takes units: a late `take` of a run that has ended is
+ignored, so it cannot remove a unit that the run after it needs. The books are the
+driver's read alone (they hand each lost unit once); a status asks only who waits
+(`waiting`).
 """
 
 from __future__ import annotations

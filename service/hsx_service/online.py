@@ -17,8 +17,8 @@ start, a restart after a crash, a coordinator restart), its books are made again
 what it resumed: its checkpoint's units of its epoch, and whatever the stream still
 holds or the engines are capturing for it. A unit whose bytes were lost is captured
 again. A worker that waits with nothing ready names the units of its epoch it still
-wants: any of them neither in the stream nor in flight is captured again, whatever the
-books said, and the worker's books move to that epoch. The feed ends when the trainer
+wants: any of them the books count as captured but that is neither in the stream nor in
+flight is captured again, and the worker's books move to that epoch. The feed ends when the trainer
 says it ended (done or failed).
 """
 
