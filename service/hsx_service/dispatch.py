@@ -298,7 +298,7 @@ class Dispatch:
         slot.state = "busy" if slot.inflight else "idle"
 
     def unit_done(self, slot: EngineSlot, ref: Any, report: Any) -> None:
-        self.moved(slot, getattr(report, "node", ""))
+        self.moved(slot, report.node)
         unit = slot.inflight.pop(ref)
         self.committed_here += 1
         self.alone.discard(unit.unit)

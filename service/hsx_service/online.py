@@ -18,8 +18,8 @@ what it resumed: its checkpoint's units of its epoch, and whatever the stream st
 holds or the engines are capturing for it. A unit whose bytes were lost is captured
 again. A worker that waits with nothing ready names the units of its epoch it still
 wants: any of them the books count as captured but that is neither in the stream nor in
-flight is captured again, and the worker's books move to that epoch. The feed ends when the trainer
-says it ended (done or failed).
+flight is captured again, and the worker's books move to that epoch. The feed ends when
+the trainer says it ended (done or failed).
 """
 
 from __future__ import annotations
@@ -92,7 +92,6 @@ class OnlineFeed:
         self.ended: str | None = None  # the trainer's final state
         self.error: str | None = None  # why it failed
         self.captures = 0  # stream units committed, all epochs
-        self._missing: dict[int, list[int]] = {}  # what each waiting worker missed last
 
     @property
     def buffer_bytes(self) -> int:
@@ -202,11 +201,10 @@ class OnlineFeed:
         coming = {split_unit(sid) for sid in (*self.present, *self.inflight)}
         counted = books.captured.get(epoch, set())
         missing = [u for u in units if u in counted and (epoch, u) not in coming]
-        if missing and missing != self._missing.get(rank):
+        if missing:  # once counted no longer, they are not missing again
             logger.warning("trainer worker %d waits for units %s of epoch %d, counted as "
                            "captured but neither in the stream nor being captured; "
                            "capturing them again", rank, missing, epoch)
-        self._missing[rank] = missing
         counted.difference_update(missing)
 
     def _choose(self) -> tuple[int, int, WorkUnit] | None:

@@ -264,7 +264,7 @@ def test_an_engine_ray_restarted_on_another_node_is_placed_there_by_its_next_rep
     run, slot = _busy(2, hooks=DispatchHooks(on_engines=placed.append))
     slot.node = "node-a"
     refs = list(slot.inflight)
-    run.unit_done(slot, refs[0], _report(0))  # a report of an older worker says no node
+    run.unit_done(slot, refs[0], _report(0))  # one naming no node (read from a commit)
     assert slot.node == "node-a" and placed == []
     report = _report(1)
     report.node = "node-b"
